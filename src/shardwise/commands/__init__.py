@@ -1,0 +1,1 @@
+"""One module per ``shardwise`` subcommand; each exposes ``register(subparsers)``."""

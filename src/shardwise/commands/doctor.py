@@ -1,0 +1,54 @@
+"""``shardwise doctor``: check the install, the environment and the collectives."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from shardwise.errors import ShardwiseError
+from shardwise.launch.inprocess import launch
+from shardwise.observe.collectives import format_table
+from shardwise.observe.doctor import collective_worker, default_sizes
+from shardwise.observe.environment import collect, format_report
+
+EXAMPLES = """examples:
+  shardwise doctor                 environment report and a 2-process collective test
+  shardwise doctor --nproc 4 --max-size-mb 64
+  shardwise doctor --nproc 0       environment report only
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="check versions, devices, environment and collectives", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=None, help="local processes for the collective test (default: GPUs, else 2; 0 skips it)")
+    p.add_argument("--max-size-mb", type=float, default=None, help="largest message in the bandwidth table")
+    p.add_argument("--iters", type=int, default=10, help="timed repetitions per size (the median is reported)")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    report = collect(os.environ)
+    print(format_report(report))
+    nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() or 2)
+    if nproc < 0:
+        raise ShardwiseError(f"--nproc {nproc} is negative", hint="use 0 to skip the collective test")
+    if nproc == 0:
+        return 0
+    sizes = default_sizes(torch.cuda.is_available())
+    if args.max_size_mb is not None:
+        sizes = [s for s in sizes if s <= args.max_size_mb * 2**20] or sizes[:1]
+    print(f"\ncollectives on {nproc} local processes:")
+    result = launch(collective_worker, nprocs=nproc, args=(sizes, args.iters), timeout_s=120)[0]
+    failed = [c for c in result.checks if not c.ok]
+    for check in result.checks:
+        print(f"  {check.op:<15} {'ok' if check.ok else 'FAILED: ' + check.detail}")
+    if failed:
+        raise ShardwiseError(f"{len(failed)} collective(s) returned wrong values: {', '.join(c.op for c in failed)}",
+                             hint="check the network interface variables above and the driver versions")
+    print(f"\nbandwidth ({result.backend}, {result.world_size} processes; busbw as nccl-tests define it):")
+    print(format_table(result.bandwidth))
+    print("\nall checks passed")
+    return 0

@@ -1,0 +1,76 @@
+"""``shardwise run``: start N processes of a script on this node (and others), torchrun-compatible."""
+
+from __future__ import annotations
+
+import argparse
+
+from shardwise.launch.options import DEFAULT_RDZV_TIMEOUT_S, RunOptions, resolve
+from shardwise.launch.run import run_launch
+
+EXAMPLES = """examples:
+  shardwise run --nproc-per-node 4 train.py --lr 3e-4
+  shardwise run -m mypkg.train
+  # two nodes (run on each, with its own --node-rank):
+  shardwise run --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr node0 --master-port 29500 train.py
+  # elastic, 1 to 4 nodes, restart up to 3 times:
+  shardwise run --nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job7 --max-restarts 3 train.py
+  # inside a Slurm allocation (one task per node; nodes, rank and master come from Slurm):
+  srun --ntasks-per-node=1 shardwise run train.py
+"""
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """The torchrun-compatible flags (also used by ``shardwise train``)."""
+    g = parser.add_argument_group("launch (torchrun-compatible)")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", default="auto", metavar="N",
+                   help="processes on this node: a number, or 'auto' (one per GPU, else up to 4 CPU processes)")
+    g.add_argument("--nnodes", default=None, metavar="N|MIN:MAX", help="number of nodes, or a range for an elastic job")
+    g.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (static rendezvous)")
+    g.add_argument("--master-addr", "--master_addr", default=None, help="address of node 0")
+    g.add_argument("--master-port", "--master_port", type=int, default=None, help="port on node 0 (default: a free port on one node)")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", default=None, choices=["c10d", "static", "etcd", "etcd-v2"])
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT")
+    g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by all nodes of an elastic job")
+    g.add_argument("--rdzv-timeout", type=int, default=DEFAULT_RDZV_TIMEOUT_S, metavar="SECONDS",
+                   help="give up if the nodes have not met within this time (default %(default)s)")
+    g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the group this many times on failure")
+    g.add_argument("--log-dir", "--log_dir", default=None, help="write each rank's stdout/stderr under this directory")
+
+
+def options_from_args(args: argparse.Namespace, script: str, script_args: list[str], module: bool) -> RunOptions:
+    return RunOptions(
+        script=script,
+        script_args=tuple(script_args),
+        module=module,
+        nproc_per_node=str(args.nproc_per_node),
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_backend=args.rdzv_backend,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        rdzv_timeout_s=args.rdzv_timeout,
+        max_restarts=args.max_restarts,
+        log_dir=args.log_dir,
+    )
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "run",
+        help="start N processes of a script (torchrun-compatible)",
+        description="Start processes of a training script with torch's elastic agent, the engine behind torchrun.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_launch_flags(p)
+    p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
+    p.add_argument("script", help="the training script (or module with -m)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    run_launch(resolve(options_from_args(args, args.script, args.script_args, args.module)))
+    return 0

@@ -1,0 +1,48 @@
+"""``shardwise slurm``: print or write an sbatch script that uses ``shardwise run``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from shardwise.errors import ShardwiseError
+from shardwise.launch.sbatch import SbatchSpec, render_sbatch
+
+EXAMPLES = """examples:
+  shardwise slurm --nodes 2 --gpus-per-node 8 --time 24:00:00 -- train.py --lr 3e-4
+  shardwise slurm --nodes 4 --partition gpu --out job.sbatch -- train.py && sbatch job.sbatch
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("slurm", help="write an sbatch script for a multi-node job", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=8)
+    p.add_argument("--cpus-per-task", type=int, default=None)
+    p.add_argument("--time", default="24:00:00", help="wall-clock limit, HH:MM:SS or D-HH:MM:SS")
+    p.add_argument("--job-name", default="shardwise")
+    p.add_argument("--partition", default=None)
+    p.add_argument("--account", default=None)
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the script here instead of printing it")
+    p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the script and its arguments")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    script = args.script[1:] if args.script[:1] == ["--"] else list(args.script)
+    text = render_sbatch(SbatchSpec(
+        script=tuple(script), nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
+        time=args.time, job_name=args.job_name, partition=args.partition, account=args.account,
+        max_restarts=args.max_restarts,
+    ))
+    if args.out:
+        if os.path.isdir(args.out):
+            raise ShardwiseError(f"--out {args.out!r} is a directory", hint="give a file name, e.g. job.sbatch")
+        with open(args.out, "w") as fh:
+            fh.write(text)
+        print(f"wrote {args.out}; submit it with: sbatch {args.out}")
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,63 @@
+"""Run a resolved launch with torch's elastic agent and explain how it ended.
+
+The agent (the engine behind torchrun) starts ``nproc_per_node`` workers, joins the rendezvous,
+watches the workers and restarts the whole local group up to ``max_restarts`` times when one fails.
+shardwise adds no process management of its own: it only reports failures as readable lines.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from shardwise.errors import LaunchError
+from shardwise.launch.options import ResolvedLaunch
+
+
+def describe_failures(err: ChildFailedError, max_restarts: int) -> str:
+    """One line per failed rank: rank, exit code or signal, and the error message if recorded."""
+    lines = []
+    for rank, failure in sorted(err.failures.items()):
+        if failure.exitcode < 0:
+            how = f"killed by {failure.signal_name()}"
+        else:
+            how = f"exit code {failure.exitcode}"
+        message = failure.message if isinstance(failure.message, str) else ""
+        detail = message.strip().splitlines()[-1] if message and "To enable traceback" not in message else ""
+        lines.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed: {how}" + (f": {detail}" if detail else ""))
+    restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
+    return f"{len(err.failures)} worker(s) failed{restarts}: " + "; ".join(lines) + " (its output is above)"
+
+
+def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...]) -> dict[int, Any]:
+    """Start the agent; return the workers' results by global rank, or raise :class:`LaunchError`."""
+    try:
+        return elastic_launch(config=config, entrypoint=entrypoint)(*args)
+    except ChildFailedError as err:
+        raise LaunchError(describe_failures(err, config.max_restarts)) from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as err:  # rendezvous errors: timeout, connection refused, closed
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise LaunchError(
+            f"the processes could not meet at {config.rdzv_endpoint} ({config.rdzv_backend} rendezvous): "
+            f"{type(err).__name__}: {first}",
+            hint="check that node 0 is up, the address is reachable from every node and the port is open",
+        ) from None
+
+
+def run_launch(launch: ResolvedLaunch) -> dict[int, Any]:
+    """Start the workers of a resolved ``shardwise run`` with the extra worker environment."""
+    saved = {k: os.environ.get(k) for k in launch.worker_env}
+    os.environ.update(launch.worker_env)  # the agent copies this process's environment to workers
+    try:
+        return run_elastic(launch.config, launch.entrypoint, launch.args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

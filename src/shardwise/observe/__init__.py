@@ -1,0 +1,1 @@
+"""Diagnostics: environment checks, collective tests, profiles, watchdogs."""

@@ -1,0 +1,259 @@
+"""The parallel layout as one validated value: :class:`Plan`.
+
+A plan names four degrees whose product is the world size, laid out on a named device mesh from
+the outermost to the innermost dimension (innermost = fastest links, so TP stays inside a node)::
+
+    ("pp", "dp_replicate", "dp_shard", "tp")
+
+- ``dp``: replicas that each hold a full copy of the (possibly sharded) model state: DDP, or the
+  replicate dimension of HSDP;
+- ``shard``: the ZeRO / FSDP sharding degree (``zero`` 1: optimizer state, 2: + gradients,
+  3: + parameters). ``zero=0`` means no sharding and requires ``shard == 1``;
+- ``tp``: tensor (and sequence) parallel degree;
+- ``pp``: pipeline stages, with ``schedule``, ``microbatches`` and ``virtual_stages`` per rank.
+
+Data-parallel size (how many different batches are processed per step) is ``dp * shard``.
+
+Strings: ``Plan.parse("dp=2,tp=2")``, ``"zero=3,shard=4"``, ``"pp=2,schedule=1f1b,microbatches=8"``.
+For convenience ``"zero=3,dp=4"`` means *shard over the 4 data-parallel ranks* (``shard=4``); HSDP
+is spelled with both degrees: ``"zero=3,dp=2,shard=2"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from shardwise.errors import ConfigError
+
+Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+Recompute = Literal["none", "selective", "full"]
+Precision = Literal["fp32", "bf16", "fp16"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp16")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+_ALIASES = {
+    "zero_stage": "zero",
+    "fsdp": "shard",
+    "dp_shard": "shard",
+    "dp_replicate": "dp",
+    "mb": "microbatches",
+    "num_microbatches": "microbatches",
+    "vpp": "virtual_stages",
+    "sp": "sequence_parallel",
+    "ac": "recompute",
+    "activation_checkpointing": "recompute",
+}
+
+
+def _suggest(world_size: int) -> str:
+    """A few valid degree combinations for a world size, for error messages."""
+    options = [f"dp={world_size}"]
+    for tp in (2, 4, 8):
+        if world_size % tp == 0 and world_size > tp:
+            options.append(f"dp={world_size // tp},tp={tp}")
+        elif world_size == tp:
+            options.append(f"tp={tp}")
+    if world_size % 2 == 0 and world_size > 1:
+        options.append(f"zero=3,shard={world_size}")
+    return " or ".join(options[:3])
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one training job is spread over its processes (see the module doc)."""
+
+    dp: int = 1
+    shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    schedule: Schedule = "1f1b"
+    microbatches: int = 1
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    recompute: Recompute = "none"
+    precision: Precision = "fp32"
+    cpu_offload: bool = False
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "shard", "tp", "pp", "microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"plan {name}={value!r} must be a positive integer", hint=f"for example {name}=1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"plan zero={self.zero!r} is not a ZeRO stage", hint="use 0 (off), 1, 2 or 3")
+        if self.zero == 0 and self.shard > 1:
+            raise ConfigError(f"plan shard={self.shard} needs a ZeRO stage", hint=f"add zero=3 (or 1, 2), or use dp={self.shard}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"plan schedule={self.schedule!r} is unknown", hint=f"use one of {', '.join(SCHEDULES)}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"plan recompute={self.recompute!r} is unknown", hint=f"use one of {', '.join(RECOMPUTE)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"plan precision={self.precision!r} is unknown", hint=f"use one of {', '.join(PRECISIONS)}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
+            raise ConfigError(
+                f"plan virtual_stages={self.virtual_stages} needs the interleaved schedule",
+                hint="add schedule=interleaved_1f1b, or use virtual_stages=1",
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("plan sequence_parallel needs tp > 1", hint="add tp=2 (or more), or drop sequence_parallel")
+        if self.pp > 1 and self.microbatches < self.pp and self.schedule != "gpipe":
+            raise ConfigError(
+                f"plan microbatches={self.microbatches} is fewer than pp={self.pp} stages for schedule {self.schedule}",
+                hint=f"use microbatches>={self.pp} (e.g. {2 * self.pp}) or schedule=gpipe",
+            )
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.shard * self.tp * self.pp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel size: how many different batches one step processes."""
+        return self.dp * self.shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.zero > 0
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.zero > 0 and self.dp > 1 and self.shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int]:
+        """Sizes of ``MESH_DIMS`` = ("pp", "dp_replicate", "dp_shard", "tp")."""
+        return (self.pp, self.dp, self.shard, self.tp)
+
+    # -- checks ----------------------------------------------------------------------------
+    def check_world(self, world_size: int) -> Plan:
+        """Raise unless the degrees multiply to ``world_size``; return self for chaining."""
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"plan {self} uses {self.world_size} processes (dp*shard*tp*pp) but the world has {world_size}",
+                hint=f"try {_suggest(world_size)}",
+            )
+        return self
+
+    # -- construction ----------------------------------------------------------------------
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        """``"dp=2,tp=2"`` -> Plan(dp=2, tp=2). Flags without a value mean True (``sp``)."""
+        text = text.strip()
+        if text in ("", "single", "none"):
+            return cls()
+        values: dict[str, Any] = {}
+        for item in text.split(","):
+            key, sep, raw = item.strip().partition("=")
+            key = _ALIASES.get(key.strip().lower(), key.strip().lower())
+            if not sep:
+                raw = "true"
+            values[key] = raw.strip()
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Plan:
+        known = {f.name: f for f in fields(cls)}
+        out: dict[str, Any] = {}
+        for key, raw in values.items():
+            key = _ALIASES.get(key, key)
+            if key not in known:
+                raise ConfigError(f"unknown plan key {key!r}", hint=f"valid keys: {', '.join(known)}")
+            out[key] = _coerce(key, raw, known[key].type)
+        # "zero=3,dp=4" means: shard over the data-parallel ranks (the common case).
+        if out.get("zero", 0) > 0 and "shard" not in out and "dp" in out:
+            out["shard"], out["dp"] = out["dp"], 1
+        return cls(**out)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps({"shardwise_plan": 1, **self.to_dict()}, indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"plan file is not JSON ({exc.msg} at line {exc.lineno})", hint="write it with Plan.save") from None
+        data.pop("shardwise_plan", None)
+        return cls.from_dict(data)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            fh.write(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str) -> Plan:
+        with open(path) as fh:
+            return cls.from_json(fh.read())
+
+    # -- display ---------------------------------------------------------------------------
+    def __str__(self) -> str:
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value != f.default or f.name in ("dp",):
+                if f.name == "schedule" and not self.pp_enabled:
+                    continue
+                parts.append(f.name if value is True else f"{f.name}={value}")
+        return ",".join(parts)
+
+    def describe(self) -> str:
+        """A readable table: degrees, mesh, and what each technique does here."""
+        rows = [
+            ("world size", str(self.world_size)),
+            ("mesh (pp, dp_replicate, dp_shard, tp)", str(self.mesh_shape)),
+            ("data parallel", f"{self.dp_size} ({'HSDP' if self.hsdp_enabled else 'FSDP' if self.fsdp_enabled else 'DDP' if self.dp_enabled else 'off'})"),
+            ("ZeRO stage", f"{self.zero}" + ({1: " (optimizer state sharded)", 2: " (+ gradients)", 3: " (+ parameters)"}.get(self.zero, " (off)"))),
+            ("tensor parallel", f"{self.tp}" + (" + sequence parallel" if self.sequence_parallel else "")),
+            ("pipeline parallel", f"{self.pp}" + (f", {self.schedule}, {self.microbatches} microbatches" + (f", {self.virtual_stages} virtual stages" if self.virtual_stages > 1 else "") if self.pp_enabled else "")),
+            ("activation recompute", self.recompute),
+            ("precision", self.precision + (" (fp32 master weights and reductions)" if self.precision != "fp32" else "")),
+        ]
+        if self.cpu_offload:
+            rows.append(("cpu offload", "parameters and optimizer state"))
+        if self.compile:
+            rows.append(("torch.compile", "on"))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _coerce(key: str, raw: Any, annotation: Any) -> Any:
+    if not isinstance(raw, str):
+        return raw
+    kind = str(annotation)
+    if kind in ("int", "<class 'int'>"):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"plan {key}={raw!r} is not an integer", hint=f"for example {key}=2") from None
+    if kind in ("bool", "<class 'bool'>"):
+        low = raw.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"plan {key}={raw!r} is not a boolean", hint=f"use {key}=true or {key}=false")
+    return raw.lower()
