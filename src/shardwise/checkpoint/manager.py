@@ -1,0 +1,296 @@
+"""``CheckpointManager``: save and load every Stateful of a run together, sharded, atomically.
+
+What goes where (one step directory, see :mod:`shardwise.checkpoint.commit` for the layout):
+
+- **model and optimizer** through ``torch.distributed.checkpoint`` (DCP). Their state dicts come
+  from ``get_state_dict`` so DDP/FSDP/TP parameters appear under their plain FQNs as local tensors
+  or DTensors; every rank writes only the shards it owns (``__<rank>_0.distcp``), in parallel, and
+  the coordinator writes the global index ``.metadata``. No tensor is gathered to rank 0.
+- **everything else** (LR scheduler, grad scaler, counters, data position, RNG states, user extra
+  state) is small and may differ per rank: each rank writes its own ``ranks/rank_<r>.pt``.
+
+Communication: a save is one broadcast (agree on the step directory) plus DCP's own plan
+gather/scatter and final gather; a load is one broadcast (agree on the checkpoint) plus DCP's
+load planning. Checkpoint collectives run on a dedicated Gloo group, so an async save's background
+thread never interleaves with the training collectives on the default group.
+
+Async saves (``async_save=True``) stage a CPU copy synchronously (the only time training is
+blocked), then write in a background thread; at most one save is in flight (the next one waits),
+which bounds staging memory to one copy of the local shards.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from shardwise.checkpoint import commit as cm
+from shardwise.checkpoint.faults import Fault
+from shardwise.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, check_compatible, load_rank_file
+from shardwise.errors import ConfigError
+
+RANK_DIR = "ranks"
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """When to save and what to keep (see :class:`CheckpointManager`)."""
+
+    keep_last_n: int | None = 3
+    keep_best: tuple[str, str] | None = None  # (metric, "min" | "max")
+    every_n_steps: int | None = None
+    every_n_minutes: float | None = None
+    on_epoch_end: bool = False
+    async_save: bool = False
+    verify: cm.Verify = "checksum"
+
+    def __post_init__(self) -> None:
+        if self.keep_best is not None and (len(self.keep_best) != 2 or self.keep_best[1] not in ("min", "max")):
+            raise ConfigError(f"keep_best={self.keep_best!r} is not (metric, 'min'|'max')", hint="e.g. keep_best=('val_loss', 'min')")
+        for name in ("keep_last_n", "every_n_steps"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name}={value} must be at least 1")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What :meth:`CheckpointManager.load` restored."""
+
+    step: int
+    path: str
+    marker: cm.Marker
+    resharded: bool  # saved under another world size or data-parallel size
+
+
+def _split(components: Mapping[str, Any]) -> tuple[nn.Module | None, list[torch.optim.Optimizer], dict[str, Any]]:
+    """Model and optimizers go through DCP; every other Stateful goes to the per-rank file."""
+    model, optims, others = None, [], {}
+    for name, obj in components.items():
+        inner = getattr(obj, "module", None)  # a ParallelModel holds the wrapped module
+        if isinstance(obj, nn.Module) or (not isinstance(obj, torch.optim.Optimizer) and isinstance(inner, nn.Module)):
+            if model is not None:
+                raise ConfigError(f"two models among the checkpointed components ({name!r} and another)",
+                                  hint="checkpoint one (possibly wrapped) model per manager")
+            model = obj if isinstance(obj, nn.Module) else inner
+        elif isinstance(obj, torch.optim.Optimizer):
+            optims.append(obj)
+        else:
+            others[name] = obj
+    return model, optims, others
+
+
+class CheckpointManager:
+    """Sharded, atomic, optionally asynchronous checkpoints of a dict of Stateful objects.
+
+    ``CheckpointManager(dir, keep_last_n=3, keep_best=("val_loss", "min"), every_n_steps=100,
+    every_n_minutes=30, on_epoch_end=True, async_save=True)``. Call :meth:`save` (or let the
+    trainer callback do it by policy) and :meth:`load` with the same component names.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, keep_last_n: int | None = 3, keep_best: tuple[str, str] | None = None,
+                 every_n_steps: int | None = None, every_n_minutes: float | None = None, on_epoch_end: bool = False,
+                 async_save: bool = False, verify: cm.Verify = "checksum", plan: Any = None, dp_size: int | None = None,
+                 dp_rank: int | None = None, fault: Fault | None = None) -> None:
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.options = CheckpointOptions(keep_last_n=keep_last_n, keep_best=keep_best, every_n_steps=every_n_steps,
+                                         every_n_minutes=every_n_minutes, on_epoch_end=on_epoch_end,
+                                         async_save=async_save, verify=verify)
+        self.plan = plan
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.dp_size = dp_size or (plan.dp * plan.shard if plan is not None else self.world_size)
+        self.dp_rank = self.rank % self.dp_size if dp_rank is None else dp_rank
+        self.fault = fault if fault is not None else Fault.from_env()
+        self._group: Any = None
+        self._pending: threading.Event | None = None  # set when the save in flight is committed (or failed)
+        self._pending_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self.last_committed: int | None = None
+        self._last_save_time = time.monotonic()
+        self.blocked_s = 0.0  # time save() held the caller, summed (the benchmark reads it)
+
+    # -- process group -----------------------------------------------------------------------
+    def _pg(self) -> Any:
+        """A Gloo group of all ranks for checkpoint collectives (created on first use, by all ranks)."""
+        if self.distributed and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def _broadcast(self, value: Any) -> Any:
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._pg())
+        return box[0]
+
+    # -- policy -------------------------------------------------------------------------------
+    def due(self, step: int, *, epoch_end: bool = False) -> bool:
+        """Whether the policy asks for a save after ``step`` (same answer on every rank)."""
+        o = self.options
+        if epoch_end:
+            return o.on_epoch_end
+        by_steps = o.every_n_steps is not None and step % o.every_n_steps == 0
+        if o.every_n_minutes is None:
+            return by_steps
+        local = (time.monotonic() - self._last_save_time) >= o.every_n_minutes * 60.0
+        return by_steps or self.agree(local)
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank if it is true on any rank (one tiny all-reduce): clocks and signals
+        differ between ranks, and a save that only some ranks enter would hang the others."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg())
+        return bool(t.item())
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self, components: Mapping[str, Any], *, step: int, metrics: Mapping[str, float] | None = None,
+             block: bool | None = None) -> bool:
+        """Save all ``components`` as step ``step``; returns False if that step is already committed.
+
+        Every rank must call it. With ``async_save`` (and ``block`` not True) it returns once the
+        state is staged; the files are written and committed in the background.
+        """
+        started = time.perf_counter()
+        self.wait()
+        path = os.path.join(self.directory, cm.step_dirname(step))
+        if self.rank == 0:
+            os.makedirs(self.directory, exist_ok=True)
+            done = cm.read_marker(path) is not None
+            if not done and os.path.exists(path):
+                cm.remove_checkpoint(path)  # leftovers of a crashed save of the same step
+            decision = "skip" if done else "go"
+        else:
+            decision = None
+        if self._broadcast(decision) == "skip":
+            self.blocked_s += time.perf_counter() - started
+            return False
+        model, optims, others = _split(components)
+        os.makedirs(os.path.join(path, RANK_DIR), exist_ok=True)
+        self._write_rank_file(path, others)
+        if self.fault is not None:
+            self.fault.maybe_fire(rank=self.rank, step=step, at="save")
+        state = self._tensor_state(model, optims)
+        writer = dcp.FileSystemWriter(path, sync_files=True)
+        info = dict(step=step, world_size=self.world_size, dp_size=self.dp_size,
+                    plan=str(self.plan) if self.plan is not None else None, metrics=dict(metrics or {}))
+        asynchronous = self.options.async_save if block is None else not block
+        if asynchronous:
+            result = dcp.async_save(state, storage_writer=writer, process_group=self._pg())
+            future = getattr(result, "upload_completion", result)
+            self._pending = done = threading.Event()
+            future.add_done_callback(lambda f: self._finish(f, path, info, done))
+        else:
+            dcp.save(state, storage_writer=writer, process_group=self._pg())
+            self._commit(path, info)
+        self._last_save_time = time.monotonic()
+        self.blocked_s += time.perf_counter() - started
+        return True
+
+    def _tensor_state(self, model: nn.Module | None, optims: list[torch.optim.Optimizer]) -> dict[str, Any]:
+        if model is None:
+            if optims:
+                raise ConfigError("an optimizer is checkpointed without its model", hint="add the model to the components")
+            return {}
+        msd, osd = get_state_dict(model, optims)
+        return {"model": msd, "optim": osd} if optims else {"model": msd}
+
+    def _write_rank_file(self, path: str, others: Mapping[str, Any]) -> None:
+        payload = {
+            "rank": self.rank, "world_size": self.world_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
+            "components": {name: obj.state_dict() for name, obj in others.items()},
+        }
+        target = os.path.join(path, RANK_DIR, f"rank_{self.rank:05d}.pt")
+        with open(target, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _finish(self, future: Future, path: str, info: dict[str, Any], done: threading.Event) -> None:
+        """Runs in DCP's writer thread when the async save's files are all written."""
+        try:
+            future.result()
+            self._commit(path, info)
+        except BaseException as err:  # noqa: BLE001 - surfaced on the next wait()/save()
+            self._pending_error = err
+        finally:
+            done.set()
+
+    def _commit(self, path: str, info: dict[str, Any]) -> None:
+        """Rank 0 seals the step. DCP's coordinator returns only after every rank reported its
+        writes done, so all shards and per-rank files are on disk when this runs."""
+        if self.rank == 0:
+            with self._lock:
+                cm.commit(path, **info)
+                cm.update_latest(self.directory, info["step"])
+                cm.retain(self.directory, keep_last_n=self.options.keep_last_n, keep_best=self.options.keep_best)
+        self.last_committed = info["step"]
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and committed; re-raise its error."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.wait()
+        if self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            raise err
+
+    def in_flight(self) -> bool:
+        return self._pending is not None and not self._pending.is_set()
+
+    def close(self) -> None:
+        self.wait()
+
+    # -- load ---------------------------------------------------------------------------------
+    def find(self, step: int | None = None) -> cm.CheckpointInfo | None:
+        """The newest complete checkpoint (or the given step if complete), decided on rank 0."""
+        choice = None
+        if self.rank == 0:
+            if step is None:
+                choice = cm.latest_complete(self.directory, level=self.options.verify)
+            else:
+                path = os.path.join(self.directory, cm.step_dirname(step))
+                marker, reason = cm.verify(path, level=self.options.verify)
+                choice = cm.CheckpointInfo(step=step, path=path, marker=marker, reason=reason)
+        return self._broadcast(choice)
+
+    def load(self, components: Mapping[str, Any], *, step: int | None = None) -> Loaded | None:
+        """Restore ``components`` from the newest complete checkpoint (or ``step``); None if none.
+
+        Works under another plan or world size (see :mod:`shardwise.checkpoint.reshard`). A
+        checkpoint of another model raises a ``ConfigError`` listing the mismatches, before anything
+        is modified.
+        """
+        self.wait()
+        info = self.find(step)
+        if info is None:
+            return None
+        if not info.complete:
+            raise ConfigError(f"checkpoint {info.path} is not complete: {info.reason}", hint="load another step or omit step=")
+        marker = info.marker
+        model, optims, others = _split(components)
+        state = self._tensor_state(model, optims)
+        reader = SafeFileSystemReader(info.path)
+        rank_payload = load_rank_file(os.path.join(info.path, RANK_DIR), rank=self.rank, saved_world=marker.world_size)
+        check_compatible(reader.read_metadata(), state, rank_payload["components"], others, path=info.path)
+        if state:
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg())
+            set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+        resharded = marker.world_size != self.world_size or marker.dp_size != self.dp_size
+        for name, obj in others.items():
+            obj.load_state_dict(rank_payload["components"][name])
+        self.last_committed = marker.step
+        return Loaded(step=marker.step, path=info.path, marker=marker, resharded=resharded)
