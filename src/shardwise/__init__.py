@@ -10,6 +10,7 @@ Public API (everything else is an implementation detail):
 from shardwise.errors import ShardwiseError
 from shardwise.launch.inprocess import launch
 from shardwise.runtime import RuntimeEnv, barrier, get_logger, init, main_process_first, shutdown
+from shardwise.train import Trainer, callbacks, prepare
 
 __version__ = "0.1.0"
 
@@ -17,10 +18,13 @@ __all__ = [
     "RuntimeEnv",
     "ShardwiseError",
     "__version__",
+    "Trainer",
     "barrier",
+    "callbacks",
     "get_logger",
     "init",
     "launch",
     "main_process_first",
+    "prepare",
     "shutdown",
 ]

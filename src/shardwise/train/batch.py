@@ -1,0 +1,42 @@
+"""What a batch is: ``(inputs, targets)``, moved to the device.
+
+A dataset item is ``(input, target)`` (or a mapping with ``"inputs"`` and ``"targets"``); the default
+collate stacks them into a batch of the same shape. ``inputs`` may itself be a tensor, a tuple or a
+mapping of tensors; the model is called as ``model(inputs)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardwise.errors import ShardwiseError
+
+
+def move_batch(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    """``batch`` with every tensor on ``device`` (the same nesting of tuples, lists and dicts)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: move_batch(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(move_batch(v, device, non_blocking) for v in batch)
+    return batch
+
+
+def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
+    """``(inputs, targets)`` of a collated batch."""
+    if isinstance(batch, dict) and "inputs" in batch and "targets" in batch:
+        return batch["inputs"], batch["targets"]
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ShardwiseError(
+        f"a batch must be (inputs, targets) or a dict with 'inputs' and 'targets', got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""),
+        hint="make the dataset return (input, target) pairs, or pass a collate_fn that builds them",
+    )
+
+
+def batch_size_of(targets: Any) -> int:
+    return int(targets.shape[0]) if isinstance(targets, torch.Tensor) else len(targets)

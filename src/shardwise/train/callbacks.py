@@ -1,0 +1,170 @@
+"""Callbacks: optional behaviour hooked into the training loop, off unless passed.
+
+Protocol (every method optional; subclass :class:`Callback` and override what you need):
+
+- ``on_fit_start(trainer)``: after the model is wrapped and the loader built, before the first
+  step. A checkpoint callback restores ``trainer.stateful_components()`` here.
+- ``on_step_end(trainer, metrics)``: after every optimizer step. ``metrics`` always holds
+  ``step``, ``epoch`` and ``lr``; on logging steps (every ``log_every`` steps) also the
+  globally reduced ``loss`` averaged over the steps since the last log, ``samples_per_s``,
+  ``tokens_per_s`` and ``mfu`` where known, ``grad_norm`` with clipping and ``loss_scale`` in fp16.
+  Keys a callback adds reach the loggers.
+- ``on_epoch_end(trainer)``, ``on_eval_end(trainer, metrics)`` (``val_``-prefixed), ``on_fit_end(trainer)``.
+
+Callbacks run on **every rank** (a checkpoint needs all of them); metrics are identical on all
+ranks because they are reduced globally, so decisions such as early stopping agree. Anything that
+prints or writes a single file checks ``trainer.env.is_main``. Setting ``trainer.should_stop =
+True`` ends training after the current step.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import TYPE_CHECKING, Any
+
+from shardwise.errors import ShardwiseError
+from shardwise.runtime.logging import get_logger
+
+if TYPE_CHECKING:
+    from shardwise.train.trainer import Trainer
+
+log = get_logger("train")
+
+
+class Callback:
+    """Base class: every hook is a no-op."""
+
+    def on_fit_start(self, trainer: Trainer) -> None: ...
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
+
+    def on_epoch_end(self, trainer: Trainer) -> None: ...
+
+    def on_eval_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
+
+    def on_fit_end(self, trainer: Trainer) -> None: ...
+
+
+def _fmt(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:
+    parts = []
+    for key in keys:
+        if key in metrics:
+            value = metrics[key]
+            parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
+    return "  ".join(parts)
+
+
+class ProgressBar(Callback):
+    """A tqdm bar on rank 0 with the loss and throughput of the last logging step."""
+
+    def __init__(self, *, leave: bool = True) -> None:
+        self.leave = leave
+        self.bar: Any = None
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        if not trainer.env.is_main:
+            return
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=trainer.total_steps, initial=trainer.step, desc="train", unit="step", leave=self.leave, file=sys.stderr, dynamic_ncols=True)
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        self.bar.update(1)
+        if "loss" in metrics:
+            post = {"loss": f"{metrics['loss']:.4f}"}
+            if "samples_per_s" in metrics:
+                post["samples/s"] = f"{metrics['samples_per_s']:.1f}"
+            if "tokens_per_s" in metrics:
+                post["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
+            self.bar.set_postfix(post, refresh=False)
+
+    def on_eval_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        if self.bar is not None:
+            self.bar.write(f"step {trainer.step}: " + _fmt(metrics, tuple(k for k in metrics if k.startswith("val_"))))
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class LossMonitor(Callback):
+    """Print the loss on logging steps (MindSpore's LossMonitor); stop with an error on nan/inf."""
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        if "loss" not in metrics:
+            return
+        loss = metrics["loss"]
+        if not math.isfinite(loss) and trainer.precision != "fp16":
+            raise ShardwiseError(
+                f"the training loss became {loss} at step {trainer.step}",
+                hint="lower the learning rate, add clip_grad_norm, or use precision='bf16'/'fp32'",
+            )
+        if trainer.env.is_main:
+            log.info("epoch %d step %d loss %.6f", metrics["epoch"], metrics["step"], loss)
+
+
+class ThroughputMonitor(Callback):
+    """Print step time, samples/s, tokens/s and MFU on logging steps (MindSpore's TimeMonitor)."""
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        if trainer.env.is_main and "samples_per_s" in metrics:
+            log.info("step %d  %s", metrics["step"], _fmt(metrics, ("step_time_s", "samples_per_s", "tokens_per_s", "mfu")))
+
+
+class LearningRateMonitor(Callback):
+    """Add every parameter group's learning rate (``lr_group<i>``) to the logged metrics and print
+    the learning rate on logging steps."""
+
+    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        groups = trainer.optimizer.param_groups
+        if len(groups) > 1:
+            for i, group in enumerate(groups):
+                metrics[f"lr_group{i}"] = float(group["lr"])
+        if trainer.env.is_main and "loss" in metrics:
+            log.info("step %d lr %.6g", metrics["step"], metrics["lr"])
+
+
+class EarlyStopping(Callback):
+    """Stop when ``monitor`` (an evaluation metric, e.g. ``val_loss``) has not improved by more than
+    ``min_delta`` for ``patience`` evaluations."""
+
+    def __init__(self, monitor: str = "val_loss", *, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+        if mode not in ("min", "max"):
+            raise ShardwiseError(f"EarlyStopping mode={mode!r} is unknown", hint="use 'min' or 'max'")
+        self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
+        self.best: float | None = None
+        self.bad_evals = 0
+
+    def on_eval_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+        if self.monitor not in metrics:
+            raise ShardwiseError(f"EarlyStopping monitors {self.monitor!r}, which evaluation does not report", hint=f"use one of {', '.join(metrics)}")
+        value = metrics[self.monitor]
+        sign = 1.0 if self.mode == "min" else -1.0
+        if self.best is None or sign * (self.best - value) > self.min_delta:
+            self.best, self.bad_evals = value, 0
+            return
+        self.bad_evals += 1
+        if self.bad_evals >= self.patience:
+            trainer.should_stop = True
+            if trainer.env.is_main:
+                log.info("early stopping at step %d: %s has not improved on %.6g for %d evaluations", trainer.step, self.monitor, self.best, self.bad_evals)
+
+
+class PlotCurves(Callback):
+    """At the end of fit, write a PNG of the loss and throughput curves (rank 0, needs matplotlib)."""
+
+    def __init__(self, path: str | None = None) -> None:
+        self.path = path
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        if not trainer.env.is_main:
+            return
+        path = self.path or (str(trainer.run_dir / "curves.png") if trainer.run_dir else "curves.png")
+        from shardwise.train.plot import plot_curves
+
+        plot_curves(trainer.history, path)
+        log.info("wrote %s", path)

@@ -1,0 +1,99 @@
+"""``prepare``: shardwise's wrapping for users who keep their own training loop.
+
+::
+
+    model, optimizer, loader = shardwise.prepare(model, lambda p: torch.optim.SGD(p, lr=0.1), dataset, batch_size=32)
+    for epoch in range(3):
+        for x, y in loader:                      # this rank's shard, reshuffled every epoch
+            x, y = x.to(device), y.to(device)
+            loss = loss_fn(model(x), y)
+            loss.backward()                      # DDP all-reduces the gradients
+            optimizer.step(); optimizer.zero_grad()
+
+``batch_size`` is per process (as in a plain DDP script); the global batch is ``batch_size *
+dp_size``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, NamedTuple
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import shardwise.runtime as runtime
+from shardwise.data.loader import DistributedLoader, LoaderOptions, train_loader
+from shardwise.errors import ConfigError
+from shardwise.parallel.ddp import DDPOptions
+from shardwise.parallel.mesh import Meshes, build_mesh
+from shardwise.parallel.parallelize import ParallelModel, parallelize
+from shardwise.plan.plan import Plan
+from shardwise.runtime.env import RuntimeEnv
+
+
+class Prepared(NamedTuple):
+    """Unpacks as ``model, optimizer, loader``; the rest is there for inspection."""
+
+    model: nn.Module  # the wrapped module (DDP, FSDP ...): call it, backward through it
+    optimizer: torch.optim.Optimizer
+    loader: DistributedLoader
+    parallel: ParallelModel
+    meshes: Meshes
+    env: RuntimeEnv
+
+
+def prepare(
+    model: nn.Module,
+    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    data: DataLoader | Dataset,
+    *,
+    plan: Plan | str = "dp",
+    batch_size: int | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    ddp: DDPOptions = DDPOptions(),
+    num_workers: int | None = None,
+    pin_memory: bool | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> Prepared:
+    """Initialize the process group if needed, wrap ``model`` for ``plan``, build the optimizer on
+    the wrapped parameters, and shard ``data`` over the data-parallel ranks.
+
+    A ``DataLoader`` keeps its batch size (per process), collate function, workers and pinning; its
+    sampler is replaced by a distributed one (an epoch ends at the last full global batch).
+    """
+    from shardwise.train.trainer import resolve_plan, seed_everything
+
+    env = runtime.init()
+    resolved = resolve_plan(plan, env.world_size)
+    if isinstance(data, DataLoader):
+        dataset = data.dataset
+        batch_size = batch_size or data.batch_size
+        options = LoaderOptions(
+            num_workers=data.num_workers if num_workers is None else num_workers,
+            pin_memory=data.pin_memory if pin_memory is None else pin_memory,
+            persistent_workers=data.persistent_workers,
+            collate_fn=collate_fn or data.collate_fn,
+        )
+    else:
+        dataset = data
+        options = LoaderOptions(num_workers=num_workers or 0, pin_memory=bool(pin_memory), collate_fn=collate_fn)
+    if not batch_size:
+        raise ConfigError("prepare needs a batch size", hint="pass batch_size= (samples per process per step) or a DataLoader with one")
+    meshes = build_mesh(resolved, env.device.type)
+    dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
+    seed_everything(seed + dp_rank)
+    pm = parallelize(model.to(env.device), resolved, meshes, ddp=ddp)
+    optimizer = optimizer_factory(pm.parameters())
+    loader = train_loader(
+        dataset,
+        micro_batch_size=batch_size,
+        global_batch_size=batch_size * dp_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+        shuffle=shuffle,
+        options=options,
+    )
+    return Prepared(pm.module, optimizer, DistributedLoader(loader), pm, meshes, env)
