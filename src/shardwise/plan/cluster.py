@@ -1,0 +1,183 @@
+"""What the planner knows about the hardware: :class:`ClusterSpec`, presets, JSON spec files.
+
+Communication follows the alpha-beta model. A collective over ``n`` ranks moving ``B`` bytes takes::
+
+    t = alpha * ceil(log2 n) + f(op, n) * B / busbw
+
+with the nccl-tests bus factors ``f`` (all-reduce ``2(n-1)/n``, all-gather and reduce-scatter
+``(n-1)/n``, point-to-point ``1``), so ``busbw`` is one number per link type whatever ``n``. A group
+whose ranks all sit in one node uses the intra-node figures, any other group the inter-node ones
+(the slowest link of a ring sets its speed).
+
+Presets come from the vendors' published figures (dense, no sparsity); the achievable fractions
+are typical measured values (large-GEMM efficiency, nccl-tests bus bandwidth over link peak).
+``shardwise calibrate`` replaces them by this machine's measurements.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from shardwise.errors import ConfigError
+
+GB = 1e9
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """One homogeneous cluster. Bandwidths in bytes/s (bus bandwidth, per direction), times in s."""
+
+    name: str
+    devices: int
+    devices_per_node: int
+    memory_bytes: float
+    peak_flops: dict[str, float]  # per device, by compute dtype: "fp32", "bf16", "fp16"
+    achievable_fraction: float = 0.5  # of peak, for large matmuls in a real training step
+    intra_bw: float = 100 * GB
+    intra_latency_s: float = 10e-6
+    inter_bw: float = 25 * GB
+    inter_latency_s: float = 20e-6
+    memory_bw: float = 1e12  # device memory bandwidth (the optimizer step is bound by it)
+    overlap: float = 1.0  # fraction of data-parallel communication that can hide behind backward
+    device_type: str = "cuda"
+    measurements: dict[str, Any] = field(default_factory=dict)  # raw calibration tables, if any
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise ConfigError(f"cluster devices={self.devices!r} must be a positive integer", hint="e.g. --devices 8")
+        if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
+            raise ConfigError(f"cluster devices_per_node={self.devices_per_node!r} must be a positive integer", hint="e.g. --devices-per-node 8")
+        if self.devices % self.devices_per_node and self.devices > self.devices_per_node:
+            raise ConfigError(f"cluster devices={self.devices} is not a multiple of devices_per_node={self.devices_per_node}",
+                              hint="use whole nodes")
+        if self.memory_bytes <= 0:
+            raise ConfigError(f"cluster memory_bytes={self.memory_bytes} must be positive")
+        for key in ("intra_bw", "inter_bw", "memory_bw"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"cluster {key}={getattr(self, key)} must be positive")
+        if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
+            raise ConfigError("cluster peak_flops must map dtypes to positive FLOP/s", hint='e.g. {"fp32": 1e12}')
+        if not 0 < self.achievable_fraction <= 1 or not 0 <= self.overlap <= 1:
+            raise ConfigError(f"cluster achievable_fraction={self.achievable_fraction} and overlap={self.overlap} must lie in (0, 1]")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.devices // self.devices_per_node)
+
+    def flops(self, precision: str) -> float:
+        """Achievable FLOP/s of one device for a compute dtype (fp32 falls back if one is missing)."""
+        peak = self.peak_flops.get(precision) or self.peak_flops.get("fp32") or max(self.peak_flops.values())
+        return peak * self.achievable_fraction
+
+    def peak(self, precision: str) -> float:
+        return self.peak_flops.get(precision) or self.peak_flops.get("fp32") or max(self.peak_flops.values())
+
+    def with_devices(self, devices: int, devices_per_node: int | None = None) -> ClusterSpec:
+        per_node = devices_per_node or min(self.devices_per_node, devices)
+        return replace(self, devices=devices, devices_per_node=per_node)
+
+    def collective_time(self, op: str, nbytes: float, group: int, *, stride: int = 1) -> float:
+        """Seconds for one collective of ``nbytes`` (the full buffer) over ``group`` ranks spaced
+        ``stride`` apart in rank order (intra-node iff the group's span fits in one node)."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        intra = group * stride <= self.devices_per_node
+        bw, lat = (self.intra_bw, self.intra_latency_s) if intra else (self.inter_bw, self.inter_latency_s)
+        factor = {"all_reduce": 2 * (group - 1) / group, "all_gather": (group - 1) / group,
+                  "reduce_scatter": (group - 1) / group}.get(op, 1.0)
+        return lat * math.ceil(math.log2(group)) + factor * nbytes / bw
+
+    def p2p_time(self, nbytes: float, *, intra: bool) -> float:
+        bw, lat = (self.intra_bw, self.intra_latency_s) if intra else (self.inter_bw, self.inter_latency_s)
+        return lat + nbytes / bw
+
+    # -- files -------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"shardwise_cluster": 1, **asdict(self)}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as fh:
+            json.dump(self.to_dict(), fh, indent=2)
+            fh.write("\n")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ClusterSpec:
+        data = dict(data)
+        data.pop("shardwise_cluster", None)
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"cluster spec key {unknown[0]!r} is unknown", hint=f"valid keys: {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"cluster spec is incomplete ({exc})", hint="write it with `shardwise calibrate --out FILE`") from None
+
+    @classmethod
+    def load(cls, path: str) -> ClusterSpec:
+        try:
+            with open(path) as fh:
+                data = json.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"cluster spec file {path!r} does not exist", hint="use a preset name or run `shardwise calibrate --out FILE`") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"cluster spec file {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+        return cls.from_dict(data)
+
+
+def _gpu(name: str, *, memory_gb: float, fp32: float, bf16: float, tf32: float, nvlink: float, ib: float, hbm: float) -> ClusterSpec:
+    # nvlink/ib in GB/s per direction per GPU; nccl-tests reach ~80% of it as bus bandwidth.
+    return ClusterSpec(
+        name=name, devices=8, devices_per_node=8, memory_bytes=memory_gb * GB,
+        peak_flops={"fp32": fp32 * 1e12, "tf32": tf32 * 1e12, "bf16": bf16 * 1e12, "fp16": bf16 * 1e12},
+        achievable_fraction=0.55, intra_bw=0.8 * nvlink * GB, intra_latency_s=8e-6, inter_bw=0.8 * ib * GB,
+        inter_latency_s=15e-6, memory_bw=hbm * GB, overlap=1.0, device_type="cuda",
+    )
+
+
+# Sources: NVIDIA A100 Tensor Core GPU datasheet (2021): 19.5 TFLOPS FP32, 156 TF32, 312 BF16/FP16 dense;
+# 1,555 GB/s (40 GB) / 2,039 GB/s (80 GB SXM) HBM; NVLink 600 GB/s bidirectional = 300 per direction.
+# DGX A100: 8x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU.
+# NVIDIA H100 Tensor Core GPU datasheet (SXM5): 67 TFLOPS FP32, 495 TF32, 989 BF16/FP16 dense;
+# 3.35 TB/s HBM3; NVLink 900 GB/s bidirectional = 450 per direction. DGX H100: 8x 400 Gb/s NDR = 50 GB/s per GPU.
+# NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+PRESETS: dict[str, ClusterSpec] = {
+    "a100-40gb": _gpu("a100-40gb", memory_gb=40, fp32=19.5, tf32=156, bf16=312, nvlink=300, ib=25, hbm=1555),
+    "a100-80gb": _gpu("a100-80gb", memory_gb=80, fp32=19.5, tf32=156, bf16=312, nvlink=300, ib=25, hbm=2039),
+    "h100": _gpu("h100", memory_gb=80, fp32=67, tf32=495, bf16=989, nvlink=450, ib=50, hbm=3350),
+    "h200": _gpu("h200", memory_gb=141, fp32=67, tf32=495, bf16=989, nvlink=450, ib=50, hbm=4800),
+    # A generic CPU process (one or two cores of a current x86 server): order-of-magnitude figures only.
+    # Run `shardwise calibrate` for real ones; CPU collectives compete with compute for the cores, so
+    # nothing overlaps.
+    "cpu": ClusterSpec(name="cpu", devices=2, devices_per_node=2, memory_bytes=8 * GIB, peak_flops={"fp32": 50e9, "bf16": 25e9},
+                       achievable_fraction=1.0, intra_bw=2 * GB, intra_latency_s=50e-6, inter_bw=1 * GB, inter_latency_s=100e-6,
+                       memory_bw=10 * GB, overlap=0.0, device_type="cpu"),
+}
+ALIASES = {"h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb"}
+
+
+def resolve(device_type: str, *, devices: int | None = None, devices_per_node: int | None = None) -> ClusterSpec:
+    """A preset name or a spec file path -> spec, with the device counts overridden when given."""
+    key = ALIASES.get(device_type.lower(), device_type.lower())
+    if key in PRESETS:
+        spec = PRESETS[key]
+    elif os.path.exists(device_type) or device_type.endswith(".json"):
+        spec = ClusterSpec.load(device_type)
+    else:
+        raise ConfigError(f"--device-type {device_type!r} is neither a preset nor a spec file",
+                          hint=f"use one of {', '.join(PRESETS)} or a file from `shardwise calibrate --out FILE`")
+    if devices is not None:
+        if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+            raise ConfigError(f"devices={devices!r} must be a positive integer", hint="e.g. --devices 8")
+        per_node = devices_per_node or min(spec.devices_per_node, devices)
+        if per_node < 1:
+            raise ConfigError(f"devices_per_node={per_node} must be a positive integer", hint="e.g. --devices-per-node 8")
+        spec = replace(spec, devices=devices, devices_per_node=per_node)
+    elif devices_per_node is not None:
+        spec = replace(spec, devices_per_node=devices_per_node)
+    return spec

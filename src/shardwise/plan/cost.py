@@ -1,0 +1,292 @@
+"""The cost model: memory per rank and step time of one :class:`~shardwise.plan.Plan`.
+
+**Model states** (Rajbhandari et al. 2020, "ZeRO", sec. 3-5). With ``Ψ`` parameters on a rank,
+``P``/``G`` bytes per parameter and gradient and ``K`` bytes of optimizer state (fp32 master weights
+included) and ``N`` ranks in the sharding group::
+
+    stage 0:  (P + G + K) Ψ        stage 1:  (P + G) Ψ + K Ψ / N
+    stage 2:  P Ψ + (G + K) Ψ / N  stage 3:  (P + G + K) Ψ / N
+
+:meth:`StatePolicy.zero_paper` is the paper's convention (fp16 ``P = G = 2``, ``K = 12``: fp32 master
+weights, momentum and variance). :meth:`StatePolicy.torch` is what shardwise trains with: the fp32
+parameter *is* the master copy and 16-bit compute copies are transient (autocast, or FSDP2's
+``MixedPrecisionPolicy`` gathering bf16), so ``P = G = 4`` and Adam adds ``K = 8``.
+
+**Activations** (Korthikanti et al. 2022, table 2): per layer, ``A/t`` with tensor + sequence
+parallelism, ``10 s h + (A - 10 s h)/t`` with tensor parallelism alone, the attention-score part
+dropped by selective recomputation, only the layer input kept by full recomputation. In-flight
+microbatches on the first stage: GPipe ``m``; 1F1B ``min(m, p)``; interleaved 1F1B
+``p + (p - 1)/v`` (Narayanan et al. 2021); without pipelining ``1`` (accumulation is sequential).
+
+**Step time**: ``compute + bubble + exposed communication + optimizer``. Compute is
+``3 x`` forward FLOPs (+1 forward under full recomputation, + the attention part under selective)
+divided by the achievable FLOP/s. Bubble: ``(p-1)/v`` microbatch times, i.e. the fraction
+``(p-1)/(v m + p - 1)`` of the pipelined time. Tensor parallel: two all-reduces per layer forward and
+two backward on the layer's activation (all-gather + reduce-scatter with sequence parallelism,
+same volume). Pipeline: one send forward and one backward per microbatch and hop. Data parallel:
+DDP all-reduces the gradients; ZeRO-1/2 reduce-scatter gradients and all-gather updated
+parameters; ZeRO-3 all-gathers parameters for forward and again for backward and reduce-scatters
+gradients (per microbatch); HSDP adds an all-reduce of the shard over the replicas. Gradient
+communication overlaps with backward by the cluster's ``overlap`` fraction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardwise.errors import ConfigError
+from shardwise.plan.cluster import ClusterSpec
+from shardwise.plan.plan import Plan
+from shardwise.plan.stats import ModelStats
+
+ADAM_STATE_BYTES = 8.0  # fp32 exp_avg + exp_avg_sq
+
+
+@dataclass(frozen=True)
+class StatePolicy:
+    """Bytes per parameter of each kind of model state (``optimizer`` includes master weights)."""
+
+    param: float
+    grad: float
+    optimizer: float
+    compute_bytes: float = 4.0  # of a parameter gathered or cast for compute
+    reduce_bytes: float = 4.0  # of a gradient element on the wire
+
+    @classmethod
+    def torch(cls, precision: str = "fp32", optimizer: str = "adam") -> StatePolicy:
+        states = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0, "sgd_nomomentum": 0.0}.get(optimizer)
+        if states is None:
+            raise ConfigError(f"optimizer {optimizer!r} is unknown to the cost model", hint="use adam, adamw, sgd or sgd_nomomentum")
+        compute = 4.0 if precision == "fp32" else 2.0
+        return cls(param=4.0, grad=4.0, optimizer=states, compute_bytes=compute, reduce_bytes=4.0)
+
+    @classmethod
+    def zero_paper(cls, k: float = 12.0) -> StatePolicy:
+        """ZeRO's mixed-precision Adam: fp16 params and grads (2 + 2), K = 12 (fp32 master, m, v)."""
+        return cls(param=2.0, grad=2.0, optimizer=k, compute_bytes=2.0, reduce_bytes=2.0)
+
+
+def model_state_bytes(params: float, policy: StatePolicy, *, zero: int, shard: int) -> dict[str, float]:
+    """Per-rank bytes of parameters, gradients and optimizer states for ``params`` on this rank."""
+    n = max(1, shard)
+    return {
+        "params": policy.param * params / (n if zero >= 3 else 1),
+        "grads": policy.grad * params / (n if zero >= 2 else 1),
+        "optimizer": policy.optimizer * params / (n if zero >= 1 else 1),
+    }
+
+
+def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Idle fraction of a pipelined step: ``(p-1)/(v m + p - 1)`` (GPipe, 1F1B: v = 1)."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted memory (bytes, the busiest rank) and time (seconds) of one plan and step."""
+
+    plan: Plan
+    global_batch: int
+    micro_batch_size: int
+    memory: dict[str, float]  # params, grads, optimizer, activations, buffers
+    time: dict[str, float]  # compute, communication, bubble
+    detail: dict[str, float] = field(default_factory=dict)  # tp, pp, dp communication, optimizer step
+    step_time_s: float = 0.0
+    memory_limit: float = 0.0
+    tokens_per_s: float = 0.0
+    tflops_per_device: float = 0.0
+    mfu: float = 0.0
+
+    @property
+    def memory_total(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def model_state_bytes(self) -> float:
+        return self.memory["params"] + self.memory["grads"] + self.memory["optimizer"]
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_total <= self.memory_limit
+
+    def to_json(self) -> dict[str, Any]:
+        """The shape ``shardwise plan --json`` prints for one plan."""
+        p = self.plan
+        return {
+            "dp": p.dp_size, "dp_replicate": p.dp, "dp_shard": p.shard, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero,
+            "micro_batch_size": self.micro_batch_size, "num_microbatches": p.microbatches,
+            "schedule": p.schedule if p.pp > 1 else "none", "virtual_stages": p.virtual_stages,
+            "sequence_parallel": p.sequence_parallel, "recompute": p.recompute, "precision": p.precision, "plan": str(p),
+            "memory_per_device_bytes": int(self.memory_total),
+            "memory_breakdown": {k: int(v) for k, v in self.memory.items()},
+            "step_time_s": self.step_time_s, "time_breakdown": dict(self.time), "time_detail": dict(self.detail),
+            "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device, "mfu": self.mfu,
+            "fits": self.fits,
+        }
+
+
+def micro_batch_size(plan: Plan, global_batch: int) -> int:
+    per_replica, rem = divmod(global_batch, plan.dp_size)
+    if rem or per_replica == 0:
+        raise ConfigError(f"global batch {global_batch} does not split over dp={plan.dp_size} data-parallel ranks",
+                          hint=f"use a multiple of {plan.dp_size}")
+    mbs, rem = divmod(per_replica, plan.microbatches)
+    if rem or mbs == 0:
+        raise ConfigError(f"per-replica batch {per_replica} does not split into microbatches={plan.microbatches}",
+                          hint=f"use a divisor of {per_replica}")
+    return mbs
+
+
+def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, policy: StatePolicy | None = None,
+             headroom: float = 0.1) -> Estimate:
+    """Memory and time of one training step of ``plan`` (see the module doc for every term)."""
+    policy = policy or StatePolicy.torch(plan.precision)
+    mbs = micro_batch_size(plan, global_batch)
+    t, p, m, v = plan.tp, plan.pp, plan.microbatches, plan.virtual_stages
+    if p > stats.blocks:
+        raise ConfigError(f"plan pp={p} exceeds the model's {stats.blocks} blocks", hint=f"use pp <= {stats.blocks}")
+    act_scale = 2.0 if plan.precision == "fp32" else 1.0  # stats are 16-bit
+    layers = math.ceil(stats.blocks / p)  # the busiest stage
+    first_params = (layers * stats.params_per_block + stats.params_embed + (stats.params_head if p == 1 else 0)) / t
+    last_params = (layers * stats.params_per_block + stats.params_head + (stats.params_embed if stats.tied_embeddings else 0)) / t
+    stage_params = max(first_params, last_params)
+
+    # -- memory ---------------------------------------------------------------------------
+    states = model_state_bytes(stage_params, policy, zero=plan.zero, shard=plan.shard)
+    boundary = mbs * stats.boundary_bytes * act_scale  # one block input of one microbatch
+    per_layer = _layer_activation(stats, plan) * mbs * act_scale
+    if p == 1:
+        in_flight = 1.0
+    elif plan.schedule == "gpipe":
+        in_flight = float(m)
+    elif plan.schedule == "interleaved_1f1b":
+        in_flight = min(m, p) + (p - 1) / v
+    else:
+        in_flight = float(min(m, p))
+    logits = mbs * stats.logits_bytes / t * (act_scale + 2.0)  # the logits plus the loss's fp32 softmax
+    stage_acts = in_flight * layers * per_layer
+    if plan.recompute == "full":
+        stage_acts += _layer_activation(stats, plan, recompute="none") * mbs * act_scale  # one layer replayed
+    last_in_flight = in_flight if plan.schedule == "gpipe" or p == 1 else 1.0
+    activations = stage_acts + boundary + last_in_flight * logits
+    buffers = _buffers(stats, plan, policy, layers=layers, boundary=boundary)
+    memory = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+              "activations": activations, "buffers": buffers}
+
+    # -- time -------------------------------------------------------------------------------
+    flops = cluster.flops(plan.precision)
+    # The last stage is the busiest: its share of the blocks plus the LM head.
+    fwd = mbs * (layers * stats.flops_per_block + stats.flops_head) / t
+    extra = 0.0
+    if plan.recompute == "full":
+        extra = mbs * layers * stats.flops_per_block / t
+    elif plan.recompute == "selective":
+        extra = mbs * layers * stats.attn_flops_per_block / t
+    # Activation traffic: each saved byte is written in forward and read in backward.
+    t_fwd = fwd / flops + in_flight_bytes(per_layer, layers) / cluster.memory_bw
+    t_bwd = (2 * fwd + extra) / flops + in_flight_bytes(per_layer, layers) / cluster.memory_bw
+    t_mb = t_fwd + t_bwd
+    compute = m * t_mb
+    bubble = (p - 1) / v * t_mb if p > 1 else 0.0
+
+    tp_comm = 0.0
+    if t > 1:
+        collectives = 4 + (2 if plan.recompute == "full" else 0)  # 2 fwd + 2 bwd (+2 replayed)
+        per_layer_tp = collectives * cluster.collective_time("all_reduce", boundary, t)
+        edge = 2 * cluster.collective_time("all_reduce", boundary, t)  # vocab-parallel embedding / loss
+        tp_comm = m * (layers * per_layer_tp + edge)
+
+    pp_comm = 0.0
+    if p > 1:
+        hop_bytes = boundary / (t if plan.sequence_parallel else 1)
+        intra = plan.dp_size * t * 2 <= cluster.devices_per_node
+        pp_comm = 2 * v * (m + p - 1) * cluster.p2p_time(hop_bytes, intra=intra)
+
+    dp_comm, dp_exposed = _dp_comm(cluster, plan, policy, stage_params=stage_params, layers=layers,
+                                   params_per_block=stats.params_per_block / t, t_fwd=t_fwd, t_bwd=t_bwd)
+    optimizer_params = stage_params / (plan.shard if plan.zero >= 1 else 1)
+    # Adam reads param, grad, m, v and writes param, m, v: about 7 x 4 bytes per parameter.
+    t_opt = optimizer_params * 28.0 / cluster.memory_bw
+
+    communication = tp_comm + pp_comm + dp_exposed
+    step = compute + bubble + communication + t_opt
+    tokens = global_batch * stats.seq
+    model_flops = 3 * stats.flops_per_sample * global_batch
+    world = plan.world_size
+    achieved = model_flops / step / world
+    return Estimate(
+        plan=plan, global_batch=global_batch, micro_batch_size=mbs, memory=memory,
+        time={"compute": compute + t_opt, "communication": communication, "bubble": bubble},
+        detail={"tp_comm": tp_comm, "pp_comm": pp_comm, "dp_comm": dp_comm, "dp_comm_exposed": dp_exposed,
+                "optimizer": t_opt, "microbatch": t_mb},
+        step_time_s=step, memory_limit=cluster.memory_bytes * (1 - headroom), tokens_per_s=tokens / step,
+        tflops_per_device=achieved / 1e12, mfu=achieved / cluster.peak(plan.precision),
+    )
+
+
+def in_flight_bytes(per_layer: float, layers: int) -> float:
+    return per_layer * layers
+
+
+def _layer_activation(stats: ModelStats, plan: Plan, *, recompute: str | None = None) -> float:
+    """Saved bytes of one layer and one sample at 16-bit (Korthikanti et al. 2022, table 2)."""
+    recompute = recompute or plan.recompute
+    t = plan.tp
+    if recompute == "full":
+        return stats.boundary_bytes / (t if plan.sequence_parallel else 1)
+    total = stats.act_bytes_per_block - (stats.attn_act_bytes_per_block if recompute == "selective" else 0.0)
+    if t == 1 or plan.sequence_parallel:
+        return total / t
+    replicated = min(total, 5 * stats.boundary_bytes)  # 10 s h: LayerNorm inputs and dropout masks
+    return replicated + (total - replicated) / t
+
+
+def _buffers(stats: ModelStats, plan: Plan, policy: StatePolicy, *, layers: int, boundary: float) -> float:
+    """Temporary communication buffers of the busiest moment."""
+    block = stats.params_per_block / plan.tp
+    out = 0.0
+    if plan.zero >= 3 and plan.shard > 1:
+        # FSDP: the unsharded block being computed plus the prefetched next one, and one block's
+        # unsharded gradients before the reduce-scatter.
+        out += 2 * block * policy.compute_bytes + block * policy.reduce_bytes
+    elif plan.zero in (1, 2) and plan.shard > 1:
+        out += block * policy.reduce_bytes  # one reduce-scatter bucket
+    if plan.tp > 1:
+        out += 2 * boundary  # all-reduce / all-gather output
+    if plan.pp > 1:
+        out += 2 * boundary  # send and receive buffers
+    return out
+
+
+def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_params: float, layers: int,
+             params_per_block: float, t_fwd: float, t_bwd: float) -> tuple[float, float]:
+    """(total, exposed) data-parallel communication seconds of one step."""
+    if plan.dp_size == 1:
+        return 0.0, 0.0
+    grads = stage_params * policy.reduce_bytes
+    params = stage_params * policy.compute_bytes
+    stride = plan.tp
+    m = plan.microbatches
+    if plan.zero == 0:
+        total = cluster.collective_time("all_reduce", grads, plan.dp, stride=stride)
+        return total, max(0.0, total - cluster.overlap * t_bwd)
+    shard, rep = plan.shard, plan.dp
+    rs = cluster.collective_time("reduce_scatter", grads, shard, stride=stride)
+    ag = cluster.collective_time("all_gather", params, shard, stride=stride)
+    replicas = cluster.collective_time("all_reduce", grads / shard, rep, stride=stride * shard)
+    if plan.zero in (1, 2):
+        grad_side = rs + replicas
+        # The all-gather of updated parameters follows the optimizer step: nothing to hide behind.
+        return grad_side + ag, max(0.0, grad_side - cluster.overlap * t_bwd) + ag
+    # ZeRO-3 gathers each block before its forward and again before its backward, every microbatch,
+    # and reduce-scatters gradients once (accumulation keeps unsharded grads local until the boundary).
+    fwd = m * ag
+    bwd = m * ag + rs + replicas
+    exposed = max(0.0, fwd - cluster.overlap * m * t_fwd) + max(0.0, bwd - cluster.overlap * m * t_bwd)
+    # The first block's gather can never hide behind compute.
+    first = 2 * m * ag / max(1, layers)
+    return fwd + bwd, max(exposed, first)

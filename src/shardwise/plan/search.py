@@ -1,0 +1,238 @@
+"""Search the plans of a world size and rank them by predicted step time.
+
+Enumeration, outermost first, with the pruning that keeps a 1,024-device search well under a second:
+
+1. ``tp``: divides the world, stays inside a node (``tp | devices_per_node``: TP's per-layer
+   all-reduces need the fastest links) and divides heads, hidden, FFN and KV heads;
+2. ``pp``: divides what is left and is at most the number of blocks;
+3. data-parallel size ``D = world / (tp pp)`` must divide the global batch;
+4. ZeRO stage and layout: DDP (stage 0), or stage 1-3 sharded over all ``D`` ranks (FSDP) or over a
+   node's worth with replicas across nodes (HSDP). With ``pp > 1`` only stages 0-1 (stages 2-3
+   would reduce-scatter / all-gather once per microbatch, which pipelines avoid, as in Megatron-LM
+   and DeepSpeed). A layout whose *model states alone* overflow the device is dropped before any
+   microbatch or schedule is tried;
+5. microbatch count ``m`` (every divisor of the per-replica batch; ``m >= pp`` except for GPipe),
+   schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages where the blocks split evenly);
+6. recomputation ``none`` -> ``selective`` -> ``full``: the first that fits wins, because more
+   recomputation is never faster.
+
+Sequence parallelism is switched on whenever ``tp > 1`` (same communication volume as plain TP,
+less activation memory; Korthikanti et al. 2022).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from shardwise.errors import ConfigError
+from shardwise.plan.cluster import ClusterSpec
+from shardwise.plan.cost import Estimate, StatePolicy, estimate, model_state_bytes
+from shardwise.plan.plan import Plan
+from shardwise.plan.stats import ModelStats
+
+SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    """What to search over. ``supported`` filters plans the runtime can apply (None: all)."""
+
+    precision: str = "bf16"
+    headroom: float = 0.1
+    top: int = 5
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    schedules: tuple[str, ...] = SEARCH_SCHEDULES
+    recompute: tuple[str, ...] = ("none", "selective", "full")
+    sequence_parallel: bool = True
+    hsdp: bool = True
+    max_microbatches: int = 128
+    policy: StatePolicy | None = None
+    supported: Callable[[Plan], bool] | None = None
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    plans: list[Estimate]  # fitting plans, fastest first (at most options.top)
+    evaluated: int
+    explanation: str = ""
+    smallest: Estimate | None = None  # the least-memory plan, when none fits
+    min_devices: int | None = None  # the smallest device count that would fit, when none fits
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Estimate:
+        if not self.plans:
+            raise self.no_fit_error()
+        return self.plans[0]
+
+    def no_fit_error(self) -> ConfigError:
+        need = self.smallest.memory_total if self.smallest else float("nan")
+        limit = self.smallest.memory_limit if self.smallest else float("nan")
+        where = (f"the smallest device count that fits is {self.min_devices}" if self.min_devices
+                 else "no device count up to 2^20 fits this batch")
+        layout = f" ({self.smallest.plan})" if self.smallest else ""
+        return ConfigError(
+            f"no plan fits: the least memory any layout needs is {need / 1e9:.2f} GB per device{layout}, "
+            f"above the {limit / 1e9:.2f} GB usable",
+            hint=f"{where}; or use devices with more memory, a smaller global batch or a smaller model",
+        )
+
+
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def search(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, options: SearchOptions | None = None) -> SearchResult:
+    """Rank every valid plan for ``cluster.devices`` processes (see the module doc)."""
+    options = options or SearchOptions()
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ConfigError(f"global_batch={global_batch!r} must be a positive integer", hint="e.g. --global-batch 64")
+    fitting, evaluated = _enumerate(stats, cluster, global_batch, options)
+    fitting.sort(key=lambda e: (e.step_time_s, e.memory_total))
+    top = fitting[: max(1, options.top)]
+    if top:
+        text = explain(top[0], top[1]) if len(top) > 1 else f"{top[0].plan} is the only plan that fits."
+        return SearchResult(plans=top, evaluated=evaluated, explanation=text)
+    smallest = _least_memory(stats, cluster, global_batch, options)
+    return SearchResult(plans=[], evaluated=evaluated, smallest=smallest,
+                        min_devices=_min_devices(stats, cluster, global_batch, options))
+
+
+def evaluate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, options: SearchOptions | None = None) -> Estimate:
+    """The estimate of one given plan (``shardwise plan --fixed``), checked against the world and model."""
+    options = options or SearchOptions()
+    plan.check_world(cluster.devices)
+    if plan.tp > 1:
+        bad = [d for d in stats.tp_divides if d % plan.tp]
+        if bad or not stats.tp_divides:
+            raise ConfigError(f"plan tp={plan.tp} does not divide the model's heads/hidden sizes {stats.tp_divides}",
+                              hint="use a tp that divides the number of heads")
+    return estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom)
+
+
+def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions,
+               *, keep_all: bool = False) -> tuple[list[Estimate], int]:
+    world, per_node = cluster.devices, cluster.devices_per_node
+    limit = cluster.memory_bytes * (1 - options.headroom)
+    policy = options.policy or StatePolicy.torch(options.precision)
+    out: list[Estimate] = []
+    evaluated = 0
+    for tp in divisors(world):
+        if tp > 1 and (per_node % tp or not stats.tp_divides or any(d % tp for d in stats.tp_divides)):
+            continue
+        for pp in divisors(world // tp):
+            if pp > stats.blocks:
+                continue
+            dp_total = world // (tp * pp)
+            if global_batch % dp_total:
+                continue
+            per_replica = global_batch // dp_total
+            stage_params = _stage_params(stats, tp, pp)
+            for zero, dp, shard in _layouts(dp_total, tp, pp, per_node, options):
+                states = model_state_bytes(stage_params, policy, zero=zero, shard=shard)
+                if sum(states.values()) > limit and not keep_all:
+                    continue  # pruned: nothing below can make the model states smaller
+                for m in divisors(per_replica):
+                    if m > options.max_microbatches:
+                        break
+                    for schedule, v in _schedules(stats, pp, m, options):
+                        for recompute in options.recompute:
+                            try:
+                                plan = Plan(dp=dp, shard=shard, tp=tp, pp=pp, zero=zero, schedule=schedule, microbatches=m,
+                                            virtual_stages=v, sequence_parallel=options.sequence_parallel and tp > 1,
+                                            recompute=recompute, precision=options.precision)
+                            except ConfigError:
+                                continue
+                            if options.supported is not None and not options.supported(plan):
+                                continue
+                            est = estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy,
+                                           headroom=options.headroom)
+                            evaluated += 1
+                            if keep_all or est.fits:
+                                out.append(est)
+                                if not keep_all:
+                                    break  # more recomputation is only slower
+    return out, evaluated
+
+
+def _stage_params(stats: ModelStats, tp: int, pp: int) -> float:
+    layers = -(-stats.blocks // pp)
+    first = layers * stats.params_per_block + stats.params_embed + (stats.params_head if pp == 1 else 0)
+    last = layers * stats.params_per_block + stats.params_head
+    return max(first, last) / tp
+
+
+def _layouts(dp_total: int, tp: int, pp: int, per_node: int, options: SearchOptions) -> list[tuple[int, int, int]]:
+    """(zero, dp_replicate, dp_shard) choices for ``dp_total`` data-parallel ranks."""
+    out = []
+    if 0 in options.zero_stages:
+        out.append((0, dp_total, 1))
+    if dp_total == 1:
+        return out or [(0, 1, 1)]
+    node_shard = max(1, per_node // tp)
+    for zero in options.zero_stages:
+        if zero == 0 or (pp > 1 and zero > 1):
+            continue
+        out.append((zero, 1, dp_total))
+        if options.hsdp and 1 < node_shard < dp_total and dp_total % node_shard == 0:
+            out.append((zero, dp_total // node_shard, node_shard))
+    return out
+
+
+def _schedules(stats: ModelStats, pp: int, m: int, options: SearchOptions) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = []
+    for schedule in options.schedules:
+        if schedule == "interleaved_1f1b":
+            if stats.blocks % (2 * pp) == 0 and m % pp == 0:
+                out.append((schedule, 2))
+        elif schedule in ("1f1b", "gpipe") and (schedule == "gpipe" or m >= pp):
+            out.append((schedule, 1))
+    return out
+
+
+def _least_memory(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> Estimate | None:
+    lean = replace(options, recompute=("full",), schedules=("1f1b", "gpipe", "interleaved_1f1b"))
+    every, _ = _enumerate(stats, cluster, global_batch, lean, keep_all=True)
+    return min(every, key=lambda e: e.memory_total, default=None)
+
+
+def _min_devices(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> int | None:
+    lean = replace(options, recompute=("full",), zero_stages=(1, 3), schedules=("1f1b", "gpipe"), hsdp=False, supported=None)
+    devices = cluster.devices
+    while devices < 2**20:
+        devices *= 2
+        bigger = cluster.with_devices(devices, max(cluster.devices_per_node, 1))
+        if _enumerate(stats, bigger, global_batch, lean)[0]:
+            return devices
+    return None
+
+
+def explain(best: Estimate, runner: Estimate) -> str:
+    """One sentence: why ``best`` beats ``runner`` (the biggest time component that differs)."""
+    gap = runner.step_time_s - best.step_time_s
+    pct = 100 * gap / runner.step_time_s if runner.step_time_s else 0.0
+    diffs = {k: runner.time[k] - best.time[k] for k in best.time}
+    key = max(diffs, key=lambda k: diffs[k])
+    why = {"compute": "less compute per device", "bubble": "a smaller pipeline bubble", "communication": "less exposed communication"}[key]
+    if key == "compute" and best.plan.recompute != runner.plan.recompute:
+        why = f"no {runner.plan.recompute} recomputation" if best.plan.recompute == "none" else f"{best.plan.recompute} instead of {runner.plan.recompute} recomputation"
+    if key == "communication":
+        parts = {"tp_comm": "tensor-parallel all-reduces", "pp_comm": "pipeline sends", "dp_comm_exposed": "data-parallel gradient/parameter traffic"}
+        sub = max(parts, key=lambda k: runner.detail[k] - best.detail[k])
+        why = f"less {parts[sub]} ({runner.detail[sub] - best.detail[sub]:.3g} s)"
+    if key == "bubble":
+        why = (f"a smaller pipeline bubble ({best.time['bubble']:.3g} s vs {runner.time['bubble']:.3g} s: "
+               f"pp={best.plan.pp}, m={best.plan.microbatches}, v={best.plan.virtual_stages} vs pp={runner.plan.pp}, "
+               f"m={runner.plan.microbatches}, v={runner.plan.virtual_stages})")
+    tail = ""
+    worse = [k for k, d in diffs.items() if d < 0]
+    if worse:
+        tail = f", although its {worse[0]} is {-diffs[worse[0]]:.3g} s longer"
+    if gap <= 0:
+        return f"{best.plan} and {runner.plan} are predicted equally fast; the first needs less memory."
+    return (f"{best.plan} beats {runner.plan} by {pct:.1f}% ({best.step_time_s:.4g} s vs {runner.step_time_s:.4g} s per step) "
+            f"mainly through {why}{tail}.")
