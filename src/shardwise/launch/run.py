@@ -8,6 +8,8 @@ shardwise adds no process management of its own: it only reports failures as rea
 from __future__ import annotations
 
 import os
+import socket
+import time
 from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -18,18 +20,19 @@ from shardwise.launch.options import ResolvedLaunch
 
 
 def describe_failures(err: ChildFailedError, max_restarts: int) -> str:
-    """One line per failed rank: rank, exit code or signal, and the error message if recorded."""
-    lines = []
-    for rank, failure in sorted(err.failures.items()):
-        if failure.exitcode < 0:
-            how = f"killed by {failure.signal_name()}"
-        else:
-            how = f"exit code {failure.exitcode}"
-        message = failure.message if isinstance(failure.message, str) else ""
-        detail = message.strip().splitlines()[-1] if message and "To enable traceback" not in message else ""
-        lines.append(f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed: {how}" + (f": {detail}" if detail else ""))
+    """One line: the first rank that failed, how, its last error line, and how many others stopped."""
+    rank, failure = err.get_first_failure()
+    how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+    message = failure.message if isinstance(failure.message, str) else ""
+    detail = message.strip().splitlines()[-1] if message and "To enable traceback" not in message else ""
+    others = len(err.failures) - 1
     restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
-    return f"{len(err.failures)} worker(s) failed{restarts}: " + "; ".join(lines) + " (its output is above)"
+    return (
+        f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) failed{restarts}: {how}"
+        + (f": {detail}" if detail else "")
+        + (f"; {others} other worker(s) were stopped" if others else "")
+        + "; its output is above"
+    )
 
 
 def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...]) -> dict[int, Any]:
@@ -49,8 +52,32 @@ def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         ) from None
 
 
+def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
+    """Block until ``host:port`` accepts TCP connections, or fail with one clear line.
+
+    A node other than node 0 checks this before starting the agent, so an unreachable master is
+    reported as one sentence after ``--rdzv-timeout`` instead of pages of C++ retry logs.
+    """
+    host, _, port = endpoint.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=min(5.0, timeout_s)):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise LaunchError(
+                    f"node 0 at {endpoint} did not answer within {timeout_s:.0f}s ({exc.strerror or exc})",
+                    hint="start node 0 first (or together), and check --master-addr/--master-port and firewalls",
+                ) from None
+            time.sleep(0.5)
+
+
 def run_launch(launch: ResolvedLaunch) -> dict[int, Any]:
     """Start the workers of a resolved ``shardwise run`` with the extra worker environment."""
+    config = launch.config
+    if config.rdzv_backend == "static" and config.rdzv_configs.get("rank", 0) != 0:
+        wait_for_endpoint(config.rdzv_endpoint, float(config.rdzv_configs.get("timeout", 300)))
     saved = {k: os.environ.get(k) for k in launch.worker_env}
     os.environ.update(launch.worker_env)  # the agent copies this process's environment to workers
     try:

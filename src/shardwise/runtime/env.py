@@ -120,22 +120,32 @@ def init(
     if dist.is_initialized():
         return _env_from_group(dist.get_backend(), timeout_s, info.launcher, info)
     chosen = choose_backend(backend)
-    if info.launcher == "torchrun":
-        # The elastic agent hosts the store at MASTER_ADDR:MASTER_PORT; env:// connects to it.
-        init_method = "env://"
-    elif info.world_size == 1:
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-    else:
-        init_method = f"tcp://{info.master_addr}:{info.master_port}"
+    environ = os.environ if environ is None else environ
     device = _device_for(chosen, info.local_rank)
+    timeout = timedelta(seconds=timeout_s)
     try:
+        if info.launcher == "torchrun":
+            # The elastic agent keeps one store for the whole job, across restarts. Keys from a
+            # failed attempt (e.g. Gloo's peer addresses) must not leak into the next one, so each
+            # attempt gets its own key prefix.
+            agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            store = dist.TCPStore(
+                info.master_addr, info.master_port, world_size=info.world_size,
+                is_master=not agent_store and info.rank == 0, timeout=timeout,
+            )
+            attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            init_kwargs = {"store": dist.PrefixStore(f"shardwise/attempt_{attempt}", store)}
+        elif info.world_size == 1:
+            init_kwargs = {"init_method": f"tcp://127.0.0.1:{_free_port()}"}
+        else:
+            init_kwargs = {"init_method": f"tcp://{info.master_addr}:{info.master_port}"}
         dist.init_process_group(
             backend=chosen,
-            init_method=init_method,
             rank=info.rank,
             world_size=info.world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            **init_kwargs,
         )
     except (RuntimeError, ValueError, TimeoutError, OSError) as exc:
         raise LaunchError(

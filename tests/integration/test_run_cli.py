@@ -1,0 +1,174 @@
+"""``shardwise run`` / ``launch`` / ``doctor`` / ``slurm`` end to end, with real processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import shardwise
+
+SCRIPTS = Path(__file__).parent / "scripts"
+SHARDWISE = [sys.executable, "-m", "shardwise"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _worlds(output: str) -> list[dict[str, str]]:
+    return [dict(kv.split("=") for kv in m.split()) for m in re.findall(r"WORLD (.*?sum=\d+)", output)]
+
+
+def test_run_forms_world_of_four() -> None:
+    proc = _run(SHARDWISE + ["run", "--nproc-per-node", "4", str(SCRIPTS / "report_world.py")])
+    assert proc.returncode == 0, proc.stderr
+    worlds = _worlds(proc.stdout)
+    assert sorted(int(w["rank"]) for w in worlds) == [0, 1, 2, 3]
+    assert all(w["world"] == "4" and w["sum"] == "10" and w["launcher"] == "torchrun" for w in worlds)
+
+
+def test_two_nodes_on_loopback_form_one_world() -> None:
+    port = _free_port()
+    common = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+              "--rdzv-timeout", "60"]
+    nodes = [subprocess.Popen(SHARDWISE + common + ["--node-rank", str(r), str(SCRIPTS / "report_world.py")],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outs = [n.communicate(timeout=120) for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
+    worlds = _worlds(outs[0][0] + outs[1][0])
+    assert sorted(int(w["rank"]) for w in worlds) == [0, 1, 2, 3]
+    assert {w["node"] for w in worlds} == {"0", "1"}
+    assert all(w["world"] == "4" and w["sum"] == "10" for w in worlds)
+
+
+def test_restart_recovers_and_no_restart_fails_visibly() -> None:
+    script = str(SCRIPTS / "fail_first_attempt.py")
+    ok = _run(SHARDWISE + ["run", "--nproc-per-node", "2", "--max-restarts", "1", script])
+    assert ok.returncode == 0, ok.stderr
+    assert sorted(re.findall(r"OK rank=(\d) attempt=1", ok.stdout)) == ["0", "1"]
+    bad = _run(SHARDWISE + ["run", "--nproc-per-node", "2", "--max-restarts", "0", script])
+    assert bad.returncode != 0
+    assert "RuntimeError: injected failure on rank 1, attempt 0" in bad.stderr  # the failing rank's own error
+    last = bad.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardwise run: error: rank 1 ") and "exit code 1" in last
+
+
+@pytest.mark.parametrize(
+    ("args", "pattern", "code"),
+    [
+        (["run", "--bogus", "x.py"], r"unrecognized arguments: --bogus", 2),
+        (["run", "missing_script.py"], r"script 'missing_script.py' does not exist", 1),
+        (["run", "--nproc-per-node", "0", "SCRIPT"], r"--nproc-per-node 0 must be at least 1", 1),
+        (["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "PORT",
+          "--rdzv-timeout", "2", "SCRIPT"], r"node 0 at 127.0.0.1:\d+ did not answer within 2s", 1),
+        (["run", "--nnodes", "2", "--master-addr", "no-such-host.invalid", "--master-port", "PORT", "SCRIPT"], r"does not resolve", 1),
+        (["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "BUSY", "SCRIPT"], r"already in use", 1),
+        (["slurm", "--nodes", "2", "--time", "forever", "--", "t.py"], r"is not a Slurm time", 2),
+        (["nonsense"], r"invalid choice: 'nonsense'", 2),
+    ],
+)
+def test_bad_input_is_one_line(args: list[str], pattern: str, code: int) -> None:
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        args = [a.replace("SCRIPT", str(SCRIPTS / "report_world.py")).replace("PORT", str(_free_port()))
+                .replace("BUSY", str(busy.getsockname()[1])) for a in args]
+        start = time.monotonic()
+        proc = _run(SHARDWISE + args, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert re.search(pattern, lines[0]), lines[0]
+    assert "Traceback" not in proc.stderr
+    assert time.monotonic() - start < 30
+
+
+def _env_without_launchers() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+
+
+@pytest.mark.parametrize("launcher", ["openmpi", "mpich", "slurm"])
+def test_init_under_mpi_and_slurm_variables(launcher: str) -> None:
+    """What mpirun or srun would set, for 2 local ranks: shardwise.init() forms the world from it."""
+    port = str(_free_port())
+    procs = []
+    for rank in (0, 1):
+        env = _env_without_launchers()
+        env["MASTER_PORT"] = port
+        if launcher == "openmpi":
+            env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_LOCAL_RANK=str(rank),
+                       OMPI_COMM_WORLD_LOCAL_SIZE="2")
+        elif launcher == "mpich":
+            env.update(PMI_RANK=str(rank), PMI_SIZE="2", MPI_LOCALRANKID=str(rank), MPI_LOCALNRANKS="2")
+        else:
+            env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NNODES="1",
+                       SLURM_STEP_ID="0", SLURM_JOB_ID="5", SLURM_STEP_NODELIST="localhost")
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "report_world.py")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    worlds = _worlds(outs[0][0] + outs[1][0])
+    assert sorted(w["rank"] for w in worlds) == ["0", "1"]
+    assert all(w["world"] == "2" and w["sum"] == "3" and w["launcher"] == launcher for w in worlds)
+
+
+def test_plain_python_is_a_world_of_one() -> None:
+    proc = _run([sys.executable, str(SCRIPTS / "report_world.py")], env=_env_without_launchers())
+    assert proc.returncode == 0, proc.stderr
+    assert _worlds(proc.stdout) == [{"rank": "0", "world": "1", "local": "0", "node": "0", "launcher": "none", "sum": "1"}]
+
+
+def _rank_and_sum(offset: int) -> tuple[int, int, float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), int(os.environ["LOCAL_WORLD_SIZE"]), t.item() + offset
+
+
+def test_launch_runs_function_on_n_processes() -> None:
+    assert shardwise.launch(_rank_and_sum, nprocs=2, args=(100,)) == [(0, 2, 101.0), (1, 2, 101.0)]
+
+
+def test_doctor_passes_and_prints_table() -> None:
+    proc = _run(SHARDWISE + ["doctor", "--nproc", "2", "--max-size-mb", "1", "--iters", "3"])
+    assert proc.returncode == 0, proc.stderr
+    for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
+        assert re.search(rf"{op}\s+ok", proc.stdout)
+    assert "busbw (GB/s)" in proc.stdout and "all checks passed" in proc.stdout
+    assert re.search(r"all_reduce\s+1 MiB\s+[\d.]+", proc.stdout)
+
+
+def test_slurm_writes_an_sbatch_script(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    proc = _run(SHARDWISE + ["slurm", "--nodes", "2", "--gpus-per-node", "8", "--time", "24:00:00", "--out", str(out),
+                             "--", "train.py", "--lr", "3e-4"])
+    assert proc.returncode == 0, proc.stderr
+    text = out.read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --time=24:00:00"):
+        assert line in text
+    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node 8 --max-restarts 0 train.py --lr 3e-4" in text
+
+
+def test_every_command_has_help_with_examples() -> None:
+    from shardwise.cli import COMMANDS
+
+    for module in COMMANDS:
+        name = module.rsplit(".", 1)[1]
+        proc = _run(SHARDWISE + [name, "--help"], timeout=60)
+        assert proc.returncode == 0, (name, proc.stderr)
+        assert "example" in proc.stdout.lower(), name
