@@ -19,6 +19,7 @@ COMMANDS = (
     "shardwise.commands.run",
     "shardwise.commands.slurm",
     "shardwise.commands.doctor",
+    "shardwise.commands.checkpoint",
 )
 
 EPILOG = """examples:

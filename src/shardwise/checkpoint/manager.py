@@ -189,12 +189,12 @@ class CheckpointManager:
                     plan=str(self.plan) if self.plan is not None else None, metrics=dict(metrics or {}))
         asynchronous = self.options.async_save if block is None else not block
         if asynchronous:
-            result = dcp.async_save(state, storage_writer=writer, process_group=self._pg())
+            result = dcp.async_save(state, storage_writer=writer, process_group=self._pg(), no_dist=not self.distributed)
             future = getattr(result, "upload_completion", result)
             self._pending = done = threading.Event()
             future.add_done_callback(lambda f: self._finish(f, path, info, done))
         else:
-            dcp.save(state, storage_writer=writer, process_group=self._pg())
+            dcp.save(state, storage_writer=writer, process_group=self._pg(), no_dist=not self.distributed)
             self._commit(path, info)
         self._last_save_time = time.monotonic()
         self.blocked_s += time.perf_counter() - started
@@ -287,7 +287,7 @@ class CheckpointManager:
         rank_payload = load_rank_file(os.path.join(info.path, RANK_DIR), rank=self.rank, saved_world=marker.world_size)
         check_compatible(reader.read_metadata(), state, rank_payload["components"], others, path=info.path)
         if state:
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg())
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg(), no_dist=not self.distributed)
             set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
         resharded = marker.world_size != self.world_size or marker.dp_size != self.dp_size
         for name, obj in others.items():

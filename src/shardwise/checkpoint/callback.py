@@ -1,0 +1,93 @@
+"""The Trainer callback: restore on ``resume``, save by policy, save and stop on pre-emption.
+
+Hooks (called by :class:`shardwise.train.Trainer`): ``on_fit_start`` after the model is wrapped
+and before the first step (restore the newest complete checkpoint into
+``trainer.stateful_components()``), ``on_step_end`` (fault injection, pre-emption, policy saves),
+``on_epoch_end`` and ``on_fit_end`` (wait for the save in flight). Works with any object that has
+``stateful_components()``, a step counter and a ``should_stop`` attribute.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from shardwise.checkpoint.manager import CheckpointManager, Loaded
+from shardwise.checkpoint.signals import PreemptionSignal
+from shardwise.errors import ConfigError
+
+
+def trainer_step(trainer: Any) -> int:
+    """The number of optimizer steps done so far (the checkpoint's step number)."""
+    for attr in ("global_step", "step"):
+        value = getattr(trainer, attr, None)
+        if isinstance(value, int):
+            return value
+    state = trainer.stateful_components()["train_state"].state_dict()
+    return int(state["step"])
+
+
+class CheckpointCallback:
+    """``CheckpointCallback(manager, resume="auto")``.
+
+    ``resume``: ``"auto"`` (newest complete checkpoint if there is one, else start fresh),
+    ``"never"``/``None``, or a step number (that checkpoint must exist and be complete).
+    """
+
+    def __init__(self, manager: CheckpointManager, *, resume: str | int | None = "auto", save_on_signal: bool = True,
+                 save_on_fit_end: bool = True) -> None:
+        if resume not in ("auto", "never", None) and not isinstance(resume, int):
+            raise ConfigError(f"resume={resume!r} is not 'auto', 'never' or a step number")
+        self.manager = manager
+        self.resume = resume
+        self.save_on_signal = save_on_signal
+        self.save_on_fit_end = save_on_fit_end
+        self.signal = PreemptionSignal()
+        self.loaded: Loaded | None = None
+        self.preempted = False
+        self._metrics: dict[str, float] = {}
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if self.save_on_signal:
+            self.signal.install()
+        if self.resume in ("never", None):
+            return
+        step = self.resume if isinstance(self.resume, int) else None
+        self.loaded = self.manager.load(trainer.stateful_components(), step=step)
+        if self.loaded is None and step is not None:
+            raise ConfigError(f"no checkpoint of step {step} in {self.manager.directory}")
+
+    def _remember(self, metrics: Mapping[str, Any] | None) -> None:
+        for key, value in (metrics or {}).items():
+            try:
+                self._metrics[key] = float(value)
+            except (TypeError, ValueError):
+                continue
+
+    def _save(self, trainer: Any, *, block: bool | None = None) -> None:
+        self.manager.save(trainer.stateful_components(), step=trainer_step(trainer), metrics=self._metrics, block=block)
+
+    def on_step_end(self, trainer: Any, metrics: Mapping[str, Any] | None = None) -> None:
+        self._remember(metrics)
+        step = trainer_step(trainer)
+        if self.manager.fault is not None:
+            self.manager.fault.maybe_fire(rank=self.manager.rank, step=step, at="step")
+        if self.save_on_signal and self.manager.agree(self.signal.requested):
+            self._save(trainer, block=True)
+            self.preempted = True
+            trainer.should_stop = True
+            return
+        if self.manager.due(step):
+            self._save(trainer)
+
+    def on_epoch_end(self, trainer: Any, metrics: Mapping[str, Any] | None = None) -> None:
+        self._remember(metrics)
+        if self.manager.due(trainer_step(trainer), epoch_end=True):
+            self._save(trainer)
+
+    def on_fit_end(self, trainer: Any) -> None:
+        try:
+            if self.save_on_fit_end and not self.preempted and self.manager.last_committed != trainer_step(trainer):
+                self._save(trainer, block=True)
+            self.manager.wait()
+        finally:
+            self.signal.uninstall()
