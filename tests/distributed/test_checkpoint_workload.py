@@ -1,0 +1,134 @@
+"""A tiny deterministic training job used by the checkpoint tests (no tests here; module-level so pool
+and subprocesses can import it). Layouts are built from torch's own building blocks: DDP via
+shardwise.parallelize, ZeRO-3 via ``fully_shard``, TP via ``parallelize_module``."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from shardwise.checkpoint import CheckpointManager, ShardedSampler
+from shardwise.checkpoint.rng import capture_rng, restore_rng
+
+N_SAMPLES = 96
+GLOBAL_BATCH = 8
+PLANS = {"single": None, "dp2": "dp=2", "dp4": "dp=4", "zero3": "zero=3,shard={world}", "tp2": "tp=2"}
+
+
+def dataset() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1234)
+    return torch.randn(N_SAMPLES, 8, generator=gen), torch.randn(N_SAMPLES, 4, generator=gen)
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+
+
+class TrainState:
+    """Counters, data position and this rank's RNG streams (the trainer's "train_state")."""
+
+    def __init__(self, sampler: ShardedSampler) -> None:
+        self.step = 0
+        self.sampler = sampler
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "sampler": self.sampler.state_dict(), "rng": capture_rng()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.sampler.load_state_dict(state["sampler"])
+        restore_rng(state["rng"])
+
+
+class Job:
+    """Model, optimizer, scheduler and data of one rank under ``layout``."""
+
+    def __init__(self, layout: str, *, seed: int = 0) -> None:
+        from shardwise.parallel.mesh import build_mesh
+        from shardwise.plan.plan import Plan
+
+        self.layout = layout
+        world = dist.get_world_size() if dist.is_initialized() and layout != "single" else 1
+        model = make_model(seed)
+        self.dp_rank, self.dp_size, self.plan = 0, 1, None
+        if layout != "single":
+            self.plan = Plan.parse(PLANS[layout].format(world=world))
+            meshes = build_mesh(self.plan, "cpu")
+            self.dp_rank, self.dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
+            if layout.startswith("dp"):
+                from shardwise.parallel.parallelize import parallelize
+
+                model = parallelize(model, Plan.parse(f"dp={world}"), meshes).module
+            elif layout == "zero3":
+                from torch.distributed.fsdp import fully_shard
+
+                for layer in (model[0], model[3]):
+                    fully_shard(layer, mesh=meshes.dp)
+                fully_shard(model, mesh=meshes.dp)
+            elif layout == "tp2":
+                from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+                parallelize_module(model, meshes.tp, {"0": ColwiseParallel(), "3": RowwiseParallel()})
+        self.model = model
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=7, gamma=0.7)
+        self.sampler = ShardedSampler(N_SAMPLES, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=5)
+        self.state = TrainState(self.sampler)
+        self.x, self.y = dataset()
+        self.seen: list[int] = []
+        torch.manual_seed(100 + seed + (dist.get_rank() if dist.is_initialized() and layout != "single" else 0))
+
+    def components(self) -> dict[str, Any]:
+        return {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.scheduler, "train_state": self.state}
+
+    def manager(self, directory: str, **options: Any) -> CheckpointManager:
+        return CheckpointManager(directory, plan=self.plan, dp_size=self.dp_size, dp_rank=self.dp_rank, **options)
+
+    def train_to(self, total_steps: int, *, manager: CheckpointManager | None = None, save_every: int = 0) -> list[float]:
+        per_rank = GLOBAL_BATCH // self.dp_size
+        losses = []
+        while self.state.step < total_steps:
+            idx = list(self.sampler)[:per_rank]
+            if len(idx) < per_rank:
+                self.sampler.set_epoch(self.sampler.epoch + 1)
+                continue
+            self.seen.extend(idx)
+            loss = nn.functional.mse_loss(self.model(self.x[idx]), self.y[idx])
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.sampler.advance(GLOBAL_BATCH)
+            self.state.step += 1
+            losses.append(loss.item())
+            if manager is not None and save_every and self.state.step % save_every == 0:
+                manager.save(self.components(), step=self.state.step)
+        return losses
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Full (gathered) model and optimizer tensors, flat, on every rank."""
+        msd, osd = get_state_dict(self.model, [self.optimizer], options=StateDictOptions(full_state_dict=True))
+        out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
+        for fqn, st in osd["state"].items():
+            for key, value in st.items():
+                out[f"optim.{fqn}.{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+        out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
+        return out
+
+
+def eval_loss(model: nn.Module) -> float:
+    x, y = dataset()
+    model.eval()
+    with torch.no_grad():
+        return nn.functional.mse_loss(model(x), y).item()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
