@@ -4,6 +4,9 @@ Protocol (every method optional; subclass :class:`Callback` and override what yo
 
 - ``on_fit_start(trainer)``: after the model is wrapped and the loader built, before the first
   step. A checkpoint callback restores ``trainer.stateful_components()`` here.
+- ``on_after_backward(trainer)``: after the last micro-batch's backward of a step, before
+  unscaling, clipping and the optimizer step; gradients are already data-parallel reduced (and
+  still multiplied by the fp16 loss scale). For gradient inspection and fault injection.
 - ``on_step_end(trainer, metrics)``: after every optimizer step. ``metrics`` always holds
   ``step``, ``epoch`` and ``lr``; on logging steps (every ``log_every`` steps) also the
   globally reduced ``loss`` averaged over the steps since the last log, ``samples_per_s``,
@@ -36,6 +39,8 @@ class Callback:
     """Base class: every hook is a no-op."""
 
     def on_fit_start(self, trainer: Trainer) -> None: ...
+
+    def on_after_backward(self, trainer: Trainer) -> None: ...
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None: ...
 

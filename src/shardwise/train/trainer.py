@@ -261,6 +261,7 @@ class Trainer:
                         loss = self.loss_fn(pm.module(inputs), targets)
                     (loss * (scale / k)).backward()
             loss_sum += loss.detach().float()
+        self._call("on_after_backward")
         params = [p for p in pm.parameters() if p.grad is not None]
         take_step = self.scaler.unscale_(params) if self.scaler is not None else True
         metrics: dict[str, Any] = {}
