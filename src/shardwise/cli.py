@@ -19,6 +19,8 @@ COMMANDS = (
     "shardwise.commands.run",
     "shardwise.commands.slurm",
     "shardwise.commands.doctor",
+    "shardwise.commands.plan",
+    "shardwise.commands.calibrate",
     "shardwise.commands.checkpoint",
 )
 

@@ -44,6 +44,7 @@ class ClusterSpec:
     inter_latency_s: float = 20e-6
     memory_bw: float = 1e12  # device memory bandwidth (the optimizer step is bound by it)
     overlap: float = 1.0  # fraction of data-parallel communication that can hide behind backward
+    kernel_overhead_s: float = 5e-6  # fixed cost of one operator launch (eager PyTorch: Python + dispatch)
     device_type: str = "cuda"
     measurements: dict[str, Any] = field(default_factory=dict)  # raw calibration tables, if any
 
@@ -73,6 +74,25 @@ class ClusterSpec:
         """Achievable FLOP/s of one device for a compute dtype (fp32 falls back if one is missing)."""
         peak = self.peak_flops.get(precision) or self.peak_flops.get("fp32") or max(self.peak_flops.values())
         return peak * self.achievable_fraction
+
+    def matmul_flops(self, precision: str, dim: float) -> float:
+        """Achievable FLOP/s for a matmul of geometric-mean dimension ``dim``.
+
+        Calibrated specs keep a table of FLOP/s by matrix size; small matmuls reach a smaller
+        fraction of the peak, so the figure is interpolated (log-linearly) in that table. Presets
+        have no table and use ``flops(precision)`` for every size.
+        """
+        table = self.measurements.get("matmul_flops", {}).get(precision) or self.measurements.get("matmul_flops", {}).get("fp32")
+        if not table:
+            return self.flops(precision)
+        pts = sorted((float(k), float(v)) for k, v in table.items())
+        if dim <= pts[0][0]:
+            return pts[0][1] * max(dim / pts[0][0], 0.05)  # below the table: throughput falls with size
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+            if dim <= x1:
+                w = (math.log(dim) - math.log(x0)) / (math.log(x1) - math.log(x0))
+                return y0 + w * (y1 - y0)
+        return pts[-1][1]
 
     def peak(self, precision: str) -> float:
         return self.peak_flops.get(precision) or self.peak_flops.get("fp32") or max(self.peak_flops.values())
@@ -156,7 +176,7 @@ PRESETS: dict[str, ClusterSpec] = {
     # nothing overlaps.
     "cpu": ClusterSpec(name="cpu", devices=2, devices_per_node=2, memory_bytes=8 * GIB, peak_flops={"fp32": 50e9, "bf16": 25e9},
                        achievable_fraction=1.0, intra_bw=2 * GB, intra_latency_s=50e-6, inter_bw=1 * GB, inter_latency_s=100e-6,
-                       memory_bw=10 * GB, overlap=0.0, device_type="cpu"),
+                       memory_bw=10 * GB, overlap=0.0, kernel_overhead_s=10e-6, device_type="cpu"),
 }
 ALIASES = {"h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb"}
 

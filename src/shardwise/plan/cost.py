@@ -42,6 +42,7 @@ from shardwise.plan.plan import Plan
 from shardwise.plan.stats import ModelStats
 
 ADAM_STATE_BYTES = 8.0  # fp32 exp_avg + exp_avg_sq
+KERNELS_PER_LAYER = 20  # operators of one transformer layer's forward (matmuls, norms, adds, attention)
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,12 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
               "activations": activations, "buffers": buffers}
 
     # -- time -------------------------------------------------------------------------------
-    flops = cluster.flops(plan.precision)
+    # Matmul efficiency depends on size: the typical GEMM of a layer is (tokens x hidden) @ (hidden x hidden/t).
+    tokens_mb = mbs * stats.seq
+    dim = (tokens_mb * max(stats.hidden, 1) * max(stats.hidden / t, 1)) ** (1 / 3) if stats.hidden else 1024.0
+    flops = cluster.matmul_flops(plan.precision, dim)
+    # Eager execution launches ~KERNELS_PER_LAYER operators per layer forward, twice that backward.
+    launches = layers * KERNELS_PER_LAYER * cluster.kernel_overhead_s
     # The last stage is the busiest: its share of the blocks plus the LM head.
     fwd = mbs * (layers * stats.flops_per_block + stats.flops_head) / t
     extra = 0.0
@@ -187,8 +193,8 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     elif plan.recompute == "selective":
         extra = mbs * layers * stats.attn_flops_per_block / t
     # Activation traffic: each saved byte is written in forward and read in backward.
-    t_fwd = fwd / flops + in_flight_bytes(per_layer, layers) / cluster.memory_bw
-    t_bwd = (2 * fwd + extra) / flops + in_flight_bytes(per_layer, layers) / cluster.memory_bw
+    t_fwd = fwd / flops + in_flight_bytes(per_layer, layers) / cluster.memory_bw + launches
+    t_bwd = (2 * fwd + extra) / flops + in_flight_bytes(per_layer, layers) / cluster.memory_bw + 2 * launches
     t_mb = t_fwd + t_bwd
     compute = m * t_mb
     bubble = (p - 1) / v * t_mb if p > 1 else 0.0

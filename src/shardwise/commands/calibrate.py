@@ -1,0 +1,48 @@
+"""``shardwise calibrate``: measure this machine and save a cluster spec for ``shardwise plan``."""
+
+from __future__ import annotations
+
+import argparse
+
+from shardwise.errors import ConfigError
+
+EXAMPLES = """examples:
+  shardwise calibrate --nproc 4 --out cluster.json
+  shardwise plan --model gpt --devices 4 --device-type cluster.json
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("calibrate", help="measure matmul throughput and collective bandwidth; write a cluster spec",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=None, help="local processes (default: GPUs, else 2)")
+    p.add_argument("--out", default="cluster.json", help="where to write the spec (JSON)")
+    p.add_argument("--max-size-mb", type=float, default=16.0, help="largest collective message")
+    p.add_argument("--iters", type=int, default=10, help="timed repetitions per size (median)")
+    p.add_argument("--name", default=None, help="name stored in the spec")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import torch
+
+    from shardwise.plan.calibrate import DEFAULT_SIZES, calibrate
+
+    nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() or 2)
+    if nproc < 1:
+        raise ConfigError(f"--nproc {nproc} must be at least 1", hint="e.g. --nproc 4")
+    if args.iters < 1 or args.max_size_mb <= 0:
+        raise ConfigError("--iters and --max-size-mb must be positive")
+    sizes = tuple(s for s in DEFAULT_SIZES if s <= args.max_size_mb * 2**20) or DEFAULT_SIZES[:2]
+    if len(sizes) < 2:
+        sizes = DEFAULT_SIZES[:2]
+    print(f"calibrating with {nproc} local processes ...", flush=True)
+    spec = calibrate(nproc, sizes=sizes, iters=args.iters, name=args.name)
+    spec.save(args.out)
+    flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in spec.peak_flops.items())
+    print(f"matmul per process: {flops}")
+    print(f"memory bandwidth per process: {spec.memory_bw / 1e9:.2f} GB/s")
+    print(f"all-reduce: latency {spec.intra_latency_s * 1e6:.1f} us per step, bus bandwidth {spec.intra_bw / 1e9:.3f} GB/s")
+    print(f"memory per process: {spec.memory_bytes / 2**30:.1f} GiB")
+    print(f"wrote {args.out}; use it with: shardwise plan --device-type {args.out} --devices {nproc} ...")
+    return 0

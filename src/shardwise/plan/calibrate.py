@@ -1,0 +1,181 @@
+"""Measure this machine for the planner and write a :class:`~shardwise.plan.cluster.ClusterSpec`.
+
+All N local processes measure *at the same time* (after a barrier), so the figures include what
+they cost each other: on a CPU box with fewer cores than processes each gets its share.
+
+- Matmul throughput: ``2 n^3`` FLOPs per ``n x n`` matmul, median time per size and dtype, the
+  slowest rank's figure (a step waits for the slowest rank).
+- Memory bandwidth: a large tensor copy (reads + writes ``2 x bytes``).
+- Collectives: :func:`shardwise.observe.collectives.measure_bandwidth` by message size, then a
+  least-squares fit of the alpha-beta model ``t = alpha + f(op, n) * bytes / busbw`` per
+  collective; the all-reduce fit becomes the spec's intra-node bandwidth and latency (latency per
+  ``ceil(log2 n)`` steps, the form :meth:`ClusterSpec.collective_time` uses).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shardwise.plan.cluster import ClusterSpec
+from shardwise.observe.collectives import BandwidthRow, bus_factor
+
+DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    world_size: int
+    device_type: str
+    matmul: dict[str, dict[int, float]]  # dtype -> n -> FLOP/s per process
+    memory_bw: float
+    overhead_s: float
+    collectives: list[BandwidthRow]
+    memory_bytes: float
+
+
+def _slowest(value: float, device: Any) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_matmul(device: Any, dtype: Any, n: int, *, iters: int = 5) -> float:
+    """FLOP/s of one process for ``n x n`` matmuls while every rank runs the same (slowest rank)."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    reps = max(1, int(5e7 // (2 * n**3)))  # each timing covers >= ~50 MFLOP, so timer noise stays small
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        _sync(device)
+        times.append((time.perf_counter() - start) / reps)
+    return 2 * n**3 / _slowest(statistics.median(times), device)
+
+
+def measure_overhead(device: Any, *, iters: int = 200) -> float:
+    """Seconds per tiny operator (dispatch + launch), the fixed cost eager execution pays per op."""
+    import torch
+
+    x = torch.ones(8, device=device)
+    for _ in range(10):
+        x = x + 1
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(iters):
+        x = x + 1
+    _sync(device)
+    return _slowest((time.perf_counter() - start) / iters, device)
+
+
+def measure_memory_bw(device: Any, *, nbytes: int = 64 * 2**20, iters: int = 5) -> float:
+    import torch
+    import torch.distributed as dist
+
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return 2 * nbytes / _slowest(statistics.median(times), device)
+
+
+def calibrate_worker(sizes: list[int], matmul_sizes: list[int], iters: int) -> Calibration:
+    """Runs on every rank of a launched group (see :func:`shardwise.launch`)."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.observe.collectives import measure_bandwidth
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if device.type == "cuda":
+        dtypes["fp16"] = torch.float16
+    matmul = {name: {n: measure_matmul(device, dt, n) for n in matmul_sizes} for name, dt in dtypes.items()}
+    memory_bw = measure_memory_bw(device)
+    overhead = measure_overhead(device)
+    rows = measure_bandwidth(device, list(sizes), iters=iters)
+    n = dist.get_world_size()
+    if device.type == "cuda":
+        memory = float(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / n
+    return Calibration(n, device.type, matmul, memory_bw, overhead, rows, memory)
+
+
+def fit_alpha_beta(rows: list[BandwidthRow], op: str, n: int) -> tuple[float, float]:
+    """Least-squares ``t = alpha + f * bytes / bw`` over the rows of one collective -> (alpha s, bw B/s)."""
+    pts = [(bus_factor(op, n) * r.size_bytes, r.latency_us * 1e-6) for r in rows if r.op == op]
+    if len(pts) < 2:
+        raise ValueError(f"need two sizes of {op} to fit")
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else 0.0
+    if slope <= 0:  # noisy tiny sizes only: fall back to the largest message's bandwidth
+        x, y = max(pts)
+        slope = y / x
+    alpha = max(0.0, my - slope * mx)
+    return alpha, 1.0 / slope
+
+
+def to_spec(cal: Calibration, *, name: str | None = None) -> ClusterSpec:
+    """The ClusterSpec of a calibration (one node with ``world_size`` devices)."""
+    n = cal.world_size
+    alpha, bw = fit_alpha_beta(cal.collectives, "all_reduce", n) if n > 1 else (0.0, 1e12)
+    steps = max(1, math.ceil(math.log2(max(2, n))))
+    peak = {dtype: max(by_size.values()) for dtype, by_size in cal.matmul.items()}
+    fits = {op: dict(zip(("alpha_s", "busbw_Bps"), fit_alpha_beta(cal.collectives, op, n)))
+            for op in ("all_reduce", "all_gather", "reduce_scatter", "broadcast") if n > 1}
+    return ClusterSpec(
+        name=name or f"calibrated-{socket.gethostname()}-{n}x{cal.device_type}",
+        devices=n, devices_per_node=n, memory_bytes=cal.memory_bytes, peak_flops=peak, achievable_fraction=1.0,
+        intra_bw=bw, intra_latency_s=alpha / steps, inter_bw=bw, inter_latency_s=alpha / steps, memory_bw=cal.memory_bw,
+        kernel_overhead_s=cal.overhead_s,
+        # CPU collectives run on the same cores as the compute: nothing hides behind backward.
+        overlap=0.0 if cal.device_type == "cpu" else 1.0, device_type=cal.device_type,
+        measurements={
+            "matmul_flops": {d: {str(k): v for k, v in s.items()} for d, s in cal.matmul.items()},
+            "collectives": [r.__dict__ for r in cal.collectives],
+            "fits": fits,
+        },
+    )
+
+
+def calibrate(nproc: int, *, sizes: tuple[int, ...] = DEFAULT_SIZES, matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024),
+              iters: int = 10, name: str | None = None, timeout_s: float = 300.0) -> ClusterSpec:
+    """Start ``nproc`` local processes, measure, and return the spec (rank 0's view)."""
+    from shardwise.launch.inprocess import launch
+
+    cal = launch(calibrate_worker, nprocs=nproc, args=(list(sizes), list(matmul_sizes), iters), timeout_s=timeout_s)[0]
+    return to_spec(cal, name=name)
