@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
+from shardwise.errors import LaunchError
 from shardwise.launch.options import DEFAULT_RDZV_TIMEOUT_S, RunOptions, resolve
 from shardwise.launch.run import run_launch
 
@@ -35,6 +37,9 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
                    help="give up if the nodes have not met within this time (default %(default)s)")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the group this many times on failure")
     g.add_argument("--log-dir", "--log_dir", default=None, help="write each rank's stdout/stderr under this directory")
+    g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a collective or step without progress for this long makes every rank dump its stack, name the "
+                        "stuck rank and exit non-zero (default: $SHARDWISE_HANG_TIMEOUT, else 300; 0 disables)")
 
 
 def options_from_args(args: argparse.Namespace, script: str, script_args: list[str], module: bool) -> RunOptions:
@@ -71,6 +76,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
+def hang_timeout_env(args: argparse.Namespace) -> dict[str, str]:
+    """``--hang-timeout`` as the variable the workers' :func:`shardwise.init` reads (empty when not given)."""
+    value = getattr(args, "hang_timeout", None)
+    if value is None:
+        return {}
+    if value < 0:
+        raise LaunchError(f"--hang-timeout {value:g} is negative", hint="give seconds, or 0 to disable the watchdog")
+    return {"SHARDWISE_HANG_TIMEOUT": f"{value:g}"}
+
+
 def _main(args: argparse.Namespace) -> int:
-    run_launch(resolve(options_from_args(args, args.script, args.script_args, args.module)))
+    resolved = resolve(options_from_args(args, args.script, args.script_args, args.module))
+    resolved = dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args)})
+    run_launch(resolved)
     return 0

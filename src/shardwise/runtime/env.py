@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import LaunchError, ShardwiseError
+from shardwise.observe.watchdog import enable_flight_recorder, hang_timeout_from_env, start_watchdog, stop_watchdog
 from shardwise.runtime.detect import Launcher, ProcessInfo, detect_process
 from shardwise.runtime.logging import setup_logging
 
@@ -110,16 +111,24 @@ def init(
     backend: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     environ: Mapping[str, str] | None = None,
+    hang_timeout_s: float | None = None,
 ) -> RuntimeEnv:
     """Detect the launcher, form the default process group and bind this process's device.
 
     Calling it again in an initialized process returns the same description without re-forming
     the group. ``timeout_s`` bounds both the rendezvous and every collective.
+
+    ``hang_timeout_s`` (default: ``SHARDWISE_HANG_TIMEOUT``, else 300 s; 0 disables) starts the hang
+    watchdog of :mod:`shardwise.observe.watchdog` in a multi-process world: a collective or step
+    without progress for that long makes every rank report and exit non-zero.
     """
     info = detect_process(os.environ if environ is None else environ)
     if dist.is_initialized():
         return _env_from_group(dist.get_backend(), timeout_s, info.launcher, info)
     chosen = choose_backend(backend)
+    hang_s = hang_timeout_from_env(os.environ if environ is None else environ) if hang_timeout_s is None else hang_timeout_s
+    if hang_s > 0:
+        enable_flight_recorder(os.environ, chosen)  # read by torch when the group forms
     environ = os.environ if environ is None else environ
     device = _device_for(chosen, info.local_rank)
     timeout = timedelta(seconds=timeout_s)
@@ -154,6 +163,8 @@ def init(
             hint="check that MASTER_ADDR is reachable from every node, the port is open and all ranks started",
         ) from exc
     setup_logging(info.rank, info.world_size)
+    if hang_s > 0 and info.world_size > 1:
+        start_watchdog(rank=info.rank, world_size=info.world_size, timeout_s=hang_s)
     return RuntimeEnv(
         rank=info.rank,
         world_size=info.world_size,
@@ -170,6 +181,7 @@ def init(
 
 def shutdown() -> None:
     """Destroy the default process group if there is one (safe to call twice)."""
+    stop_watchdog()  # waits (bounded) until every rank finished, so an early finisher is named
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
