@@ -24,9 +24,11 @@ divided by the achievable FLOP/s. Bubble: ``(p-1)/v`` microbatch times, i.e. the
 ``(p-1)/(v m + p - 1)`` of the pipelined time. Tensor parallel: two all-reduces per layer forward and
 two backward on the layer's activation (all-gather + reduce-scatter with sequence parallelism,
 same volume). Pipeline: one send forward and one backward per microbatch and hop. Data parallel:
-DDP all-reduces the gradients; ZeRO-1/2 reduce-scatter gradients and all-gather updated
-parameters; ZeRO-3 all-gathers parameters for forward and again for backward and reduce-scatters
-gradients (per microbatch); HSDP adds an all-reduce of the shard over the replicas. Gradient
+DDP all-reduces the gradients; ZeRO-1 (ZeroRedundancyOptimizer over DDP) all-reduces them and then
+broadcasts each rank's updated partition; ZeRO-2 (FSDP2 keeping gathered parameters until backward)
+all-gathers parameters once per microbatch and reduce-scatters gradients; ZeRO-3 all-gathers
+parameters for forward and again for backward every microbatch and reduce-scatters gradients; HSDP
+adds an all-reduce of the shard over the replicas. Gradient
 communication overlaps with backward by the cluster's ``overlap`` fraction.
 """
 
@@ -54,6 +56,9 @@ class StatePolicy:
     optimizer: float
     compute_bytes: float = 4.0  # of a parameter gathered or cast for compute
     reduce_bytes: float = 4.0  # of a gradient element on the wire
+    # FSDP2 implements stage 2 as stage 3 that keeps the gathered parameters from forward to
+    # backward: the stored parameters are sharded, the gathered copies count as buffers.
+    zero2_shards_params: bool = False
 
     @classmethod
     def torch(cls, precision: str = "fp32", optimizer: str = "adam") -> StatePolicy:
@@ -61,7 +66,7 @@ class StatePolicy:
         if states is None:
             raise ConfigError(f"optimizer {optimizer!r} is unknown to the cost model", hint="use adam, adamw, sgd or sgd_nomomentum")
         compute = 4.0 if precision == "fp32" else 2.0
-        return cls(param=4.0, grad=4.0, optimizer=states, compute_bytes=compute, reduce_bytes=4.0)
+        return cls(param=4.0, grad=4.0, optimizer=states, compute_bytes=compute, reduce_bytes=4.0, zero2_shards_params=True)
 
     @classmethod
     def zero_paper(cls, k: float = 12.0) -> StatePolicy:
@@ -73,7 +78,7 @@ def model_state_bytes(params: float, policy: StatePolicy, *, zero: int, shard: i
     """Per-rank bytes of parameters, gradients and optimizer states for ``params`` on this rank."""
     n = max(1, shard)
     return {
-        "params": policy.param * params / (n if zero >= 3 else 1),
+        "params": policy.param * params / (n if zero >= 3 or (zero == 2 and policy.zero2_shards_params) else 1),
         "grads": policy.grad * params / (n if zero >= 2 else 1),
         "optimizer": policy.optimizer * params / (n if zero >= 1 else 1),
     }
@@ -192,9 +197,15 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         extra = mbs * layers * stats.flops_per_block / t
     elif plan.recompute == "selective":
         extra = mbs * layers * stats.attn_flops_per_block / t
-    # Activation traffic: each saved byte is written in forward and read in backward.
-    t_fwd = fwd / flops + in_flight_bytes(per_layer, layers) / cluster.memory_bw + launches
-    t_bwd = (2 * fwd + extra) / flops + in_flight_bytes(per_layer, layers) / cluster.memory_bw + 2 * launches
+    # Activation traffic: each activation is written in forward and read in backward, whether it is
+    # kept or recomputed (recomputation writes it again: the replayed share of it).
+    produced = _layer_activation(stats, plan, recompute="none") * mbs * act_scale * layers
+    replayed = {"full": produced, "selective": produced * stats.attn_act_bytes_per_block / max(stats.act_bytes_per_block, 1.0)}
+    traffic = produced / cluster.memory_bw
+    t_fwd = fwd / flops + traffic + launches
+    t_bwd = (2 * fwd + extra) / flops + traffic + replayed.get(plan.recompute, 0.0) / cluster.memory_bw + 2 * launches
+    if plan.recompute == "full":
+        t_bwd += launches
     t_mb = t_fwd + t_bwd
     compute = m * t_mb
     bubble = (p - 1) / v * t_mb if p > 1 else 0.0
@@ -234,10 +245,6 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     )
 
 
-def in_flight_bytes(per_layer: float, layers: int) -> float:
-    return per_layer * layers
-
-
 def _layer_activation(stats: ModelStats, plan: Plan, *, recompute: str | None = None) -> float:
     """Saved bytes of one layer and one sample at 16-bit (Korthikanti et al. 2022, table 2)."""
     recompute = recompute or plan.recompute
@@ -259,8 +266,12 @@ def _buffers(stats: ModelStats, plan: Plan, policy: StatePolicy, *, layers: int,
         # FSDP: the unsharded block being computed plus the prefetched next one, and one block's
         # unsharded gradients before the reduce-scatter.
         out += 2 * block * policy.compute_bytes + block * policy.reduce_bytes
-    elif plan.zero in (1, 2) and plan.shard > 1:
+    elif plan.zero == 2 and plan.shard > 1:
+        if policy.zero2_shards_params:  # FSDP2 keeps every gathered block from forward to backward
+            out += layers * block * policy.compute_bytes
         out += block * policy.reduce_bytes  # one reduce-scatter bucket
+    elif plan.zero == 1 and plan.shard > 1:
+        out += block * policy.param  # the partition being broadcast after the step
     if plan.tp > 1:
         out += 2 * boundary  # all-reduce / all-gather output
     if plan.pp > 1:
@@ -284,10 +295,17 @@ def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_par
     rs = cluster.collective_time("reduce_scatter", grads, shard, stride=stride)
     ag = cluster.collective_time("all_gather", params, shard, stride=stride)
     replicas = cluster.collective_time("all_reduce", grads / shard, rep, stride=stride * shard)
-    if plan.zero in (1, 2):
-        grad_side = rs + replicas
-        # The all-gather of updated parameters follows the optimizer step: nothing to hide behind.
-        return grad_side + ag, max(0.0, grad_side - cluster.overlap * t_bwd) + ag
+    if plan.zero == 1:
+        # ZeroRedundancyOptimizer over DDP: the gradient all-reduce overlaps backward; each rank
+        # then broadcasts its updated fp32 partition (an all-gather's volume) with nothing to hide behind.
+        ar = cluster.collective_time("all_reduce", grads, plan.dp_size, stride=stride)
+        gather = cluster.collective_time("all_gather", stage_params * policy.param, plan.dp_size, stride=stride)
+        return ar + gather, max(0.0, ar - cluster.overlap * t_bwd) + gather
+    if plan.zero == 2:
+        # Gather once per microbatch before forward (kept for backward), reduce-scatter once.
+        fwd, bwd = m * ag, rs + replicas
+        exposed = max(0.0, fwd - cluster.overlap * m * t_fwd) + max(0.0, bwd - cluster.overlap * t_bwd)
+        return fwd + bwd, exposed
     # ZeRO-3 gathers each block before its forward and again before its backward, every microbatch,
     # and reduce-scatters gradients once (accumulation keeps unsharded grads local until the boundary).
     fwd = m * ag

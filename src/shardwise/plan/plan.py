@@ -185,6 +185,14 @@ class Plan:
             out["shard"], out["dp"] = out["dp"], 1
         return cls(**out)
 
+    @classmethod
+    def auto(cls, model: Any, *, world_size: int, cluster: Any = "cpu", global_batch: int, **options: Any) -> Plan:
+        """The planner's fastest plan that fits (``shardwise.plan.auto_plan``; imported lazily so that
+        this module stays light). ``model``: an nn.Module, a transformer spec dict or a preset name."""
+        from shardwise.plan.planner import auto_plan
+
+        return auto_plan(model, world_size=world_size, cluster=cluster, global_batch=global_batch, **options).plan
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

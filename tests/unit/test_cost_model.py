@@ -1,0 +1,180 @@
+"""The cost model against published figures and its own accounting rules."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shardwise.errors import ConfigError
+from shardwise.plan.cluster import PRESETS, ClusterSpec, resolve
+from shardwise.plan.cost import StatePolicy, bubble_fraction, estimate, model_state_bytes
+from shardwise.plan.plan import Plan
+from shardwise.plan.stats import TransformerSpec, preset
+
+# ZeRO (Rajbhandari et al. 2020), table 1: per-device model-state memory in GB (1e9 bytes) with
+# mixed-precision Adam (K = 12), by model size Ψ and data-parallel degree N_d, for the baseline and
+# the stages P_os, P_os+g, P_os+g+p. The paper rounds to 3 significant figures.
+ZERO_TABLE = {
+    (7.5e9, 1): (120, 120, 120, 120),
+    (7.5e9, 4): (120, 52.5, 41.3, 30),
+    (7.5e9, 16): (120, 35.6, 21.6, 7.5),
+    (7.5e9, 64): (120, 31.4, 16.6, 1.88),
+    (7.5e9, 256): (120, 30.4, 15.4, 0.47),
+    (7.5e9, 1024): (120, 30.1, 15.1, 0.12),
+    (128e9, 4): (2048, 896, 704, 512),
+    (128e9, 16): (2048, 608, 368, 128),
+    (128e9, 64): (2048, 536, 284, 32),
+    (128e9, 256): (2048, 518, 263, 8),
+    (128e9, 1024): (2048, 513, 257, 2),
+    (1e12, 64): (16000, 4187.5, 2218.75, 250),
+    (1e12, 1024): (16000, 4011.7, 2013.7, 15.6),
+}
+
+
+@pytest.mark.parametrize(("psi", "n"), sorted(ZERO_TABLE))
+def test_zero_paper_table_1(psi: float, n: int) -> None:
+    policy = StatePolicy.zero_paper(k=12)
+    for stage, published in enumerate(ZERO_TABLE[(psi, n)]):
+        got = sum(model_state_bytes(psi, policy, zero=stage, shard=n).values()) / 1e9
+        # the paper prints 3 significant figures (and 2 decimals below 1 GB)
+        assert got == pytest.approx(published, rel=6e-3, abs=6e-3), (psi, n, stage, got, published)
+
+
+def test_zero_paper_headline_example() -> None:
+    """Sec. 1: 7.5B parameters on 64 GPUs: 120 GB -> 31.4 GB (P_os) -> 16.6 GB (+g) -> 1.88 GB (+p)."""
+    policy = StatePolicy.zero_paper()
+    got = [sum(model_state_bytes(7.5e9, policy, zero=z, shard=64).values()) / 1e9 for z in range(4)]
+    assert [round(g, 2) for g in got] == [120.0, 31.41, 16.64, 1.88]
+
+
+@pytest.mark.parametrize(("p", "m", "v", "want"), [
+    (1, 8, 1, 0.0), (2, 1, 1, 1 / 2), (4, 1, 1, 3 / 4), (4, 4, 1, 3 / 7), (4, 8, 1, 3 / 11),
+    (8, 32, 1, 7 / 39), (4, 8, 2, 3 / 19), (8, 64, 4, 7 / 263),
+])
+def test_bubble_fraction(p: int, m: int, v: int, want: float) -> None:
+    assert bubble_fraction(p, m, v) == pytest.approx(want)
+
+
+def _small() -> TransformerSpec:
+    return TransformerSpec(layers=8, hidden=256, heads=8, vocab=1000, seq=128)
+
+
+def _cluster(devices: int = 8) -> ClusterSpec:
+    return resolve("h100", devices=devices, devices_per_node=8)
+
+
+def test_estimate_bubble_matches_formula() -> None:
+    stats = _small().stats()
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        plan = Plan(pp=4, dp=2, schedule=schedule, microbatches=8, virtual_stages=v)
+        est = estimate(stats, _cluster(), plan, global_batch=64)
+        frac = est.time["bubble"] / (est.time["bubble"] + est.detail["microbatch"] * 8)
+        assert frac == pytest.approx(bubble_fraction(4, 8, v))
+
+
+def test_state_memory_by_stage_fp32_adam() -> None:
+    psi, n = 1_000_000, 4
+    pol = StatePolicy.torch("fp32", "adam")
+    assert model_state_bytes(psi, pol, zero=0, shard=1) == {"params": 4e6, "grads": 4e6, "optimizer": 8e6}
+    assert model_state_bytes(psi, pol, zero=1, shard=n) == {"params": 4e6, "grads": 4e6, "optimizer": 2e6}
+    # FSDP2's stage 2 stores sharded parameters (the gathered copies are buffers)
+    assert model_state_bytes(psi, pol, zero=2, shard=n) == {"params": 1e6, "grads": 1e6, "optimizer": 2e6}
+    assert model_state_bytes(psi, pol, zero=3, shard=n) == {"params": 1e6, "grads": 1e6, "optimizer": 2e6}
+    paper = StatePolicy.zero_paper()
+    assert model_state_bytes(psi, paper, zero=2, shard=n) == {"params": 2e6, "grads": 0.5e6, "optimizer": 3e6}
+
+
+def test_mixed_precision_keeps_fp32_master_and_halves_activations() -> None:
+    stats = _small().stats()
+    fp32 = estimate(stats, _cluster(1), Plan(), global_batch=8)
+    bf16 = estimate(stats, _cluster(1), Plan(precision="bf16"), global_batch=8)
+    # the fp32 parameter is the master copy: model states do not shrink under autocast
+    assert bf16.model_state_bytes == fp32.model_state_bytes == pytest.approx(16 * stats.params_total)
+    assert bf16.memory["activations"] < 0.6 * fp32.memory["activations"]
+    assert StatePolicy.torch("bf16", "sgd").optimizer == 4.0
+
+
+def test_estimate_zero_stages_shrink_states_and_cost_communication() -> None:
+    stats = _small().stats()
+    cluster = _cluster(8)
+    ests = [estimate(stats, cluster, Plan(dp=8) if z == 0 else Plan(zero=z, shard=8), global_batch=64) for z in range(4)]
+    states = [e.model_state_bytes for e in ests]
+    assert states[0] > states[1] > states[2] == states[3]
+    assert states[0] == pytest.approx(16 * stats.params_total)
+    assert states[3] == pytest.approx(16 * stats.params_total / 8)
+    assert ests[3].detail["dp_comm"] > ests[0].detail["dp_comm"]
+
+
+def test_activation_memory_by_schedule_and_recompute() -> None:
+    stats = _small().stats()
+    cluster = _cluster(4)
+
+    def acts(**kw: object) -> float:
+        return estimate(stats, cluster, Plan(pp=4, microbatches=16, **kw), global_batch=64).memory["activations"]
+
+    # GPipe keeps all 16 microbatches in flight, 1F1B at most p = 4
+    assert acts(schedule="gpipe") > 3.5 * acts(schedule="1f1b")
+    assert acts(schedule="1f1b", recompute="none") > acts(schedule="1f1b", recompute="selective") > acts(schedule="1f1b", recompute="full")
+    times = [estimate(stats, cluster, Plan(pp=4, microbatches=16, recompute=r), global_batch=64).time["compute"]
+             for r in ("none", "selective", "full")]
+    assert times[0] < times[1] < times[2]
+
+
+def test_tensor_and_sequence_parallel_divide_activations() -> None:
+    stats = _small().stats()
+    one = estimate(stats, _cluster(1), Plan(), global_batch=8).memory["activations"]
+    tp = estimate(stats, _cluster(4), Plan(tp=4), global_batch=8).memory["activations"]
+    sp = estimate(stats, _cluster(4), Plan(tp=4, sequence_parallel=True), global_batch=8).memory["activations"]
+    assert one > tp > sp
+    assert estimate(stats, _cluster(4), Plan(tp=4), global_batch=8).detail["tp_comm"] > 0
+
+
+def test_analytic_stats_match_the_builtin_gpt() -> None:
+    import torch
+
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.plan.stats import measure_module, spec_from_gpt_config
+
+    cfg = GPTConfig(layers=3, hidden=64, heads=4, vocab_size=96, seq_len=32)
+    analytic = spec_from_gpt_config(cfg).stats()
+    measured = measure_module(lambda: GPT(cfg), lambda d: torch.zeros(1, cfg.seq_len, dtype=torch.long, device=d), seq=cfg.seq_len)
+    assert analytic.params_total == measured.params_total == cfg.param_count()
+    assert analytic.params_per_block == measured.params_per_block
+    assert analytic.flops_per_sample == pytest.approx(measured.flops_per_sample, rel=1e-9)
+    # GPT's own 6N + 12 L h T per token counts biases and norms as matmul weights: within 2%
+    assert 3 * analytic.flops_per_sample / cfg.seq_len == pytest.approx(cfg.flops_per_token(), rel=0.02)
+
+
+def test_gpt3_175b_parameter_count() -> None:
+    assert preset("gpt3-175b").stats().params_total / 1e9 == pytest.approx(175.2, abs=0.1)
+
+
+def test_collective_time_uses_the_slower_link_across_nodes() -> None:
+    c = resolve("h100", devices=64, devices_per_node=8)
+    inside = c.collective_time("all_reduce", 1e9, 8, stride=1)
+    across = c.collective_time("all_reduce", 1e9, 8, stride=8)
+    assert across > 5 * inside
+    # ring all-reduce moves 2(n-1)/n of the buffer
+    assert inside == pytest.approx(3 * c.intra_latency_s + 2 * 7 / 8 * 1e9 / c.intra_bw)
+
+
+def test_presets_are_published_figures() -> None:
+    assert PRESETS["h100"].peak_flops["bf16"] == 989e12
+    assert PRESETS["a100-40gb"].memory_bytes == 40e9 and PRESETS["a100-80gb"].memory_bytes == 80e9
+    assert PRESETS["h200"].memory_bytes == 141e9
+
+
+def test_cluster_spec_round_trips_through_json(tmp_path) -> None:
+    spec = resolve("a100-80gb", devices=16, devices_per_node=8)
+    spec.save(str(tmp_path / "c.json"))
+    assert ClusterSpec.load(str(tmp_path / "c.json")) == spec
+    (tmp_path / "bad.json").write_text('{"name": "x", "devices": 0}')
+    with pytest.raises(ConfigError, match="devices"):
+        ClusterSpec.load(str(tmp_path / "bad.json"))
+
+
+def test_batch_that_does_not_split_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="global batch 10"):
+        estimate(_small().stats(), _cluster(4), Plan(dp=4), global_batch=10)
+    assert math.isfinite(estimate(_small().stats(), _cluster(4), Plan(dp=4), global_batch=12).step_time_s)
