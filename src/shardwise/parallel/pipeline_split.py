@@ -26,7 +26,7 @@ stages' ``state_dict`` equals the model's.
 Balancing: with unit costs ``c_1..c_n`` and extra costs ``a`` (input section, stage 0) and ``b``
 (output section, last stage), choose cut points ``0 = k_0 < k_1 < ... < k_S = n`` minimising
 ``max_s (sum_{k_{s-1} < i <= k_s} c_i + [s=1] a + [s=S] b)`` — the classic linear-partition
-dynamic programme, O(S n^2).
+dynamic programme, O(S n^2) — with ties broken by the smaller sum of squared stage costs.
 """
 
 from __future__ import annotations
@@ -124,16 +124,19 @@ def balanced_cuts(costs: Sequence[float], num_stages: int, *, first_extra: float
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    # best[s][k]: minimal max-cost of placing units[:k] on stages 0..s-1; arg[s][k]: start of stage s-1
+    inf = (float("inf"), float("inf"))
+    # best[s][k]: (max stage cost, sum of squared stage costs) of placing units[:k] on stages
+    # 0..s-1, compared lexicographically: the sum of squares breaks ties between equally good
+    # maxima in favour of even stages. arg[s][k]: where stage s-1 starts.
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     arg = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
+    best[0][0] = (0.0, 0.0)
     for s in range(1, num_stages + 1):
         extra = (first_extra if s == 1 else 0.0) + (last_extra if s == num_stages else 0.0)
         for k in range(s, n - (num_stages - s) + 1):
             for j in range(s - 1, k):
-                cost = max(best[s - 1][j], prefix[k] - prefix[j] + extra)
+                stage = prefix[k] - prefix[j] + extra
+                cost = (max(best[s - 1][j][0], stage), best[s - 1][j][1] + stage * stage)
                 if cost < best[s][k]:
                     best[s][k], arg[s][k] = cost, j
     starts, k = [], n
