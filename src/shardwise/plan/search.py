@@ -67,6 +67,9 @@ class SearchResult:
         return self.plans[0]
 
     def no_fit_error(self) -> ConfigError:
+        if self.smallest is None:
+            return ConfigError(f"no valid layout: after {self.evaluated} candidates none factors the world size with a data-parallel "
+                               "degree that divides the global batch", hint="use a global batch that is a multiple of the device count")
         need = self.smallest.memory_total if self.smallest else float("nan")
         limit = self.smallest.memory_limit if self.smallest else float("nan")
         where = (f"the smallest device count that fits is {self.min_devices}" if self.min_devices

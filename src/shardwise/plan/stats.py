@@ -210,7 +210,7 @@ def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, s
 
     with torch.device("meta"):
         model = build()
-    blocks = _find_blocks(model)
+    blocks = _find_blocks(model) or [model]  # no repeated blocks: the whole model is one block
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     names = [n for n, _ in model.named_parameters()]
@@ -273,7 +273,7 @@ def _find_blocks(model: Any) -> list[Any]:
     for module in model.modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             children = list(module.children())
-            if len(children) > len(best) and len({type(c) for c in children}) == 1:
+            if len(children) > max(1, len(best)) and len({type(c) for c in children}) == 1:
                 best = children
     return best
 

@@ -1,0 +1,178 @@
+"""Plan search, `shardwise plan`, Plan.auto and bad input."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+import time
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.errors import ConfigError
+from shardwise.plan import Plan, auto_plan
+from shardwise.plan.calibrate import fit_alpha_beta
+from shardwise.plan.cluster import resolve
+from shardwise.plan.search import SearchOptions, evaluate, explain, search
+from shardwise.plan.stats import TransformerSpec, preset
+from shardwise.observe.collectives import BandwidthRow
+
+GPT3 = {"layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq": 2048}
+
+
+def test_every_returned_plan_is_valid_and_fits() -> None:
+    spec = TransformerSpec(layers=24, hidden=2048, heads=16, vocab=51200, seq=2048)
+    stats = spec.stats()
+    cluster = resolve("a100-40gb", devices=64, devices_per_node=8)
+    result = search(stats, cluster, global_batch=256, options=SearchOptions(top=50))
+    assert len(result.plans) == 50 and result.evaluated >= 50
+    times = [e.step_time_s for e in result.plans]
+    assert times == sorted(times)
+    for est in result.plans:
+        p = est.plan
+        assert p.world_size == 64
+        assert p.tp <= 8 and 8 % p.tp == 0 and spec.heads % p.tp == 0 and spec.hidden % p.tp == 0
+        assert p.pp <= spec.layers
+        assert 256 % p.dp_size == 0 and est.micro_batch_size * p.microbatches * p.dp_size == 256
+        assert est.memory_total <= 0.9 * 40e9
+        assert est.fits
+        if p.pp > 1 and p.schedule != "gpipe":
+            assert p.microbatches >= p.pp
+    assert result.explanation.startswith(str(result.plans[0].plan))
+
+
+def test_175b_on_1024_h100_plans_in_under_two_seconds() -> None:
+    start = time.perf_counter()
+    result = search(TransformerSpec.from_dict(GPT3).stats(), resolve("h100", devices=1024, devices_per_node=8), global_batch=1536)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 2.0, elapsed
+    best = result.best
+    assert best.plan.world_size == 1024 and best.fits
+    assert 0.2 < best.mfu < 0.7  # the published range for GPT-3-scale training on A100/H100 clusters
+
+
+def test_fixed_plan_is_evaluated_exactly() -> None:
+    stats = preset("gpt3-13b").stats()
+    cluster = resolve("a100-80gb", devices=64, devices_per_node=8)
+    plan = Plan.parse("dp=4,tp=8,pp=2,microbatches=8,precision=bf16")
+    est = evaluate(stats, cluster, plan, global_batch=64)
+    assert est.plan == plan and est.micro_batch_size == 2
+    with pytest.raises(ConfigError, match="processes"):
+        evaluate(stats, cluster, Plan.parse("dp=2,tp=8"), global_batch=64)
+    with pytest.raises(ConfigError, match="tp=16"):
+        evaluate(stats, resolve("a100-80gb", devices=16, devices_per_node=16), Plan(tp=16), global_batch=64)
+
+
+def test_no_fit_names_the_minimum_memory_and_device_count() -> None:
+    result = search(TransformerSpec.from_dict(GPT3).stats(), resolve("a100-40gb", devices=8), global_batch=8)
+    assert not result.plans
+    err = result.no_fit_error()
+    assert "least memory any layout needs is" in str(err) and "GB per device" in str(err)
+    assert result.min_devices is not None and result.min_devices > 8
+    assert f"smallest device count that fits is {result.min_devices}" in str(err)
+    bigger = search(TransformerSpec.from_dict(GPT3).stats(), resolve("a100-40gb", devices=result.min_devices), global_batch=8)
+    assert bigger.plans
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({**GPT3, "heads": 100}, "heads"),
+    ({**GPT3, "layers": 0}, "layers"),
+    ({**GPT3, "kv_heads": 7}, "kv_heads"),
+    ({k: v for k, v in GPT3.items() if k != "vocab"}, "vocab"),
+    ({**GPT3, "colour": 3}, "colour"),
+])
+def test_inconsistent_specs_name_the_field(spec: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        TransformerSpec.from_dict(spec)
+
+
+def _cli(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:
+    rc = main(["plan", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_json_shape(capsys: pytest.CaptureFixture) -> None:
+    rc, out, _ = _cli(capsys, "--model-spec", json.dumps(GPT3), "--devices", "1024", "--devices-per-node", "8",
+                      "--device-type", "h100", "--global-batch", "1536", "--top", "3", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert len(data["plans"]) == 3
+    keys = {"dp", "tp", "pp", "zero_stage", "micro_batch_size", "num_microbatches", "schedule", "recompute",
+            "memory_per_device_bytes", "memory_breakdown", "step_time_s", "time_breakdown", "tokens_per_s",
+            "tflops_per_device", "mfu"}
+    for plan in data["plans"]:
+        assert keys <= set(plan)
+        assert set(plan["memory_breakdown"]) == {"params", "grads", "optimizer", "activations", "buffers"}
+        assert set(plan["time_breakdown"]) == {"compute", "communication", "bubble"}
+        assert plan["dp"] * plan["tp"] * plan["pp"] == 1024
+        assert plan["memory_per_device_bytes"] == sum(plan["memory_breakdown"].values()) or \
+            abs(plan["memory_per_device_bytes"] - sum(plan["memory_breakdown"].values())) <= 5
+    assert [p["step_time_s"] for p in data["plans"]] == sorted(p["step_time_s"] for p in data["plans"])
+
+
+def test_cli_table_and_fixed(capsys: pytest.CaptureFixture) -> None:
+    rc, out, _ = _cli(capsys, "--model", "gpt", "--devices", "4", "--device-type", "cpu")
+    assert rc == 0 and "step s" in out and "MFU" in out and "beats" in out or "equally fast" in out
+    rc, out, _ = _cli(capsys, "--model", "gpt3-13b", "--devices", "64", "--device-type", "a100-80gb", "--fixed",
+                      "dp=4,tp=8,pp=2,microbatches=8", "--global-batch", "64", "--json")
+    plan = json.loads(out)["plans"]
+    assert rc == 0 and len(plan) == 1 and (plan[0]["dp"], plan[0]["tp"], plan[0]["pp"], plan[0]["num_microbatches"]) == (4, 8, 2, 8)
+
+
+def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture) -> None:
+    rc, _, err = _cli(capsys, "--model-spec", json.dumps({**GPT3, "hidden": 12290}), "--devices", "8")
+    assert rc == 2 and err.count("\n") == 1 and "heads=96 does not divide hidden=12290" in err
+    rc, _, err = _cli(capsys, "--model", "gpt", "--devices", "0")
+    assert rc == 2 and err.count("\n") == 1 and "--devices" in err
+    rc, _, err = _cli(capsys, "--model", "gpt3-175b", "--devices", "8", "--device-type", "a100-40gb")
+    assert rc == 2 and err.count("\n") == 1 and "no plan fits" in err and "smallest device count" in err
+    rc, _, err = _cli(capsys, "--model", "gpt", "--devices", "4", "--device-type", "tpu-v9")
+    assert rc == 2 and "--device-type" in err
+
+
+def test_script_sources(tmp_path, capsys: pytest.CaptureFixture) -> None:
+    spec_file = tmp_path / "spec_model.py"
+    spec_file.write_text("MODEL_SPEC = {'layers': 4, 'hidden': 64, 'heads': 4, 'vocab': 100, 'seq': 32}\n")
+    rc, out, _ = _cli(capsys, "--script", str(spec_file), "--devices", "2", "--device-type", "cpu", "--json")
+    assert rc == 0 and json.loads(out)["params"] == TransformerSpec(layers=4, hidden=64, heads=4, vocab=100, seq=32).stats().params_total
+    module_file = tmp_path / "mlp_model.py"
+    module_file.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        def build_model():
+            return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        def example_input(device):
+            return torch.zeros(1, 32, device=device)
+    """))
+    rc, out, _ = _cli(capsys, "--script", str(module_file), "--devices", "2", "--device-type", "cpu", "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["params"] == 32 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10
+    assert all(p["tp"] == 1 for p in data["plans"])  # no heads/hidden known: no automatic TP
+
+
+def test_auto_plan_for_the_builtin_gpt() -> None:
+    from shardwise.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig())
+    auto = auto_plan(model, world_size=4, cluster="cpu", global_batch=16)
+    assert auto.plan.world_size == 4 and auto.estimate.fits
+    assert "auto plan" in auto.summary()
+    assert json.loads(auto.to_json())["plan"] == auto.plan.to_dict()
+    assert Plan.auto({"layers": 2, "hidden": 64, "heads": 4, "vocab": 64, "seq": 16}, world_size=2, global_batch=8).world_size == 2
+
+
+def test_explain_names_the_deciding_component() -> None:
+    stats = preset("gpt3-1.3b").stats()
+    cluster = resolve("h100", devices=8)
+    fast = evaluate(stats, cluster, Plan(dp=8, precision="bf16"), global_batch=64)
+    slow = evaluate(stats, cluster, Plan(dp=2, pp=4, microbatches=4, precision="bf16"), global_batch=64)
+    text = explain(fast, slow)
+    assert text.startswith(str(fast.plan)) and "bubble" in text
+
+
+def test_alpha_beta_fit_recovers_a_synthetic_link() -> None:
+    alpha, bw, n = 50e-6, 2e9, 4
+    rows = [BandwidthRow("all_reduce", s, (alpha + 1.5 * s / bw) * 1e6, 0.0, 0.0) for s in (2**12, 2**16, 2**20, 2**24)]
+    got_alpha, got_bw = fit_alpha_beta(rows, "all_reduce", n)
+    assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_bw == pytest.approx(bw, rel=1e-6)
