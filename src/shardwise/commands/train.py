@@ -1,0 +1,142 @@
+"""``shardwise train``: the main job — a character-level GPT on the standard library's own source.
+
+The command resolves the configuration (defaults < ``--config`` TOML < command line), checks it
+and the plan against the number of processes *before* starting anything (so a bad key or value
+is one line and exit code 2), prints the plan, writes the resolved configuration to
+``<runs_dir>/<name>/config.toml`` and starts the workers (:mod:`shardwise.jobs.train`) with
+shardwise's elastic launcher — or runs the job in this process with ``--nproc 1``. At the end it
+prints the validation loss next to the corpus's unigram entropy, and a generated sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import typing
+from dataclasses import fields
+
+from shardwise.config import TrainJobConfig, load_config, to_toml
+from shardwise.errors import ConfigError, ShardwiseError
+
+EXAMPLES = """examples:
+  shardwise train                                   defaults: GPT on the stdlib source, all local cores
+  shardwise train --nproc 1 --max-steps 100         one process, a short run
+  shardwise train --model.layers=6 --model.hidden=192 --train.lr=2e-3
+  shardwise train --config run.toml --train.precision=bf16
+  shardwise train --print-config > run.toml         write the resolved configuration, start nothing
+
+precedence: defaults < the --config TOML file < the command line (the shortcut flags --nproc,
+--max-steps and --plan are the same as parallel.nproc, train.max_steps and parallel.plan and are
+applied last). In TOML each section is a table:  [train]  lr = 2e-3
+logs: <run.runs_dir>/<run.name>/ holds metrics.csv, curves.png, config.toml, summary.json, sample.txt
+multi-node: shardwise run --nnodes 2 ... -m shardwise.jobs.train --config run.toml
+"""
+
+_SHORTCUTS = {"nproc": "parallel.nproc", "max_steps": "train.max_steps", "plan": "parallel.plan"}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        usage="shardwise train [-h] [--config FILE.toml] [--nproc N] [--max-steps N] [--plan PLAN] [--print-config]\n"
+        "                       [--section.key=VALUE ...]",
+        help="train the built-in GPT on the standard library's source (the main job)",
+        description="Train a character-level GPT on the Python standard library's own source text, "
+        "data parallel over the local processes, and report the validation loss against the corpus's unigram entropy.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", default=None, metavar="FILE.toml", help="configuration file (TOML, one table per section)")
+    p.add_argument("--nproc", default=None, metavar="N", help="local processes: a number or 'auto' (= parallel.nproc)")
+    p.add_argument("--max-steps", default=None, metavar="N", help="optimizer steps (= train.max_steps)")
+    p.add_argument("--plan", default=None, metavar="PLAN", help="parallel plan, e.g. dp or dp=2 (= parallel.plan)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
+    _add_config_keys(p)
+    p.set_defaults(func=_main)
+
+
+def _add_config_keys(parser: argparse.ArgumentParser) -> None:
+    """One ``--section.key`` option per configuration field, with its default and help."""
+    sections = typing.get_type_hints(TrainJobConfig)
+    for section in fields(TrainJobConfig):
+        cls = sections[section.name]
+        group = parser.add_argument_group(f"[{section.name}] configuration (--{section.name}.KEY=VALUE)")
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
+            extra = f" ({'|'.join(choices)})" if choices else ""
+            group.add_argument(f"--{section.name}.{f.name}", dest=f"cfg:{section.name}.{f.name}", default=argparse.SUPPRESS,
+                               metavar="V", help=f"{f.metadata.get('help', '')}{extra} [default: {f.default!r}]")
+
+
+def resolve_config(args: argparse.Namespace) -> TrainJobConfig:
+    overrides = [f"{key[4:]}={value}" for key, value in vars(args).items() if key.startswith("cfg:")]
+    shortcuts = {dotted: getattr(args, flag) for flag, dotted in _SHORTCUTS.items() if getattr(args, flag) is not None}
+    return load_config(path=args.config, overrides=overrides, values=shortcuts)
+
+
+def nproc_of(config: TrainJobConfig) -> int:
+    from shardwise.launch.options import auto_nproc
+
+    value = config.parallel.nproc.strip().lower()
+    if value == "auto":
+        return auto_nproc(os.environ)
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"config key 'parallel.nproc': {config.parallel.nproc!r} is not a positive integer or 'auto'",
+                          hint="for example --nproc 2")
+    return int(value)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from shardwise.jobs.train import JobSummary, default_run_name, format_summary
+    from shardwise.train.trainer import resolve_plan
+
+    config = resolve_config(args)
+    if args.print_config:
+        print(to_toml(config), end="")
+        return 0
+    nproc = nproc_of(config)
+    plan = resolve_plan(config.parallel.plan, nproc)
+    if config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
+        raise ConfigError(
+            f"config key 'train.global_batch_size': {config.train.global_batch_size} does not split into "
+            f"{plan.dp_size} data-parallel ranks x {config.train.grad_accum_steps} accumulation steps",
+            hint=f"use a multiple of {plan.dp_size * config.train.grad_accum_steps}",
+        )
+    if config.model.hidden % config.model.heads:
+        raise ConfigError(f"config key 'model.hidden': {config.model.hidden} is not divisible by model.heads={config.model.heads}")
+    config = replace(config, run=replace(config.run, name=config.run.name or default_run_name()))
+    run_dir = os.path.join(config.run.runs_dir, config.run.name)
+    os.makedirs(run_dir, exist_ok=True)
+    config_path = os.path.join(run_dir, "config.toml")
+    with open(config_path, "w") as fh:
+        fh.write(to_toml(config))
+    print(f"plan ({plan}, {nproc} process{'es' if nproc > 1 else ''}):")
+    print("  " + plan.describe().replace("\n", "\n  "), flush=True)
+    print(f"run directory: {run_dir}", flush=True)
+
+    if nproc == 1:
+        from shardwise.jobs.train import run_job
+        from shardwise.runtime import shutdown
+
+        try:
+            run_job(config)
+        finally:
+            shutdown()
+    else:
+        from shardwise.launch.options import RunOptions, resolve
+        from shardwise.launch.run import run_launch
+
+        options = RunOptions(script="shardwise.jobs.train", module=True, script_args=("--config", config_path), nproc_per_node=str(nproc))
+        run_launch(resolve(options))
+
+    summary_path = os.path.join(run_dir, "summary.json")
+    if not os.path.exists(summary_path):
+        raise ShardwiseError(f"the run finished without writing {summary_path}", hint="see the workers' output above")
+    with open(summary_path) as fh:
+        summary = JobSummary(**json.load(fh))
+    print(format_summary(summary))
+    return 0

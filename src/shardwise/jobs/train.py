@@ -1,0 +1,208 @@
+"""The worker side of ``shardwise train``: one process of the built-in GPT job.
+
+Each process runs ``python -m shardwise.jobs.train [--config run.toml] [--section.key=value ...]``
+(the same configuration grammar as the command), so the job also runs under any launcher::
+
+    shardwise run --nproc-per-node 4 -m shardwise.jobs.train --train.max_steps=200
+    srun --ntasks-per-node=1 shardwise run -m shardwise.jobs.train --config run.toml
+
+What one process does, top to bottom:
+
+1. join the process group (:func:`shardwise.init`) and agree on the run name (rank 0's);
+2. read the standard-library corpus (every rank reads the same files; a second, no download);
+3. build the GPT from the seed (identical on every rank), the AdamW factory (decay on matrices
+   only), the warmup + cosine schedule and the learning rate scaled with the data-parallel size;
+4. ``Trainer.fit`` on the training windows, evaluating on the validation windows;
+5. every rank samples the same text from the same generator (so a layout whose forward
+   communicates works too); rank 0 writes ``summary.json`` and ``sample.txt`` into the run dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Subset
+
+from shardwise.config import TrainJobConfig, load_config, override_keys, to_toml
+from shardwise.data.corpus import CharWindows, load_stdlib_corpus
+from shardwise.errors import ShardwiseError
+from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.runtime import get_logger, init, shutdown
+
+log = get_logger("train")
+
+
+@dataclass(frozen=True)
+class JobSummary:
+    """What rank 0 writes to ``<run_dir>/summary.json`` and the command prints at the end."""
+
+    run_dir: str
+    steps: int
+    world_size: int
+    plan: str
+    val_loss: float | None
+    train_loss: float | None
+    unigram_entropy: float
+    elapsed_s: float
+    params: int
+    sample: str
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-character cross-entropy in nats over all positions of the batch."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """AdamW (betas 0.9, 0.95) with weight decay on matrices (linear weights, embeddings), not on biases or LayerNorm gains."""
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+
+
+def default_run_name() -> str:
+    return time.strftime("gpt-stdlib-%Y%m%d-%H%M%S")
+
+
+def run_job(config: TrainJobConfig) -> JobSummary | None:
+    """Train the GPT as ``config`` says; returns the summary on rank 0 and ``None`` elsewhere."""
+    from shardwise.train import PlotCurves, Trainer, scale_lr, warmup_cosine
+    from shardwise.train.trainer import resolve_plan
+
+    env = init()
+    name = _agree_on_name(config.run.name or default_run_name())
+    run_dir = os.path.join(config.run.runs_dir, name)
+    corpus = load_stdlib_corpus(max_chars=config.data.max_chars, val_fraction=config.data.val_fraction)
+    m, t = config.model, config.train
+    model_config = GPTConfig(vocab_size=corpus.vocab_size, seq_len=m.seq_len, layers=m.layers, hidden=m.hidden,
+                             heads=m.heads, ffn=m.ffn, dropout=m.dropout)
+    model = GPT(model_config, seed=config.run.seed)
+    train_set = CharWindows(corpus.train, m.seq_len)
+    val_set = CharWindows(corpus.val, m.seq_len)
+    if t.eval_windows and t.eval_windows < len(val_set):
+        val_set = Subset(val_set, range(t.eval_windows))
+    plan = resolve_plan(config.parallel.plan, env.world_size)
+    lr = scale_lr(t.lr, plan.dp_size, rule=t.scale_lr)
+    steps_per_epoch = len(train_set) // t.global_batch_size
+    total_steps = t.max_steps or steps_per_epoch * max(t.max_epochs, 1)
+    if env.is_main:
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.toml"), "w") as fh:
+            fh.write(to_toml(_with_name(config, name)))
+        print(f"corpus: {len(corpus.files)} files of the standard library, {len(corpus.text):,} characters "
+              f"({len(corpus.train):,} train / {len(corpus.val):,} validation), vocabulary {corpus.vocab_size}, "
+              f"unigram entropy {corpus.unigram_entropy:.3f} nats/char", flush=True)
+        print(f"model: GPT {m.layers} layers x {m.hidden} hidden x {m.heads} heads, context {m.seq_len}, "
+              f"{model_config.param_count():,} parameters, {model_config.flops_per_token() / 1e6:.2f} MFLOP/token; "
+              f"lr {lr:g}, {total_steps} steps of {t.global_batch_size} sequences", flush=True)
+    trainer = Trainer(
+        model,
+        loss_fn=lm_loss,
+        optimizer=partial(adamw, lr=lr, weight_decay=t.weight_decay),
+        plan=plan,
+        precision=t.precision,
+        global_batch_size=t.global_batch_size,
+        grad_accum_steps=t.grad_accum_steps,
+        clip_grad_norm=t.clip_grad_norm or None,
+        lr_scheduler=warmup_cosine(warmup_steps=min(t.warmup_steps, total_steps), total_steps=total_steps, min_lr_ratio=t.min_lr_ratio),
+        callbacks=[PlotCurves()],
+        seed=config.run.seed,
+        max_steps=t.max_steps or None,
+        max_epochs=t.max_epochs or None,
+        eval_every=t.eval_every or None,
+        log_every=t.log_every,
+        num_workers=config.data.num_workers,
+        run_dir=run_dir,
+        flops_per_sample=model_config.flops_per_token() * m.seq_len,
+        tokens_per_sample=m.seq_len,
+    )
+    result = trainer.fit(train_set, val_set)
+    sample = _sample(trainer.model.module, corpus, config)
+    if not env.is_main:
+        return None
+    summary = JobSummary(
+        run_dir=run_dir, steps=result.step, world_size=env.world_size, plan=str(plan),
+        val_loss=result.val_metrics.get("val_loss"), train_loss=result.train_loss,
+        unigram_entropy=corpus.unigram_entropy, elapsed_s=result.elapsed_s, params=model_config.param_count(), sample=sample,
+    )
+    with open(os.path.join(run_dir, "summary.json"), "w") as fh:
+        json.dump(asdict(summary), fh, indent=2)
+    with open(os.path.join(run_dir, "sample.txt"), "w") as fh:
+        fh.write(sample)
+    return summary
+
+
+def format_summary(summary: JobSummary) -> str:
+    """The closing lines of ``shardwise train``: validation loss against the unigram entropy, a sample."""
+    lines = []
+    if summary.val_loss is not None:
+        ratio = summary.val_loss / summary.unigram_entropy
+        lines.append(f"validation loss {summary.val_loss:.4f} nats/char ({summary.val_loss / math.log(2):.3f} bits/char) after "
+                     f"{summary.steps} steps in {summary.elapsed_s:.0f} s; the corpus's unigram entropy is "
+                     f"{summary.unigram_entropy:.4f} nats/char (the loss is {ratio:.0%} of it)")
+    if summary.sample:
+        lines.append("sample:\n" + "\n".join("  | " + line for line in summary.sample.splitlines()))
+    lines.append(f"logs: {summary.run_dir}/ (metrics.csv, curves.png, config.toml, summary.json, sample.txt)")
+    return "\n".join(lines)
+
+
+def _sample(module: nn.Module, corpus: Any, config: TrainJobConfig) -> str:
+    if config.sample.chars == 0:
+        return ""
+    gpt = module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
+    device = next(gpt.parameters()).device
+    prompt = corpus.encode(config.sample.prompt or "\n").unsqueeze(0).to(device)
+    gen = torch.Generator().manual_seed(config.run.seed)
+    ids = gpt.generate(prompt, config.sample.chars, temperature=config.sample.temperature,
+                       top_k=config.sample.top_k or None, generator=gen)
+    return corpus.decode(ids[0].tolist())
+
+
+def _agree_on_name(name: str) -> str:
+    """Rank 0's run name on every rank (the default name holds a timestamp that may differ)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return name
+    box = [name]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _with_name(config: TrainJobConfig, name: str) -> TrainJobConfig:
+    from dataclasses import replace
+
+    return replace(config, run=replace(config.run, name=name))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.jobs.train", description="One process of the built-in GPT job.")
+    parser.add_argument("--config", default=None, help="TOML file (defaults < file < --section.key=value)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        overrides, rest = override_keys(argv)
+        args = parser.parse_args(rest)
+        config = load_config(path=args.config, overrides=overrides)
+        run_job(config)
+    except ShardwiseError as err:
+        print(f"shardwise train: error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
