@@ -16,6 +16,7 @@ from shardwise.errors import ShardwiseError
 
 # Order here is the order in `shardwise --help`.
 COMMANDS = (
+    "shardwise.commands.train",
     "shardwise.commands.run",
     "shardwise.commands.slurm",
     "shardwise.commands.doctor",
