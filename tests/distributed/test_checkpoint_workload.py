@@ -25,9 +25,9 @@ def dataset() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(N_SAMPLES, 8, generator=gen), torch.randn(N_SAMPLES, 4, generator=gen)
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, width: int = 32) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 4))
+    return nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Dropout(0.2), nn.Linear(width, 4))
 
 
 class TrainState:
@@ -49,13 +49,13 @@ class TrainState:
 class Job:
     """Model, optimizer, scheduler and data of one rank under ``layout``."""
 
-    def __init__(self, layout: str, *, seed: int = 0) -> None:
+    def __init__(self, layout: str, *, seed: int = 0, width: int = 32) -> None:
         from shardwise.parallel.mesh import build_mesh
         from shardwise.plan.plan import Plan
 
         self.layout = layout
         world = dist.get_world_size() if dist.is_initialized() and layout != "single" else 1
-        model = make_model(seed)
+        model = make_model(seed, width)
         self.dp_rank, self.dp_size, self.plan = 0, 1, None
         if layout != "single":
             self.plan = Plan.parse(PLANS[layout].format(world=world))
@@ -132,3 +132,69 @@ def eval_loss(model: nn.Module) -> float:
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+class _MiniTrainer:
+    """Just enough of the Trainer's surface for CheckpointCallback (used by the subprocess tests)."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.should_stop = False
+
+    @property
+    def global_step(self) -> int:
+        return self.job.state.step
+
+    def stateful_components(self) -> dict[str, Any]:
+        return self.job.components()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.distributed.test_checkpoint_workload --dir D --steps N ...`` (one rank)."""
+    import argparse
+    import os
+    import sys
+
+    from shardwise.checkpoint.callback import CheckpointCallback
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--layout", default="single")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--async-save", action="store_true")
+    p.add_argument("--width", type=int, default=32)
+    p.add_argument("--keep", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        dist.init_process_group("gloo")
+    job = Job(args.layout, width=args.width)
+    manager = job.manager(args.dir, async_save=args.async_save, every_n_steps=args.save_every, keep_last_n=args.keep)
+    trainer = _MiniTrainer(job)
+    callback = CheckpointCallback(manager, resume="auto")
+    callback.on_fit_start(trainer)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        print(f"READY resumed={callback.loaded.step if callback.loaded else None}", flush=True)
+    committed = manager.last_committed
+    while job.state.step < args.steps and not trainer.should_stop:
+        losses = job.train_to(job.state.step + 1)
+        callback.on_step_end(trainer, {"loss": losses[-1]})
+        if manager.last_committed != committed and rank == 0:
+            committed = manager.last_committed
+            print(f"COMMITTED {committed}", flush=True)  # printed only after the marker is on disk
+    callback.on_fit_end(trainer)
+    if rank == 0:
+        print(f"COMMITTED {manager.last_committed}", flush=True)
+    state = job.full_state()
+    if args.out and rank == 0:
+        torch.save(state, args.out)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
