@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.mesh import build_mesh
-from shardwise.parallel.pipeline import PipelineOptions, build_pipeline, stage_modules
+from shardwise.parallel.parallelize import parallelize
+from shardwise.parallel.pipeline import PipelineOptions, stage_modules
 from shardwise.plan.plan import Plan
 
 STEPS = 20
@@ -58,25 +59,6 @@ def make_workload(kind: str):
     raise ValueError(kind)
 
 
-def _wrap_for(plan: Plan, meshes, model: nn.Module):
-    """What parallelize applies to each stage after the split (TP, then DDP)."""
-    if plan.tp_enabled:
-        from shardwise.parallel.tp import apply_tp, derive_tp_plan
-
-        tp_plan = derive_tp_plan(model, tp=plan.tp)  # derived on the whole model, applied per stage
-
-    def wrap(stage: nn.Module) -> nn.Module:
-        if plan.tp_enabled:
-            stage = apply_tp(stage, meshes.tp, plan=tp_plan)
-        if plan.dp_enabled:
-            from torch.distributed._composable.replicate_with_fsdp import replicate
-
-            stage = replicate(stage, mesh=meshes.dp)
-        return stage
-
-    return wrap
-
-
 def run_parity(plan_text: str, kind: str, steps: int = STEPS, split_points: tuple | None = None) -> dict:
     """Train the pipelined model and a single-process copy side by side on this rank."""
     from shardwise.train.clip import clip_grad_norm_
@@ -85,9 +67,8 @@ def run_parity(plan_text: str, kind: str, steps: int = STEPS, split_points: tupl
     meshes = build_mesh(plan, "cpu")
     model, batch, loss_fn = make_workload(kind)
     ref = copy.deepcopy(model)
-    module, runner = build_pipeline(
-        model, plan, meshes.pp, loss_fn=loss_fn, options=PipelineOptions(split_points=split_points), wrap_stage=_wrap_for(plan, meshes, model)
-    )
+    pm = parallelize(model, plan, meshes, loss_fn=loss_fn, pipeline=PipelineOptions(split_points=split_points))
+    module, runner = pm.module, pm.pipeline
     opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()

@@ -69,6 +69,22 @@ def check_microbatches(batch_size: int, microbatches: int) -> None:
         )
 
 
+def check_pipeline(model: nn.Module, plan: Plan, *, options: PipelineOptions | None = None) -> None:
+    """Raise the split's ConfigErrors (too many stages, tied weights, bad split points) with no
+    communication, so they surface before any process-group work."""
+    if plan.pp_enabled:
+        options = options or PipelineOptions()
+        split_model(model, plan.pp * plan.virtual_stages, balance=options.balance, split_points=options.split_points,
+                    example_inputs=options.example_inputs)
+
+
+def stage_device(pp_mesh: DeviceMesh) -> torch.device:
+    """The device the stages run on: this process's accelerator, or the CPU."""
+    if pp_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(pp_mesh.device_type)
+
+
 def split_for_rank(model: nn.Module, pp_mesh: DeviceMesh, *, plan: Plan, options: PipelineOptions | None = None) -> list[tuple[int, nn.Module]]:
     """This rank's ``(stage index, stage module)`` pairs, cut from ``model`` per ``plan``."""
     options = options or PipelineOptions()
@@ -147,6 +163,29 @@ class PipelineSchedule:
         return loss
 
 
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only: the batch's mean loss on every rank (for evaluation).
+
+        An uneven batch (``B >= m`` but not a multiple of ``m``) is allowed here: the microbatch
+        losses are weighted by their sizes, which gives the exact batch mean.
+        """
+        batch, m = int(inputs.shape[0]), self.plan.microbatches
+        if batch < m:
+            raise ConfigError(f"evaluation batch of {batch} samples is smaller than microbatches={m}", hint=f"use an evaluation batch size >= {m}")
+        self._losses, self._scale = [], 1.0
+        args = (inputs.to(self._device),) if self.has_first else ()
+        target = targets.to(self._device) if self.has_last else None
+        self._schedule.eval(*args, target=target)
+        if self.has_last:
+            sizes = torch.tensor([len(c) for c in torch.arange(batch).tensor_split(m)], dtype=torch.float32, device=self._device)
+            loss = (torch.stack(self._losses[-m:]).float() * sizes).sum() / batch
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self._device)
+        dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
+        return loss
+
+
 def stage_modules(module: nn.Module) -> list[nn.Module]:
     """The stage modules of a :class:`ParallelModel.module` (a ModuleList when v > 1)."""
     return list(module) if isinstance(module, nn.ModuleList) else [module]
@@ -160,7 +199,7 @@ def build_pipeline(
     loss_fn: LossFn | None,
     options: PipelineOptions | None = None,
     wrap_stage: Callable[[nn.Module], nn.Module] = lambda m: m,
-    device: torch.device | str = "cpu",
+    device: torch.device | str | None = None,
 ) -> tuple[nn.Module, PipelineSchedule]:
     """Split ``model``, apply ``wrap_stage`` (TP, AC, FSDP/DDP, ...) to each local stage, build the schedule.
 
@@ -168,6 +207,6 @@ def build_pipeline(
     ``virtual_stages`` local stages) and the runner.
     """
     pairs = [(index, wrap_stage(module)) for index, module in split_for_rank(model, pp_mesh, plan=plan, options=options)]
-    runner = PipelineSchedule(pairs, pp_mesh, plan=plan, loss_fn=loss_fn, device=device)
+    runner = PipelineSchedule(pairs, pp_mesh, plan=plan, loss_fn=loss_fn, device=device or stage_device(pp_mesh))
     module = pairs[0][1] if len(pairs) == 1 else nn.ModuleList(m for _, m in pairs)
     return module, runner
