@@ -13,7 +13,8 @@ Options (:class:`DDPOptions`):
 - ``static_graph``: the set of used parameters never changes between steps; DDP can then skip
   re-checking and supports reentrant activation checkpointing.
 - ``comm_hook``: gradient compression by name: ``"fp16"`` / ``"bf16"`` (cast each bucket to 16 bits
-  before the all-reduce, halving the bytes; the average is cast back to the gradient dtype) or
+  before the all-reduce, halving the bytes; the average is cast back to the gradient dtype; bf16
+  needs NCCL) or
   ``"powersgd"`` (Vogels et al. 2019, rank-``powersgd_rank`` approximation with error feedback; the
   first ``powersgd_start_iter`` steps use the plain all-reduce).
 - ``sync_batchnorm``: convert BatchNorm layers to SyncBatchNorm so batch statistics are computed
@@ -28,6 +29,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
@@ -47,7 +49,7 @@ class DDPOptions:
     gradient_as_bucket_view: bool = True
     static_graph: bool = False
     find_unused_parameters: bool = False
-    broadcast_buffers: bool = True
+    forward_sync_buffers: bool = True  # broadcast rank 0's buffers (BN stats) before each forward
     comm_hook: str = "none"
     powersgd_rank: int = 1
     powersgd_start_iter: int = 10
@@ -94,10 +96,16 @@ def convert_sync_batchnorm(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, options: DDPOptions) -> nn.Module:
     """Wrap ``model`` in DDP over the ``dp`` mesh: one gradient all-reduce per bucket per step."""
+    group = dp_mesh.get_group()
+    if options.comm_hook == "bf16" and dist.get_backend(group) != "nccl":
+        # torch's bf16 hook checks for NCCL >= 2.10; Gloo has no bf16 all-reduce path for it.
+        raise ConfigError(
+            f"ddp comm_hook='bf16' needs the NCCL backend, this job uses {dist.get_backend(group)}",
+            hint="use comm_hook='fp16' (or 'powersgd') on Gloo/CPU",
+        )
     if options.sync_batchnorm:
         model = convert_sync_batchnorm(model, dp_mesh)
     device = next(model.parameters()).device
-    group = dp_mesh.get_group()
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
@@ -106,7 +114,7 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, options: DDPOptions) -> 
         gradient_as_bucket_view=options.gradient_as_bucket_view,
         static_graph=options.static_graph,
         find_unused_parameters=options.find_unused_parameters,
-        broadcast_buffers=options.broadcast_buffers,
+        forward_sync_buffers=options.forward_sync_buffers,
     )
     hook = _comm_hook(options, group)
     if hook is not None:
