@@ -19,14 +19,19 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.annotate import annotated_plan
+from shardwise.parallel.checkpointing import apply_checkpointing
 from shardwise.parallel.ddp import DDPOptions, apply_ddp
+from shardwise.parallel.fsdp import FSDPOptions, apply_fsdp, apply_replicate, build_optimizer, find_blocks
 from shardwise.parallel.mesh import Meshes
+from shardwise.parallel.pipeline import PipelineOptions, build_pipeline, check_pipeline
+from shardwise.parallel.tp import TPOptions, TPPlan, apply_tp, derive_tp_plan, validate_tp
 from shardwise.plan.plan import Plan
 
 
@@ -56,6 +61,24 @@ class ParallelModel:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    def build_optimizer(self, factory: Callable[..., torch.optim.Optimizer], **defaults: Any) -> torch.optim.Optimizer:
+        """``factory(self.parameters(), **defaults)``; ``factory`` is an optimizer class or a
+        callable taking the parameters (``lambda p: AdamW(p, lr=1e-3)``). With ZeRO-1 it is wrapped
+        in ``ZeroRedundancyOptimizer`` over ``dp_shard`` (each rank keeps ~1/shard of the state), so
+        build the optimizer through here rather than from ``parameters()`` directly."""
+        zero1 = self.plan.zero == 1 and self.plan.shard > 1
+        return build_optimizer(self.parameters(), factory,
+                               zero_group=self.meshes.dp_shard.get_group() if zero1 else None, **defaults)
+
+    def loss_context(self) -> contextlib.AbstractContextManager[None]:
+        """Where the loss must be computed: torch's ``loss_parallel()`` when the LM head's logits
+        stay vocabulary-sharded (TPOptions.loss_parallel), else a no-op."""
+        if self.extras.get("loss_parallel"):
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
         """Turn the data-parallel gradient reduction off for non-boundary accumulation micro-steps.
@@ -81,11 +104,91 @@ class ParallelModel:
                 m.set_requires_gradient_sync(True, recurse=False)
 
 
-def parallelize(model: nn.Module, plan: Plan, meshes: Meshes, *, ddp: DDPOptions | None = None) -> ParallelModel:
-    """Apply ``plan`` to ``model`` (in place) in the fixed order described in the module doc."""
-    unsupported = [name for name, on in (("tp", plan.tp_enabled), ("pp", plan.pp_enabled), ("zero", plan.fsdp_enabled)) if on]
-    if unsupported:
-        raise ConfigError(f"plan {plan} needs {', '.join(unsupported)}, which this build cannot apply yet", hint="use a dp-only plan")
+def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipeline: PipelineOptions | None = None) -> TPPlan | None:
+    """Check ``plan`` against ``model`` without any communication; return the TP plan to apply.
+
+    Call it before building meshes so bad input fails before any process-group work
+    (:func:`parallelize` calls it again first thing).
+    """
+    if plan.zero == 1 and plan.tp_enabled:
+        raise ConfigError(
+            f"plan {plan}: zero=1 (ZeroRedundancyOptimizer over DDP) cannot wrap tensor-parallel DTensors",
+            hint="use zero=2 or zero=3 with tp (FSDP composes with TP), or drop tp",
+        )
+    check_pipeline(model, plan, options=pipeline)  # too many stages, tied weights across stages, ...
+    if not plan.tp_enabled:
+        return None
+    options = tp or TPOptions()
+    if options.plan is not None:
+        tp_plan = TPPlan.of(options.plan)
+    else:
+        tp_plan = annotated_plan(model, tp=plan.tp) or derive_tp_plan(model, tp=plan.tp)
+    validate_tp(model, tp_plan, tp=plan.tp)
+    return tp_plan
+
+
+def parallelize(
+    model: nn.Module,
+    plan: Plan,
+    meshes: Meshes,
+    *,
+    ddp: DDPOptions | None = None,
+    tp: TPOptions | None = None,
+    fsdp: FSDPOptions | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    pipeline: PipelineOptions | None = None,
+) -> ParallelModel:
+    """Apply ``plan`` to ``model`` (in place) in the fixed order described in the module doc.
+
+    With ``plan.pp > 1``: ``loss_fn(output, target)`` (mean over its microbatch) runs on the last
+    stage; it can also be set later as ``pm.pipeline.loss_fn``. ``pipeline`` says where to cut.
+    """
+    tp_plan = validate(model, plan, tp=tp, pipeline=pipeline)
+    runner = None
+    if plan.pp_enabled:
+        # Step 1: the split; the TP plan (derived on the whole model, names kept) and steps 2-5
+        # then apply to each local stage.
+        module, runner = build_pipeline(
+            model, plan, meshes.pp, loss_fn=loss_fn, options=pipeline,
+            wrap_stage=lambda stage: apply_local(stage, plan, meshes, tp_plan=tp_plan, ddp=ddp, tp=tp, fsdp=fsdp),
+        )
+    else:
+        module = apply_local(model, plan, meshes, tp_plan=tp_plan, ddp=ddp, tp=tp, fsdp=fsdp)
+    extras: dict[str, Any] = {}
+    if tp_plan is not None:
+        extras.update(tp_plan=tp_plan, loss_parallel=(tp or TPOptions()).loss_parallel)
+    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, extras=extras)
+
+
+def apply_local(
+    model: nn.Module,
+    plan: Plan,
+    meshes: Meshes,
+    *,
+    tp_plan: TPPlan | None,
+    ddp: DDPOptions | None = None,
+    tp: TPOptions | None = None,
+    fsdp: FSDPOptions | None = None,
+) -> nn.Module:
+    """Steps 2-5 of the module doc on one module (the whole model, or one pipeline stage)."""
+    if tp_plan is not None:
+        apply_tp(model, meshes.tp, plan=tp_plan, sequence_parallel=plan.sequence_parallel,
+                 loss_parallel=(tp or TPOptions()).loss_parallel)
+    apply_checkpointing(model, mode=plan.recompute)
+    if plan.compile:
+        for block in find_blocks(model) or [model]:
+            block.compile()
+    fsdp_options = fsdp or FSDPOptions(cpu_offload=plan.cpu_offload, precision=plan.precision)
+    if plan.zero >= 2:
+        # HSDP when both data-parallel degrees are > 1: shard inside a row, all-reduce across rows.
+        mesh = meshes.hsdp if plan.dp > 1 else meshes.dp_shard
+        return apply_fsdp(model, mesh, stage=plan.zero, options=fsdp_options)
     if plan.dp_enabled:
-        model = apply_ddp(model, meshes.dp, options=ddp or DDPOptions())
-    return ParallelModel(module=model, plan=plan, meshes=meshes)
+        if tp_plan is not None or plan.pp_enabled:
+            # DDP cannot wrap DTensor parameters; FSDP2's replicate all-reduces them the same way.
+            # Under pipelining DDP's reducer also miscounts the parameters (torch's metadata-
+            # inference pass runs a backward outside no_sync), while replicate is supported there.
+            return apply_replicate(model, meshes.dp, options=fsdp_options)
+        # ZeRO-1 keeps DDP's all-reduce; the optimizer-state sharding is in build_optimizer.
+        return apply_ddp(model, meshes.dp, options=ddp or DDPOptions())
+    return model

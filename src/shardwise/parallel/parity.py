@@ -1,0 +1,248 @@
+"""Parity of a parallel layout against one process: the engine behind ``shardwise verify``.
+
+:func:`parity_worker` runs on every rank of a ``plan.world_size`` world. It trains the workload
+for ``steps`` optimizer steps twice from the same seed and on the same global batches:
+
+- *reference*: one process's worth of math, locally on this rank (no communication), the whole
+  global batch per step;
+- *parallel*: ``parallelize(model, plan, meshes)``; each data-parallel rank takes its slice of the
+  global batch (TP/PP peers take the same slice), optionally in ``accumulation`` micro-steps with
+  the gradient reduction off until the boundary (``ParallelModel.gradient_sync``).
+
+It compares per-step loss (the parallel loss is averaged over the data-parallel ranks, which is
+the global-batch mean because the slices are equal), per-step global gradient norm (computed
+over DTensor shards by :func:`shardwise.parallel.grad_norm.reference_grad_norm`) and the final weights
+(gathered with ``full_tensor()``). Loss and grad norm are compared relatively; a weight tensor's
+divergence is ``max|w - w_ref| / max(max|w_ref|, weight_floor)``: relative to the tensor's scale,
+but never to a scale below ``weight_floor`` (0.01), because some parameters carry no signal at all:
+the key projection's bias has an exactly-zero true gradient (softmax is shift-invariant), so its
+values are accumulated rounding noise and any relative comparison of them is meaningless.
+
+The default optimizer is SGD with momentum: its update is linear in the gradient, so float32
+rounding differences stay at float32 size. Adam's update ``m / (sqrt(v) + eps)`` is invariant to
+the gradient's scale, so it turns a rounding-noise gradient (like that key bias's) into full
+``lr``-sized steps of random sign; ``optimizer="adamw"`` works, but then compare loss and grad
+norm, not those weights. The report also carries each rank's parameter, gradient and
+optimizer-state bytes (local shards) next to the single-process figures.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from shardwise.errors import ConfigError
+from shardwise.parallel.init import parallelize_on_meta
+from shardwise.parallel.mesh import build_mesh
+from shardwise.parallel.parallelize import parallelize
+from shardwise.parallel.tp import TPOptions
+from shardwise.plan.plan import Plan
+from shardwise.parallel.grad_norm import reference_grad_norm
+
+
+# -- workloads ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GPTWorkload:
+    """shardwise's GPT on random token ids (next-token cross-entropy)."""
+
+    vocab_size: int = 64
+    seq_len: int = 16
+    layers: int = 2
+    hidden: int = 32
+    heads: int = 4
+
+    def build(self, seed: int) -> nn.Module:
+        from shardwise.models.gpt import GPT, GPTConfig
+
+        cfg = GPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, layers=self.layers, hidden=self.hidden, heads=self.heads)
+        return GPT(cfg, seed=seed)
+
+    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(10_000 + step)
+        ids = torch.randint(0, self.vocab_size, (size, self.seq_len + 1), generator=gen)
+        return ids[:, :-1], ids[:, 1:]
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.flatten(0, 1), target.flatten(0, 1))
+
+
+@dataclass(frozen=True)
+class ScriptWorkload:
+    """A user file defining ``build_model(seed) -> nn.Module``, ``make_batch(step, size) ->
+    (inputs, targets)`` and optionally ``loss_fn(output, target)`` (default: cross-entropy)."""
+
+    path: str
+
+    def _module(self) -> Any:
+        spec = importlib.util.spec_from_file_location("shardwise_verify_user", self.path)
+        if spec is None or spec.loader is None:
+            raise ConfigError(f"--script {self.path} cannot be imported", hint="pass a Python file")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        for name in ("build_model", "make_batch"):
+            if not callable(getattr(module, name, None)):
+                raise ConfigError(f"--script {self.path} defines no {name}()",
+                                  hint="define build_model(seed) and make_batch(step, size); loss_fn is optional")
+        return module
+
+    def build(self, seed: int) -> nn.Module:
+        return self._module().build_model(seed)
+
+    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._module().make_batch(step, size)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        fn = getattr(self._module(), "loss_fn", None)
+        if fn is not None:
+            return fn(output, target)
+        return F.cross_entropy(output.flatten(0, -2) if output.dim() > 2 else output, target.flatten())
+
+
+# -- report ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParityReport:
+    plan: str
+    losses: tuple[float, ...]
+    ref_losses: tuple[float, ...]
+    grad_norms: tuple[float, ...]
+    ref_grad_norms: tuple[float, ...]
+    weight_diffs: dict[str, float]  # name -> max|w - w_ref| / max|w_ref|
+    memory: dict[str, int] = field(default_factory=dict)  # param/grad/optim bytes, local and ref_*
+
+    @property
+    def loss_diff(self) -> float:
+        return max(_rel(a, b) for a, b in zip(self.losses, self.ref_losses))
+
+    @property
+    def grad_norm_diff(self) -> float:
+        return max(_rel(a, b) for a, b in zip(self.grad_norms, self.ref_grad_norms))
+
+    @property
+    def weight_diff(self) -> tuple[str, float]:
+        name = max(self.weight_diffs, key=self.weight_diffs.__getitem__)
+        return name, self.weight_diffs[name]
+
+    def passed(self, rtol: float) -> bool:
+        return max(self.loss_diff, self.grad_norm_diff, self.weight_diff[1]) <= rtol
+
+    def format(self, rtol: float) -> str:
+        name, wdiff = self.weight_diff
+        rows = [
+            f"plan {self.plan}: {len(self.losses)} steps against 1 process (same seed, same global batch)",
+            f"  loss       max rel diff {self.loss_diff:.2e}   (final {self.losses[-1]:.6f} vs {self.ref_losses[-1]:.6f})",
+            f"  grad norm  max rel diff {self.grad_norm_diff:.2e}   (final {self.grad_norms[-1]:.6f} vs {self.ref_grad_norms[-1]:.6f})",
+            f"  weights    max rel diff {wdiff:.2e}   ({name})",
+            f"  verdict    {'PASS' if self.passed(rtol) else 'FAIL'} at rtol {rtol:g}",
+        ]
+        return "\n".join(rows)
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+# -- the worker --------------------------------------------------------------------------------
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
+
+
+def _local_bytes(tensors: Any) -> int:
+    total = 0
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            t = t.to_local() if isinstance(t, DTensor) else t
+            total += t.numel() * t.element_size()
+    return total
+
+
+def memory_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's parameter, gradient and optimizer-state bytes, summed over its local tensors."""
+    opt = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    return {"param": _local_bytes(params), "grad": _local_bytes(p.grad for p in params if p.grad is not None),
+            "optim": _local_bytes(state)}
+
+
+def _clean(name: str) -> str:
+    return name.removeprefix("module.")
+
+
+def parity_worker(workload: Any, plan_text: str, *, steps: int = 20, global_batch: int = 8, lr: float = 1e-3,
+                  seed: int = 0, accumulation: int = 1, meta_init: bool = False, loss_parallel: bool = False,
+                  optimizer: str = "sgd", weight_floor: float = 1e-2) -> ParityReport:
+    """Train ``workload`` under ``plan_text`` and as one process; compare (module doc)."""
+    plan = Plan.parse(plan_text)
+    make_opt: Callable[..., torch.optim.Optimizer] = _optimizer(optimizer)
+    batches = [workload.batch(step, global_batch) for step in range(steps)]
+
+    # Reference: the single-process run, on this rank alone.
+    ref = workload.build(seed)
+    ref_opt = make_opt(ref.parameters(), lr=lr)
+    ref_losses, ref_norms = [], []
+    ref_mem: dict[str, int] = {}
+    for step, (x, y) in enumerate(batches):
+        loss = workload.loss(ref(x), y)
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])))
+        ref_opt.step()
+        if step == steps - 1:
+            ref_mem = memory_bytes(list(ref.parameters()), ref_opt)
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(float(loss.detach()))
+
+    # Parallel run.
+    meshes = build_mesh(plan, "cpu")
+    options = {"tp": TPOptions(loss_parallel=loss_parallel)}
+    if meta_init:
+        pm = parallelize_on_meta(lambda: workload.build(seed), plan, meshes, device="cpu", seed=seed, **options)
+    else:
+        pm = parallelize(workload.build(seed), plan, meshes, **options)
+    opt = pm.build_optimizer(make_opt, lr=lr)
+    params = list(pm.parameters())
+    dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
+    if global_batch % (dp_size * accumulation):
+        raise ConfigError(f"global batch {global_batch} does not split into {dp_size} ranks x {accumulation} micro-steps",
+                          hint=f"use a multiple of {dp_size * accumulation}")
+    losses, norms = [], []
+    mem: dict[str, int] = {}
+    for step, (x, y) in enumerate(batches):
+        xs, ys = x.chunk(dp_size)[dp_rank].chunk(accumulation), y.chunk(dp_size)[dp_rank].chunk(accumulation)
+        total = torch.zeros(())
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            with pm.gradient_sync(i == accumulation - 1), pm.loss_context():
+                loss = workload.loss(pm.module(xm), ym) / accumulation
+                loss.backward()
+            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        dist.all_reduce(total, group=meshes.dp.get_group())
+        losses.append(float(total) / dp_size)
+        norms.append(float(reference_grad_norm(params)))
+        opt.step()
+        if step == steps - 1:
+            mem = memory_bytes(params, opt)
+        opt.zero_grad(set_to_none=True)
+
+    ref_weights = {n: p.detach() for n, p in ref.named_parameters()}
+    diffs: dict[str, float] = {}
+    for name, p in pm.module.named_parameters():
+        full, want = _full(p), ref_weights[_clean(name)]
+        diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(weight_floor))
+    mem.update({f"ref_{k}": v for k, v in ref_mem.items()})
+    return ParityReport(plan=str(plan), losses=tuple(losses), ref_losses=tuple(ref_losses), grad_norms=tuple(norms),
+                        ref_grad_norms=tuple(ref_norms), weight_diffs=diffs, memory=mem)
+
+
+def _optimizer(name: str) -> Callable[..., torch.optim.Optimizer]:
+    if name == "adamw":
+        return lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if name == "sgd":
+        return lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ConfigError(f"optimizer {name!r} is unknown", hint="use adamw or sgd")
+
