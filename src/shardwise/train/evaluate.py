@@ -73,7 +73,7 @@ def evaluate(
             elif last is None:  # this rank's shard is empty: borrow one sample for the forward
                 last = move_batch(loader.collate_fn([loader.dataset[0]]), device, non_blocking)
             inputs, targets = split_batch(last)
-            with autocast(precision, device.type):
+            with autocast(precision, device.type), pm.loss_context():
                 if pipeline_eval is not None:
                     loss, outputs = pipeline_eval(inputs, targets), None
                 else:

@@ -85,7 +85,7 @@ def prepare(
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
     seed_everything(seed + dp_rank)
     pm = parallelize(model.to(env.device), resolved, meshes, ddp=ddp)
-    optimizer = optimizer_factory(pm.parameters())
+    optimizer = pm.build_optimizer(optimizer_factory)  # ZeRO-1 wraps it to shard its state
     loader = train_loader(
         dataset,
         micro_batch_size=batch_size,

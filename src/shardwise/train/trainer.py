@@ -36,8 +36,11 @@ import shardwise.runtime as runtime
 from shardwise.data.loader import LoaderOptions, eval_loader, train_loader
 from shardwise.errors import ConfigError
 from shardwise.parallel.ddp import DDPOptions
+from shardwise.parallel.fsdp import FSDPOptions
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import ParallelModel, parallelize
+from shardwise.parallel.pipeline import PipelineOptions
+from shardwise.parallel.tp import TPOptions
 from shardwise.plan.plan import Plan
 from shardwise.train import evaluate as _evaluate
 from shardwise.train.batch import move_batch, split_batch
@@ -64,12 +67,23 @@ class FitResult:
     history: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
 
-def resolve_plan(plan: Plan | str, world_size: int) -> Plan:
-    """``"dp"`` -> all processes data parallel; a string is parsed; the result must fit the world."""
+def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = None) -> Plan:
+    """``"dp"`` -> all processes data parallel; a string is parsed; the result must fit the world.
+
+    ``precision`` (the Trainer's) is written into the plan, so FSDP's mixed-precision policy and the
+    printed plan agree with the autocast the loop uses; it may not contradict a plan that sets one.
+    """
     if isinstance(plan, str):
         plan = Plan(dp=world_size) if plan.strip().lower() in ("dp", "ddp") else Plan.parse(plan)
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan must be a Plan or a string, got {type(plan).__name__}", hint='for example plan="dp" or plan="dp=2,tp=2"')
+    if precision is not None and precision != plan.precision:
+        if plan.precision != "fp32":
+            raise ConfigError(
+                f"precision={precision!r} contradicts the plan's precision={plan.precision}",
+                hint="set the precision in one place (the plan or the Trainer)",
+            )
+        plan = replace(plan, precision=precision)  # validated by Plan.__post_init__
     return plan.check_world(world_size)
 
 
@@ -97,7 +111,7 @@ class Trainer:
         global_batch_size: int,
         optimizer: OptimizerFactory = _default_optimizer,
         plan: Plan | str = "dp",
-        precision: str = "fp32",
+        precision: str | None = None,
         grad_accum_steps: int = 1,
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
@@ -116,6 +130,9 @@ class Trainer:
         shuffle: bool = True,
         sync_batchnorm: bool = False,
         ddp: DDPOptions = DDPOptions(),
+        tp: TPOptions | None = None,
+        fsdp: FSDPOptions | None = None,
+        pipeline: PipelineOptions | None = None,
         run_dir: str | os.PathLike[str] | None = None,
         metrics: MetricsArg = None,
         flops_per_sample: float | None = None,
@@ -128,7 +145,8 @@ class Trainer:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer", hint=f"for example {name}=1")
         self.env = runtime.init()
-        self.plan = resolve_plan(plan, self.env.world_size)
+        self.plan = resolve_plan(plan, self.env.world_size, precision=precision)
+        precision = self.plan.precision
         dp = self.plan.dp_size
         if global_batch_size % (dp * grad_accum_steps):
             raise ConfigError(
@@ -156,8 +174,10 @@ class Trainer:
         # Same seed within one replica (TP/PP ranks), different across replicas (dropout).
         seed_everything(seed + self.dp_rank)
         ddp = replace(ddp, sync_batchnorm=ddp.sync_batchnorm or sync_batchnorm)
-        self.model: ParallelModel = parallelize(model.to(self.env.device), self.plan, self.meshes, ddp=ddp)
-        self.optimizer = optimizer(self.model.parameters())
+        self.model: ParallelModel = parallelize(
+            model.to(self.env.device), self.plan, self.meshes, ddp=ddp, tp=tp, fsdp=fsdp, loss_fn=loss_fn, pipeline=pipeline
+        )
+        self.optimizer = self.model.build_optimizer(optimizer)  # ZeRO-1 wraps it to shard its state
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.scaler = (loss_scaler or LossScaler()) if precision == "fp16" else None
         self.state = TrainState(rank=self.env.rank)
@@ -255,11 +275,13 @@ class Trainer:
             inputs, targets = split_batch(move_batch(batch, device, self.loader_options.pin_memory))
             with pm.gradient_sync(i == k - 1):
                 if pm.pipeline is not None:  # forward and backward of all pipeline microbatches
-                    loss = pm.pipeline.step(inputs, targets, loss_scale=scale / k)
-                else:
                     with autocast(self.precision, device.type):
-                        loss = self.loss_fn(pm.module(inputs), targets)
-                    (loss * (scale / k)).backward()
+                        loss = pm.pipeline.step(inputs, targets, loss_scale=scale / k)
+                else:
+                    with pm.loss_context():  # TP loss-parallel needs forward and backward inside
+                        with autocast(self.precision, device.type):
+                            loss = self.loss_fn(pm.module(inputs), targets)
+                        (loss * (scale / k)).backward()
             loss_sum += loss.detach().float()
         self._call("on_after_backward")
         params = [p for p in pm.parameters() if p.grad is not None]
