@@ -157,9 +157,7 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         raise ConfigError(f"plan pp={p} exceeds the model's {stats.blocks} blocks", hint=f"use pp <= {stats.blocks}")
     act_scale = 2.0 if plan.precision == "fp32" else 1.0  # stats are 16-bit
     layers = math.ceil(stats.blocks / p)  # the busiest stage
-    first_params = (layers * stats.params_per_block + stats.params_embed + (stats.params_head if p == 1 else 0)) / t
-    last_params = (layers * stats.params_per_block + stats.params_head + (stats.params_embed if stats.tied_embeddings else 0)) / t
-    stage_params = max(first_params, last_params)
+    stage_params = stage_param_count(stats, tp=t, pp=p)
 
     # -- memory ---------------------------------------------------------------------------
     states = model_state_bytes(stage_params, policy, zero=plan.zero, shard=plan.shard)
@@ -245,6 +243,22 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     )
 
 
+def stage_param_count(stats: ModelStats, *, tp: int, pp: int) -> float:
+    """Parameters on the busiest rank before ZeRO: its pipeline stage's share, sharded ``1/tp``
+    except what tensor parallelism replicates (norms, some biases, position embeddings)."""
+    layers = math.ceil(stats.blocks / pp)
+
+    def local(total: float, replicated: float) -> float:
+        return (total - replicated) / tp + replicated
+
+    blocks = layers * local(stats.params_per_block, stats.replicated_per_block)
+    embed = local(stats.params_embed, stats.replicated_embed)
+    head = local(stats.params_head, stats.replicated_head)
+    first = blocks + embed + (head if pp == 1 else 0.0)
+    last = blocks + head + (embed if stats.tied_embeddings and pp > 1 else 0.0)
+    return max(first, last)
+
+
 def _layer_activation(stats: ModelStats, plan: Plan, *, recompute: str | None = None) -> float:
     """Saved bytes of one layer and one sample at 16-bit (Korthikanti et al. 2022, table 2)."""
     recompute = recompute or plan.recompute
@@ -299,7 +313,7 @@ def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_par
         # ZeroRedundancyOptimizer over DDP: the gradient all-reduce overlaps backward; each rank
         # then broadcasts its updated fp32 partition (an all-gather's volume) with nothing to hide behind.
         ar = cluster.collective_time("all_reduce", grads, plan.dp_size, stride=stride)
-        gather = cluster.collective_time("all_gather", stage_params * policy.param, plan.dp_size, stride=stride)
+        gather = cluster.collective_time("all_gather", stage_params * policy.param, plan.shard, stride=stride)
         return ar + gather, max(0.0, ar - cluster.overlap * t_bwd) + gather
     if plan.zero == 2:
         # Gather once per microbatch before forward (kept for backward), reduce-scatter once.

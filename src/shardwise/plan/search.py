@@ -27,7 +27,7 @@ from typing import Callable
 
 from shardwise.errors import ConfigError
 from shardwise.plan.cluster import ClusterSpec
-from shardwise.plan.cost import Estimate, StatePolicy, estimate, model_state_bytes
+from shardwise.plan.cost import Estimate, StatePolicy, estimate, model_state_bytes, stage_param_count
 from shardwise.plan.plan import Plan
 from shardwise.plan.stats import ModelStats
 
@@ -132,7 +132,7 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
             if global_batch % dp_total:
                 continue
             per_replica = global_batch // dp_total
-            stage_params = _stage_params(stats, tp, pp)
+            stage_params = stage_param_count(stats, tp=tp, pp=pp)
             for zero, dp, shard in _layouts(dp_total, tp, pp, per_node, options):
                 states = model_state_bytes(stage_params, policy, zero=zero, shard=shard)
                 if sum(states.values()) > limit and not keep_all:
@@ -158,13 +158,6 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                                 if not keep_all:
                                     break  # more recomputation is only slower
     return out, evaluated
-
-
-def _stage_params(stats: ModelStats, tp: int, pp: int) -> float:
-    layers = -(-stats.blocks // pp)
-    first = layers * stats.params_per_block + stats.params_embed + (stats.params_head if pp == 1 else 0)
-    last = layers * stats.params_per_block + stats.params_head
-    return max(first, last) / tp
 
 
 def _layouts(dp_total: int, tp: int, pp: int, per_node: int, options: SearchOptions) -> list[tuple[int, int, int]]:

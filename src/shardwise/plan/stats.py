@@ -59,6 +59,11 @@ class ModelStats:
     vocab: int = 0
     tied_embeddings: bool = False
     tp_divides: tuple[int, ...] = ()
+    # Parameters that tensor parallelism replicates instead of sharding (norms, biases after a
+    # rowwise layer, position embeddings), per block and in the embedding / head parts.
+    replicated_per_block: int = 0
+    replicated_embed: int = 0
+    replicated_head: int = 0
 
     @property
     def params_total(self) -> int:
@@ -171,6 +176,8 @@ class TransformerSpec:
             act_bytes_per_block=float(act), attn_act_bytes_per_block=float(5 * a * s * s), boundary_bytes=float(2 * s * h),
             logits_bytes=float(2 * s * v), seq=s, hidden=h, heads=a, vocab=v, tied_embeddings=self.tied_embeddings,
             tp_divides=(a, h, f, self.kv_heads_),
+            replicated_per_block=4 * h + b * 2 * h,  # LayerNorms, o_proj and fc_out biases
+            replicated_embed=s * h if self.learned_positions else 0, replicated_head=2 * h,
         )
 
 
