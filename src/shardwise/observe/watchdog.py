@@ -313,7 +313,17 @@ def start_watchdog(*, rank: int, world_size: int, timeout_s: float, namespace: s
 
 
 def _at_exit(dog: Watchdog) -> None:
-    # Leaving without shutdown() (or with an exception): say so to the others, do not wait for them.
+    # The interpreter is exiting. If a hang verdict is out, the main thread most likely died of the
+    # transport error a peer's exit caused: finish the report here (daemon threads die with the
+    # interpreter) and exit with the hang code. Otherwise tell the others we left, without waiting.
+    with contextlib.suppress(Exception):
+        if dog.report is None and dog.store.check(["abort"]):
+            dog.report = dog.store.get("abort").decode()
+            dog._abort(dog.report, detected_here=False)
+    if dog.report is not None:
+        print(f"[shardwise watchdog] rank {dog.rank} ({dog.host}, pid {dog.pid}) exiting with code {HANG_EXIT_CODE}",
+              file=dog._stream or sys.stderr, flush=True)
+        os._exit(HANG_EXIT_CODE)
     with contextlib.suppress(Exception):
         dog.close(wait_for_peers=False)
 
