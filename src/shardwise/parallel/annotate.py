@@ -66,13 +66,13 @@ def strategy_to_style(module: nn.Module, strategy: Any, *, tp: int, name: str) -
     """Translate one annotation into a style name (module doc), checking ``k == tp``."""
     if isinstance(strategy, str):
         return strategy
-    splits = {d for t in strategy for d in t if d > 1}
     (xa, xb), (wa, wb) = strategy
     if isinstance(module, nn.Embedding):
-        style = "embedding_colwise" if wb > 1 else "vocab_embedding" if wa > 1 else "replicate"
-        if wa > 1 and wb > 1:
+        (va, vb), _indices = strategy  # the first tuple is the table (vocab, dim)
+        style = "embedding_colwise" if vb > 1 else "vocab_embedding" if va > 1 else "replicate"
+        if va > 1 and vb > 1:
             raise ConfigError(f"strategy {strategy} on {name} splits both table dims", hint="split one: ((1, tp), (1, 1)) or ((tp, 1), (1, 1))")
-        splits = {d for d in (wa, wb) if d > 1}
+        splits = {d for d in (va, vb) if d > 1}
     else:
         if wa > 1 and wb > 1:
             raise ConfigError(f"strategy {strategy} on {name} splits the weight in 2-D", hint="split one dim: ((1, 1), (1, tp)) colwise or ((1, tp), (tp, 1)) rowwise")

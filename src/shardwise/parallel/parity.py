@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -175,68 +175,108 @@ def _clean(name: str) -> str:
     return name.removeprefix("module.")
 
 
-def parity_worker(workload: Any, plan_text: str, *, steps: int = 20, global_batch: int = 8, lr: float = 1e-3,
-                  seed: int = 0, accumulation: int = 1, meta_init: bool = False, loss_parallel: bool = False,
-                  optimizer: str = "sgd", weight_floor: float = 1e-2) -> ParityReport:
-    """Train ``workload`` under ``plan_text`` and as one process; compare (module doc)."""
-    plan = Plan.parse(plan_text)
-    make_opt: Callable[..., torch.optim.Optimizer] = _optimizer(optimizer)
-    batches = [workload.batch(step, global_batch) for step in range(steps)]
+@dataclass(frozen=True)
+class Training:
+    """What both runs share: steps, global batch, optimizer (``sgd`` with momentum or ``adamw``), seed."""
 
-    # Reference: the single-process run, on this rank alone.
-    ref = workload.build(seed)
-    ref_opt = make_opt(ref.parameters(), lr=lr)
-    ref_losses, ref_norms = [], []
-    ref_mem: dict[str, int] = {}
-    for step, (x, y) in enumerate(batches):
-        loss = workload.loss(ref(x), y)
-        loss.backward()
-        ref_norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])))
-        ref_opt.step()
-        if step == steps - 1:
-            ref_mem = memory_bytes(list(ref.parameters()), ref_opt)
-        ref_opt.zero_grad(set_to_none=True)
-        ref_losses.append(float(loss.detach()))
+    steps: int = 20
+    global_batch: int = 8
+    lr: float = 0.1
+    seed: int = 0
+    optimizer: str = "sgd"
+    weight_floor: float = 1e-2
 
-    # Parallel run.
-    meshes = build_mesh(plan, "cpu")
-    options = {"tp": TPOptions(loss_parallel=loss_parallel)}
-    if meta_init:
-        pm = parallelize_on_meta(lambda: workload.build(seed), plan, meshes, device="cpu", seed=seed, **options)
-    else:
-        pm = parallelize(workload.build(seed), plan, meshes, **options)
-    opt = pm.build_optimizer(make_opt, lr=lr)
-    params = list(pm.parameters())
-    dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
-    if global_batch % (dp_size * accumulation):
-        raise ConfigError(f"global batch {global_batch} does not split into {dp_size} ranks x {accumulation} micro-steps",
-                          hint=f"use a multiple of {dp_size * accumulation}")
+
+@dataclass(frozen=True)
+class Run:
+    """One parallel configuration to check against the reference."""
+
+    plan: str
+    accumulation: int = 1
+    meta_init: bool = False
+    loss_parallel: bool = False
+
+    @property
+    def label(self) -> str:
+        extras = [f"accumulation={self.accumulation}"] * (self.accumulation > 1) + ["meta_init"] * self.meta_init
+        return str(Plan.parse(self.plan)) + "".join(f" +{e}" for e in extras + ["loss_parallel"] * self.loss_parallel)
+
+
+@dataclass(frozen=True)
+class _Reference:
+    losses: tuple[float, ...]
+    grad_norms: tuple[float, ...]
+    weights: dict[str, torch.Tensor]
+    memory: dict[str, int]
+
+
+def parity_worker(workload: Any, runs: Sequence[Run | str], training: Training = Training()) -> list[ParityReport]:
+    """Train ``workload`` once as one process, then under each run's plan; compare (module doc).
+
+    Runs on every rank of a world of the plans' size; the reference is computed once per call.
+    """
+    batches = [workload.batch(step, training.global_batch) for step in range(training.steps)]
+    ref = _reference(workload, batches, training)
+    return [_parallel(workload, run if isinstance(run, Run) else Run(run), batches, ref, training) for run in runs]
+
+
+def _reference(workload: Any, batches: list[Any], training: Training) -> _Reference:
+    """The single-process run, on this rank alone (no communication)."""
+    model = workload.build(training.seed)
+    opt = _optimizer(training.optimizer)(model.parameters(), lr=training.lr)
     losses, norms = [], []
-    mem: dict[str, int] = {}
+    memory: dict[str, int] = {}
     for step, (x, y) in enumerate(batches):
-        xs, ys = x.chunk(dp_size)[dp_rank].chunk(accumulation), y.chunk(dp_size)[dp_rank].chunk(accumulation)
+        loss = workload.loss(model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])))
+        opt.step()
+        if step == len(batches) - 1:
+            memory = memory_bytes(list(model.parameters()), opt)
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return _Reference(tuple(losses), tuple(norms), {n: p.detach() for n, p in model.named_parameters()}, memory)
+
+
+def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, training: Training) -> ParityReport:
+    plan = Plan.parse(run.plan)
+    meshes = build_mesh(plan, "cpu")
+    dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
+    if training.global_batch % (dp_size * run.accumulation):
+        raise ConfigError(f"global batch {training.global_batch} does not split into {dp_size} ranks x {run.accumulation} micro-steps",
+                          hint=f"use a multiple of {dp_size * run.accumulation}")
+    options = {"tp": TPOptions(loss_parallel=run.loss_parallel)}
+    if run.meta_init:
+        pm = parallelize_on_meta(lambda: workload.build(training.seed), plan, meshes, device="cpu", seed=training.seed, **options)
+    else:
+        pm = parallelize(workload.build(training.seed), plan, meshes, **options)
+    opt = pm.build_optimizer(_optimizer(training.optimizer), lr=training.lr)
+    params = list(pm.parameters())
+    losses, norms = [], []
+    memory: dict[str, int] = {}
+    for step, (x, y) in enumerate(batches):
+        xs, ys = x.chunk(dp_size)[dp_rank].chunk(run.accumulation), y.chunk(dp_size)[dp_rank].chunk(run.accumulation)
         total = torch.zeros(())
         for i, (xm, ym) in enumerate(zip(xs, ys)):
-            with pm.gradient_sync(i == accumulation - 1), pm.loss_context():
-                loss = workload.loss(pm.module(xm), ym) / accumulation
+            with pm.gradient_sync(i == run.accumulation - 1), pm.loss_context():
+                loss = workload.loss(pm.module(xm), ym) / run.accumulation
                 loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         dist.all_reduce(total, group=meshes.dp.get_group())
         losses.append(float(total) / dp_size)
         norms.append(float(reference_grad_norm(params)))
         opt.step()
-        if step == steps - 1:
-            mem = memory_bytes(params, opt)
+        if step == len(batches) - 1:
+            memory = memory_bytes(params, opt)
         opt.zero_grad(set_to_none=True)
 
-    ref_weights = {n: p.detach() for n, p in ref.named_parameters()}
     diffs: dict[str, float] = {}
     for name, p in pm.module.named_parameters():
-        full, want = _full(p), ref_weights[_clean(name)]
-        diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(weight_floor))
-    mem.update({f"ref_{k}": v for k, v in ref_mem.items()})
-    return ParityReport(plan=str(plan), losses=tuple(losses), ref_losses=tuple(ref_losses), grad_norms=tuple(norms),
-                        ref_grad_norms=tuple(ref_norms), weight_diffs=diffs, memory=mem)
+        full, want = _full(p), ref.weights[_clean(name)]
+        diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(training.weight_floor))
+    memory.update({f"ref_{k}": v for k, v in ref.memory.items()})
+    return ParityReport(plan=run.label, losses=tuple(losses), ref_losses=ref.losses, grad_norms=tuple(norms),
+                        ref_grad_norms=ref.grad_norms, weight_diffs=diffs, memory=memory)
 
 
 def _optimizer(name: str) -> Callable[..., torch.optim.Optimizer]:
