@@ -42,9 +42,11 @@ def test_every_returned_plan_is_valid_and_fits() -> None:
 
 
 def test_175b_on_1024_h100_plans_in_under_two_seconds() -> None:
-    start = time.perf_counter()
+    # CPU time of this process: the search is single-threaded pure Python, and the wall clock of a
+    # machine shared with other jobs measures their load, not the planner (unloaded: ~0.05 s).
+    start = time.process_time()
     result = search(TransformerSpec.from_dict(GPT3).stats(), resolve("h100", devices=1024, devices_per_node=8), global_batch=1536)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert elapsed < 2.0, elapsed
     best = result.best
     assert best.plan.world_size == 1024 and best.fits
@@ -176,3 +178,18 @@ def test_alpha_beta_fit_recovers_a_synthetic_link() -> None:
     rows = [BandwidthRow("all_reduce", s, (alpha + 1.5 * s / bw) * 1e6, 0.0, 0.0) for s in (2**12, 2**16, 2**20, 2**24)]
     got_alpha, got_bw = fit_alpha_beta(rows, "all_reduce", n)
     assert got_alpha == pytest.approx(alpha, rel=1e-6) and got_bw == pytest.approx(bw, rel=1e-6)
+
+
+def test_plan_for_trainer_only_returns_plans_the_parallel_layer_accepts(tmp_path) -> None:
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.parallel.parallelize import validate
+    from shardwise.plan.planner import plan_for_trainer
+
+    model = GPT(GPTConfig())
+    auto = plan_for_trainer(model, world_size=4, global_batch=16, precision="fp32", device_type="cpu")
+    assert auto.plan.world_size == 4 and auto.plan.pp == 1 and auto.plan.microbatches == 1
+    validate(model, auto.plan)  # raises if the parallel layer would refuse it
+    for est in auto.result.plans:
+        assert not (est.plan.zero == 1 and est.plan.tp > 1)  # ZeRO-1 over TP is refused by the parallel layer
+    auto.save(str(tmp_path / "auto_plan.json"))
+    assert Plan.from_dict(json.loads((tmp_path / "auto_plan.json").read_text())["plan"]) == auto.plan

@@ -113,6 +113,11 @@ class AutoPlan:
         return json.dumps({"plan": self.plan.to_dict(), "prediction": self.estimate.to_json(),
                            "explanation": self.result.explanation}, indent=2)
 
+    def save(self, path: str) -> None:
+        """Write the chosen plan with its predictions (what a run directory keeps as auto_plan.json)."""
+        with open(path, "w") as fh:
+            fh.write(self.to_json() + "\n")
+
 
 def auto_plan(model_or_spec: Any, *, world_size: int, cluster: ClusterSpec | str = "cpu", global_batch: int,
               seq: int | None = None, precision: str | None = None, devices_per_node: int | None = None,
@@ -126,3 +131,52 @@ def auto_plan(model_or_spec: Any, *, world_size: int, cluster: ClusterSpec | str
     result = search(stats, spec, global_batch=global_batch, options=opts)
     best = result.best
     return AutoPlan(plan=best.plan, estimate=best, result=result)
+
+
+def cluster_for_device(device_type: str, *, world_size: int, device_name: str = "", memory_bytes: float | None = None) -> ClusterSpec:
+    """A preset for the device this process runs on: the H100/H200/A100 presets by name, else the
+    generic ``cpu`` preset (or ``h100`` figures with the device's own memory for other GPUs)."""
+    name = device_name.lower()
+    if device_type != "cuda":
+        key = "cpu"
+    elif "h200" in name:
+        key = "h200"
+    elif "h100" in name:
+        key = "h100"
+    elif "a100" in name:
+        key = "a100-80gb" if (memory_bytes or 80e9) > 50e9 else "a100-40gb"
+    else:
+        key = "h100"
+    spec = resolve(key, devices=world_size, devices_per_node=world_size if device_type != "cuda" else None)
+    if memory_bytes and device_type == "cuda":
+        from dataclasses import replace
+
+        spec = replace(spec, memory_bytes=float(memory_bytes))
+    return spec
+
+
+def plan_for_trainer(model: Any, *, world_size: int, global_batch: int, precision: str = "fp32", device_type: str = "cpu",
+                     device_name: str = "", memory_bytes: float | None = None, cluster: ClusterSpec | str | None = None,
+                     pipeline: bool = False) -> AutoPlan:
+    """``Trainer(plan="auto")``: the fastest plan for ``model`` on the current world that the
+    parallel layer accepts (checked with :func:`shardwise.parallel.parallelize.validate`, no
+    communication). The trainer accumulates gradients itself, so without pipelining the plan uses
+    one microbatch per step; pass ``pipeline=True`` once the trainer drives pipeline schedules."""
+    from shardwise.parallel.parallelize import validate
+
+    spec = (cluster_of(cluster, world_size=world_size) if cluster is not None
+            else cluster_for_device(device_type, world_size=world_size, device_name=device_name, memory_bytes=memory_bytes))
+
+    def supported(plan: Plan) -> bool:
+        if plan.pp > 1 and not pipeline:
+            return False
+        if plan.pp == 1 and plan.microbatches > 1:
+            return False
+        try:
+            validate(model, plan)
+        except ConfigError:
+            return False
+        return True
+
+    options = SearchOptions(precision=precision, supported=supported, sequence_parallel=False)
+    return auto_plan(model, world_size=world_size, cluster=spec, global_batch=global_batch, options=options)
