@@ -89,16 +89,16 @@ def clip_grad_norm_(
     pp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Scale all gradients in place so their global norm is at most ``max_norm``; return the norm
-    before clipping (the same on every rank). Non-finite norms leave gradients untouched (the
-    loss scaler or the user decides what to do with such a step)."""
+    before clipping (a 0-d tensor, the same on every rank)."""
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params, norm_type=norm_type, pp_group=pp_group)
+    # No host sync (no `if isfinite`): like torch.nn.utils.clip_grad_norm_, a non-finite norm
+    # propagates into the gradients; fp16 steps with inf/nan are skipped by the loss scaler before.
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    if torch.isfinite(norm):
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault((g.device, g.dtype), []).append(g)
-        for (dev, _), group in by_device.items():
-            torch._foreach_mul_(group, coef.to(dev))
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
+    by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, _), group in by_device.items():
+        torch._foreach_mul_(group, coef.to(dev))
     return norm

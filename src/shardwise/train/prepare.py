@@ -16,7 +16,7 @@ dp_size``.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -32,15 +32,27 @@ from shardwise.plan.plan import Plan
 from shardwise.runtime.env import RuntimeEnv
 
 
-class Prepared(NamedTuple):
-    """Unpacks as ``model, optimizer, loader``; the rest is there for inspection."""
+class Prepared(tuple):
+    """Unpacks as ``model, optimizer, loader``; ``.parallel`` (the ParallelModel), ``.meshes`` and
+    ``.env`` are there for inspection."""
 
-    model: nn.Module  # the wrapped module (DDP, FSDP ...): call it, backward through it
-    optimizer: torch.optim.Optimizer
-    loader: DistributedLoader
-    parallel: ParallelModel
-    meshes: Meshes
-    env: RuntimeEnv
+    def __new__(cls, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DistributedLoader, *, parallel: ParallelModel, meshes: Meshes, env: RuntimeEnv) -> Prepared:
+        self = super().__new__(cls, (model, optimizer, loader))
+        self.parallel, self.meshes, self.env = parallel, meshes, env
+        return self
+
+    @property
+    def model(self) -> nn.Module:
+        """The wrapped module (DDP, FSDP ...): call it and backward through it."""
+        return self[0]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self[1]
+
+    @property
+    def loader(self) -> DistributedLoader:
+        return self[2]
 
 
 def prepare(
@@ -96,4 +108,4 @@ def prepare(
         shuffle=shuffle,
         options=options,
     )
-    return Prepared(pm.module, optimizer, DistributedLoader(loader), pm, meshes, env)
+    return Prepared(pm.module, optimizer, DistributedLoader(loader), parallel=pm, meshes=meshes, env=env)

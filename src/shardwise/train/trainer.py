@@ -140,6 +140,7 @@ class Trainer:
         peak_flops_per_device: float | None = None,
         loss_scaler: LossScaler | None = None,
         progress_bar: bool = True,
+        checkpoint: Any = None,
     ) -> None:
         for name, value in (("global_batch_size", global_batch_size), ("grad_accum_steps", grad_accum_steps), ("log_every", log_every)):
             if not isinstance(value, int) or value < 1:
@@ -188,6 +189,12 @@ class Trainer:
         self.callbacks: list[Callback] = list(callbacks)
         if progress_bar and self.env.is_main and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.insert(0, ProgressBar())
+        # checkpoint: a directory, a CheckpointManager or a CheckpointCallback (shardwise.checkpoint)
+        from shardwise.checkpoint.callback import checkpoint_callback
+
+        self.checkpoint = checkpoint_callback(checkpoint)
+        if self.checkpoint is not None:
+            self.callbacks.append(self.checkpoint)
         self.loggers: list[Logger] = list(loggers)
         if self.run_dir is not None and self.env.is_main:
             if not any(isinstance(lg, CSVLogger) for lg in self.loggers):
@@ -218,8 +225,16 @@ class Trainer:
         return parts
 
     # -- fit ------------------------------------------------------------------------------
-    def fit(self, train_data: Dataset, val_data: Dataset | None = None) -> FitResult:
-        """Train until ``max_steps`` / ``max_epochs`` (default: one epoch) or a callback stops it."""
+    def fit(self, train_data: Dataset, val_data: Dataset | None = None, *, resume: str | int | None = None) -> FitResult:
+        """Train until ``max_steps`` / ``max_epochs`` (default: one epoch) or a callback stops it.
+
+        ``resume="auto"`` restores the newest complete checkpoint of ``Trainer(checkpoint=...)`` if
+        there is one (a step number: that checkpoint), before the first step.
+        """
+        if resume is not None:
+            if self.checkpoint is None:
+                raise ConfigError(f"fit(resume={resume!r}) needs a checkpoint location", hint="pass Trainer(checkpoint='runs/x/checkpoints')")
+            self.checkpoint.resume = resume
         loader = self._train_loader(train_data)
         sampler = self.state.sampler
         assert sampler is not None
@@ -243,7 +258,10 @@ class Trainer:
                 metrics.update(step=self.state.step, epoch=self.state.epoch, lr=self.optimizer.param_groups[0]["lr"])
                 if self.state.step % self.log_every == 0 or self._finished() or sampler.epoch_finished:
                     metrics.update(self._flush_window())
+                    metrics = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
                     train_loss = metrics["loss"]
+                else:  # reading the norm would wait for the device: only on logging steps
+                    metrics.pop("grad_norm", None)
                 self._call("on_step_end", metrics)
                 if "loss" in metrics:
                     self._log(metrics)
@@ -289,7 +307,7 @@ class Trainer:
         metrics: dict[str, Any] = {}
         if self.clip_grad_norm is not None and take_step:
             pp_group = self.meshes.pp.get_group() if self.plan.pp_enabled else None
-            metrics["grad_norm"] = float(clip_grad_norm_(params, self.clip_grad_norm, pp_group=pp_group))
+            metrics["grad_norm"] = clip_grad_norm_(params, self.clip_grad_norm, pp_group=pp_group)  # a tensor: no sync yet
         if take_step:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
