@@ -1,0 +1,67 @@
+"""The hang watchdog inside a live 4-process Gloo world (the pool's processes must survive, so the
+watchdog's exit function is replaced by one that records the exit code; the real exit is tested
+end to end through ``shardwise run`` in tests/integration/test_hang_watchdog.py)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from shardwise.observe.watchdog import HANG_EXIT_CODE, Watchdog, in_flight_collectives, side_store
+
+
+def _late_rank(namespace: str, late: int, sleep_s: float):
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "500")  # the recorder reads it lazily
+    rank = dist.get_rank()
+    codes: list[int] = []
+    with tempfile.TemporaryFile("w+") as out:
+        store = side_store(dist.distributed_c10d._get_default_store(), namespace)
+        dog = Watchdog(store, rank=rank, world_size=dist.get_world_size(), timeout_s=1.5, interval_s=0.2, grace_s=2.0,
+                       exit_fn=codes.append, stream=out).start()
+        if rank == late:
+            time.sleep(sleep_s)  # computing, not in any collective
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        dog.close(wait_for_peers=False)
+        out.seek(0)
+        text = out.read()
+    return codes, dog.report, text, t.tolist()
+
+
+def test_late_rank_is_named_and_every_rank_reports(dist4) -> None:
+    results = dist4.run(_late_rank, uuid.uuid4().hex, 2, 4.0)
+    reports = {r[1] for r in results}
+    assert len(reports) == 1  # every rank prints the same verdict
+    report = reports.pop()
+    assert "Stuck rank(s): 2." in report, report
+    assert "rank 2 (" in report and "did not arrive at all_reduce" in report and "not inside any collective" in report
+    for rank, (codes, _, text, value) in enumerate(results):
+        assert codes == [HANG_EXIT_CODE]
+        assert f"[shardwise watchdog] rank {rank} (" in text
+        assert "Python stacks of every thread" in text and "_late_rank" in text  # the main thread's frame
+        assert value == [4.0] * 4  # the collective completed once rank 2 woke up
+
+
+def _healthy(namespace: str):
+    rank = dist.get_rank()
+    codes: list[int] = []
+    store = side_store(dist.distributed_c10d._get_default_store(), namespace)
+    dog = Watchdog(store, rank=rank, world_size=dist.get_world_size(), timeout_s=1.0, interval_s=0.1,
+                   exit_fn=codes.append).start()
+    for step in range(1, 16):
+        t = torch.ones(64)
+        dist.all_reduce(t)
+        time.sleep(0.05)
+        dog.step(step)
+    dog.close()  # waits for every rank to finish
+    return codes, dog.report, in_flight_collectives()
+
+
+def test_healthy_job_is_left_alone(dist4) -> None:
+    for codes, report, flights in dist4.run(_healthy, uuid.uuid4().hex):
+        assert codes == [] and report is None and flights == []
