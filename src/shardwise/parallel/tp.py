@@ -207,12 +207,20 @@ def _sharded_sizes(module: nn.Module, style: str) -> dict[str, int]:
         if style == "embedding_colwise":
             return {"embedding_dim": module.embedding_dim}
     if style == "attention_input":
-        return {a: getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)}
+        heads = {a: getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)}
+        head_dim = getattr(module, "head_dim", None)
+        if not heads and isinstance(head_dim, int) and head_dim > 0:
+            # Heads implied by the width: q's output features / head_dim (``view(B, T, -1, head_dim)``).
+            first = next((m for m in module.children() if isinstance(m, nn.Linear)), None)
+            if first is not None and first.out_features % head_dim == 0:
+                heads = {"heads": first.out_features // head_dim}
+        return heads
     return {}
 
 
 def validate_tp(model: nn.Module, plan: TPPlan, *, tp: int) -> None:
     """Raise ConfigError unless tp divides every dimension the plan shards (and the head counts)."""
+    sizes: list[tuple[str, int]] = []
     for name, (module, style) in plan.matches(model).items():
         if style in ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "lm_head") and not isinstance(module, nn.Linear):
             raise ConfigError(f"TP style {style!r} on {name} needs an nn.Linear, not {type(module).__name__}",
@@ -220,13 +228,13 @@ def validate_tp(model: nn.Module, plan: TPPlan, *, tp: int) -> None:
         if style in ("vocab_embedding", "embedding_colwise", "pos_embedding") and not isinstance(module, nn.Embedding):
             raise ConfigError(f"TP style {style!r} on {name} needs an nn.Embedding, not {type(module).__name__}",
                               hint="shard nn.Linear/nn.Embedding layers only, or mark this module 'replicate'")
-        for attr, size in _sharded_sizes(module, style).items():
-            if size % tp:
-                good = [d for d in range(2, size + 1) if size % d == 0 and d <= 64][:4]
-                raise ConfigError(
-                    f"tp={tp} does not divide {name}.{attr}={size}",
-                    hint=f"use tp in {good} (divisors of {size})" if good else f"{attr}={size} cannot be split; drop tp",
-                )
+        sizes += [(f"{name}.{attr}", size) for attr, size in _sharded_sizes(module, style).items()]
+    bad = [(what, size) for what, size in sizes if size % tp]
+    if bad:
+        what, size = bad[0]
+        good = [d for d in range(2, 65) if all(s % d == 0 for _, s in sizes)][:4]
+        raise ConfigError(f"tp={tp} does not divide {what}={size}",
+                          hint=f"use tp={' or tp='.join(map(str, good))}" if good else "this model cannot be split by tp; use dp/zero instead")
 
 
 # -- application --------------------------------------------------------------------------------

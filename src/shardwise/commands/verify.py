@@ -1,0 +1,77 @@
+"""``shardwise verify``: prove a parallel layout equals one process on your model, before training.
+
+Trains the built-in GPT (or the model of ``--script``) for ``--steps`` steps under ``--plan`` on
+``plan.world_size`` local Gloo processes and as a single process, from the same seed on the same
+global batches, and prints the largest divergence of the loss, the global gradient norm and the
+weights with a pass/fail verdict at ``--rtol`` (float32 tolerance by default). The engine is
+:mod:`shardwise.parallel.parity`.
+
+Bad input (a plan that does not fit the model, a batch that does not split) fails as one line
+before any process starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from shardwise.errors import ConfigError
+from shardwise.launch.inprocess import launch
+from shardwise.parallel.parallelize import validate
+from shardwise.parallel.parity import GPTWorkload, Run, ScriptWorkload, Training, parity_worker
+from shardwise.parallel.tp import TPOptions
+from shardwise.plan.plan import Plan
+
+EXAMPLES = """examples:
+  shardwise verify --plan dp=2,tp=2
+  shardwise verify --plan zero=3,shard=4 --steps 20
+  shardwise verify --plan tp=2,sp --script my_model.py     # defines build_model(seed), make_batch(step, size)
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="check that a parallel plan trains exactly like one process", epilog=EXAMPLES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--plan", required=True, help='the layout, e.g. "dp=2,tp=2" or "zero=3,shard=4"')
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default %(default)s)")
+    p.add_argument("--script", default=None, help="a Python file with build_model(seed) and make_batch(step, size) [and loss_fn]")
+    p.add_argument("--global-batch", type=int, default=8, help="samples per step, split over the data-parallel ranks")
+    p.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step on each rank")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
+                   help="sgd (with momentum; rounding differences stay float32-sized) or adamw (amplifies them for near-zero gradients)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
+    p.add_argument("--meta-init", action="store_true", help="build on the meta device and materialize only local shards")
+    p.add_argument("--loss-parallel", action="store_true", help="keep the LM head's logits vocabulary-sharded (TP)")
+    p.add_argument("--rtol", type=float, default=1e-5, help="pass if every relative divergence is at most this")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the processes are given up")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    plan = Plan.parse(args.plan)
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} must be at least 1", hint="for example --steps 20")
+    if plan.pp_enabled:
+        raise ConfigError(f"plan {plan}: verify does not drive pipeline schedules yet", hint="verify the plan without pp")
+    per_step = plan.dp_size * args.accumulation
+    if args.global_batch % per_step:
+        raise ConfigError(f"--global-batch {args.global_batch} does not split into {plan.dp_size} data-parallel ranks x "
+                          f"{args.accumulation} micro-steps", hint=f"use a multiple of {per_step}, e.g. {per_step * max(1, args.global_batch // per_step)}")
+    workload = ScriptWorkload(args.script) if args.script else GPTWorkload()
+    # Check the plan against the model here, on the meta device: no memory, no processes.
+    with torch.device("meta"):
+        validate(workload.build(args.seed), plan, tp=TPOptions(loss_parallel=args.loss_parallel))
+    training = Training(steps=args.steps, global_batch=args.global_batch, seed=args.seed, optimizer=args.optimizer,
+                        lr=args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3))
+    run = Run(args.plan, accumulation=args.accumulation, meta_init=args.meta_init, loss_parallel=args.loss_parallel)
+    print(f"verify: {plan.world_size} process(es), plan {plan}, {args.steps} steps, global batch {args.global_batch}, "
+          f"{args.optimizer} lr {training.lr:g}", flush=True)
+    reports = launch(parity_worker, nprocs=plan.world_size, args=(workload, [run], training), backend="gloo", timeout_s=args.timeout)
+    report = reports[0][0]
+    print(report.format(args.rtol))
+    disagree = [rank for rank, r in enumerate(reports) if r[0].passed(args.rtol) != report.passed(args.rtol)]
+    if disagree:
+        print(f"  note: ranks {disagree} reached a different verdict than rank 0")
+    return 0 if report.passed(args.rtol) and not disagree else 1
