@@ -20,6 +20,7 @@ COMMANDS = (
     "shardwise.commands.run",
     "shardwise.commands.slurm",
     "shardwise.commands.doctor",
+    "shardwise.commands.verify",
     "shardwise.commands.plan",
     "shardwise.commands.calibrate",
     "shardwise.commands.checkpoint",
