@@ -244,6 +244,7 @@ class Trainer:
         if self.max_steps is None:
             self.total_steps = steps_per_epoch * self.max_epochs  # type: ignore[operator]
         self._call("on_fit_start")
+        self.model.module.train()  # evaluation restores the mode it found
         start = time.perf_counter()
         self._window_start, self._window_steps, self._window_loss = time.perf_counter(), 0, None
         last_eval_step, val_metrics, train_loss = -1, {}, None
@@ -281,12 +282,12 @@ class Trainer:
         self._call("on_fit_end")
         for logger in self.loggers:
             logger.close()
-        return FitResult(self.state.step, self.state.epoch, train_loss, val_metrics, time.perf_counter() - start, list(self.history))
+        val_only = {k: v for k, v in val_metrics.items() if k.startswith("val_")}
+        return FitResult(self.state.step, self.state.epoch, train_loss, val_only, time.perf_counter() - start, list(self.history))
 
     def _train_step(self, micro_batches: list[Any]) -> dict[str, Any]:
         """One optimizer step over k micro-batches (the math is in the module doc)."""
         pm, k, device = self.model, len(micro_batches), self.env.device
-        pm.module.train()
         scale = self.scaler.scale if self.scaler is not None else 1.0
         loss_sum = torch.zeros((), device=device)
         for i, batch in enumerate(micro_batches):
