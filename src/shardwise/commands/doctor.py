@@ -10,7 +10,7 @@ import torch
 from shardwise.errors import ShardwiseError
 from shardwise.launch.inprocess import launch
 from shardwise.observe.collectives import format_table
-from shardwise.observe.doctor import collective_worker, default_sizes
+from shardwise.observe.doctor import collective_worker, default_sizes, version_mismatches
 from shardwise.observe.environment import collect, format_report
 
 EXAMPLES = """examples:
@@ -26,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=None, help="local processes for the collective test (default: GPUs, else 2; 0 skips it)")
     p.add_argument("--max-size-mb", type=float, default=None, help="largest message in the bandwidth table")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per size (the median is reported)")
+    p.add_argument("--plot", default=None, metavar="PNG", help="also draw the bandwidth table as a plot into this PNG file")
     p.set_defaults(func=_main)
 
 
@@ -42,6 +43,12 @@ def _main(args: argparse.Namespace) -> int:
         sizes = [s for s in sizes if s <= args.max_size_mb * 2**20] or sizes[:1]
     print(f"\ncollectives on {nproc} local processes:")
     result = launch(collective_worker, nprocs=nproc, args=(sizes, args.iters), timeout_s=120)[0]
+    mismatches = version_mismatches(result.versions)
+    if result.versions and not mismatches:
+        v = result.versions[0]
+        print(f"  {'versions':<15} ok: torch {v.torch}, shardwise {v.shardwise}, python {v.python} on all {len(result.versions)} ranks")
+    for line in mismatches:
+        print(f"  {'versions':<15} MISMATCH: {line}")
     failed = [c for c in result.checks if not c.ok]
     for check in result.checks:
         print(f"  {check.op:<15} {'ok' if check.ok else 'FAILED: ' + check.detail}")
@@ -50,5 +57,12 @@ def _main(args: argparse.Namespace) -> int:
                              hint="check the network interface variables above and the driver versions")
     print(f"\nbandwidth ({result.backend}, {result.world_size} processes; busbw as nccl-tests define it):")
     print(format_table(result.bandwidth))
+    if args.plot:
+        from shardwise.observe.plots import plot_bandwidth
+
+        print(f"bandwidth plot: {plot_bandwidth(result.bandwidth, args.plot, title=f'{result.backend}, {result.world_size} processes')}")
+    if mismatches:
+        raise ShardwiseError("ranks run different versions: " + "; ".join(mismatches),
+                             hint="install the same torch and shardwise on every node (one container image or environment)")
     print("\nall checks passed")
     return 0
