@@ -157,3 +157,42 @@ def test_dp2_pp2_parity(dist4) -> None:
 @pytest.mark.timeout(120)
 def test_tp2_pp2_parity(dist4) -> None:
     check_parity(dist4.run(run_parity, "tp=2,pp=2,schedule=1f1b,microbatches=2", "gpt"))
+
+
+def meta_init_weights(plan_text: str, kind: str) -> dict:
+    """Build on meta, parallelize with pp, materialize the local stages: values must equal the
+    single-process construction with the same seed (GPT: init_weights; MLP: replayed resets)."""
+    from shardwise.parallel.init import parallelize_on_meta
+
+    plan = Plan.parse(plan_text)
+    meshes = build_mesh(plan, "cpu")
+
+    def factory() -> nn.Module:
+        return make_workload(kind)[0] if kind == "gpt" else nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+
+    pm = parallelize_on_meta(factory, plan, meshes, device="cpu", seed=0 if kind == "gpt" else 5, loss_fn=mse_loss)
+    if kind == "gpt":
+        ref = make_workload(kind)[0]
+    else:
+        torch.manual_seed(5)
+        ref = factory()
+    ref_params = dict(ref.named_parameters())
+    out = {}
+    for stage in stage_modules(pm.module):
+        for name, p in stage.named_parameters():
+            value = p.full_tensor() if isinstance(p, DTensor) else p
+            out[name] = float((value - ref_params[name]).abs().max())
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_meta_init_of_pipeline_stages(dist2, dist4) -> None:
+    for pool, plan_text, kind in (
+        (dist2, "pp=2,schedule=interleaved_1f1b,virtual_stages=2,microbatches=2", "gpt"),
+        (dist2, "pp=2,microbatches=2", "mlp"),
+        (dist4, "tp=2,pp=2,microbatches=2", "gpt"),
+    ):
+        per_rank = pool.run(meta_init_weights, plan_text, kind)
+        merged = {k: v for r in per_rank for k, v in r.items()}
+        assert len(merged) == (len(list(make_workload("gpt")[0].parameters())) if kind == "gpt" else 8), plan_text
+        assert max(merged.values()) == 0.0, (plan_text, {k: v for k, v in merged.items() if v})

@@ -208,5 +208,13 @@ def build_pipeline(
     """
     pairs = [(index, wrap_stage(module)) for index, module in split_for_rank(model, pp_mesh, plan=plan, options=options)]
     runner = PipelineSchedule(pairs, pp_mesh, plan=plan, loss_fn=loss_fn, device=device or stage_device(pp_mesh))
-    module = pairs[0][1] if len(pairs) == 1 else nn.ModuleList(m for _, m in pairs)
+    module = pairs[0][1] if len(pairs) == 1 else LocalStages(m for _, m in pairs)
     return module, runner
+
+
+class LocalStages(nn.ModuleList):
+    """This rank's stages with ``virtual_stages > 1`` (what the optimizer and checkpoints see)."""
+
+    def init_weights(self, seed: int = 0) -> None:
+        """All local stages share the whole meta model, so one stage's init covers them all."""
+        self[0].init_weights(seed)

@@ -177,7 +177,40 @@ class _Catch(nn.Module):
         raise _TrunkReached(hidden)
 
 
-class TrunkStage(nn.Module):
+class _StageInit:
+    """``init_weights(seed)`` for a stage cut from a model built on the meta device.
+
+    The stage keeps a reference to the whole (meta) model, which costs no memory: its parameters
+    are this stage's materialized ones plus shapes without storage for the other stages'. Running
+    the whole model's initialization then draws every tensor in the single-process order and
+    writes only the local ones (a copy into a meta tensor does nothing), so each stage gets exactly
+    the values one process would have. Models split off the meta device are already initialized.
+    """
+
+    def _keep_full_model(self, model: nn.Module) -> None:
+        if any(p.is_meta for p in model.parameters()):
+            object.__setattr__(self, "_full_model", model)  # not a submodule
+
+    def init_weights(self, seed: int = 0) -> None:
+        model = self.__dict__.get("_full_model")
+        if model is None:
+            raise ConfigError(
+                "this pipeline stage was cut from an initialized model; there is nothing to re-initialize",
+                hint="build the model on the meta device (shardwise.parallel.init.parallelize_on_meta) to initialize stages",
+            )
+        if callable(getattr(model, "init_weights", None)):
+            model.init_weights(seed)
+        else:
+            from shardwise.parallel.init import _replay_reset_parameters
+
+            _replay_reset_parameters(model, seed=seed)
+
+
+class SequentialStage(_StageInit, nn.Sequential):
+    """A stage of an ``nn.Sequential`` (or :class:`PipelineStages`) model: its units, names kept."""
+
+
+class TrunkStage(_StageInit, nn.Module):
     """One stage of a model with an input section, a trunk and an output section.
 
     Forward: (first stage) the model's own forward up to the trunk -> the owned trunk units in order
@@ -209,6 +242,7 @@ class TrunkStage(nn.Module):
         self.add_module(self._trunk_name, nn.Sequential(OrderedDict(trunk.units[start:stop])))
         for name in self._output_names:
             self.add_module(name, getattr(model, name))
+        self._keep_full_model(model)
 
     def _run_input_section(self, *inputs: Any) -> torch.Tensor:
         view = copy.copy(self._template)
@@ -262,7 +296,9 @@ def split_model(
     if isinstance(model, PipelineStages):
         if len(model) != num_stages:
             raise ConfigError(f"PipelineStages holds {len(model)} stages but the plan needs {num_stages} (pp x virtual_stages)", hint=f"use pp={len(model)}")
-        stages: list[nn.Module] = [nn.Sequential(OrderedDict([(name, child)])) for name, child in model.named_children()]
+        stages: list[nn.Module] = [SequentialStage(OrderedDict([(name, child)])) for name, child in model.named_children()]
+        for stage in stages:
+            stage._keep_full_model(model)
         _check_no_shared_params(stages)
         return stages
     trunk = find_trunk(model)
@@ -289,7 +325,9 @@ def split_model(
         starts = balanced_cuts(costs, num_stages, first_extra=first, last_extra=last)
     bounds = list(zip(starts, starts[1:] + [n]))
     if trunk.name is None:
-        stages = [nn.Sequential(OrderedDict(trunk.units[a:b])) for a, b in bounds]
+        stages = [SequentialStage(OrderedDict(trunk.units[a:b])) for a, b in bounds]
+        for stage in stages:
+            stage._keep_full_model(model)
     else:
         stages = [TrunkStage(model, trunk, a, b, is_first=s == 0, is_last=s == num_stages - 1) for s, (a, b) in enumerate(bounds)]
     _check_no_shared_params(stages)
