@@ -36,3 +36,36 @@ def test_meta_init_replays_reset_parameters_on_4(dist4):
     seed on a full-size stand-in and keeps the local shard; the result must equal plain construction."""
     runs = [Run("zero=3,shard=4", meta_init=True), Run("zero=3,shard=2,tp=2", meta_init=True), Run("dp=4", meta_init=True)]
     _check(dist4.run(parity_worker, LargeModelWorkload(tp=2), runs, TRAINING))
+
+
+def clip_norm_worker(plans: list[str]) -> list[tuple[str, float, float]]:
+    """One backward under each plan; the trainer's clipping norm next to DTensor's own."""
+    import torch.nn.functional as F
+
+    from shardwise.parallel.grad_norm import reference_grad_norm
+    from shardwise.parallel.mesh import build_mesh
+    from shardwise.parallel.parallelize import parallelize
+    from shardwise.plan.plan import Plan
+    from shardwise.train.clip import global_grad_norm
+
+    workload = GPTWorkload()
+    x, y = workload.batch(0, 8)
+    out = []
+    for text in plans:
+        plan = Plan.parse(text)
+        meshes = build_mesh(plan, "cpu")
+        pm = parallelize(workload.build(0), plan, meshes)
+        dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
+        logits = pm.module(x.chunk(dp_size)[dp_rank])
+        F.cross_entropy(logits.flatten(0, 1), y.chunk(dp_size)[dp_rank].flatten()).backward()
+        params = list(pm.parameters())
+        out.append((text, float(global_grad_norm(params)), float(reference_grad_norm(params))))
+    return out
+
+
+def test_trainer_clip_norm_under_tp_and_fsdp(dist4):
+    """shardwise.train.clip.global_grad_norm must equal the norm DTensor computes itself, including
+    for FSDP x TP, whose parameters are _StridedShard over dp_shard (not a Shard subclass)."""
+    for rows in dist4.run(clip_norm_worker, ["zero=3,shard=4", "dp=2,tp=2", "zero=3,shard=2,tp=2"]):
+        for plan, clip_norm, reference in rows:
+            assert abs(clip_norm - reference) <= 1e-5 * reference, (plan, clip_norm, reference)
