@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from shardwise.checkpoint.reshard import epoch_permutation
+from shardwise.data.sampler import ShardedSampler
 from tests.distributed.test_checkpoint_workload import GLOBAL_BATCH, N_SAMPLES, Job
 
 SAVED_AT = 5
@@ -36,7 +36,7 @@ def load_job(layout: str, directory: str, more_steps: int) -> dict:
 
 
 def _check(saved: dict, loads: list[dict], more_steps: int) -> None:
-    perm = epoch_permutation(N_SAMPLES, seed=5, epoch=saved["epoch"]).tolist()
+    perm = ShardedSampler(N_SAMPLES, num_replicas=1, rank=0, seed=5).permutation(saved["epoch"])
     expected_next = perm[saved["consumed"] : saved["consumed"] + more_steps * GLOBAL_BATCH]
     seen_after = []
     for result in loads:

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from shardwise.checkpoint import CheckpointManager, ShardedSampler
-from shardwise.checkpoint.rng import capture_rng, restore_rng
+from shardwise.checkpoint import CheckpointManager
+from shardwise.data.sampler import ShardedSampler
+from shardwise.train.state import capture_rng, restore_rng
 
 N_SAMPLES = 96
 GLOBAL_BATCH = 8
@@ -78,7 +79,7 @@ class Job:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=7, gamma=0.7)
-        self.sampler = ShardedSampler(N_SAMPLES, dp_rank=self.dp_rank, dp_size=self.dp_size, seed=5)
+        self.sampler = ShardedSampler(N_SAMPLES, num_replicas=self.dp_size, rank=self.dp_rank, seed=5, drop_unit=GLOBAL_BATCH)
         self.state = TrainState(self.sampler)
         self.x, self.y = dataset()
         self.seen: list[int] = []

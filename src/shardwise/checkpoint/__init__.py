@@ -3,7 +3,6 @@
 from shardwise.checkpoint.commit import CheckpointInfo, Marker, latest_complete, list_checkpoints
 from shardwise.checkpoint.faults import Fault
 from shardwise.checkpoint.manager import CheckpointManager, CheckpointOptions, Loaded
-from shardwise.checkpoint.reshard import ShardedSampler
 
-__all__ = ["CheckpointInfo", "CheckpointManager", "CheckpointOptions", "Fault", "Loaded", "Marker", "ShardedSampler",
+__all__ = ["CheckpointInfo", "CheckpointManager", "CheckpointOptions", "Fault", "Loaded", "Marker",
            "latest_complete", "list_checkpoints"]

@@ -9,6 +9,7 @@ and before the first step (restore the newest complete checkpoint into
 
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 from shardwise.checkpoint.manager import CheckpointManager, Loaded
@@ -47,6 +48,8 @@ class CheckpointCallback:
         self._metrics: dict[str, float] = {}
 
     def on_fit_start(self, trainer: Any) -> None:
+        self.manager.bind_layout(plan=getattr(trainer, "plan", None), dp_size=getattr(trainer, "dp_size", None),
+                                 dp_rank=getattr(trainer, "dp_rank", None))
         if self.save_on_signal:
             self.signal.install()
         if self.resume in ("never", None):
@@ -79,6 +82,12 @@ class CheckpointCallback:
         if self.manager.due(step):
             self._save(trainer)
 
+    def on_after_backward(self, trainer: Any) -> None:
+        return None
+
+    def on_eval_end(self, trainer: Any, metrics: Mapping[str, Any] | None = None) -> None:
+        self._remember(metrics)  # val_ metrics, for keep_best
+
     def on_epoch_end(self, trainer: Any, metrics: Mapping[str, Any] | None = None) -> None:
         self._remember(metrics)
         if self.manager.due(trainer_step(trainer), epoch_end=True):
@@ -91,3 +100,18 @@ class CheckpointCallback:
             self.manager.wait()
         finally:
             self.signal.uninstall()
+
+
+def checkpoint_callback(spec: Any) -> CheckpointCallback | None:
+    """What ``Trainer(checkpoint=...)`` accepts: None, a directory, a manager or a callback.
+
+    A directory gets the defaults: save at every epoch end and at the end of ``fit``, keep 3.
+    Resuming is asked for separately, with ``fit(resume="auto")``.
+    """
+    if spec is None or isinstance(spec, CheckpointCallback):
+        return spec
+    if isinstance(spec, CheckpointManager):
+        return CheckpointCallback(spec, resume=None)
+    if isinstance(spec, (str, os.PathLike)):
+        return CheckpointCallback(CheckpointManager(spec, on_epoch_end=True), resume=None)
+    raise ConfigError(f"checkpoint={spec!r} is not a directory, a CheckpointManager or a CheckpointCallback")

@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from shardwise.checkpoint import commit as cm
 from shardwise.checkpoint.faults import Fault
-from shardwise.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, check_compatible, load_rank_file
+from shardwise.checkpoint.reshard import convert_positions
+from shardwise.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, check_compatible, encode_for_weights_only, load_rank_file
 from shardwise.errors import ConfigError
 
 RANK_DIR = "ranks"
@@ -74,20 +75,35 @@ class Loaded:
 
 
 def _split(components: Mapping[str, Any]) -> tuple[nn.Module | None, list[torch.optim.Optimizer], dict[str, Any]]:
-    """Model and optimizers go through DCP; every other Stateful goes to the per-rank file."""
+    """Model and optimizers go through DCP; every other Stateful goes to the per-rank file.
+
+    Accepted forms: an ``nn.Module``, a ``ParallelModel`` or any wrapper with a ``.module`` (the
+    Trainer's ``ModelState``); a ``torch.optim.Optimizer`` or a wrapper with an ``.optimizer``
+    (the Trainer's ``OptimizerState``). They are unwrapped so ``get_state_dict`` sees the real ones.
+    """
     model, optims, others = None, [], {}
     for name, obj in components.items():
-        inner = getattr(obj, "module", None)  # a ParallelModel holds the wrapped module
-        if isinstance(obj, nn.Module) or (not isinstance(obj, torch.optim.Optimizer) and isinstance(inner, nn.Module)):
-            if model is not None:
+        module = obj if isinstance(obj, nn.Module) else getattr(obj, "module", None)
+        # an LR scheduler also has an .optimizer; only a wrapper that also holds the module counts
+        optim = obj if isinstance(obj, torch.optim.Optimizer) else (getattr(obj, "optimizer", None) if module is not None else None)
+        if isinstance(optim, torch.optim.Optimizer):
+            optims.append(optim)
+        elif isinstance(module, nn.Module):
+            if model is not None and module is not model:
                 raise ConfigError(f"two models among the checkpointed components ({name!r} and another)",
                                   hint="checkpoint one (possibly wrapped) model per manager")
-            model = obj if isinstance(obj, nn.Module) else inner
-        elif isinstance(obj, torch.optim.Optimizer):
-            optims.append(obj)
+            model = module
         else:
             others[name] = obj
     return model, optims, others
+
+
+def _merge_groups(current: list[dict[str, Any]], saved: list[dict[str, Any]] | None, path: str) -> list[dict[str, Any]]:
+    """Saved hyper-parameters (lr, momentum, ...) with this rank's current parameter names."""
+    if saved is None or len(saved) != len(current):
+        raise ConfigError(f"checkpoint {path} has {0 if saved is None else len(saved)} optimizer param groups, "
+                          f"the optimizer has {len(current)}", hint="build the optimizer the same way as the saved run")
+    return [{**s, "params": c["params"]} for c, s in zip(current, saved)]
 
 
 class CheckpointManager:
@@ -113,7 +129,8 @@ class CheckpointManager:
         self.dp_size = dp_size or (plan.dp * plan.shard if plan is not None else self.world_size)
         self.dp_rank = self.rank % self.dp_size if dp_rank is None else dp_rank
         self.fault = fault if fault is not None else Fault.from_env()
-        self._group: Any = None
+        self._group: Any = None  # DCP's collectives (also run from the async writer thread)
+        self._control: Any = None  # small collectives of the training thread (agree, broadcast)
         self._pending: threading.Event | None = None  # set when the save in flight is committed (or failed)
         self._pending_error: BaseException | None = None
         self._lock = threading.Lock()
@@ -121,19 +138,44 @@ class CheckpointManager:
         self._last_save_time = time.monotonic()
         self.blocked_s = 0.0  # time save() held the caller, summed (the benchmark reads it)
 
+    def bind_layout(self, *, plan: Any = None, dp_size: int | None = None, dp_rank: int | None = None) -> None:
+        """Record the run's plan and data-parallel position (the Trainer's callback calls this)
+        where the manager was built before the layout was known."""
+        if plan is not None and self.plan is None:
+            self.plan = plan
+        if dp_size is not None:
+            self.dp_size = dp_size
+            self.dp_rank = self.rank % dp_size if dp_rank is None else dp_rank
+
     # -- process group -----------------------------------------------------------------------
     def _pg(self) -> Any:
-        """A Gloo group of all ranks for checkpoint collectives (created on first use, by all ranks)."""
+        """A Gloo group of all ranks for DCP (created on first use, by all ranks in the same order)."""
+        self._make_groups()
+        return self._group
+
+    def _make_groups(self) -> None:
+        """Two groups: an async save's writer thread runs DCP collectives on one while the training
+        thread keeps calling ``agree``/``_broadcast`` on the other; sharing one group between two
+        threads would interleave their collectives differently on different ranks and hang."""
         if self.distributed and self._group is None:
             self._group = dist.new_group(backend="gloo")
-        return self._group
+            self._control = dist.new_group(backend="gloo")
 
     def _broadcast(self, value: Any) -> Any:
         if not self.distributed:
             return value
+        self._make_groups()
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._pg())
+        dist.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
+
+    def _all_gather(self, value: Any) -> list[Any]:
+        if not self.distributed:
+            return [value]
+        self._make_groups()
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self._control)
+        return out
 
     # -- policy -------------------------------------------------------------------------------
     def due(self, step: int, *, epoch_end: bool = False) -> bool:
@@ -152,8 +194,9 @@ class CheckpointManager:
         differ between ranks, and a save that only some ranks enter would hang the others."""
         if not self.distributed:
             return flag
+        self._make_groups()
         t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._pg())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
         return bool(t.item())
 
     # -- save ---------------------------------------------------------------------------------
@@ -180,10 +223,10 @@ class CheckpointManager:
             return False
         model, optims, others = _split(components)
         os.makedirs(os.path.join(path, RANK_DIR), exist_ok=True)
-        self._write_rank_file(path, others)
+        state, param_groups = self._tensor_state(model, optims)
+        self._write_rank_file(path, others, param_groups)
         if self.fault is not None:
             self.fault.maybe_fire(rank=self.rank, step=step, at="save")
-        state = self._tensor_state(model, optims)
         writer = dcp.FileSystemWriter(path, sync_files=True)
         info = dict(step=step, world_size=self.world_size, dp_size=self.dp_size,
                     plan=str(self.plan) if self.plan is not None else None, metrics=dict(metrics or {}))
@@ -206,16 +249,23 @@ class CheckpointManager:
                 raise ConfigError("an optimizer is checkpointed without its model", hint="add the model to the components")
             return {}
         msd, osd = get_state_dict(model, optims)
-        return {"model": msd, "optim": osd} if optims else {"model": msd}
+        if not optims:
+            return {"model": msd}, None
+        # Tensors (moments, step counts; sharded like their parameters) go through DCP. The param
+        # groups (hyper-parameters and the names of this rank's parameters) are small and, under
+        # pipeline parallelism, differ per rank while sharing one key, which DCP would deduplicate
+        # to a single rank's copy: they go to the per-rank file.
+        return {"model": msd, "optim": {"state": osd["state"]}}, osd["param_groups"]
 
-    def _write_rank_file(self, path: str, others: Mapping[str, Any]) -> None:
+    def _write_rank_file(self, path: str, others: Mapping[str, Any], param_groups: Any) -> None:
         payload = {
+            "param_groups": param_groups,
             "rank": self.rank, "world_size": self.world_size, "dp_rank": self.dp_rank, "dp_size": self.dp_size,
             "components": {name: obj.state_dict() for name, obj in others.items()},
         }
         target = os.path.join(path, RANK_DIR, f"rank_{self.rank:05d}.pt")
         with open(target, "wb") as f:
-            torch.save(payload, f)
+            torch.save(encode_for_weights_only(payload), f)
             f.flush()
             os.fsync(f.fileno())
 
@@ -282,15 +332,23 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint {info.path} is not complete: {info.reason}", hint="load another step or omit step=")
         marker = info.marker
         model, optims, others = _split(components)
-        state = self._tensor_state(model, optims)
+        state, groups_now = self._tensor_state(model, optims)
         reader = SafeFileSystemReader(info.path)
         rank_payload = load_rank_file(os.path.join(info.path, RANK_DIR), rank=self.rank, saved_world=marker.world_size)
-        check_compatible(reader.read_metadata(), state, rank_payload["components"], others, path=info.path)
+        # with pipeline stages each rank holds only some names; "unexpected" is judged on the union
+        everyone = self._all_gather(sorted(state.get("model", {})))
+        check_compatible(reader.read_metadata(), state, rank_payload["components"], others, path=info.path,
+                         model_names={name for names in everyone for name in names},
+                         saved_param_groups=rank_payload.get("param_groups"))
         if state:
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg(), no_dist=not self.distributed)
-            set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+            osd = {}
+            if groups_now is not None:
+                osd = {"state": state["optim"]["state"], "param_groups": _merge_groups(groups_now, rank_payload["param_groups"], info.path)}
+            set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=osd)
         resharded = marker.world_size != self.world_size or marker.dp_size != self.dp_size
         for name, obj in others.items():
-            obj.load_state_dict(rank_payload["components"][name])
+            state_of = rank_payload["components"][name]
+            obj.load_state_dict(convert_positions(state_of, old_dp=marker.dp_size) if resharded else state_of)
         self.last_committed = marker.step
         return Loaded(step=marker.step, path=info.path, marker=marker, resharded=resharded)

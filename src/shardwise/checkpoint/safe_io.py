@@ -19,12 +19,14 @@ import os
 import pickle
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint._traverse import set_element  # the helper DefaultLoadPlanner itself uses
 
+from shardwise.checkpoint.reshard import source_rank
 from shardwise.errors import ConfigError
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
@@ -69,19 +71,49 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+_NDARRAY = "__shardwise_ndarray__"
+
+
+def encode_for_weights_only(obj: Any) -> Any:
+    """Replace NumPy arrays (e.g. in ``np.random.get_state()``) by tagged tensors, recursively, so
+    the per-rank file loads with ``weights_only=True`` without allow-listing NumPy's unpickler."""
+    if isinstance(obj, np.ndarray):
+        return {_NDARRAY: torch.from_numpy(np.ascontiguousarray(obj).view(np.uint8).copy()), "dtype": obj.dtype.str, "shape": list(obj.shape)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: encode_for_weights_only(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(encode_for_weights_only(v) for v in obj)
+    return obj
+
+
+def decode_weights_only(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if _NDARRAY in obj:
+            return obj[_NDARRAY].numpy().view(np.dtype(obj["dtype"])).reshape(obj["shape"]).copy()
+        return {k: decode_weights_only(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(decode_weights_only(v) for v in obj)
+    return obj
+
+
 def load_rank_file(rank_dir: str, *, rank: int, saved_world: int) -> dict[str, Any]:
-    """This rank's small state; under a new world size rank ``r`` reads saved rank ``r % saved_world``
-    (counters, scheduler and data position are the same on every rank; RNG streams are per rank)."""
-    path = os.path.join(rank_dir, f"rank_{rank % saved_world:05d}.pt")
+    """This rank's small state (see :func:`shardwise.checkpoint.reshard.source_rank`)."""
+    path = os.path.join(rank_dir, f"rank_{source_rank(rank, saved_world):05d}.pt")
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
+        return decode_weights_only(torch.load(path, weights_only=True, map_location="cpu"))
     except FileNotFoundError:
         raise ConfigError(f"checkpoint file {path} is missing") from None
 
 
 def check_compatible(metadata: Metadata, state: Mapping[str, Any], saved_components: Mapping[str, Any],
-                     components: Mapping[str, Any], *, path: str) -> None:
-    """Raise one ``ConfigError`` listing every name/shape mismatch between checkpoint and model."""
+                     components: Mapping[str, Any], *, path: str, model_names: set[str] | None = None,
+                     saved_param_groups: Any = None) -> None:
+    """Raise one ``ConfigError`` listing every name/shape mismatch between checkpoint and model.
+
+    ``model_names``: the model's names over all ranks (pipeline stages hold only their own), used
+    to decide which checkpoint tensors are unexpected; defaults to this rank's names."""
     saved = metadata.state_dict_metadata
     problems: list[str] = []
     model_state = state.get("model", {})
@@ -95,9 +127,9 @@ def check_compatible(metadata: Metadata, state: Mapping[str, Any], saved_compone
         elif hasattr(meta, "size") and tuple(meta.size) != tuple(value.shape):
             problems.append(f"shape of {name}: checkpoint {tuple(meta.size)}, model {tuple(value.shape)}")
     for name, meta in saved_model.items():
-        if name not in model_state:
+        if name not in (model_names if model_names is not None else model_state):
             problems.append(f"unexpected in checkpoint: {name} {tuple(getattr(meta, 'size', ()))}")
-    if "optim" in state and not any(k.startswith("optim.") for k in saved):
+    if "optim" in state and saved_param_groups is None:
         problems.append("the checkpoint has no optimizer state")
     for name in components:
         if name not in saved_components:

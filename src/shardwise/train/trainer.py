@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import os
 import pathlib
-import random
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -49,6 +47,7 @@ from shardwise.train.clip import clip_grad_norm_
 from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics, throughput
 from shardwise.train.precision import LossScaler, autocast, check_precision
+from shardwise.train.setup import resolve_plan, seed_everything
 from shardwise.train.state import ModelState, OptimizerState, TrainState
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -65,32 +64,6 @@ class FitResult:
     val_metrics: dict[str, float]  # the last evaluation, ``val_``-prefixed
     elapsed_s: float
     history: list[dict[str, Any]] = field(repr=False, default_factory=list)
-
-
-def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = None) -> Plan:
-    """``"dp"`` -> all processes data parallel; a string is parsed; the result must fit the world.
-
-    ``precision`` (the Trainer's) is written into the plan, so FSDP's mixed-precision policy and the
-    printed plan agree with the autocast the loop uses; it may not contradict a plan that sets one.
-    """
-    if isinstance(plan, str):
-        plan = Plan(dp=world_size) if plan.strip().lower() in ("dp", "ddp") else Plan.parse(plan)
-    if not isinstance(plan, Plan):
-        raise ConfigError(f"plan must be a Plan or a string, got {type(plan).__name__}", hint='for example plan="dp" or plan="dp=2,tp=2"')
-    if precision is not None and precision != plan.precision:
-        if plan.precision != "fp32":
-            raise ConfigError(
-                f"precision={precision!r} contradicts the plan's precision={plan.precision}",
-                hint="set the precision in one place (the plan or the Trainer)",
-            )
-        plan = replace(plan, precision=precision)  # validated by Plan.__post_init__
-    return plan.check_world(world_size)
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
