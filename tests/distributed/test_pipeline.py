@@ -150,8 +150,9 @@ def test_pp2_explicit_split_points(dist2) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_dp2_pp2_parity(dist4) -> None:
-    check_parity(dist4.run(run_parity, "dp=2,pp=2,schedule=1f1b,microbatches=2", "gpt"))
+@pytest.mark.parametrize("plan_text", ["dp=2,pp=2,schedule=1f1b,microbatches=2", "zero=3,shard=2,pp=2,schedule=gpipe,microbatches=2"])
+def test_dp2_pp2_parity(dist4, plan_text: str) -> None:
+    check_parity(dist4.run(run_parity, plan_text, "gpt"))
 
 
 @pytest.mark.timeout(120)
