@@ -30,6 +30,7 @@ from shardwise.parallel.mesh import Meshes, build_mesh
 from shardwise.parallel.parallelize import ParallelModel, parallelize
 from shardwise.plan.plan import Plan
 from shardwise.runtime.env import RuntimeEnv
+from shardwise.train.setup import resolve_plan, seed_everything
 
 
 class Prepared(tuple):
@@ -75,8 +76,6 @@ def prepare(
     A ``DataLoader`` keeps its batch size (per process), collate function, workers and pinning; its
     sampler is replaced by a distributed one (an epoch ends at the last full global batch).
     """
-    from shardwise.train.trainer import resolve_plan, seed_everything
-
     env = runtime.init()
     resolved = resolve_plan(plan, env.world_size)
     if isinstance(data, DataLoader):
