@@ -1,7 +1,7 @@
 """The reference guides' pipeline example: two stages, 4 microbatches.
 
 MindSpore writes it as ``PipelineCell(SequentialCell([stage1, stage2]), 4)``; in shardwise the
-stages are wrapped in :class:`shardwise.parallel.pipeline_split.PipelineStages` and the plan says
+stages are wrapped in :class:`shardwise.PipelineStages` and the plan says
 ``pp=2,microbatches=4``. Stage 1 runs on rank 0, stage 2 on rank 1; each step pushes 4
 microbatches through the schedule (1F1B by default, ``--schedule gpipe`` for GPipe), the loss is
 computed on stage 2 and reported on both ranks.
@@ -29,7 +29,7 @@ from torch import nn
 import shardwise
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import parallelize
-from shardwise.parallel.pipeline_split import PipelineStages, stage_summary, split_model
+from shardwise.parallel.pipeline_split import stage_summary, split_model
 from shardwise.plan.plan import Plan
 
 
@@ -65,7 +65,7 @@ def batches(width: int, steps: int, batch: int) -> list[tuple[torch.Tensor, torc
 def main(args: argparse.Namespace) -> list[float]:
     env = shardwise.init()
     torch.manual_seed(0)
-    net = PipelineStages(Stage1(args.width), Stage2(args.width))  # = SequentialCell([stage1, stage2])
+    net = shardwise.PipelineStages(Stage1(args.width), Stage2(args.width))  # = SequentialCell([stage1, stage2])
     reference = copy.deepcopy(net)
     plan = Plan.parse(f"pp=2,microbatches={args.microbatches},schedule={args.schedule}")
     if env.rank == 0:
