@@ -84,11 +84,14 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
     return best
 
 
-def _policies(options: FSDPOptions) -> dict[str, Any]:
+def _policies(options: FSDPOptions, mesh: DeviceMesh) -> dict[str, Any]:
     if options.precision not in _DTYPES:
         raise ConfigError(f"precision={options.precision!r} is unknown", hint="use fp32, bf16 or fp16")
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[options.precision], reduce_dtype=options.reduce_dtype)
-    offload: OffloadPolicy = CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy()
+    # Pinned host memory (fast async copies to the GPU) needs an accelerator; on a CPU mesh the
+    # "offloaded" state already lives in host memory and the policy only changes where the step runs.
+    pin = mesh.device_type != "cpu"
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if options.cpu_offload else OffloadPolicy()
     return {"mp_policy": mp, "offload_policy": offload}
 
 
@@ -100,7 +103,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, options: FSDPO
     if stage not in (2, 3):
         raise ConfigError(f"apply_fsdp handles ZeRO stages 2 and 3, not {stage}", hint="stage 1 uses build_optimizer with DDP")
     reshard = options.reshard_after_forward if options.reshard_after_forward is not None else stage == 3
-    kwargs = _policies(options)
+    kwargs = _policies(options, mesh)
     for block in find_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **kwargs)
     # The root holds what is left (embeddings, final norm, head); it is used first in backward,
@@ -115,7 +118,7 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, options: FSDPOptions 
     (2·(N-1)/N · |grads| per rank per step, like DDP), with no sharding."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    kwargs = _policies(options)
+    kwargs = _policies(options, mesh)
     for block in find_blocks(model):
         replicate(block, mesh=mesh, **kwargs)
     replicate(model, mesh=mesh, **kwargs)
