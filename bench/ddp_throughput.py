@@ -1,0 +1,202 @@
+"""Throughput of the Trainer's data-parallel loop against a plain hand-written DDP loop (target: >= 0.98).
+
+Both loops train the same GPT (same seed) on the same standard-library windows, with the same
+global batch, optimizer (AdamW) and precision, on the same processes: 2 Gloo processes on a CPU;
+on a GPU machine, bf16 autocast on min(2, GPUs) processes (one GPU: one process, no DDP in
+either loop), and then MFU is reported for both. The plain loop is the reference guides' DDP
+script done well: DistributedSampler, DataLoader, DDP (same bucket settings as the Trainer),
+zero_grad / forward / backward / step, rank 0 reading the loss every 10 steps; the Trainer logs
+every 10 steps too (a global loss all-reduce), without its progress bar.
+
+Repetitions are interleaved (trainer, plain, plain, trainer, ...) so that machine noise hits both
+alike; each repetition times steps ``warmup..steps`` (samples / seconds, measured on rank 0 after
+a device synchronization). The ratio of the medians is the result; the median of the per-pair
+ratios is printed too. Writes ``bench/results/ddp_throughput.json``.
+
+    python bench/ddp_throughput.py [--reps 5] [--steps 30] [--warmup 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+import shardwise
+from shardwise.data.corpus import CharWindows, load_stdlib_corpus
+from shardwise.models import GPT, GPTConfig
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int
+    global_batch: int
+    steps: int
+    warmup: int
+    reps: int
+    precision: str
+    lr: float = 1e-3
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _model(spec: BenchSpec, vocab: int) -> tuple[GPT, GPTConfig]:
+    config = GPTConfig(vocab_size=vocab, seq_len=spec.seq_len, layers=spec.layers, hidden=spec.hidden, heads=spec.heads)
+    return GPT(config, seed=0), config
+
+
+def run_trainer(spec: BenchSpec, dataset: CharWindows, vocab: int) -> tuple[float, float]:
+    """samples/s of steps warmup..steps, and the last logged loss."""
+    from shardwise.train import Callback, Trainer
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.marks: dict[int, float] = {}
+
+        def on_step_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
+            if trainer.step in (spec.warmup, spec.steps):
+                _sync(trainer.env.device)
+                self.marks[trainer.step] = time.perf_counter()
+
+    model, _ = _model(spec, vocab)
+    clock = Clock()
+    trainer = Trainer(
+        model, loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=spec.lr), plan="dp", precision=spec.precision,
+        global_batch_size=spec.global_batch, max_steps=spec.steps, log_every=10, callbacks=[clock], progress_bar=False, seed=0,
+    )
+    result = trainer.fit(dataset)
+    seconds = clock.marks[spec.steps] - clock.marks[spec.warmup]
+    return (spec.steps - spec.warmup) * spec.global_batch / seconds, float(result.train_loss or float("nan"))
+
+
+def run_plain(spec: BenchSpec, dataset: CharWindows, vocab: int, env: Any) -> tuple[float, float]:
+    """The hand-written loop (see the module doc); same measurement."""
+    model, _ = _model(spec, vocab)
+    model = model.to(env.device)
+    if env.world_size > 1:
+        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, bucket_cap_mb=25, gradient_as_bucket_view=True)
+    sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(dataset, batch_size=spec.global_batch // env.world_size, sampler=sampler, drop_last=True,
+                        pin_memory=env.device.type == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+    dtype = torch.bfloat16 if spec.precision == "bf16" else None
+    step, marks, last = 0, {}, float("nan")
+    epoch = 0
+    while step < spec.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            with torch.autocast(env.device.type, dtype=dtype, enabled=dtype is not None):
+                loss = lm_loss(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step % 10 == 0 and env.is_main:
+                last = loss.item()
+            if step in (spec.warmup, spec.steps):
+                _sync(env.device)
+                marks[step] = time.perf_counter()
+            if step == spec.steps:
+                break
+        epoch += 1
+    return (spec.steps - spec.warmup) * spec.global_batch / (marks[spec.steps] - marks[spec.warmup]), last
+
+
+def worker(spec: BenchSpec) -> dict[str, Any]:
+    env = shardwise.init()
+    if env.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    corpus = load_stdlib_corpus(max_chars=400_000)
+    dataset = CharWindows(corpus.train, spec.seq_len)
+    rates: dict[str, list[float]] = {"trainer": [], "plain": []}
+    losses: dict[str, list[float]] = {"trainer": [], "plain": []}
+    for rep in range(spec.reps):
+        for kind in (("trainer", "plain") if rep % 2 == 0 else ("plain", "trainer")):
+            rate, loss = run_trainer(spec, dataset, corpus.vocab_size) if kind == "trainer" else run_plain(spec, dataset, corpus.vocab_size, env)
+            rates[kind].append(rate)
+            losses[kind].append(loss)
+    from shardwise.train.metrics import peak_flops
+
+    _, config = _model(spec, corpus.vocab_size)
+    peak = peak_flops(env.device, spec.precision)
+    return {"rates": rates, "losses": losses, "flops_per_sample": config.flops_per_token() * spec.seq_len,
+            "peak_flops_per_device": peak, "world_size": env.world_size, "device": str(env.device),
+            "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else platform.processor() or "cpu",
+            "params": config.param_count()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    gpu = torch.cuda.is_available()
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=40 if gpu else 30)
+    ap.add_argument("--warmup", type=int, default=10 if gpu else 5)
+    ap.add_argument("--nproc", type=int, default=min(2, torch.cuda.device_count()) if gpu else 2)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ddp_throughput.json"))
+    args = ap.parse_args()
+    if gpu:  # GPT-2 small shape with a character vocabulary, bf16
+        spec = BenchSpec(layers=12, hidden=768, heads=12, seq_len=512, global_batch=16 * args.nproc, steps=args.steps,
+                         warmup=args.warmup, reps=args.reps, precision="bf16", lr=3e-4)
+    else:
+        spec = BenchSpec(layers=2, hidden=128, heads=4, seq_len=64, global_batch=32, steps=args.steps, warmup=args.warmup,
+                         reps=args.reps, precision="fp32")
+    started = time.time()
+    result = shardwise.launch(worker, nprocs=args.nproc, args=(spec,), timeout_s=900)[0]
+    rates = result["rates"]
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    pair_ratios = [t / p for t, p in zip(rates["trainer"], rates["plain"])]
+    report: dict[str, Any] = {
+        "spec": asdict(spec),
+        "device": result["device_name"],
+        "world_size": result["world_size"],
+        "params": result["params"],
+        "samples_per_s": rates,
+        "median_samples_per_s": med,
+        "ratio_of_medians": med["trainer"] / med["plain"],
+        "median_of_pair_ratios": statistics.median(pair_ratios),
+        "final_losses": result["losses"],
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "wall_s": time.time() - started,
+    }
+    peak = result["peak_flops_per_device"]
+    if peak:
+        total = peak * result["world_size"]
+        report["mfu"] = {k: v * result["flops_per_sample"] / total for k, v in med.items()}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(report, fh, indent=2)
+    print(f"{result['world_size']} process(es) on {result['device_name']}, {spec.precision}, GPT {result['params']:,} params, "
+          f"global batch {spec.global_batch} x {spec.seq_len} tokens, {args.reps} interleaved repetitions of {spec.steps - spec.warmup} timed steps")
+    for kind in ("trainer", "plain"):
+        mfu = f", MFU {report['mfu'][kind]:.1%}" if "mfu" in report else ""
+        print(f"  {kind:<8} median {med[kind]:8.1f} samples/s  (reps: {', '.join(f'{r:.1f}' for r in rates[kind])}){mfu}")
+    print(f"throughput ratio trainer / plain DDP: {report['ratio_of_medians']:.3f} (median of pair ratios "
+          f"{report['median_of_pair_ratios']:.3f}; target >= 0.98)")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
