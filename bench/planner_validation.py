@@ -62,6 +62,14 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def run(pool: WorkerPool, text: str, config: dict, **kwargs: int) -> dict:
+    """One plan on the pool; a failure or a hang becomes an error row (the pool restarts itself)."""
+    try:
+        return pool.run(measure_plan_worker, text, config, timeout_s=240.0, **kwargs)[0]
+    except AssertionError as exc:  # RankFailed / RanksTimedOut from the harness
+        return {"plan": text, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+
+
 def candidate_plans(stats, cluster: ClusterSpec, global_batch: int) -> list[Plan]:
     """Every valid plan for 4 processes (no recomputation, microbatches up to 2 x pp)."""
     opts = SearchOptions(precision="fp32", recompute=("none",), sequence_parallel=False, schedules=("1f1b", "gpipe"),
@@ -108,7 +116,7 @@ def main() -> int:
         memory_rows = []
         for text in MEMORY_PLANS:
             plan = Plan.parse(text)
-            got = pool.run(measure_plan_worker, text, config, global_batch=args.global_batch, steps=1, warmup=0)[0]
+            got = run(pool, text, config, global_batch=args.global_batch, steps=1, warmup=0)
             row = {"plan": text}
             if "error" in got:
                 row["error"] = got["error"]
@@ -132,7 +140,7 @@ def main() -> int:
             for p in order:
                 if str(p) in errors:
                     continue
-                got = pool.run(measure_plan_worker, str(p), config, global_batch=args.global_batch, steps=args.steps, warmup=1)[0]
+                got = run(pool, str(p), config, global_batch=args.global_batch, steps=args.steps, warmup=1)
                 if "error" in got:
                     errors[str(p)] = got["error"]
                 else:

@@ -23,7 +23,7 @@ def predicted(plan_text: str) -> dict[str, float]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("plan_text", ["dp=4", "zero=1,dp=4", "zero=2,dp=4", "zero=3,dp=4", "tp=4", "dp=2,tp=2", "zero=3,dp=2,tp=2"])
+@pytest.mark.parametrize("plan_text", ["dp=4", "zero=1,dp=4", "zero=2,dp=4", "zero=3,dp=4", "tp=4", "zero=3,dp=2,tp=2", "pp=2,dp=2,microbatches=2"])
 def test_model_state_memory_within_10_percent(dist4, plan_text: str) -> None:
     results = dist4.run(measure_plan_worker, plan_text, CONFIG, global_batch=BATCH, steps=1, warmup=0)
     got = results[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from typing import Any
 
 from shardwise.errors import ShardwiseError
@@ -30,11 +31,16 @@ def measure_plan_worker(plan_text: str, config: dict[str, Any], *, global_batch:
     from shardwise.parallel.parity import memory_bytes
     from shardwise.plan.plan import Plan
 
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # GPT returns a view; harmless here
     plan = Plan.parse(plan_text)
     cfg = GPTConfig(**config)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
+
     try:
         meshes = build_mesh(plan, "cpu")
-        pm = parallelize(GPT(cfg, seed=0), plan, meshes)
+        pm = parallelize(GPT(cfg, seed=0), plan, meshes, **({"loss_fn": loss_fn} if plan.pp > 1 else {}))
         opt = pm.build_optimizer(torch.optim.Adam, lr=lr)
     except (ShardwiseError, NotImplementedError, RuntimeError, ValueError) as exc:
         return {"plan": plan_text, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
@@ -55,8 +61,7 @@ def measure_plan_worker(plan_text: str, config: dict[str, Any], *, global_batch:
             else:
                 for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
                     with pm.gradient_sync(i == m - 1), pm.loss_context():
-                        out = pm.module(xm)
-                        loss = F.cross_entropy(out.flatten(0, 1), ym.flatten(0, 1)) / m
+                        loss = loss_fn(pm.module(xm), ym) / m
                         loss.backward()
             opt.step()
             elapsed = time.perf_counter() - start
