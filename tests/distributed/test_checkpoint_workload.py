@@ -169,7 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        dist.init_process_group("gloo")
+        from shardwise.runtime import init
+
+        init()  # forms the group; a restarted attempt uses fresh store keys
     job = Job(args.layout, width=args.width)
     manager = job.manager(args.dir, async_save=args.async_save, every_n_steps=args.save_every, keep_last_n=args.keep)
     trainer = _MiniTrainer(job)

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from shardwise.checkpoint import commit as cm
 from shardwise.checkpoint.faults import Fault
@@ -332,14 +332,19 @@ class CheckpointManager:
             raise ConfigError(f"checkpoint {info.path} is not complete: {info.reason}", hint="load another step or omit step=")
         marker = info.marker
         model, optims, others = _split(components)
-        state, groups_now = self._tensor_state(model, optims)
         reader = SafeFileSystemReader(info.path)
         rank_payload = load_rank_file(os.path.join(info.path, RANK_DIR), rank=self.rank, saved_world=marker.world_size)
+        # Checked before the optimizer's state dict is built: torch initializes an empty optimizer's
+        # state (a zero-lr step) in get_state_dict, and a refused checkpoint must change nothing.
+        probe = {"model": get_model_state_dict(model)} if model is not None else {}
+        if optims:
+            probe["optim"] = None
         # with pipeline stages each rank holds only some names; "unexpected" is judged on the union
-        everyone = self._all_gather(sorted(state.get("model", {})))
-        check_compatible(reader.read_metadata(), state, rank_payload["components"], others, path=info.path,
+        everyone = self._all_gather(sorted(probe.get("model", {})))
+        check_compatible(reader.read_metadata(), probe, rank_payload["components"], others, path=info.path,
                          model_names={name for names in everyone for name in names},
                          saved_param_groups=rank_payload.get("param_groups"))
+        state, groups_now = self._tensor_state(model, optims)
         if state:
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg(), no_dist=not self.distributed)
             osd = {}
