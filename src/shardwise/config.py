@@ -81,7 +81,7 @@ class DataSection(_Section):
 @dataclass(frozen=True)
 class TrainSection(_Section):
     section: ClassVar[str] = "train"
-    max_steps: int = opt(500, "optimizer steps (0: no step limit, use max_epochs)", min=0)
+    max_steps: int = opt(400, "optimizer steps (0: no step limit, use max_epochs)", min=0)
     max_epochs: int = opt(0, "epochs over the training windows (0: no epoch limit)", min=0)
     global_batch_size: int = opt(64, "sequences per optimizer step over all ranks and micro-steps", min=1)
     grad_accum_steps: int = opt(1, "micro-steps per optimizer step (gradient accumulation)", min=1)
@@ -92,8 +92,8 @@ class TrainSection(_Section):
     weight_decay: float = opt(0.1, "AdamW weight decay", min=0.0)
     clip_grad_norm: float = opt(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
     precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "compute precision (bf16/fp16 autocast)")
-    eval_every: int = opt(250, "evaluate every N steps (0: only at the end)", min=0)
-    eval_windows: int = opt(512, "validation windows per evaluation (0: the whole split)", min=0)
+    eval_every: int = opt(200, "evaluate every N steps (0: only at the end)", min=0)
+    eval_windows: int = opt(0, "validation windows per evaluation (0: the whole split)", min=0)
     log_every: int = opt(10, "log metrics every N steps", min=1)
 
 

@@ -101,3 +101,10 @@ def test_describe_keys_lists_every_key_with_its_default() -> None:
     text = describe_keys()
     assert "train.lr = 0.003" in text and "train.precision = \"fp32\"" in text and "(fp32|bf16|fp16)" in text
     assert len(text.splitlines()) == sum(len(vars(getattr(TrainJobConfig(), s))) for s in vars(TrainJobConfig()))
+
+
+def test_docs_list_the_current_keys() -> None:
+    import pathlib
+
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs" / "training.md"
+    assert describe_keys() in docs.read_text(), "regenerate the key table in docs/training.md from describe_keys()"
