@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import shardwise
 import shardwise.parallel.annotate as annotate
 from shardwise.parallel.parity import GPTWorkload, Run, Training, parity_worker
 
@@ -28,15 +29,15 @@ class LargeModel(nn.Module):
 
     def __init__(self, *, tp: int, vocab: int = 64, embedding_dim: int = 32, hidden: int = 64, fc1_colwise: bool = False):
         super().__init__()
-        self.embedding = annotate.shard(nn.Embedding(vocab, embedding_dim), ((1, tp), (1, 1)))  # split the embedding dim
+        self.embedding = shardwise.shard(nn.Embedding(vocab, embedding_dim), ((1, tp), (1, 1)))  # split the embedding dim
         self.fc1 = nn.Linear(embedding_dim, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
-        self.fc3 = annotate.shard(nn.Linear(hidden, vocab), ((tp, 1), (1, 1)))  # batch split: replicated weight
+        self.fc3 = shardwise.shard(nn.Linear(hidden, vocab), ((tp, 1), (1, 1)))  # batch split: replicated weight
         if fc1_colwise:
-            annotate.shard(self.fc1, "colwise")  # fc2 is inferred rowwise
+            shardwise.shard(self.fc1, "colwise")  # fc2 is inferred rowwise
         else:
-            annotate.shard(self.fc1, ((tp, 1), (1, 1)))  # batch split: replicated weight
-            annotate.shard(self.fc2, ((1, tp), (tp, 1)))  # contraction dim split: rowwise
+            shardwise.shard(self.fc1, ((tp, 1), (1, 1)))  # batch split: replicated weight
+            shardwise.shard(self.fc2, ((1, tp), (tp, 1)))  # contraction dim split: rowwise
         self.relu = nn.ReLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

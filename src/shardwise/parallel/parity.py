@@ -29,6 +29,7 @@ optimizer-state bytes (local shards) next to the single-process figures.
 from __future__ import annotations
 
 import importlib.util
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -117,6 +118,7 @@ class ParityReport:
     ref_grad_norms: tuple[float, ...]
     weight_diffs: dict[str, float]  # name -> max|w - w_ref| / max|w_ref|
     memory: dict[str, int] = field(default_factory=dict)  # param/grad/optim bytes, local and ref_*
+    seconds: float = 0.0  # wall time of the parallel run (set-up included)
 
     @property
     def loss_diff(self) -> float:
@@ -243,6 +245,7 @@ def _reference(workload: Any, batches: list[Any], training: Training) -> _Refere
 
 
 def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, training: Training) -> ParityReport:
+    start = time.perf_counter()
     plan = Plan.parse(run.plan)
     meshes = build_mesh(plan, "cpu")
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
@@ -280,7 +283,7 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
         diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(training.weight_floor))
     memory.update({f"ref_{k}": v for k, v in ref.memory.items()})
     return ParityReport(plan=run.label, losses=tuple(losses), ref_losses=ref.losses, grad_norms=tuple(norms),
-                        ref_grad_norms=ref.grad_norms, weight_diffs=diffs, memory=memory)
+                        ref_grad_norms=ref.grad_norms, weight_diffs=diffs, memory=memory, seconds=time.perf_counter() - start)
 
 
 def _optimizer(name: str) -> Callable[..., torch.optim.Optimizer]:
