@@ -64,32 +64,39 @@ def measure_matmul(device: Any, dtype: Any, n: int, *, iters: int = 5) -> float:
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
         a @ b
-    reps = max(1, int(5e7 // (2 * n**3)))  # each timing covers >= ~50 MFLOP, so timer noise stays small
     times = []
     for _ in range(iters):
         dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(reps):
-            a @ b
-        _sync(device)
-        times.append((time.perf_counter() - start) / reps)
+        times.append(_time_per_call(lambda: a @ b, device))
     return 2 * n**3 / _slowest(statistics.median(times), device)
 
 
-def measure_overhead(device: Any, *, iters: int = 200) -> float:
+def _time_per_call(fn: Any, device: Any, *, window_s: float = 0.05) -> float:
+    """Mean seconds per call over a window of at least ``window_s``: long enough that being
+    descheduled for a time slice (other processes share the cores) averages out instead of
+    dominating a single short timing."""
+    calls = 0
+    _sync(device)
+    start = time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        if calls % 4 == 0:
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= window_s:
+                return elapsed / calls
+
+
+def measure_overhead(device: Any) -> float:
     """Seconds per tiny operator (dispatch + launch), the fixed cost eager execution pays per op."""
     import torch
 
     x = torch.ones(8, device=device)
     for _ in range(10):
         x = x + 1
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(iters):
-        x = x + 1
-    _sync(device)
-    return _slowest((time.perf_counter() - start) / iters, device)
+    times = [_time_per_call(lambda: x + 1, device) for _ in range(5)]
+    return _slowest(statistics.median(times), device)
 
 
 def measure_memory_bw(device: Any, *, nbytes: int = 64 * 2**20, iters: int = 5) -> float:

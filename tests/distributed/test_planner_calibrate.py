@@ -1,0 +1,30 @@
+"""`shardwise calibrate`'s worker on 2 real Gloo processes: the spec it yields is complete and usable."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.plan.calibrate import calibrate_worker, to_spec
+from shardwise.plan.cluster import ClusterSpec
+from shardwise.plan.search import search
+from shardwise.plan.stats import TransformerSpec
+
+
+@pytest.mark.timeout(240)
+def test_calibration_yields_a_usable_spec(dist2, tmp_path) -> None:
+    cals = dist2.run(calibrate_worker, [4 * 2**10, 64 * 2**10, 2**20], [64, 128], 2)
+    cal = cals[0]
+    assert cal.world_size == 2 and cal.device_type == "cpu"
+    # every rank reports the slowest rank's figures
+    assert cals[1].matmul == cal.matmul
+    assert all(v > 0 for by_size in cal.matmul.values() for v in by_size.values())
+    assert cal.memory_bw > 0 and cal.overhead_s > 0 and cal.memory_bytes > 0
+    assert {r.op for r in cal.collectives} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    spec = to_spec(cal, name="test")
+    assert spec.devices == 2 and spec.overlap == 0.0 and spec.intra_bw > 0
+    assert spec.peak_flops["fp32"] == max(cal.matmul["fp32"].values())
+    assert spec.matmul_flops("fp32", 64) == pytest.approx(cal.matmul["fp32"][64])
+    spec.save(str(tmp_path / "cluster.json"))
+    loaded = ClusterSpec.load(str(tmp_path / "cluster.json"))
+    result = search(TransformerSpec(layers=2, hidden=64, heads=4, vocab=64, seq=16).stats(), loaded, global_batch=8)
+    assert result.best.plan.world_size == 2
