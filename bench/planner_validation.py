@@ -64,10 +64,14 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 def run(pool: WorkerPool, text: str, config: dict, **kwargs: int) -> dict:
     """One plan on the pool; a failure or a hang becomes an error row (the pool restarts itself)."""
-    try:
-        return pool.run(measure_plan_worker, text, config, timeout_s=240.0, **kwargs)[0]
-    except AssertionError as exc:  # RankFailed / RanksTimedOut from the harness
-        return {"plan": text, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+    for attempt in range(3):
+        try:
+            return pool.run(measure_plan_worker, text, config, timeout_s=240.0, **kwargs)[0]
+        except AssertionError as exc:  # RankFailed / RanksTimedOut from the harness
+            error = {"plan": text, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            if "start-up" not in error["error"]:  # a loaded machine can miss the start-up deadline: retry
+                return error
+    return error
 
 
 def candidate_plans(stats, cluster: ClusterSpec, global_batch: int) -> list[Plan]:
@@ -84,6 +88,34 @@ def candidate_plans(stats, cluster: ClusterSpec, global_batch: int) -> list[Plan
     return list(dict.fromkeys(plans))
 
 
+def measure(stats, cluster: ClusterSpec, config: dict, args: argparse.Namespace) -> tuple[dict, dict, dict, list[Plan]]:
+    """Run the memory plans once and every valid plan ``args.rounds`` times (order alternating)."""
+    pool = WorkerPool(WORLD, timeout_s=600.0)
+    try:
+        memory: dict[str, dict] = {}
+        for text in MEMORY_PLANS:
+            got = run(pool, text, config, global_batch=args.global_batch, steps=1, warmup=0)
+            memory[text] = {"error": got["error"]} if "error" in got else got["memory"]
+            print(f"measured memory of {text}", flush=True)
+        plans = candidate_plans(stats, cluster, args.global_batch)
+        print(f"\ntiming {len(plans)} valid plans x {args.rounds} rounds ...", flush=True)
+        times: dict[str, list[float]] = {str(p): [] for p in plans}
+        errors: dict[str, str] = {}
+        for r in range(args.rounds):
+            order = plans if r % 2 == 0 else plans[::-1]  # alternate the order: drift hits all plans alike
+            for p in order:
+                if str(p) in errors:
+                    continue
+                got = run(pool, str(p), config, global_batch=args.global_batch, steps=args.steps, warmup=1)
+                if "error" in got:
+                    errors[str(p)] = got["error"]
+                else:
+                    times[str(p)].extend(got["times"])
+        return memory, {k: v for k, v in times.items() if k not in errors}, errors, plans
+    finally:
+        pool.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default=None, help="cluster spec from `shardwise calibrate` (default: calibrate now)")
@@ -93,6 +125,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--reuse", default=None, help="a previous results JSON: re-predict its measurements (e.g. with a new --spec)")
     args = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
 
@@ -110,50 +143,37 @@ def main() -> int:
     config = {"vocab_size": 128, "seq_len": args.seq, "layers": args.layers, "hidden": args.hidden, "heads": 4}
     stats = spec_from_gpt_config(GPTConfig(**config)).stats()
     policy = StatePolicy.torch("fp32", "adam")
-    pool = WorkerPool(WORLD, timeout_s=600.0)
-    try:
-        # -- memory -----------------------------------------------------------------------
-        memory_rows = []
-        for text in MEMORY_PLANS:
-            plan = Plan.parse(text)
-            got = run(pool, text, config, global_batch=args.global_batch, steps=1, warmup=0)
-            row = {"plan": text}
-            if "error" in got:
-                row["error"] = got["error"]
-            else:
-                pred = estimate(stats, cluster, plan, global_batch=args.global_batch, policy=policy)
-                want = {k: pred.memory[k] for k in ("params", "grads", "optimizer")}
-                row.update(predicted=want, measured=got["memory"],
-                           rel_error=(sum(got["memory"].values()) - sum(want.values())) / sum(want.values()))
-            memory_rows.append(row)
-            print(f"memory {text:<26} " + (f"predicted {sum(row['predicted'].values()) / 1e6:7.3f} MB  measured "
-                  f"{sum(row['measured'].values()) / 1e6:7.3f} MB  error {100 * row['rel_error']:+5.1f}%"
-                  if "error" not in row else f"not measured: {row['error']}"), flush=True)
-
-        # -- time -------------------------------------------------------------------------
-        plans = candidate_plans(stats, cluster, args.global_batch)
-        print(f"\ntiming {len(plans)} valid plans x {args.rounds} rounds ...", flush=True)
-        times: dict[str, list[float]] = {str(p): [] for p in plans}
-        errors: dict[str, str] = {}
-        for r in range(args.rounds):
-            order = plans if r % 2 == 0 else plans[::-1]  # alternate the order: drift hits all plans alike
-            for p in order:
-                if str(p) in errors:
-                    continue
-                got = run(pool, str(p), config, global_batch=args.global_batch, steps=args.steps, warmup=1)
-                if "error" in got:
-                    errors[str(p)] = got["error"]
-                else:
-                    times[str(p)].extend(got["times"])
-        rows = []
-        for p in plans:
-            if str(p) in errors:
-                continue
-            pred = estimate(stats, cluster, p, global_batch=args.global_batch, policy=policy)
-            rows.append({"plan": str(p), "predicted_s": pred.step_time_s, "measured_s": statistics.median(times[str(p)]),
-                         "samples": len(times[str(p)]), "predicted_breakdown": pred.time, "predicted_detail": pred.detail})
-    finally:
-        pool.close()
+    if args.reuse:
+        with open(args.reuse) as fh:
+            previous = json.load(fh)
+        measured_memory = {r["plan"]: r.get("measured") or {"error": r.get("error")} for r in previous["memory"]}
+        times = {r["plan"]: r.get("times") or [r["measured_s"]] for r in previous["time"]}
+        errors = dict(previous["not_measured"])
+        plans = [Plan.parse(t) for t in times] + [Plan.parse(t) for t in errors]
+        print(f"re-predicting {len(times)} stored measurements from {args.reuse} with {cluster.name}")
+    else:
+        measured_memory, times, errors, plans = measure(stats, cluster, config, args)
+    memory_rows = []
+    for text in MEMORY_PLANS:
+        got = measured_memory.get(text, {"error": "not run"})
+        row = {"plan": text}
+        if "error" in got:
+            row["error"] = got["error"]
+        else:
+            pred = estimate(stats, cluster, Plan.parse(text), global_batch=args.global_batch, policy=policy)
+            want = {k: pred.memory[k] for k in ("params", "grads", "optimizer")}
+            row.update(predicted=want, measured=got, rel_error=(sum(got.values()) - sum(want.values())) / sum(want.values()))
+        memory_rows.append(row)
+        print(f"memory {text:<26} " + (f"predicted {sum(row['predicted'].values()) / 1e6:7.3f} MB  measured "
+              f"{sum(row['measured'].values()) / 1e6:7.3f} MB  error {100 * row['rel_error']:+5.1f}%"
+              if "error" not in row else f"not measured: {row['error']}"), flush=True)
+    rows = []
+    for p in plans:
+        if str(p) in errors:
+            continue
+        pred = estimate(stats, cluster, p, global_batch=args.global_batch, policy=policy)
+        rows.append({"plan": str(p), "predicted_s": pred.step_time_s, "measured_s": statistics.median(times[str(p)]),
+                     "times": times[str(p)], "predicted_breakdown": pred.time, "predicted_detail": pred.detail})
 
     rows.sort(key=lambda r: r["measured_s"])
     for r in rows:
