@@ -100,6 +100,8 @@ def test_gpt_generate_extends_the_prompt_reproducibly() -> None:
     b = model.generate(prompt, 20, generator=torch.Generator().manual_seed(0), top_k=5)
     assert a.shape == (1, 23) and torch.equal(a, b) and torch.equal(a[:, :3], prompt)
     assert model.training  # generate restores the mode
+    limited = model.generate(prompt, 50, generator=torch.Generator().manual_seed(0), vocab_limit=7)
+    assert int(limited[:, 3:].max()) < 7
 
 
 def test_gpt_config_errors() -> None:

@@ -25,7 +25,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from typing import Any, Iterable, Sequence
 
@@ -80,6 +80,7 @@ def default_run_name() -> str:
 
 def run_job(config: TrainJobConfig) -> JobSummary | None:
     """Train the GPT as ``config`` says; returns the summary on rank 0 and ``None`` elsewhere."""
+    from shardwise.checkpoint import CheckpointManager
     from shardwise.train import PlotCurves, Trainer, scale_lr, warmup_cosine
     from shardwise.train.trainer import resolve_plan
 
@@ -88,7 +89,9 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     run_dir = os.path.join(config.run.runs_dir, name)
     corpus = load_stdlib_corpus(max_chars=config.data.max_chars, val_fraction=config.data.val_fraction)
     m, t = config.model, config.train
-    model_config = GPTConfig(vocab_size=corpus.vocab_size, seq_len=m.seq_len, layers=m.layers, hidden=m.hidden,
+    # The vocabulary is padded to a multiple of 8 so that tensor parallelism can split the
+    # embedding and the output layer evenly; the padded ids never occur and are never decoded.
+    model_config = GPTConfig(vocab_size=-(-corpus.vocab_size // 8) * 8, seq_len=m.seq_len, layers=m.layers, hidden=m.hidden,
                              heads=m.heads, ffn=m.ffn, dropout=m.dropout)
     model = GPT(model_config, seed=config.run.seed)
     train_set = CharWindows(corpus.train, m.seq_len)
@@ -129,8 +132,10 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
         run_dir=run_dir,
         flops_per_sample=model_config.flops_per_token() * m.seq_len,
         tokens_per_sample=m.seq_len,
+        checkpoint=CheckpointManager(os.path.join(run_dir, "checkpoints"), every_n_steps=config.checkpoint.every_n_steps or None,
+                                     keep_last_n=config.checkpoint.keep_last_n, async_save=config.checkpoint.async_save),
     )
-    result = trainer.fit(train_set, val_set)
+    result = trainer.fit(train_set, val_set, resume="auto" if config.checkpoint.resume == "auto" else None)
     sample = _sample(trainer.model.module, corpus, config)
     if not env.is_main:
         return None
@@ -168,7 +173,7 @@ def _sample(module: nn.Module, corpus: Any, config: TrainJobConfig) -> str:
     prompt = corpus.encode(config.sample.prompt or "\n").unsqueeze(0).to(device)
     gen = torch.Generator().manual_seed(config.run.seed)
     ids = gpt.generate(prompt, config.sample.chars, temperature=config.sample.temperature,
-                       top_k=config.sample.top_k or None, generator=gen)
+                       top_k=config.sample.top_k or None, generator=gen, vocab_limit=corpus.vocab_size)
     return corpus.decode(ids[0].tolist())
 
 
@@ -182,8 +187,6 @@ def _agree_on_name(name: str) -> str:
 
 
 def _with_name(config: TrainJobConfig, name: str) -> TrainJobConfig:
-    from dataclasses import replace
-
     return replace(config, run=replace(config.run, name=name))
 
 

@@ -173,12 +173,21 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0, top_k: int | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample ``max_new_tokens`` continuations of ``ids[B, T]`` (context cropped to ``seq_len``)."""
+                 generator: torch.Generator | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuations of ``ids[B, T]`` (context cropped to ``seq_len``).
+
+        ``vocab_limit``: sample only ids below it (a vocabulary padded for tensor parallelism has
+        ids that stand for no character).
+        """
         was_training = self.training
         self.eval()
         for _ in range(max_new_tokens):
-            logits = self(ids[:, -self.config.seq_len:])[:, -1, :].float() / max(temperature, 1e-6)
+            logits = self(ids[:, -self.config.seq_len:])
+            if hasattr(logits, "full_tensor"):  # a DTensor when tensor parallelism shards the vocabulary
+                logits = logits.full_tensor()
+            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
+            if vocab_limit is not None:
+                logits[:, vocab_limit:] = float("-inf")
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
