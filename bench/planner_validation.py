@@ -184,17 +184,29 @@ def main() -> int:
     pred_best = min(rows, key=lambda r: r["predicted_s"]) if rows else None
     meas_best = min(rows, key=lambda r: r["measured_s"]) if rows else None
     within = bool(pred_best and pred_best["measured_s"] <= 1.10 * meas_best["measured_s"])
+    # What Trainer(plan="auto") would run: the planner restricted to plans the trainer applies.
+    from shardwise.models.gpt import GPT
+    from shardwise.plan.planner import plan_for_trainer
+
+    trainer_plan = str(plan_for_trainer(GPT(GPTConfig(**config)), world_size=WORLD, global_batch=args.global_batch,
+                                        precision="fp32", device_type="cpu", cluster=cluster).plan)
+    trainer_row = next((r for r in rows if r["plan"] == trainer_plan), None)
     summary = {
         "spearman": rho, "plans_measured": len(rows), "plans_not_measured": len(errors),
         "predicted_best": pred_best and pred_best["plan"], "measured_best": meas_best and meas_best["plan"],
         "predicted_best_measured_s": pred_best and pred_best["measured_s"], "measured_best_s": meas_best and meas_best["measured_s"],
         "predicted_best_within_10pct": within,
+        "trainer_auto_plan": trainer_plan, "trainer_auto_measured_s": trainer_row and trainer_row["measured_s"],
+        "trainer_auto_within_10pct": bool(trainer_row and trainer_row["measured_s"] <= 1.10 * meas_best["measured_s"]),
         "memory_max_abs_error": max((abs(r["rel_error"]) for r in memory_rows if "rel_error" in r), default=None),
     }
     print(f"\nSpearman rank correlation (predicted vs measured step time, {len(rows)} plans): {rho:.3f}")
     if pred_best:
         print(f"predicted best {pred_best['plan']}: measured {1e3 * pred_best['measured_s']:.1f} ms vs measured best "
               f"{meas_best['plan']} {1e3 * meas_best['measured_s']:.1f} ms -> within 10%: {within}")
+    print(f"Trainer(plan='auto') would choose {trainer_plan}: measured "
+          + (f"{1e3 * trainer_row['measured_s']:.1f} ms -> within 10% of the best: {summary['trainer_auto_within_10pct']}"
+             if trainer_row else "not measured"))
     print(f"memory: largest |error| {100 * (summary['memory_max_abs_error'] or 0):.1f}% over "
           f"{sum('rel_error' in r for r in memory_rows)} measured plans")
     out = {"summary": summary, "cluster": cluster.to_dict(), "config": config, "global_batch": args.global_batch,

@@ -257,10 +257,13 @@ def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, s
     n = max(1, len(blocks))
     block_saved = sum(v for k, v in state["saved"].items() if k is not None) / n
     block_flops = 0.0
-    for key, counts in flops_by_module.items():
-        if key.count(".") == _block_depth(model, blocks) and blocks:
-            block_flops = max(block_flops, float(sum(counts.values())))
-    block_flops = block_flops or (total_flops / n if blocks else 0.0)
+    if blocks[0] is model:
+        block_flops = float(total_flops)
+    else:
+        for key, counts in flops_by_module.items():
+            if key.count(".") == _block_depth(model, blocks):
+                block_flops = max(block_flops, float(sum(counts.values())))
+    block_flops = block_flops or total_flops / n
     heads = int(getattr(getattr(model, "config", None), "heads", 0) or 0)
     hidden = int(getattr(getattr(model, "config", None), "hidden", 0) or 0)
     divides = (heads, hidden) if heads and hidden else ()
