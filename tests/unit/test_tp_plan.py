@@ -146,3 +146,10 @@ def test_embedding_strategies():
     emb = nn.Embedding(16, 8)
     assert annotated_plan(shard(emb, ((2, 1), (1, 1))), tp=2).as_dict() == {"": "vocab_embedding"}
     assert annotated_plan(shard(emb, ((1, 2), (1, 1))), tp=2).as_dict() == {"": "embedding_colwise"}
+
+
+def test_sequence_parallel_with_annotations_only_is_refused():
+    model = _Pair()
+    shard(model.up, "colwise")
+    with pytest.raises(ConfigError, match="sequence parallel needs norm"):
+        validate(model, Plan(tp=2, sequence_parallel=True))

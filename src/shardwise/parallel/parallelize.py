@@ -124,6 +124,13 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
     else:
         tp_plan = annotated_plan(model, tp=plan.tp) or derive_tp_plan(model, tp=plan.tp)
     validate_tp(model, tp_plan, tp=plan.tp)
+    styles = set(tp_plan.as_dict().values())
+    if plan.sequence_parallel and not {"sequence_parallel", "attention_input"} <= styles:
+        # Rowwise outputs would be left sequence-sharded with nothing to gather them back.
+        raise ConfigError(
+            f"plan {plan}: sequence parallel needs norm ('sequence_parallel') and 'attention_input' entries in the TP plan",
+            hint="use the derived plan (no annotations), add those entries, or drop sp",
+        )
     return tp_plan
 
 
