@@ -47,7 +47,7 @@ class Record(Callback):
         self.norms.append(metrics.get("grad_norm"))
 
 
-def run_fit(steps: int = 20, gbs: int = 32, accum: int = 1, clip: float | None = None) -> dict:
+def run_fit(steps: int = 20, gbs: int = 32, accum: int = 1, clip: float | None = None, **options) -> dict:
     rec = Record()
     trainer = Trainer(
         make_model(),
@@ -61,6 +61,7 @@ def run_fit(steps: int = 20, gbs: int = 32, accum: int = 1, clip: float | None =
         seed=SEED,
         progress_bar=False,
         callbacks=[rec],
+        **options,
     )
     result = trainer.fit(make_data())
     weights = {k: v.detach().clone() for k, v in get_model_state_dict(trainer.model.module).items()}
@@ -136,3 +137,12 @@ def test_clipping_norm_is_global_and_equals_one_process(pools) -> None:
 def test_global_batch_must_divide(pools) -> None:
     messages = pools(2).run(bad_batch)
     assert all("does not split into 2 data-parallel ranks x 2 accumulation steps" in m for m in messages), messages
+
+
+def test_loader_workers_do_not_change_the_data(pools) -> None:
+    """num_workers / persistent workers / pinning only move loading elsewhere: same batches, same run."""
+    one = pools(1)
+    ref = one.run(run_fit, steps=12)[0]
+    # fork: the test ranks are spawned processes, whose default would re-import torch per worker.
+    got = one.run(run_fit, steps=12, num_workers=2, persistent_workers=True, worker_start_method="fork")[0]
+    assert got["losses"] == ref["losses"]

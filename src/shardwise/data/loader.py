@@ -23,6 +23,7 @@ class LoaderOptions:
     pin_memory: bool = False
     persistent_workers: bool = False
     collate_fn: Callable[[list[Any]], Any] | None = None
+    worker_start_method: str | None = None  # "fork" (fast), "spawn", "forkserver"; None: Python's default
 
     def kwargs(self) -> dict[str, Any]:
         extra: dict[str, Any] = {}
@@ -30,6 +31,8 @@ class LoaderOptions:
             # Persistent workers keep their processes (and dataset copies) across epochs.
             extra["persistent_workers"] = self.persistent_workers
             extra["prefetch_factor"] = 2
+            if self.worker_start_method is not None:
+                extra["multiprocessing_context"] = self.worker_start_method
         if self.collate_fn is not None:
             extra["collate_fn"] = self.collate_fn
         return {"num_workers": self.num_workers, "pin_memory": self.pin_memory, **extra}

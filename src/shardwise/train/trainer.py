@@ -99,6 +99,7 @@ class Trainer:
         num_workers: int = 0,
         pin_memory: bool = False,
         persistent_workers: bool = False,
+        worker_start_method: str | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         shuffle: bool = True,
         sync_batchnorm: bool = False,
@@ -134,7 +135,9 @@ class Trainer:
         self.clip_grad_norm, self.seed, self.max_steps, self.max_epochs = clip_grad_norm, seed, max_steps, max_epochs
         self.eval_every, self.log_every, self.shuffle = eval_every, log_every, shuffle
         self.eval_batch_size = eval_batch_size or self.micro_batch_size
-        self.loader_options = LoaderOptions(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers, collate_fn=collate_fn)
+        self.loader_options = LoaderOptions(
+            num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers, collate_fn=collate_fn, worker_start_method=worker_start_method
+        )
         self.metric_fns = resolve_metrics(metrics)
         self.flops_per_sample, self.tokens_per_sample = flops_per_sample, tokens_per_sample
         peak = peak_flops_per_device or peak_flops(self.env.device, precision)
