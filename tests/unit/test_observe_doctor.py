@@ -31,3 +31,12 @@ def test_local_versions_and_single_process_gather() -> None:
 def test_doctor_has_a_plot_flag() -> None:
     args = build_parser().parse_args(["doctor", "--nproc", "0", "--plot", "bw.png"])
     assert args.plot == "bw.png"
+
+
+def test_environment_report_warns_about_a_bad_hang_timeout() -> None:
+    from shardwise.observe.environment import collect
+
+    report = collect({"SHARDWISE_HANG_TIMEOUT": "soon"})
+    assert any("SHARDWISE_HANG_TIMEOUT=soon" in w for w in report.warnings)
+    assert ("SHARDWISE_HANG_TIMEOUT", "soon") in report.env
+    assert not any("SHARDWISE_HANG_TIMEOUT" in w for w in collect({"SHARDWISE_HANG_TIMEOUT": "60"}).warnings)

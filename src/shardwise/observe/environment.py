@@ -21,6 +21,8 @@ RELEVANT_VARS = (
     "CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG", "NCCL_IB_DISABLE",
     "NCCL_P2P_DISABLE", "OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "SLURM_JOB_ID", "SLURM_JOB_NODELIST",
     "OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+    "SHARDWISE_HANG_TIMEOUT", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_NCCL_DESYNC_DEBUG",
+    "TORCH_DISTRIBUTED_DEBUG",
 )
 
 
@@ -91,6 +93,13 @@ def collect(environ: Mapping[str, str]) -> Report:
         warnings.append("RANK is exported in this shell: a plain 'python train.py' will think it is one rank of a larger job; unset RANK and WORLD_SIZE")
     if environ.get("NCCL_P2P_DISABLE") == "1":
         warnings.append("NCCL_P2P_DISABLE=1 forces GPU traffic through host memory and slows intra-node collectives")
+    hang = environ.get("SHARDWISE_HANG_TIMEOUT", "").strip().lower()
+    if hang and hang not in ("off", "none", "false", "no"):
+        try:
+            if float(hang) < 0:
+                raise ValueError
+        except ValueError:
+            warnings.append(f"SHARDWISE_HANG_TIMEOUT={hang} is not a non-negative number of seconds: init() will refuse it")
     if not dist.is_available():
         warnings.append("this torch build has no torch.distributed")
     env = tuple((k, environ[k]) for k in RELEVANT_VARS if k in environ)
