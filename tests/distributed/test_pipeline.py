@@ -197,3 +197,34 @@ def test_meta_init_of_pipeline_stages(dist2, dist4) -> None:
         merged = {k: v for r in per_rank for k, v in r.items()}
         assert len(merged) == (len(list(make_workload("gpt")[0].parameters())) if kind == "gpt" else 8), plan_text
         assert max(merged.values()) == 0.0, (plan_text, {k: v for k, v in merged.items() if v})
+
+
+def eval_and_shape_changes(plan_text: str) -> tuple[list[float], list[float]]:
+    """Training steps and evaluations of several batch sizes, interleaved, against one process."""
+    plan = Plan.parse(plan_text)
+    meshes = build_mesh(plan, "cpu")
+    model, batch, loss_fn = make_workload("gpt")
+    ref = copy.deepcopy(model)
+    pm = parallelize(model, plan, meshes, loss_fn=loss_fn)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    got, want = [], []
+    for step, sizes in enumerate(((6, 1, 8), (3,), ())):
+        x, y = batch(step)
+        n = BATCH if step != 1 else BATCH // 2  # the training batch changes size too
+        got.append(pm.pipeline.step(x[:n], y[:n]).item())
+        ref_loss = loss_fn(ref(x[:n]), y[:n])
+        ref_loss.backward()
+        want.append(ref_loss.item())
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        with torch.no_grad():
+            for m in sizes:  # uneven and tiny evaluation batches are fine: one microbatch
+                got.append(pm.pipeline.eval_loss(x[:m], y[:m]).item())
+                want.append(loss_fn(ref(x[:m]), y[:m]).item())
+    return got, want
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("plan_text", ["pp=2,schedule=1f1b,microbatches=4", "pp=2,schedule=interleaved_1f1b,virtual_stages=2,microbatches=4"])
+def test_eval_loss_and_changing_batch_sizes(dist2, plan_text: str) -> None:
+    for got, want in dist2.run(eval_and_shape_changes, plan_text):
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.pipeline_split import Balance, split_model
@@ -124,6 +124,8 @@ class PipelineSchedule:
         self.has_last = any(s.is_last for s in self.stages)
         self._losses: list[torch.Tensor] = []
         self._scale = 1.0
+        self._eval_schedule: Any = None
+        self._shapes_key: tuple | None = None
         m = plan.microbatches
         if plan.schedule == "gpipe":
             self._schedule: Any = ScheduleGPipe(self.stages[0], m, loss_fn=self._stage_loss, scale_grads=False)
@@ -148,6 +150,7 @@ class PipelineSchedule:
         the first stage reads the inputs and only the last the targets.
         """
         check_microbatches(int(inputs.shape[0]), self.plan.microbatches)
+        self._prepare(self._schedule, inputs)
         self._losses, self._scale = [], float(loss_scale)
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
@@ -167,23 +170,38 @@ class PipelineSchedule:
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only: the batch's mean loss on every rank (for evaluation).
 
-        An uneven batch (``B >= m`` but not a multiple of ``m``) is allowed here: the microbatch
-        losses are weighted by their sizes, which gives the exact batch mean.
+        The whole batch goes through as one microbatch (no backward, so there is no bubble to
+        hide), which makes any batch size work, the last partial batch of a split included.
         """
-        batch, m = int(inputs.shape[0]), self.plan.microbatches
-        if batch < m:
-            raise ConfigError(f"evaluation batch of {batch} samples is smaller than microbatches={m}", hint=f"use an evaluation batch size >= {m}")
+        if self._eval_schedule is None:
+            if len(self.stages) == 1:
+                self._eval_schedule = ScheduleGPipe(self.stages[0], 1, loss_fn=self._stage_loss, scale_grads=False)
+            else:
+                self._eval_schedule = ScheduleLoopedBFS(self.stages, 1, loss_fn=self._stage_loss, scale_grads=False)
+        self._prepare(self._eval_schedule, inputs)
         self._losses, self._scale = [], 1.0
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
-        self._schedule.eval(*args, target=target)
-        if self.has_last:
-            sizes = torch.tensor([len(c) for c in torch.arange(batch).tensor_split(m)], dtype=torch.float32, device=self._device)
-            loss = (torch.stack(self._losses[-m:]).float() * sizes).sum() / batch
-        else:
-            loss = torch.zeros((), dtype=torch.float32, device=self._device)
+        self._eval_schedule.eval(*args, target=target)
+        loss = self._losses[-1].float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
         dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
         return loss
+
+    def _prepare(self, schedule: Any, inputs: torch.Tensor) -> None:
+        """Make ``schedule`` re-infer the stages' send/receive shapes when they change.
+
+        torch infers them once per schedule (and on a train/eval switch of the same schedule); the
+        stages' buffers are shared by our training and evaluation schedules, and batches can change
+        size, so the inference is redone whenever the schedule or the input shape changes. The
+        shape is the same on every rank of the pp group (they share one data-parallel rank), so
+        all of them redo it together.
+        """
+        key = (id(schedule), tuple(inputs.shape), torch.is_grad_enabled())
+        if key != self._shapes_key:
+            for flag in ("_stage_forward_initialized", "_stage_backward_initialized", "_stages_forward_initialized", "_stages_backward_initialized"):
+                if hasattr(schedule, flag):
+                    setattr(schedule, flag, False)
+            self._shapes_key = key
 
 
 def stage_modules(module: nn.Module) -> list[nn.Module]:
