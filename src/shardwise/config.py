@@ -114,6 +114,15 @@ class SampleSection(_Section):
 
 
 @dataclass(frozen=True)
+class CheckpointSection(_Section):
+    section: ClassVar[str] = "checkpoint"
+    every_n_steps: int = opt(0, "save every N steps into <run dir>/checkpoints (0: only at the end)", min=0)
+    keep_last_n: int = opt(3, "complete checkpoints kept", min=1)
+    async_save: bool = opt(False, "write checkpoints in the background while training continues")
+    resume: Literal["never", "auto"] = opt("never", "'auto': continue from the newest complete checkpoint of run.name")
+
+
+@dataclass(frozen=True)
 class TrainJobConfig:
     """Everything ``shardwise train`` needs; one attribute per TOML table."""
 
@@ -123,6 +132,7 @@ class TrainJobConfig:
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     sample: SampleSection = field(default_factory=SampleSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
 
 # -- loading -----------------------------------------------------------------------------------

@@ -58,6 +58,9 @@ class CheckpointCallback:
         self.loaded = self.manager.load(trainer.stateful_components(), step=step)
         if self.loaded is None and step is not None:
             raise ConfigError(f"no checkpoint of step {step} in {self.manager.directory}")
+        if self.manager.rank == 0:
+            print(f"checkpoint: resumed from step {self.loaded.step} ({self.loaded.path})" if self.loaded
+                  else f"checkpoint: nothing to resume in {self.manager.directory}, starting fresh", flush=True)
 
     def _remember(self, metrics: Mapping[str, Any] | None) -> None:
         for key, value in (metrics or {}).items():

@@ -33,13 +33,13 @@ logs: <run.runs_dir>/<run.name>/ holds metrics.csv, curves.png, config.toml, sum
 multi-node: shardwise run --nnodes 2 ... -m shardwise.jobs.train --config run.toml
 """
 
-_SHORTCUTS = {"nproc": "parallel.nproc", "max_steps": "train.max_steps", "plan": "parallel.plan"}
+_SHORTCUTS = {"nproc": "parallel.nproc", "max_steps": "train.max_steps", "plan": "parallel.plan", "resume": "checkpoint.resume"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        usage="shardwise train [-h] [--config FILE.toml] [--nproc N] [--max-steps N] [--plan PLAN] [--print-config]\n"
+        usage="shardwise train [-h] [--config FILE.toml] [--nproc N] [--max-steps N] [--plan PLAN] [--resume auto] [--print-config]\n"
         "                       [--section.key=VALUE ...]",
         help="train the built-in GPT on the standard library's source (the main job)",
         description="Train a character-level GPT on the Python standard library's own source text, "
@@ -51,6 +51,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", default=None, metavar="N", help="local processes: a number or 'auto' (= parallel.nproc)")
     p.add_argument("--max-steps", default=None, metavar="N", help="optimizer steps (= train.max_steps)")
     p.add_argument("--plan", default=None, metavar="PLAN", help="parallel plan, e.g. dp or dp=2 (= parallel.plan)")
+    p.add_argument("--resume", default=None, choices=["auto", "never"],
+                   help="'auto': continue from the newest complete checkpoint of --run.name (= checkpoint.resume)")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     _add_config_keys(p)
     p.set_defaults(func=_main)
