@@ -91,3 +91,48 @@ def test_trainer_on_sharded_plans_equals_one_process(pools, plan: str) -> None:
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=1e-5, atol=0)
         assert got["val"]["loss"] == pytest.approx(ref["val"]["loss"], rel=1e-5)
+
+
+def fit_gpt(plan: str) -> dict:
+    """A tiny GPT (a model the planner can size): the auto plan must train like one process."""
+    from torch.utils.data import TensorDataset
+
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.train import Trainer
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 16, (64, 9), generator=g)
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+    def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+    rec = Record()
+    model = GPT(GPTConfig(vocab_size=16, seq_len=8, layers=2, hidden=16, heads=2), seed=0)
+    trainer = Trainer(model, loss_fn=lm_loss, optimizer=sgd, plan=plan, global_batch_size=16, max_steps=6, log_every=1, seed=7, progress_bar=False, callbacks=[rec])
+    trainer.fit(data)
+    return {"losses": rec.losses, "plan": str(trainer.plan)}
+
+
+def test_auto_plan_is_the_same_on_every_rank_and_trains(pools) -> None:
+    results = pools(2).run(fit_gpt, "auto")
+    assert results[0]["plan"] == results[1]["plan"]
+    ref = pools(1).run(fit_gpt, "dp")[0]
+    for got in results:
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
+
+
+def auto_on_unsized_model() -> str:
+    from shardwise.errors import ConfigError
+    from shardwise.train import Trainer
+
+    try:
+        Trainer(make_model(), loss_fn=torch.nn.functional.cross_entropy, plan="auto", global_batch_size=32, progress_bar=False)
+    except ConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_auto_plan_failure_reaches_every_rank(dist2) -> None:
+    for message in dist2.run(auto_on_unsized_model):
+        assert message.startswith("plan='auto' found no plan") and "explicit plan" in message

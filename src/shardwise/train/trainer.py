@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import shardwise.runtime as runtime
+from shardwise.runtime.logging import get_logger
 from shardwise.data.loader import LoaderOptions, eval_loader, train_loader
 from shardwise.errors import ConfigError
 from shardwise.parallel.ddp import DDPOptions
@@ -47,8 +48,10 @@ from shardwise.train.clip import clip_grad_norm_
 from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics, throughput
 from shardwise.train.precision import LossScaler, autocast, check_precision
-from shardwise.train.setup import resolve_plan, seed_everything
+from shardwise.train.setup import auto_plan, resolve_plan, seed_everything
 from shardwise.train.state import ModelState, OptimizerState, TrainState
+
+log = get_logger("train")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -73,7 +76,34 @@ def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 class Trainer:
     """Train ``model`` with the layout ``plan`` (see the module doc for the math of one step).
 
-    Every option is keyword-only; see ``docs/`` for the full list with defaults and examples.
+    Construction initializes the process group if there is none (:func:`shardwise.init`), builds
+    the meshes, moves the model to this rank's device, applies the plan and builds the optimizer,
+    so ``trainer.model`` (a ParallelModel), ``trainer.optimizer``, ``trainer.meshes``,
+    ``trainer.plan`` and ``trainer.env`` exist before :meth:`fit`.
+
+    Options (all keyword-only):
+
+    - ``loss_fn(outputs, targets)``: the mean loss of a micro-batch. Batches are ``(inputs, targets)``.
+    - ``global_batch_size``: samples per optimizer step over all data-parallel ranks and micro-steps;
+      each rank's micro-batch is ``global_batch_size / (dp_size * grad_accum_steps)``.
+    - ``optimizer``: ``params -> Optimizer`` (default AdamW, lr 1e-3); ``lr_scheduler``:
+      ``optimizer -> scheduler``, stepped once per optimizer step (see :func:`warmup_cosine`).
+    - ``plan``: ``"dp"`` (every process a data-parallel replica), ``"auto"`` (the planner picks),
+      a plan string such as ``"zero=3,dp=4"`` / ``"dp=2,tp=2"``, or a :class:`Plan`.
+    - ``precision``: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scaling,
+      ``loss_scaler=LossScaler(...)`` to tune it); default: the plan's (fp32).
+    - ``grad_accum_steps``, ``clip_grad_norm`` (global 2-norm), ``seed``.
+    - ``max_steps`` / ``max_epochs`` (default one epoch), ``eval_every`` (steps; default: at each
+      epoch end), ``eval_batch_size`` (default: the micro-batch), ``log_every`` (steps between
+      reduced loss/throughput logs), ``metrics`` (``["accuracy"]`` or ``{name: fn}``).
+    - Data loading: ``num_workers``, ``pin_memory``, ``persistent_workers``, ``worker_start_method``,
+      ``collate_fn``, ``shuffle``.
+    - Parallel options: ``ddp=DDPOptions(...)``, ``sync_batchnorm``, ``tp=TPOptions(...)``,
+      ``fsdp=FSDPOptions(...)``, ``pipeline=PipelineOptions(...)``.
+    - Reporting: ``callbacks``, ``loggers``, ``run_dir`` (CSV, and TensorBoard when installed),
+      ``progress_bar``, ``flops_per_sample`` (training FLOPs, forward + backward) with
+      ``peak_flops_per_device`` (known GPUs are looked up) for MFU, ``tokens_per_sample`` for tokens/s.
+    - ``checkpoint``: a directory, CheckpointManager or CheckpointCallback (``shardwise.checkpoint``).
     """
 
     def __init__(
@@ -120,6 +150,11 @@ class Trainer:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer", hint=f"for example {name}=1")
         self.env = runtime.init()
+        if isinstance(plan, str) and plan.strip().lower() == "auto":
+            # Pipelines split each micro-batch again into microbatches: only without accumulation.
+            plan = auto_plan(model, self.env, global_batch_size=global_batch_size, precision=precision, pipeline=grad_accum_steps == 1)
+            if self.env.is_main:
+                log.info("plan=auto chose %s", plan)
         self.plan = resolve_plan(plan, self.env.world_size, precision=precision)
         precision = self.plan.precision
         dp = self.plan.dp_size
