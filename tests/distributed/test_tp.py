@@ -74,6 +74,9 @@ def test_gpt_tp_sp_and_loss_parallel_on_2(dist2):
     _check(per_rank)
     tp2 = per_rank[0][0].memory
     assert tp2["param"] < 0.6 * tp2["ref_param"]  # everything but norms/biases of rowwise layers is split
+    # gradients and (SGD momentum) state are laid out like the weights, including the
+    # vocabulary-sharded embedding, whose gradient torch produces whole
+    assert tp2["grad"] == tp2["param"] and tp2["optim"] == tp2["param"], tp2
 
 
 def test_large_model_annotations_on_2(dist2):

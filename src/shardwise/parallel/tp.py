@@ -302,6 +302,14 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: TPPlan, sequence_pa
     matched = plan.matches(model)
     parallelize_module(model, tp_mesh, to_torch_plan(plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel))
     for module, style in matched.values():
+        if style == "vocab_embedding":
+            # torch's embedding backward yields a Replicate (whole-table) gradient for a row-sharded
+            # table; slice it back to the weight's layout (local, no communication) so gradient and
+            # optimizer state are 1/tp like the weight. (FSDP does the same when it reduces.)
+            placements = module.weight.placements
+            module.weight.register_hook(
+                lambda g, pl=placements: g.redistribute(placements=pl) if isinstance(g, DTensor) and g.placements != pl else g
+            )
         if style == "attention_input":
             for attr in HEAD_ATTRS:
                 if isinstance(getattr(module, attr, None), int):
