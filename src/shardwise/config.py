@@ -92,7 +92,7 @@ class TrainSection(_Section):
     weight_decay: float = opt(0.1, "AdamW weight decay", min=0.0)
     clip_grad_norm: float = opt(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
     precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "compute precision (bf16/fp16 autocast)")
-    eval_every: int = opt(200, "evaluate every N steps (0: only at the end)", min=0)
+    eval_every: int = opt(100, "evaluate every N steps (0: only at the end)", min=0)
     eval_windows: int = opt(0, "validation windows per evaluation (0: the whole split)", min=0)
     log_every: int = opt(10, "log metrics every N steps", min=1)
 

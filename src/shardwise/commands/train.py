@@ -27,8 +27,8 @@ EXAMPLES = """examples:
   shardwise train --print-config > run.toml         write the resolved configuration, start nothing
 
 precedence: defaults < the --config TOML file < the command line (the shortcut flags --nproc,
---max-steps and --plan are the same as parallel.nproc, train.max_steps and parallel.plan and are
-applied last). In TOML each section is a table:  [train]  lr = 2e-3
+--max-steps, --plan and --resume are the same as parallel.nproc, train.max_steps, parallel.plan and
+checkpoint.resume and are applied last). In TOML each section is a table:  [train]  lr = 2e-3
 logs: <run.runs_dir>/<run.name>/ holds metrics.csv, curves.png, config.toml, summary.json, sample.txt
 multi-node: shardwise run --nnodes 2 ... -m shardwise.jobs.train --config run.toml
 """

@@ -161,7 +161,7 @@ def format_summary(summary: JobSummary) -> str:
                      f"{summary.unigram_entropy:.4f} nats/char (the loss is {ratio:.0%} of it)")
     if summary.sample:
         lines.append("sample:\n" + "\n".join("  | " + line for line in summary.sample.splitlines()))
-    lines.append(f"logs: {summary.run_dir}/ (metrics.csv, curves.png, config.toml, summary.json, sample.txt)")
+    lines.append(f"logs: {summary.run_dir}/ (metrics.csv, curves.png, config.toml, summary.json, sample.txt, checkpoints/)")
     return "\n".join(lines)
 
 
