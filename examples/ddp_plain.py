@@ -9,6 +9,8 @@ DistributedSampler + DDP + AdamW. The model is the MindSpore guide's SimpleNet
     shardwise run --nproc-per-node 2 examples/ddp_plain.py
 """
 
+import os
+
 import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -54,7 +56,8 @@ def main(num_epochs: int = 5, batch_size: int = 32) -> None:
             x, y = data.val.tensors
             accuracy = (model.module(x.to(env.device)).argmax(1).cpu() == y).float().mean().item()
         print(f"validation accuracy {accuracy:.3f}")
-        torch.save(model.module.state_dict(), "simplenet_digits.pth")
+        os.makedirs("runs", exist_ok=True)
+        torch.save(model.module.state_dict(), "runs/simplenet_digits.pth")  # the guide's torch.save of model.module
     shardwise.shutdown()  # replaces cleanup_distributed()
 
 
