@@ -46,7 +46,7 @@ def apply_checkpointing(model: nn.Module, *, mode: str) -> nn.Module:
         return model
     if mode not in ("selective", "full"):
         raise ConfigError(f"recompute={mode!r} is unknown", hint="use none, selective or full")
-    blocks = find_blocks(model)
+    blocks = find_blocks(model, min_repeats=1)  # a pipeline stage may hold a single block
     if not blocks:
         raise ConfigError(
             f"recompute={mode} found no repeated blocks in {type(model).__name__}",

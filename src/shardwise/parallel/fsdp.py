@@ -61,9 +61,10 @@ class FSDPOptions:
     reduce_dtype: torch.dtype = torch.float32
 
 
-def find_blocks(model: nn.Module) -> list[nn.Module]:
+def find_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[nn.Module]:
     """The repeated blocks of the model's trunk: the children of the largest (by parameters)
-    ``nn.ModuleList``/``nn.Sequential`` whose children are >= 2 modules of one class.
+    ``nn.ModuleList``/``nn.Sequential`` whose children are >= ``min_repeats`` modules of one class
+    (1 for a pipeline stage that kept a single block of the trunk).
 
     These are the units FSDP groups into one all-gather and activation checkpointing recomputes.
     Returns [] for a model without such a trunk (then the whole model is one unit).
@@ -74,7 +75,7 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
         if not isinstance(module, (nn.ModuleList, nn.Sequential)):
             continue
         children = list(module.children())
-        if len(children) < 2 or len({type(c) for c in children}) != 1:
+        if len(children) < min_repeats or not children or len({type(c) for c in children}) != 1:
             continue
         if not any(True for _ in children[0].parameters()):
             continue
