@@ -19,6 +19,7 @@ def test_calibration_yields_a_usable_spec(dist2, tmp_path) -> None:
     assert cals[1].matmul == cal.matmul
     assert all(v > 0 for by_size in cal.matmul.values() for v in by_size.values())
     assert cal.memory_bw > 0 and cal.overhead_s > 0 and cal.memory_bytes > 0
+    assert cal.dtensor_overhead_s >= 0 and cal.solo_matmul > 0
     assert {r.op for r in cal.collectives} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
     spec = to_spec(cal, name="test")
     assert spec.devices == 2 and spec.overlap == 0.0 and spec.intra_bw > 0

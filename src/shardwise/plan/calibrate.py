@@ -35,6 +35,8 @@ class Calibration:
     matmul: dict[str, dict[int, float]]  # dtype -> n -> FLOP/s per process
     memory_bw: float
     overhead_s: float
+    dtensor_overhead_s: float
+    solo_matmul: float  # fp32 FLOP/s of the largest size with only rank 0 busy
     collectives: list[BandwidthRow]
     memory_bytes: float
 
@@ -99,6 +101,41 @@ def measure_overhead(device: Any) -> float:
     return _slowest(statistics.median(times), device)
 
 
+def measure_dtensor_overhead(device: Any) -> float:
+    """Extra seconds of one DTensor operator over a plain one (sharding propagation and dispatch)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import torch.distributed as dist
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    d = distribute_tensor(torch.ones(8 * dist.get_world_size(), device=device), mesh, [Shard(0)])
+    plain = torch.ones(8, device=device)
+    for _ in range(10):
+        d + 1
+    dt = statistics.median(_time_per_call(lambda: d + 1, device) for _ in range(5))
+    pt = statistics.median(_time_per_call(lambda: plain + 1, device) for _ in range(5))
+    return _slowest(max(dt - pt, 0.0), device)
+
+
+def measure_solo_matmul(device: Any, n: int) -> float:
+    """fp32 FLOP/s of rank 0 alone (the others wait at a barrier): a process's speed when it has
+    the machine to itself, as a pipeline stage has during the fill and drain."""
+    import torch
+    import torch.distributed as dist
+
+    a = torch.randn(n, n, device=device)
+    value = 0.0
+    if dist.get_rank() == 0:
+        a @ a
+        value = 2 * n**3 / statistics.median(_time_per_call(lambda: a @ a, device) for _ in range(3))
+    dist.barrier()
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t.item())
+
+
 def measure_memory_bw(device: Any, *, nbytes: int = 64 * 2**20, iters: int = 5) -> float:
     import torch
     import torch.distributed as dist
@@ -125,19 +162,32 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int], iters: int) -> C
     from shardwise.observe.collectives import measure_bandwidth
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cpu":
+        # Measure with the threads a training process gets (torchrun's rule: the cores divided among
+        # the local processes); more threads than cores make OpenMP spin and slow small matmuls ~100x.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if device.type == "cuda":
         dtypes["fp16"] = torch.float16
     matmul = {name: {n: measure_matmul(device, dt, n) for n in matmul_sizes} for name, dt in dtypes.items()}
     memory_bw = measure_memory_bw(device)
     overhead = measure_overhead(device)
+    dtensor = measure_dtensor_overhead(device)
+    solo = measure_solo_matmul(device, max(matmul_sizes))
     rows = measure_bandwidth(device, list(sizes), iters=iters)
     n = dist.get_world_size()
     if device.type == "cuda":
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / n
-    return Calibration(n, device.type, matmul, memory_bw, overhead, rows, memory)
+    return Calibration(n, device.type, matmul, memory_bw, overhead, dtensor, solo, rows, memory)
+
+
+def oversubscription(cal: Calibration) -> float:
+    """Processes per core on a CPU host (1 on GPUs, where each process has its own device)."""
+    if cal.device_type != "cpu":
+        return 1.0
+    return max(1.0, cal.world_size / (os.cpu_count() or 1))
 
 
 def fit_alpha_beta(rows: list[BandwidthRow], op: str, n: int) -> tuple[float, float]:
@@ -152,7 +202,12 @@ def fit_alpha_beta(rows: list[BandwidthRow], op: str, n: int) -> tuple[float, fl
     if slope <= 0:  # noisy tiny sizes only: fall back to the largest message's bandwidth
         x, y = max(pts)
         slope = y / x
-    alpha = max(0.0, my - slope * mx)
+    # The latency is what the smallest message costs beyond its bytes: an intercept fitted through
+    # large messages is dominated by their noise (and can come out negative).
+    x0, y0 = min(pts)
+    alpha = max(0.0, y0 - slope * x0)
+    denom = sum(x * x for x, _ in pts)
+    slope = max(sum(x * (y - alpha) for x, y in pts) / denom, 1e-15) if denom else slope
     return alpha, 1.0 / slope
 
 
@@ -169,12 +224,20 @@ def to_spec(cal: Calibration, *, name: str | None = None) -> ClusterSpec:
         devices=n, devices_per_node=n, memory_bytes=cal.memory_bytes, peak_flops=peak, achievable_fraction=1.0,
         intra_bw=bw, intra_latency_s=alpha / steps, inter_bw=bw, inter_latency_s=alpha / steps, memory_bw=cal.memory_bw,
         kernel_overhead_s=cal.overhead_s,
+        dtensor_overhead_s=cal.dtensor_overhead_s,
+        # How much faster one busy process runs than each of N busy ones: > 1 when the processes
+        # share fewer cores than there are processes (a pipeline's idle stages then cost nothing).
+        # Structural (processes per core), because a measured solo/shared ratio on a machine that
+        # other jobs load measures their load; the measured ratio is kept in `measurements`.
+        oversubscription=oversubscription(cal),
         # CPU collectives run on the same cores as the compute: nothing hides behind backward.
         overlap=0.0 if cal.device_type == "cpu" else 1.0, device_type=cal.device_type,
         measurements={
             "matmul_flops": {d: {str(k): v for k, v in s.items()} for d, s in cal.matmul.items()},
             "collectives": [r.__dict__ for r in cal.collectives],
             "fits": fits,
+            "solo_matmul_flops": cal.solo_matmul,
+            "solo_over_shared": cal.solo_matmul / max(cal.matmul["fp32"][max(cal.matmul["fp32"])], 1.0),
         },
     )
 

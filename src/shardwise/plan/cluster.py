@@ -45,6 +45,8 @@ class ClusterSpec:
     memory_bw: float = 1e12  # device memory bandwidth (the optimizer step is bound by it)
     overlap: float = 1.0  # fraction of data-parallel communication that can hide behind backward
     kernel_overhead_s: float = 5e-6  # fixed cost of one operator launch (eager PyTorch: Python + dispatch)
+    dtensor_overhead_s: float = 20e-6  # extra cost of one DTensor operator (sharding propagation)
+    oversubscription: float = 1.0  # processes per compute unit: a lone busy process runs this much faster
     device_type: str = "cuda"
     measurements: dict[str, Any] = field(default_factory=dict)  # raw calibration tables, if any
 
@@ -63,6 +65,8 @@ class ClusterSpec:
                 raise ConfigError(f"cluster {key}={getattr(self, key)} must be positive")
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
             raise ConfigError("cluster peak_flops must map dtypes to positive FLOP/s", hint='e.g. {"fp32": 1e12}')
+        if self.oversubscription < 1:
+            raise ConfigError(f"cluster oversubscription={self.oversubscription} must be >= 1", hint="1 when every process has its own device")
         if not 0 < self.achievable_fraction <= 1 or not 0 <= self.overlap <= 1:
             raise ConfigError(f"cluster achievable_fraction={self.achievable_fraction} and overlap={self.overlap} must lie in (0, 1]")
 

@@ -45,6 +45,8 @@ from shardwise.plan.stats import ModelStats
 
 ADAM_STATE_BYTES = 8.0  # fp32 exp_avg + exp_avg_sq
 KERNELS_PER_LAYER = 20  # operators of one transformer layer's forward (matmuls, norms, adds, attention)
+DTENSOR_OPS_PER_LAYER = 12  # tensor-parallel DTensor dispatches of one layer's forward (6 linears + hooks)
+FSDP_OPS_PER_UNIT = 4  # DTensor-level operations of FSDP2's pre/post hooks per unit and collective
 
 
 @dataclass(frozen=True)
@@ -206,14 +208,25 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         t_bwd += launches
     t_mb = t_fwd + t_bwd
     compute = m * t_mb
-    bubble = (p - 1) / v * t_mb if p > 1 else 0.0
+    bubble = 0.0
+    if p > 1:
+        # Critical path: m microbatches plus (p-1)/v fill-and-drain slots. On a host with more
+        # processes than cores (oversubscription o > 1) a lone busy stage runs up to o times faster
+        # than when all share the cores, and idle stages give their cores away, so the step is
+        # max(work-conserving bound m t_mb, critical path at solo speed); on GPUs (o = 1) this is
+        # the textbook (m + (p-1)/v) t_mb.
+        o = max(1.0, cluster.oversubscription)
+        bubble = max(0.0, (m + (p - 1) / v) * t_mb / o - compute)
 
     tp_comm = 0.0
     if t > 1:
         collectives = 4 + (2 if plan.recompute == "full" else 0)  # 2 fwd + 2 bwd (+2 replayed)
         per_layer_tp = collectives * cluster.collective_time("all_reduce", boundary, t)
         edge = 2 * cluster.collective_time("all_reduce", boundary, t)  # vocab-parallel embedding / loss
-        tp_comm = m * (layers * per_layer_tp + edge)
+        # Every sharded matmul dispatches through DTensor (sharding propagation, redistribution):
+        # ~DTENSOR_OPS_PER_LAYER forward, twice that backward.
+        dispatch = 3 * DTENSOR_OPS_PER_LAYER * cluster.dtensor_overhead_s
+        tp_comm = m * (layers * (per_layer_tp + dispatch) + edge)
 
     pp_comm = 0.0
     if p > 1:
@@ -306,9 +319,13 @@ def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_par
         total = cluster.collective_time("all_reduce", grads, plan.dp, stride=stride)
         return total, max(0.0, total - cluster.overlap * t_bwd)
     shard, rep = plan.shard, plan.dp
-    rs = cluster.collective_time("reduce_scatter", grads, shard, stride=stride)
-    ag = cluster.collective_time("all_gather", params, shard, stride=stride)
-    replicas = cluster.collective_time("all_reduce", grads / shard, rep, stride=stride * shard)
+    # FSDP2 communicates per unit (each block, plus the root's remaining parameters): a collective
+    # latency and FSDP's hook work per unit, the bytes split over the units.
+    units = layers + 1
+    hooks = units * FSDP_OPS_PER_UNIT * cluster.dtensor_overhead_s if shard > 1 else 0.0
+    rs = units * cluster.collective_time("reduce_scatter", grads / units, shard, stride=stride) + hooks
+    ag = units * cluster.collective_time("all_gather", params / units, shard, stride=stride) + hooks
+    replicas = units * cluster.collective_time("all_reduce", grads / shard / units, rep, stride=stride * shard)
     if plan.zero == 1:
         # ZeroRedundancyOptimizer over DDP: the gradient all-reduce overlaps backward; each rank
         # then broadcasts its updated fp32 partition (an all-gather's volume) with nothing to hide behind.
