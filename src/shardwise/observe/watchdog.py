@@ -333,7 +333,14 @@ def current() -> Watchdog | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-def stop_watchdog(*, wait_for_peers: bool = True) -> None:
-    """Close the process's watchdog (called by :func:`shardwise.shutdown`)."""
+def stop_watchdog(*, wait_for_peers: bool | None = None) -> None:
+    """Close the process's watchdog (called by :func:`shardwise.shutdown`).
+
+    By default it waits for the other ranks only on a normal exit: when called from a ``finally``
+    block while an exception propagates, this rank failed and must leave at once, so the launcher
+    can stop the others.
+    """
+    if wait_for_peers is None:
+        wait_for_peers = sys.exc_info()[0] is None
     while _ACTIVE:
         _ACTIVE.pop().close(wait_for_peers=wait_for_peers)
