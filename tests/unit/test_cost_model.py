@@ -178,3 +178,22 @@ def test_batch_that_does_not_split_is_an_error() -> None:
     with pytest.raises(ConfigError, match="global batch 10"):
         estimate(_small().stats(), _cluster(4), Plan(dp=4), global_batch=10)
     assert math.isfinite(estimate(_small().stats(), _cluster(4), Plan(dp=4), global_batch=12).step_time_s)
+
+
+def test_oversubscribed_hosts_hide_the_bubble_in_shared_cores() -> None:
+    """4 processes on 2 cores: a stage that is alone in its fill/drain slot runs twice as fast, so
+    the critical path (m + p - 1) t / 2 is below the work-conserving bound m t for m >= p - 1."""
+    from dataclasses import replace
+
+    stats = _small().stats()
+    base = replace(resolve("cpu", devices=4, devices_per_node=4), kernel_overhead_s=0.0)
+    shared = replace(base, oversubscription=2.0)
+    plan = Plan(pp=4, microbatches=4)
+    assert estimate(stats, shared, plan, global_batch=16).time["bubble"] == 0.0
+    dedicated = estimate(stats, base, plan, global_batch=16)
+    assert dedicated.time["bubble"] / (dedicated.time["bubble"] + dedicated.detail["microbatch"] * 4) == pytest.approx(3 / 7)
+    # with one microbatch the critical path still dominates: (1 + 3) t / 2 - t = t of bubble
+    one = estimate(stats, shared, Plan(pp=4, microbatches=1, schedule="gpipe"), global_batch=4)
+    assert one.time["bubble"] == pytest.approx(one.detail["microbatch"])
+    with pytest.raises(ConfigError, match="oversubscription"):
+        replace(base, oversubscription=0.5)
