@@ -69,14 +69,15 @@ def _check(per_rank):
 
 
 def test_gpt_tp_sp_and_loss_parallel_on_2(dist2):
-    runs = [Run("tp=2"), Run("tp=2,sp"), Run("tp=2", loss_parallel=True)]
+    runs = [Run("tp=2"), Run("tp=2,sp"), Run("tp=2", loss_parallel=True), Run("tp=2", meta_init=True)]
     per_rank = dist2.run(parity_worker, GPTWorkload(), runs, TRAINING)
     _check(per_rank)
-    tp2 = per_rank[0][0].memory
-    assert tp2["param"] < 0.6 * tp2["ref_param"]  # everything but norms/biases of rowwise layers is split
-    # gradients and (SGD momentum) state are laid out like the weights, including the
-    # vocabulary-sharded embedding, whose gradient torch produces whole
-    assert tp2["grad"] == tp2["param"] and tp2["optim"] == tp2["param"], tp2
+    for report in per_rank[0]:
+        mem = report.memory
+        assert mem["param"] < 0.6 * mem["ref_param"]  # everything but norms/biases of rowwise layers is split
+        # gradients and (SGD momentum) state are laid out like the weights, including the
+        # vocabulary-sharded embedding, whose gradient torch produces whole
+        assert mem["grad"] == mem["param"] and mem["optim"] == mem["param"], (report.plan, mem)
 
 
 def test_large_model_annotations_on_2(dist2):

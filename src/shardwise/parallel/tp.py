@@ -255,6 +255,25 @@ class _GatherSequence(ParallelStyle):
         return module
 
 
+class _GradLikeWeight:
+    """Forward pre-hook for a vocabulary-sharded embedding. torch's embedding backward yields a
+    Replicate (whole-table) gradient for a row-sharded table; a gradient hook slices it back to the
+    weight's layout (local, no communication), so gradient and optimizer state are 1/tp like the
+    weight (FSDP does the same when it reduces). The hook is (re)attached at forward time because
+    ``to_empty`` (meta-device init) replaces the parameter object and its hooks."""
+
+    def __init__(self) -> None:
+        self.hooked: nn.Parameter | None = None
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        weight = module.weight
+        if weight is self.hooked or not isinstance(weight, DTensor) or not weight.requires_grad:
+            return
+        placements = weight.placements
+        weight.register_hook(lambda g: g.redistribute(placements=placements) if isinstance(g, DTensor) and g.placements != placements else g)
+        self.hooked = weight
+
+
 def _style(style: str, *, sp: bool, loss_parallel: bool) -> ParallelStyle | None:
     seq = Shard(1)
     if style == "colwise":
@@ -303,13 +322,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: TPPlan, sequence_pa
     parallelize_module(model, tp_mesh, to_torch_plan(plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel))
     for module, style in matched.values():
         if style == "vocab_embedding":
-            # torch's embedding backward yields a Replicate (whole-table) gradient for a row-sharded
-            # table; slice it back to the weight's layout (local, no communication) so gradient and
-            # optimizer state are 1/tp like the weight. (FSDP does the same when it reduces.)
-            placements = module.weight.placements
-            module.weight.register_hook(
-                lambda g, pl=placements: g.redistribute(placements=pl) if isinstance(g, DTensor) and g.placements != pl else g
-            )
+            module.register_forward_pre_hook(_GradLikeWeight())
         if style == "attention_input":
             for attr in HEAD_ATTRS:
                 if isinstance(getattr(module, attr, None), int):
