@@ -100,7 +100,7 @@ class TrainSection(_Section):
 @dataclass(frozen=True)
 class ParallelSection(_Section):
     section: ClassVar[str] = "parallel"
-    plan: str = opt("dp", "parallel plan: 'dp' (all ranks data parallel) or e.g. 'dp=2'")
+    plan: str = opt("dp", "parallel plan: 'dp' (all ranks data parallel), 'auto' (the planner picks) or e.g. 'dp=2,tp=2'")
     nproc: str = opt("auto", "local processes: a number, or 'auto' (one per GPU, else one per core up to 4)")
 
 

@@ -50,7 +50,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", default=None, metavar="FILE.toml", help="configuration file (TOML, one table per section)")
     p.add_argument("--nproc", default=None, metavar="N", help="local processes: a number or 'auto' (= parallel.nproc)")
     p.add_argument("--max-steps", default=None, metavar="N", help="optimizer steps (= train.max_steps)")
-    p.add_argument("--plan", default=None, metavar="PLAN", help="parallel plan, e.g. dp or dp=2 (= parallel.plan)")
+    p.add_argument("--plan", default=None, metavar="PLAN", help="parallel plan: dp, auto (the planner picks), or e.g. dp=2,tp=2 (= parallel.plan)")
     p.add_argument("--resume", default=None, choices=["auto", "never"],
                    help="'auto': continue from the newest complete checkpoint of --run.name (= checkpoint.resume)")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
@@ -93,16 +93,17 @@ def nproc_of(config: TrainJobConfig) -> int:
 def _main(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from shardwise.jobs.train import JobSummary, default_run_name, format_summary
-    from shardwise.train.trainer import resolve_plan
+    from shardwise.jobs.train import JobSummary, default_run_name, format_summary, precision_override
+    from shardwise.train.setup import resolve_plan
 
     config = resolve_config(args)
     if args.print_config:
         print(to_toml(config), end="")
         return 0
     nproc = nproc_of(config)
-    plan = resolve_plan(config.parallel.plan, nproc)
-    if config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
+    auto = config.parallel.plan.strip().lower() == "auto"
+    plan = resolve_plan("dp" if auto else config.parallel.plan, nproc, precision=precision_override(config.train.precision))
+    if not auto and config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
         raise ConfigError(
             f"config key 'train.global_batch_size': {config.train.global_batch_size} does not split into "
             f"{plan.dp_size} data-parallel ranks x {config.train.grad_accum_steps} accumulation steps",
@@ -116,8 +117,11 @@ def _main(args: argparse.Namespace) -> int:
     config_path = os.path.join(run_dir, "config.toml")
     with open(config_path, "w") as fh:
         fh.write(to_toml(config))
-    print(f"plan ({plan}, {nproc} process{'es' if nproc > 1 else ''}):")
-    print("  " + plan.describe().replace("\n", "\n  "), flush=True)
+    if auto:
+        print(f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed below)", flush=True)
+    else:
+        print(f"plan ({plan}, {nproc} process{'es' if nproc > 1 else ''}):")
+        print("  " + plan.describe().replace("\n", "\n  "), flush=True)
     print(f"run directory: {run_dir}", flush=True)
 
     if nproc == 1:

@@ -39,9 +39,7 @@ from shardwise.config import TrainJobConfig, load_config, override_keys, to_toml
 from shardwise.data.corpus import CharWindows, load_stdlib_corpus
 from shardwise.errors import ShardwiseError
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.runtime import get_logger, init, shutdown
-
-log = get_logger("train")
+from shardwise.runtime import init, shutdown
 
 
 @dataclass(frozen=True)
@@ -74,6 +72,12 @@ def adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float) -> 
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
+def precision_override(precision: str) -> str | None:
+    """``train.precision`` as an override of the plan's: the default fp32 leaves a plan's own
+    ``precision=bf16`` alone instead of contradicting it."""
+    return None if precision == "fp32" else precision
+
+
 def default_run_name() -> str:
     return time.strftime("gpt-stdlib-%Y%m%d-%H%M%S")
 
@@ -82,7 +86,7 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     """Train the GPT as ``config`` says; returns the summary on rank 0 and ``None`` elsewhere."""
     from shardwise.checkpoint import CheckpointManager
     from shardwise.train import PlotCurves, Trainer, scale_lr, warmup_cosine
-    from shardwise.train.trainer import resolve_plan
+    from shardwise.train.setup import auto_plan, resolve_plan
 
     env = init()
     name = _agree_on_name(config.run.name or default_run_name())
@@ -98,7 +102,12 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     val_set = CharWindows(corpus.val, m.seq_len)
     if t.eval_windows and t.eval_windows < len(val_set):
         val_set = Subset(val_set, range(t.eval_windows))
-    plan = resolve_plan(config.parallel.plan, env.world_size)
+    if config.parallel.plan.strip().lower() == "auto":  # the planner picks (rank 0 decides, all agree)
+        plan = auto_plan(model, env, global_batch_size=t.global_batch_size, precision=precision_override(t.precision), pipeline=t.grad_accum_steps == 1)
+        if env.is_main:
+            print(f"plan=auto chose {plan}:\n  " + plan.describe().replace("\n", "\n  "), flush=True)
+    plan = resolve_plan(plan if config.parallel.plan.strip().lower() == "auto" else config.parallel.plan, env.world_size,
+                        precision=precision_override(t.precision))
     lr = scale_lr(t.lr, plan.dp_size, rule=t.scale_lr)
     steps_per_epoch = len(train_set) // t.global_batch_size
     total_steps = t.max_steps or steps_per_epoch * max(t.max_epochs, 1)
@@ -117,7 +126,7 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
         loss_fn=lm_loss,
         optimizer=partial(adamw, lr=lr, weight_decay=t.weight_decay),
         plan=plan,
-        precision=t.precision,
+        precision=plan.precision,
         global_batch_size=t.global_batch_size,
         grad_accum_steps=t.grad_accum_steps,
         clip_grad_norm=t.clip_grad_norm or None,
