@@ -61,3 +61,28 @@ def test_zero_stages_hsdp_and_memory_on_4(dist4):
                 assert 0.24 < mem[kind] / mem[f"ref_{kind}"] < 0.27, (kind, mem)
         # HSDP 2x2: sharded over 2, replicated over 2 -> ~1/2.
         assert 0.49 < hsdp["param"] / hsdp["ref_param"] < 0.52, hsdp
+
+
+def accumulation_worker(plan_text: str) -> tuple[bool, bool]:
+    """Under gradient_sync(False) FSDP keeps the unsharded gradient and issues no reduce-scatter:
+    the sharded parameters' .grad stays None until the boundary micro-step reduces."""
+    from shardwise.parallel.mesh import build_mesh
+    from shardwise.parallel.parallelize import parallelize
+    from shardwise.plan.plan import Plan
+
+    workload = GPTWorkload()
+    plan = Plan.parse(plan_text)
+    pm = parallelize(workload.build(0), plan, build_mesh(plan, "cpu"))
+    x, y = workload.batch(0, 4)
+    with pm.gradient_sync(False):
+        workload.loss(pm.module(x[:2]), y[:2]).backward()
+    none_before = all(p.grad is None for p in pm.parameters())
+    with pm.gradient_sync(True):
+        workload.loss(pm.module(x[2:]), y[2:]).backward()
+    all_after = all(p.grad is not None for p in pm.parameters())
+    return none_before, all_after
+
+
+def test_no_reduce_scatter_before_the_boundary(dist2):
+    for plan in ("zero=3,shard=2", "zero=2,shard=2"):
+        assert dist2.run(accumulation_worker, plan) == [(True, True)] * 2, plan
