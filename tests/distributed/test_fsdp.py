@@ -45,12 +45,14 @@ def test_zero3_accumulation_offload_and_bf16_on_2(dist2):
 
 
 def test_zero_stages_hsdp_and_memory_on_4(dist4):
-    runs = [Run("zero=1,shard=4"), Run("zero=2,shard=4"), Run("zero=3,shard=4"), Run("zero=3,dp=2,shard=2")]
+    runs = [Run("zero=1,shard=4"), Run("zero=2,shard=4"), Run("zero=3,shard=4"), Run("zero=3,dp=2,shard=2"),
+            Run("zero=1,dp=2,shard=2")]  # DDP over all 4, optimizer state sharded over pairs
     reports = dist4.run(parity_worker, GPTWorkload(), runs, TRAINING)
     for rank_reports in reports:
         _check(rank_reports)
     for rank_reports in reports:
-        zero1, zero2, zero3, hsdp = (r.memory for r in rank_reports)
+        zero1, zero2, zero3, hsdp, zero1_hybrid = (r.memory for r in rank_reports)
+        assert 0.4 < zero1_hybrid["optim"] / zero1_hybrid["ref_optim"] < 0.6, zero1_hybrid
         # ZeRO-1: parameters and gradients whole, optimizer state ~1/4 (ZeroRedundancyOptimizer
         # partitions whole tensors greedily by size, so the shares are only roughly equal).
         assert zero1["param"] == zero1["ref_param"] and zero1["grad"] == zero1["ref_grad"]
