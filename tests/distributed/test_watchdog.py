@@ -65,3 +65,23 @@ def _healthy(namespace: str):
 def test_healthy_job_is_left_alone(dist4) -> None:
     for codes, report, flights in dist4.run(_healthy, uuid.uuid4().hex):
         assert codes == [] and report is None and flights == []
+
+
+def _stuck_outside_collectives(namespace: str):
+    rank = dist.get_rank()
+    codes: list[int] = []
+    with tempfile.TemporaryFile("w+") as out:
+        store = side_store(dist.distributed_c10d._get_default_store(), namespace)
+        dog = Watchdog(store, rank=rank, world_size=dist.get_world_size(), timeout_s=30.0, step_timeout_s=1.0,
+                       interval_s=0.2, grace_s=2.0, exit_fn=codes.append, stream=out).start()
+        dog.step(7)
+        time.sleep(3.5)  # every rank is stuck in its step, none in a collective
+        dog.close(wait_for_peers=False)
+    return codes, dog.report
+
+
+def test_step_timeout_reports_a_step_that_does_not_advance(dist4) -> None:
+    results = dist4.run(_stuck_outside_collectives, uuid.uuid4().hex)
+    report = results[0][1]
+    assert all(r[1] == report for r in results) and all(r[0] == [HANG_EXIT_CODE] for r in results)
+    assert "step 7 has made no progress" in report and "stuck outside any collective at step 7" in report

@@ -12,9 +12,12 @@ How it works (one daemon thread per rank, started by :func:`shardwise.init`):
    and checks one ``abort`` key. It reads the other ranks' heartbeats only when it suspects a hang,
    so the store load stays O(world) per interval. The store is reached over its own client socket,
    never through the process group, so it works while the group is stuck.
-3. **Detection.** A rank is stalled when a collective has been in flight for ``timeout_s``, when a
-   marked step has not advanced for ``timeout_s`` outside any collective, or when it finished and
-   waited ``timeout_s`` at :meth:`close` for the others. It then diagnoses who did not arrive
+3. **Detection.** A rank is stalled when a collective has been in flight for ``timeout_s``, or when
+   it finished and waited ``timeout_s`` at :meth:`close` for the others, or (only with
+   ``step_timeout_s``) when a marked step has not advanced for that long outside any collective.
+   The step check is off by default: a rank stuck outside collectives (a dead data loader, a
+   deadlock) is named by its peers, who wait for it in the next collective, while a legitimately
+   long stretch without steps (a big evaluation) would otherwise be mistaken for a hang. It then diagnoses who did not arrive
    (:func:`~shardwise.observe.hang_report.diagnose`), publishes the verdict under ``abort``
    (first writer wins), prints it with its Python stack and in-flight collectives, and exits with
    :data:`HANG_EXIT_CODE`. Every other rank sees ``abort`` within one interval and does the same,
@@ -158,10 +161,12 @@ class Watchdog:
         timeout_s: float,
         interval_s: float | None = None,
         grace_s: float | None = None,
+        step_timeout_s: float | None = None,
         exit_fn: Callable[[int], None] = os._exit,
         stream: TextIO | None = None,
     ) -> None:
         self.store, self.rank, self.world_size, self.timeout_s = store, rank, world_size, timeout_s
+        self.step_timeout_s = step_timeout_s
         self.interval_s = interval_s if interval_s is not None else max(0.2, min(5.0, timeout_s / 10))
         self.grace_s = grace_s if grace_s is not None else max(2.0, 3 * self.interval_s)
         self.stale_s = max(3 * self.interval_s, min(timeout_s / 2, 30.0))
@@ -184,7 +189,8 @@ class Watchdog:
         return self
 
     def step(self, step: int) -> None:
-        """Mark progress: step ``step`` has finished (cheap: two attribute writes)."""
+        """Mark progress: step ``step`` has finished (cheap: attribute writes). Reports show the step;
+        with ``step_timeout_s`` a step that does not advance is a stall."""
         self._step, self._progress_t, self._steps_running = step, time.monotonic(), True
 
     @contextlib.contextmanager
@@ -251,7 +257,8 @@ class Watchdog:
         now = time.monotonic()
         if self._finish_t is not None and now - self._finish_t > self.timeout_s:
             return Stall(self.rank, "finish", now - self._finish_t, step=self._step)
-        if self._steps_running and self._finish_t is None and not flights and now - self._progress_t > self.timeout_s:
+        if (self.step_timeout_s is not None and self._steps_running and self._finish_t is None and not flights
+                and now - self._progress_t > self.step_timeout_s):
             return Stall(self.rank, "step", now - self._progress_t, step=self._step)
         return None
 
