@@ -191,5 +191,7 @@ def test_plan_for_trainer_only_returns_plans_the_parallel_layer_accepts(tmp_path
     validate(model, auto.plan)  # raises if the parallel layer would refuse it
     for est in auto.result.plans:
         assert not (est.plan.zero == 1 and est.plan.tp > 1)  # ZeRO-1 over TP is refused by the parallel layer
+    piped = plan_for_trainer(model, world_size=4, global_batch=16, precision="fp32", device_type="cpu", pipeline=True)
+    assert all(not (e.plan.zero == 1 and e.plan.pp > 1) for e in piped.result.plans)
     auto.save(str(tmp_path / "auto_plan.json"))
     assert Plan.from_dict(json.loads((tmp_path / "auto_plan.json").read_text())["plan"]) == auto.plan
