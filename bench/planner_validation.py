@@ -184,12 +184,13 @@ def main() -> int:
     pred_best = min(rows, key=lambda r: r["predicted_s"]) if rows else None
     meas_best = min(rows, key=lambda r: r["measured_s"]) if rows else None
     within = bool(pred_best and pred_best["measured_s"] <= 1.10 * meas_best["measured_s"])
-    # What Trainer(plan="auto") would run: the planner restricted to plans the trainer applies.
+    # What Trainer(plan="auto") runs: the same call as shardwise.train.setup.auto_plan makes (the
+    # device's preset, not this calibration; pipelines allowed without accumulation).
     from shardwise.models.gpt import GPT
     from shardwise.plan.planner import plan_for_trainer
 
     trainer_plan = str(plan_for_trainer(GPT(GPTConfig(**config)), world_size=WORLD, global_batch=args.global_batch,
-                                        precision="fp32", device_type="cpu", cluster=cluster).plan)
+                                        precision="fp32", device_type="cpu", pipeline=True).plan)
     trainer_row = next((r for r in rows if r["plan"] == trainer_plan), None)
     summary = {
         "spearman": rho, "plans_measured": len(rows), "plans_not_measured": len(errors),
