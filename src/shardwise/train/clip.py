@@ -28,6 +28,16 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+try:  # FSDP x TP parameters carry _StridedShard, which (in torch 2.13) is not a Shard subclass
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = ()  # type: ignore[assignment,misc]
+
+
+def _is_sharded(placement: Placement) -> bool:
+    return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
 def _sharded_groups(grad: DTensor) -> tuple[tuple[str, dist.ProcessGroup], ...]:
@@ -37,7 +47,7 @@ def _sharded_groups(grad: DTensor) -> tuple[tuple[str, dist.ProcessGroup], ...]:
     return tuple(
         (f"{names[i]}:{dist.get_process_group_ranks(mesh.get_group(i))}", mesh.get_group(i))
         for i, placement in enumerate(grad.placements)
-        if placement.is_shard() and mesh.size(i) > 1
+        if _is_sharded(placement) and mesh.size(i) > 1
     )
 
 
