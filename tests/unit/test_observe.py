@@ -177,3 +177,14 @@ def test_plots_write_pngs(tmp_path) -> None:
 def _is_png(path) -> bool:
     with open(path, "rb") as f:
         return f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_finished_rank_that_skipped_a_collective_blames_itself() -> None:
+    stall = Stall(1, "finish", 9.0, step=6)
+    beats = {0: _beat(0, flights=(AR,)), 1: _beat(1, issued=6, state="finished"), 2: _beat(2, flights=(AR,))}
+    culprits = diagnose(stall, beats, now=101.0, stale_s=10.0, world_size=3)
+    assert [(c.rank, c.reason) for c in culprits] == [(1, "finished")]
+    assert "but other ranks wait in all_reduce #7" in culprits[0].detail
+    # Peers still computing (no collective in flight) are the ones behind.
+    culprits = diagnose(stall, {0: _beat(0), 1: _beat(1, issued=7, state="finished")}, now=101.0, stale_s=10.0, world_size=2)
+    assert [(c.rank, c.reason) for c in culprits] == [(0, "behind")]

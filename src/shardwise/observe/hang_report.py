@@ -118,6 +118,15 @@ def diagnose(stall: Stall, beats: dict[int, Heartbeat | None], *, now: float, st
                                                "frozen (stopped, swapping, or stuck in a call that holds the GIL) or its host is down"))
             continue
         if stall.kind == "finish":
+            mine = beats.get(stall.rank)
+            waiting = next((f for f in beat.in_flight if mine is not None and f.seq > mine.issued.get(f.pg, 0)), None)
+            if waiting is not None and mine is not None:
+                # The peer waits in a collective this rank never issued: this rank is the one missing.
+                if not any(c.rank == stall.rank for c in culprits):
+                    culprits.insert(0, Culprit(stall.rank, "finished", f"{mine.where()} has finished after issuing "
+                                               f"{mine.issued.get(waiting.pg, 0)} collectives on group {waiting.pg}, "
+                                               f"but other ranks wait in {waiting.describe()}: it skipped a collective"))
+                continue
             culprits.append(Culprit(r, "behind", f"{beat.where()} is still running{at}{_doing(beat)}"))
             continue
         if stall.kind != "collective" or stall.collective is None:

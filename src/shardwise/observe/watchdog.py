@@ -255,7 +255,9 @@ class Watchdog:
             oldest = flights[0]
             return Stall(self.rank, "collective", oldest.age_s, oldest, group_ranks(oldest.pg), self._step)
         now = time.monotonic()
-        if self._finish_t is not None and now - self._finish_t > self.timeout_s:
+        # A finished rank waits a little longer than T, so that the ranks stuck in a collective,
+        # which know which collective it is, usually speak first.
+        if self._finish_t is not None and now - self._finish_t > self.timeout_s + 2 * self.interval_s:
             return Stall(self.rank, "finish", now - self._finish_t, step=self._step)
         if (self.step_timeout_s is not None and self._steps_running and self._finish_t is None and not flights
                 and now - self._progress_t > self.step_timeout_s):
