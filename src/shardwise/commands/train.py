@@ -54,6 +54,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan", default=None, metavar="PLAN", help="parallel plan: dp, auto (the planner picks), or e.g. dp=2,tp=2 (= parallel.plan)")
     p.add_argument("--resume", default=None, choices=["auto", "never"],
                    help="'auto': continue from the newest complete checkpoint of --run.name (= checkpoint.resume)")
+    p.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
+                   help="hang watchdog: a collective stuck this long stops every rank with a report (default 300; 0 disables)")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     _add_config_keys(p)
     p.set_defaults(func=_main)
@@ -134,11 +136,15 @@ def _main(args: argparse.Namespace) -> int:
         finally:
             shutdown()
     else:
+        import dataclasses
+
+        from shardwise.commands.run import hang_timeout_env
         from shardwise.launch.options import RunOptions, resolve
         from shardwise.launch.run import run_launch
 
         options = RunOptions(script="shardwise.jobs.train", module=True, script_args=("--config", config_path), nproc_per_node=str(nproc))
-        run_launch(resolve(options))
+        resolved = resolve(options)
+        run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args)}))
 
     summary_path = os.path.join(run_dir, "summary.json")
     if not os.path.exists(summary_path):
