@@ -21,7 +21,8 @@ def _late_rank(namespace: str, late: int, sleep_s: float):
     codes: list[int] = []
     with tempfile.TemporaryFile("w+") as out:
         store = side_store(dist.distributed_c10d._get_default_store(), namespace)
-        dog = Watchdog(store, rank=rank, world_size=dist.get_world_size(), timeout_s=1.5, interval_s=0.2, grace_s=2.0,
+        # Timeouts of seconds, not fractions: on 2 shared cores a heartbeat thread can be starved for ~1 s.
+        dog = Watchdog(store, rank=rank, world_size=dist.get_world_size(), timeout_s=4.0, interval_s=0.3, grace_s=3.0,
                        exit_fn=codes.append, stream=out).start()
         if rank == late:
             time.sleep(sleep_s)  # computing, not in any collective
@@ -34,7 +35,7 @@ def _late_rank(namespace: str, late: int, sleep_s: float):
 
 
 def test_late_rank_is_named_and_every_rank_reports(dist4) -> None:
-    results = dist4.run(_late_rank, uuid.uuid4().hex, 2, 4.0)
+    results = dist4.run(_late_rank, uuid.uuid4().hex, 2, 10.0)
     reports = {r[1] for r in results}
     assert len(reports) == 1  # every rank prints the same verdict
     report = reports.pop()
@@ -51,7 +52,7 @@ def _healthy(namespace: str):
     rank = dist.get_rank()
     codes: list[int] = []
     store = side_store(dist.distributed_c10d._get_default_store(), namespace)
-    dog = Watchdog(store, rank=rank, world_size=dist.get_world_size(), timeout_s=1.0, interval_s=0.1,
+    dog = Watchdog(store, rank=rank, world_size=dist.get_world_size(), timeout_s=4.0, interval_s=0.2,
                    exit_fn=codes.append).start()
     for step in range(1, 16):
         t = torch.ones(64)
