@@ -165,10 +165,15 @@ def test_slurm_writes_an_sbatch_script(tmp_path: Path) -> None:
 
 
 def test_every_command_has_help_with_examples() -> None:
-    from shardwise.cli import COMMANDS
+    import argparse
 
-    for module in COMMANDS:
-        name = module.rsplit(".", 1)[1]
-        proc = _run(SHARDWISE + [name, "--help"], timeout=60)
-        assert proc.returncode == 0, (name, proc.stderr)
-        assert "example" in proc.stdout.lower(), name
+    from shardwise.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == sorted(m.rsplit(".", 1)[1] for m in COMMANDS)
+    for name, command in sub.choices.items():
+        assert "example" in command.format_help().lower(), name
+    assert "example" in parser.format_help().lower()
+    proc = _run(SHARDWISE + ["doctor", "--help"], timeout=60)  # and once through the real entry point
+    assert proc.returncode == 0 and "shardwise doctor" in proc.stdout, proc.stderr
