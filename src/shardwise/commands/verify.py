@@ -26,6 +26,7 @@ from shardwise.plan.plan import Plan
 EXAMPLES = """examples:
   shardwise verify --plan dp=2,tp=2
   shardwise verify --plan zero=3,shard=4 --steps 20
+  shardwise verify --plan dp=2,pp=2,microbatches=2           # pipeline stages: norm and weights gathered over pp
   shardwise verify --plan tp=2,sp --script my_model.py     # defines build_model(seed), make_batch(step, size)
 """
 
@@ -53,12 +54,11 @@ def _main(args: argparse.Namespace) -> int:
     plan = Plan.parse(args.plan)
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} must be at least 1", hint="for example --steps 20")
-    if plan.pp_enabled:
-        raise ConfigError(f"plan {plan}: verify does not drive pipeline schedules yet", hint="verify the plan without pp")
-    per_step = plan.dp_size * args.accumulation
+    per_step = plan.dp_size * args.accumulation * (plan.microbatches if plan.pp_enabled else 1)
     if args.global_batch % per_step:
+        pipe = f" x {plan.microbatches} pipeline microbatches" if plan.pp_enabled else ""
         raise ConfigError(f"--global-batch {args.global_batch} does not split into {plan.dp_size} data-parallel ranks x "
-                          f"{args.accumulation} micro-steps", hint=f"use a multiple of {per_step}, e.g. {per_step * max(1, args.global_batch // per_step)}")
+                          f"{args.accumulation} micro-steps{pipe}", hint=f"use a multiple of {per_step}, e.g. {per_step * max(1, args.global_batch // per_step)}")
     workload = ScriptWorkload(args.script) if args.script else GPTWorkload()
     # Check the plan against the model here, on the meta device: no memory, no processes.
     with torch.device("meta"):

@@ -7,12 +7,16 @@ for ``steps`` optimizer steps twice from the same seed and on the same global ba
   global batch per step;
 - *parallel*: ``parallelize(model, plan, meshes)``; each data-parallel rank takes its slice of the
   global batch (TP/PP peers take the same slice), optionally in ``accumulation`` micro-steps with
-  the gradient reduction off until the boundary (``ParallelModel.gradient_sync``).
+  the gradient reduction off until the boundary (``ParallelModel.gradient_sync``). With pipeline
+  parallelism each micro-step is one ``pm.pipeline.step`` (forward and backward of all
+  ``plan.microbatches`` pipeline microbatches; the loss computed on the last stage is broadcast to
+  every rank of the ``pp`` group).
 
 It compares per-step loss (the parallel loss is averaged over the data-parallel ranks, which is
 the global-batch mean because the slices are equal), per-step global gradient norm (computed
-over DTensor shards by :func:`shardwise.parallel.grad_norm.reference_grad_norm`) and the final weights
-(gathered with ``full_tensor()``). Loss and grad norm are compared relatively; a weight tensor's
+over DTensor shards by :func:`shardwise.parallel.grad_norm.reference_grad_norm`, and summed over the
+pipeline stages) and the final weights (gathered with ``full_tensor()``; with pipelining each stage
+compares its own parameters by their original names and the results are gathered over ``pp``). Loss and grad norm are compared relatively; a weight tensor's
 divergence is ``max|w - w_ref| / max(max|w_ref|, weight_floor)``: relative to the tensor's scale,
 but never to a scale below ``weight_floor`` (0.01), because some parameters carry no signal at all:
 the key projection's bias has an exactly-zero true gradient (softmax is shift-invariant), so its
@@ -45,6 +49,7 @@ from shardwise.errors import ConfigError
 from shardwise.parallel.init import parallelize_on_meta
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import parallelize
+from shardwise.parallel.pipeline import stage_modules
 from shardwise.parallel.tp import TPOptions
 from shardwise.plan.plan import Plan
 from shardwise.parallel.grad_norm import reference_grad_norm
@@ -252,7 +257,9 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     if training.global_batch % (dp_size * run.accumulation):
         raise ConfigError(f"global batch {training.global_batch} does not split into {dp_size} ranks x {run.accumulation} micro-steps",
                           hint=f"use a multiple of {dp_size * run.accumulation}")
-    options = {"tp": TPOptions(loss_parallel=run.loss_parallel)}
+    options: dict[str, Any] = {"tp": TPOptions(loss_parallel=run.loss_parallel)}
+    if plan.pp_enabled:
+        options["loss_fn"] = workload.loss  # runs on the last stage, once per pipeline microbatch
     if run.meta_init:
         pm = parallelize_on_meta(lambda: workload.build(training.seed), plan, meshes, device="cpu", seed=training.seed, **options)
     else:
@@ -261,29 +268,56 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     params = list(pm.parameters())
     losses, norms = [], []
     memory: dict[str, int] = {}
+    # Pipeline stages hold different layers: the norm's sum of squares is completed over pp.
+    pp_group = meshes.pp.get_group() if plan.pp_enabled else None
     for step, (x, y) in enumerate(batches):
         xs, ys = x.chunk(dp_size)[dp_rank].chunk(run.accumulation), y.chunk(dp_size)[dp_rank].chunk(run.accumulation)
         total = torch.zeros(())
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             with pm.gradient_sync(i == run.accumulation - 1), pm.loss_context():
-                loss = workload.loss(pm.module(xm), ym) / run.accumulation
-                loss.backward()
+                if pm.pipeline is not None:
+                    # All microbatches' forward and backward; the unscaled mean loss on every rank.
+                    loss = pm.pipeline.step(xm, ym, loss_scale=1.0 / run.accumulation) / run.accumulation
+                else:
+                    loss = workload.loss(pm.module(xm), ym) / run.accumulation
+                    loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         dist.all_reduce(total, group=meshes.dp.get_group())
         losses.append(float(total) / dp_size)
-        norms.append(float(reference_grad_norm(params)))
+        norms.append(float(reference_grad_norm(params, pp_group=pp_group)))
         opt.step()
         if step == len(batches) - 1:
             memory = memory_bytes(params, opt)
         opt.zero_grad(set_to_none=True)
 
-    diffs: dict[str, float] = {}
-    for name, p in pm.module.named_parameters():
-        full, want = _full(p), ref.weights[_clean(name)]
-        diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(training.weight_floor))
+    diffs = _weight_diffs(pm, ref, training.weight_floor, pp_group=pp_group)
     memory.update({f"ref_{k}": v for k, v in ref.memory.items()})
     return ParityReport(plan=run.label, losses=tuple(losses), ref_losses=ref.losses, grad_norms=tuple(norms),
                         ref_grad_norms=ref.grad_norms, weight_diffs=diffs, memory=memory, seconds=time.perf_counter() - start)
+
+
+def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.ProcessGroup | None) -> dict[str, float]:
+    """Each parameter's divergence from the reference, by its original name, on every rank.
+
+    Without pipelining every rank holds (a shard of) every parameter and ``full_tensor()`` gathers
+    it. With pipelining each rank holds only its stages' parameters, whose names are those of the
+    whole model (:mod:`~shardwise.parallel.pipeline_split`): each rank compares its own against
+    the reference it trained locally, and the ``{name: divergence}`` dicts are all-gathered over
+    ``pp`` (one small object per rank). A parameter that no stage holds counts as ``inf``, so a
+    split that loses a layer cannot pass.
+    """
+    modules = stage_modules(pm.module) if pp_group is not None else [pm.module]
+    diffs: dict[str, float] = {}
+    for module in modules:
+        for name, p in module.named_parameters():
+            full, want = _full(p), ref.weights[_clean(name)]
+            diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(floor))
+    if pp_group is None:
+        return diffs
+    per_stage: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(pp_group))]
+    dist.all_gather_object(per_stage, diffs, group=pp_group)
+    merged = {name: value for stage in per_stage for name, value in stage.items()}
+    return {name: merged.get(name, float("inf")) for name in ref.weights}
 
 
 def _optimizer(name: str) -> Callable[..., torch.optim.Optimizer]:
