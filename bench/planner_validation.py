@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from shardwise.plan.cluster import ClusterSpec  # noqa: E402
 from shardwise.plan.cost import StatePolicy, estimate  # noqa: E402
-from shardwise.plan.measure import measure_plan_worker  # noqa: E402
+from shardwise.plan.measure import measure_plan_worker, measure_trainer_worker  # noqa: E402
 from shardwise.plan.plan import Plan  # noqa: E402
 from shardwise.plan.search import SearchOptions, _enumerate  # noqa: E402
 from shardwise.plan.stats import spec_from_gpt_config  # noqa: E402
@@ -62,11 +62,11 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
-def run(pool: WorkerPool, text: str, config: dict, **kwargs: int) -> dict:
+def run(pool: WorkerPool, text: str, config: dict, *, worker=measure_plan_worker, **kwargs) -> dict:
     """One plan on the pool; a failure or a hang becomes an error row (the pool restarts itself)."""
     for attempt in range(3):
         try:
-            return pool.run(measure_plan_worker, text, config, timeout_s=240.0, **kwargs)[0]
+            return pool.run(worker, text, config, timeout_s=240.0, **kwargs)[0]
         except AssertionError as exc:  # RankFailed / RanksTimedOut from the harness
             error = {"plan": text, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
             if "start-up" not in error["error"]:  # a loaded machine can miss the start-up deadline: retry
@@ -116,6 +116,45 @@ def measure(stats, cluster: ClusterSpec, config: dict, args: argparse.Namespace)
         pool.close()
 
 
+def measure_trainer(config: dict, args: argparse.Namespace, best: str, spec_path: str) -> dict:
+    """``Trainer(plan="auto")`` through the Trainer's own loop, against the measured-best plan run
+    by the same loop: per round, the planner on the device preset (what a run gets with no set-up),
+    the planner on this machine's calibrated spec (``SHARDWISE_CLUSTER``) and the explicit best
+    plan, in an order that rotates every round; the headline is the median of the per-round ratios
+    auto / best (paired, so load drifts cancel)."""
+    runs = {"auto_preset": ("auto", None), "auto_calibrated": ("auto", spec_path), "best": (best, None)}
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    chosen: dict[str, str] = {}
+    errors: dict[str, str] = {}
+    pool = WorkerPool(WORLD, timeout_s=600.0)
+    try:
+        names = list(runs)
+        for r in range(args.trainer_rounds):
+            order = names[r % len(names):] + names[: r % len(names)]
+            for name in order:
+                text, cluster = runs[name]
+                got = run(pool, text, config, worker=measure_trainer_worker, global_batch=args.global_batch,
+                          steps=args.steps, warmup=2, cluster=cluster)
+                if "error" in got:
+                    errors[name] = got["error"]
+                    continue
+                chosen[name] = got["chosen"]
+                times[name].append(got["step_time_s"])
+            print(f"trainer round {r + 1}/{args.trainer_rounds}: "
+                  + ", ".join(f"{k} {1e3 * v[-1]:.1f} ms" for k, v in times.items() if v), flush=True)
+    finally:
+        pool.close()
+    out: dict = {"best_plan": best, "chosen": chosen, "times": times, "errors": errors, "rounds": args.trainer_rounds}
+    for name in ("auto_preset", "auto_calibrated"):
+        pairs = [a / b for a, b in zip(times[name], times["best"])]
+        if pairs:
+            out[name] = {"plan": chosen.get(name), "median_s": statistics.median(times[name]),
+                         "ratio_to_best": statistics.median(pairs), "pair_ratios": pairs}
+    if times["best"]:
+        out["best_median_s"] = statistics.median(times["best"])
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default=None, help="cluster spec from `shardwise calibrate` (default: calibrate now)")
@@ -125,6 +164,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--trainer-rounds", type=int, default=5, help="interleaved rounds of Trainer(plan='auto') vs the best plan")
     ap.add_argument("--reuse", default=None, help="a previous results JSON: re-predict its measurements (e.g. with a new --spec)")
     args = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
@@ -133,12 +173,13 @@ def main() -> int:
     from shardwise.plan.calibrate import calibrate
 
     started = time.time()
+    spec_path = os.path.abspath(args.spec) if args.spec else os.path.join(RESULTS, "planner_validation_cluster.json")
     if args.spec:
         cluster = ClusterSpec.load(args.spec)
     else:
         print("calibrating (4 processes) ...", flush=True)
         cluster = calibrate(WORLD, iters=5)
-        cluster.save(os.path.join(RESULTS, "planner_validation_cluster.json"))
+        cluster.save(spec_path)
     cluster = cluster.with_devices(WORLD, WORLD)
     config = {"vocab_size": 128, "seq_len": args.seq, "layers": args.layers, "hidden": args.hidden, "heads": 4}
     stats = spec_from_gpt_config(GPTConfig(**config)).stats()
@@ -184,34 +225,44 @@ def main() -> int:
     pred_best = min(rows, key=lambda r: r["predicted_s"]) if rows else None
     meas_best = min(rows, key=lambda r: r["measured_s"]) if rows else None
     within = bool(pred_best and pred_best["measured_s"] <= 1.10 * meas_best["measured_s"])
-    # What Trainer(plan="auto") runs: the same call as shardwise.train.setup.auto_plan makes (the
-    # device's preset, not this calibration; pipelines allowed without accumulation).
-    from shardwise.models.gpt import GPT
-    from shardwise.plan.planner import plan_for_trainer
-
-    trainer_plan = str(plan_for_trainer(GPT(GPTConfig(**config)), world_size=WORLD, global_batch=args.global_batch,
-                                        precision="fp32", device_type="cpu", pipeline=True).plan)
-    trainer_row = next((r for r in rows if r["plan"] == trainer_plan), None)
+    # Trainer(plan="auto") through the Trainer's own loop, paired with the measured-best plan in
+    # the same loop (a --reuse run keeps the stored Trainer measurements).
+    if args.reuse:
+        trainer = previous.get("trainer", {})
+    elif meas_best and args.trainer_rounds > 0:
+        print(f"\ntiming Trainer(plan='auto') against {meas_best['plan']} in the Trainer's loop, "
+              f"{args.trainer_rounds} rounds ...", flush=True)
+        trainer = measure_trainer(config, args, meas_best["plan"], spec_path)
+    else:
+        trainer = {}
     summary = {
         "spearman": rho, "plans_measured": len(rows), "plans_not_measured": len(errors),
         "predicted_best": pred_best and pred_best["plan"], "measured_best": meas_best and meas_best["plan"],
         "predicted_best_measured_s": pred_best and pred_best["measured_s"], "measured_best_s": meas_best and meas_best["measured_s"],
+        "predicted_best_gap": pred_best and pred_best["measured_s"] / meas_best["measured_s"] - 1,
         "predicted_best_within_10pct": within,
-        "trainer_auto_plan": trainer_plan, "trainer_auto_measured_s": trainer_row and trainer_row["measured_s"],
-        "trainer_auto_within_10pct": bool(trainer_row and trainer_row["measured_s"] <= 1.10 * meas_best["measured_s"]),
         "memory_max_abs_error": max((abs(r["rel_error"]) for r in memory_rows if "rel_error" in r), default=None),
     }
+    for name in ("auto_preset", "auto_calibrated"):
+        if name in trainer:
+            summary[f"trainer_{name}_plan"] = trainer[name]["plan"]
+            summary[f"trainer_{name}_ratio_to_best"] = trainer[name]["ratio_to_best"]
+            summary[f"trainer_{name}_within_10pct"] = trainer[name]["ratio_to_best"] <= 1.10
     print(f"\nSpearman rank correlation (predicted vs measured step time, {len(rows)} plans): {rho:.3f}")
     if pred_best:
         print(f"predicted best {pred_best['plan']}: measured {1e3 * pred_best['measured_s']:.1f} ms vs measured best "
-              f"{meas_best['plan']} {1e3 * meas_best['measured_s']:.1f} ms -> within 10%: {within}")
-    print(f"Trainer(plan='auto') would choose {trainer_plan}: measured "
-          + (f"{1e3 * trainer_row['measured_s']:.1f} ms -> within 10% of the best: {summary['trainer_auto_within_10pct']}"
-             if trainer_row else "not measured"))
+              f"{meas_best['plan']} {1e3 * meas_best['measured_s']:.1f} ms ({100 * summary['predicted_best_gap']:+.1f}%) "
+              f"-> within 10%: {within}")
+    for name, what in (("auto_preset", "the cpu preset"), ("auto_calibrated", "the calibrated spec")):
+        if name in trainer:
+            t = trainer[name]
+            print(f"Trainer(plan='auto') with {what} chose {t['plan']}: median {1e3 * t['median_s']:.1f} ms in the Trainer's loop, "
+                  f"{t['ratio_to_best']:.3f} x the best plan in the same loop ({1e3 * trainer['best_median_s']:.1f} ms) "
+                  f"-> within 10%: {t['ratio_to_best'] <= 1.10}")
     print(f"memory: largest |error| {100 * (summary['memory_max_abs_error'] or 0):.1f}% over "
           f"{sum('rel_error' in r for r in memory_rows)} measured plans")
     out = {"summary": summary, "cluster": cluster.to_dict(), "config": config, "global_batch": args.global_batch,
-           "memory": memory_rows, "time": rows, "not_measured": errors, "seconds": time.time() - started}
+           "memory": memory_rows, "time": rows, "not_measured": errors, "trainer": trainer, "seconds": time.time() - started}
     with open(os.path.join(RESULTS, "planner_validation.json"), "w") as fh:
         json.dump(out, fh, indent=2)
     plot(out, os.path.join(RESULTS, "planner_validation.png"))

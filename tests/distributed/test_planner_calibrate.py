@@ -20,11 +20,16 @@ def test_calibration_yields_a_usable_spec(dist2, tmp_path) -> None:
     assert all(v > 0 for by_size in cal.matmul.values() for v in by_size.values())
     assert cal.memory_bw > 0 and cal.overhead_s > 0 and cal.memory_bytes > 0
     assert cal.dtensor_overhead_s >= 0 and cal.solo_matmul > 0
+    # TP and FSDP over two processes cost more than the plain tiny GPT (collectives, hooks, dispatch)
+    assert cal.layer_overheads["tp_layer_s"] > 0 and cal.layer_overheads["zero3_unit_s"] > 0
+    assert cal.layer_overheads["zero2_unit_s"] > 0
     assert {r.op for r in cal.collectives} == {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
     spec = to_spec(cal, name="test")
     assert spec.devices == 2 and spec.overlap == 0.0 and spec.intra_bw > 0
     assert spec.peak_flops["fp32"] == max(cal.matmul["fp32"].values())
     assert spec.matmul_flops("fp32", 64) == pytest.approx(cal.matmul["fp32"][64])
+    assert spec.tp_layer_overhead_s == cal.layer_overheads["tp_layer_s"]
+    assert spec.zero3_unit_overhead_s == cal.layer_overheads["zero3_unit_s"]
     spec.save(str(tmp_path / "cluster.json"))
     loaded = ClusterSpec.load(str(tmp_path / "cluster.json"))
     result = search(TransformerSpec(layers=2, hidden=64, heads=4, vocab=64, seq=16).stats(), loaded, global_batch=8)

@@ -197,3 +197,28 @@ def test_oversubscribed_hosts_hide_the_bubble_in_shared_cores() -> None:
     assert one.time["bubble"] == pytest.approx(one.detail["microbatch"])
     with pytest.raises(ConfigError, match="oversubscription"):
         replace(base, oversubscription=0.5)
+
+
+def test_measured_parallel_layer_costs_replace_the_per_operator_estimates() -> None:
+    """A calibrated fixed cost per TP layer / FSDP unit replaces the collective latencies and the
+    per-operator dispatch estimate; the bytes are still charged at the bus bandwidth."""
+    from dataclasses import replace
+
+    stats = _small().stats()
+    base = resolve("cpu", devices=4, devices_per_node=4)
+    boundary = stats.boundary_bytes * 2.0  # fp32, one sample per microbatch below
+    bw = base.collective_time("all_reduce", boundary, 4, latency=False)
+    assert bw == pytest.approx(2 * 3 / 4 * boundary / base.intra_bw)
+    tp = replace(base, tp_layer_overhead_s=0.01)
+    est = estimate(stats, tp, Plan(tp=4, microbatches=2), global_batch=2)
+    assert est.detail["tp_comm"] == pytest.approx(2 * (stats.blocks * (4 * bw + 0.01) + 2 * bw))
+    assert est.detail["tp_comm"] != estimate(stats, base, Plan(tp=4, microbatches=2), global_batch=2).detail["tp_comm"]
+    # ZeRO-3: one fixed cost per unit (blocks + root) and microbatch on top of the bytes
+    z3 = replace(base, zero3_unit_overhead_s=0.02)
+    plan = Plan(zero=3, shard=4, microbatches=2)
+    got = estimate(stats, z3, plan, global_batch=8).detail["dp_comm"]
+    bytes_only = estimate(stats, replace(base, zero3_unit_overhead_s=1e-30), plan, global_batch=8).detail["dp_comm"]
+    assert got - bytes_only == pytest.approx(2 * (stats.blocks + 1) * 0.02)
+    # the ZeRO-2 figure applies to stage 2 only
+    z2 = replace(base, zero2_unit_overhead_s=0.02)
+    assert estimate(stats, z2, plan, global_batch=8).detail["dp_comm"] == estimate(stats, base, plan, global_batch=8).detail["dp_comm"]

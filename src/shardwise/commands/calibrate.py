@@ -43,6 +43,8 @@ def _main(args: argparse.Namespace) -> int:
     print(f"matmul per process: {flops}")
     print(f"memory bandwidth per process: {spec.memory_bw / 1e9:.2f} GB/s")
     print(f"all-reduce: latency {spec.intra_latency_s * 1e6:.1f} us per step, bus bandwidth {spec.intra_bw / 1e9:.3f} GB/s")
+    print(f"fixed cost per layer forward + backward: tensor parallel {spec.tp_layer_overhead_s * 1e3:.2f} ms, "
+          f"FSDP unit {spec.zero3_unit_overhead_s * 1e3:.2f} ms (ZeRO-3) / {spec.zero2_unit_overhead_s * 1e3:.2f} ms (ZeRO-2)")
     print(f"memory per process: {spec.memory_bytes / 2**30:.1f} GiB")
     print(f"wrote {args.out}; use it with: shardwise plan --device-type {args.out} --devices {nproc} ...")
     return 0

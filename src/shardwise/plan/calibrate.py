@@ -10,6 +10,10 @@ they cost each other: on a CPU box with fewer cores than processes each gets its
   least-squares fit of the alpha-beta model ``t = alpha + f(op, n) * bytes / busbw`` per
   collective; the all-reduce fit becomes the spec's intra-node bandwidth and latency (latency per
   ``ceil(log2 n)`` steps, the form :meth:`ClusterSpec.collective_time` uses).
+- Fixed cost of parallel layers: one forward + backward of a tiny built-in GPT (too small for
+  bandwidth to matter) plain, under TP over all ranks and under FSDP (ZeRO-3 and ZeRO-2); the
+  differences per layer / per FSDP unit become ``tp_layer_overhead_s`` and
+  ``zero{3,2}_unit_overhead_s`` (dispatch, hooks and collective latency together).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import os
 import socket
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +41,7 @@ class Calibration:
     memory_bw: float
     overhead_s: float
     dtensor_overhead_s: float
+    layer_overheads: dict[str, float]  # tp_layer_s, zero3_unit_s, zero2_unit_s
     solo_matmul: float  # fp32 FLOP/s of the largest size with only rank 0 busy
     collectives: list[BandwidthRow]
     memory_bytes: float
@@ -119,6 +125,71 @@ def measure_dtensor_overhead(device: Any) -> float:
     return _slowest(max(dt - pt, 0.0), device)
 
 
+def _layer_step_seconds(plan_text: str, device: Any, *, layers: int, reps: int = 5, calls: int = 4) -> float:
+    """Seconds of one forward + backward of a tiny built-in GPT (``layers`` blocks, hidden 8 per
+    rank) under ``plan_text`` ("" for the plain model): every rank calls the same number of times,
+    because the sharded model communicates; median of ``reps`` windows, slowest rank."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.parallel.mesh import build_mesh
+    from shardwise.parallel.parallelize import parallelize
+    from shardwise.plan.plan import Plan
+
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # GPT returns a view; harmless here
+    n = dist.get_world_size()
+    cfg = GPTConfig(vocab_size=8 * n, seq_len=8, layers=layers, hidden=8 * n, heads=n)
+    ids = torch.zeros(2, cfg.seq_len, dtype=torch.long, device=device)
+    if plan_text:
+        plan = Plan.parse(plan_text)
+        pm = parallelize(GPT(cfg, seed=0).to(device), plan, build_mesh(plan, device.type))
+        module, context = pm.module, pm.loss_context
+    else:
+        import contextlib
+
+        module, context = GPT(cfg, seed=0).to(device), contextlib.nullcontext
+
+    def step() -> None:
+        with context():
+            out = module(ids)
+            F.cross_entropy(out.flatten(0, 1), ids.flatten(0, 1)).backward()
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            step()
+        _sync(device)
+        times.append((time.perf_counter() - start) / calls)
+    return _slowest(statistics.median(times), device)
+
+
+def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[str, float]:
+    """Fixed seconds per transformer layer and forward + backward that tensor parallelism and FSDP
+    add, measured on a GPT too small for bandwidth to matter (hidden 8 per rank): the step time
+    of the sharded model minus the plain one, divided by the layers (TP over all ranks) or by the
+    FSDP units (the blocks and the root). This is the dispatch, hook and collective-latency work
+    that per-operator figures undercount (FSDP2's pre/post hooks, DTensor redistribution)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size()
+    if n < 2:
+        return {"tp_layer_s": 0.0, "zero3_unit_s": 0.0, "zero2_unit_s": 0.0}
+    plain = _layer_step_seconds("", device, layers=layers)
+    tp = _layer_step_seconds(f"tp={n}", device, layers=layers)
+    zero3 = _layer_step_seconds(f"zero=3,dp=1,shard={n}", device, layers=layers)
+    zero2 = _layer_step_seconds(f"zero=2,dp=1,shard={n}", device, layers=layers)
+    units = layers + 1
+    return {"tp_layer_s": max(tp - plain, 0.0) / layers, "zero3_unit_s": max(zero3 - plain, 0.0) / units,
+            "zero2_unit_s": max(zero2 - plain, 0.0) / units}
+
+
 def measure_solo_matmul(device: Any, n: int) -> float:
     """fp32 FLOP/s of rank 0 alone (the others wait at a barrier): a process's speed when it has
     the machine to itself, as a pipeline stage has during the fill and drain."""
@@ -173,6 +244,7 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int], iters: int) -> C
     memory_bw = measure_memory_bw(device)
     overhead = measure_overhead(device)
     dtensor = measure_dtensor_overhead(device)
+    layer_overheads = measure_parallel_layer_overheads(device)
     solo = measure_solo_matmul(device, max(matmul_sizes))
     rows = measure_bandwidth(device, list(sizes), iters=iters)
     n = dist.get_world_size()
@@ -180,7 +252,7 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int], iters: int) -> C
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / n
-    return Calibration(n, device.type, matmul, memory_bw, overhead, dtensor, solo, rows, memory)
+    return Calibration(n, device.type, matmul, memory_bw, overhead, dtensor, layer_overheads, solo, rows, memory)
 
 
 def oversubscription(cal: Calibration) -> float:
@@ -225,6 +297,9 @@ def to_spec(cal: Calibration, *, name: str | None = None) -> ClusterSpec:
         intra_bw=bw, intra_latency_s=alpha / steps, inter_bw=bw, inter_latency_s=alpha / steps, memory_bw=cal.memory_bw,
         kernel_overhead_s=cal.overhead_s,
         dtensor_overhead_s=cal.dtensor_overhead_s,
+        tp_layer_overhead_s=cal.layer_overheads["tp_layer_s"],
+        zero3_unit_overhead_s=cal.layer_overheads["zero3_unit_s"],
+        zero2_unit_overhead_s=cal.layer_overheads["zero2_unit_s"],
         # How much faster one busy process runs than each of N busy ones: > 1 when the processes
         # share fewer cores than there are processes (a pipeline's idle stages then cost nothing).
         # Structural (processes per core), because a measured solo/shared ratio on a machine that

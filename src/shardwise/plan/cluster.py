@@ -46,6 +46,12 @@ class ClusterSpec:
     overlap: float = 1.0  # fraction of data-parallel communication that can hide behind backward
     kernel_overhead_s: float = 5e-6  # fixed cost of one operator launch (eager PyTorch: Python + dispatch)
     dtensor_overhead_s: float = 20e-6  # extra cost of one DTensor operator (sharding propagation)
+    # Measured fixed costs of parallel layers (``shardwise calibrate``; 0: estimate them from the
+    # per-operator figures): per transformer layer forward + backward under tensor parallelism,
+    # and per FSDP unit and microbatch under ZeRO-3 / ZeRO-2 (hooks + collective latency).
+    tp_layer_overhead_s: float = 0.0
+    zero3_unit_overhead_s: float = 0.0
+    zero2_unit_overhead_s: float = 0.0
     oversubscription: float = 1.0  # processes per compute unit: a lone busy process runs this much faster
     device_type: str = "cuda"
     measurements: dict[str, Any] = field(default_factory=dict)  # raw calibration tables, if any
@@ -105,16 +111,17 @@ class ClusterSpec:
         per_node = devices_per_node or min(self.devices_per_node, devices)
         return replace(self, devices=devices, devices_per_node=per_node)
 
-    def collective_time(self, op: str, nbytes: float, group: int, *, stride: int = 1) -> float:
+    def collective_time(self, op: str, nbytes: float, group: int, *, stride: int = 1, latency: bool = True) -> float:
         """Seconds for one collective of ``nbytes`` (the full buffer) over ``group`` ranks spaced
-        ``stride`` apart in rank order (intra-node iff the group's span fits in one node)."""
+        ``stride`` apart in rank order (intra-node iff the group's span fits in one node);
+        ``latency=False``: the bandwidth term alone (when a measured fixed cost covers the latency)."""
         if group <= 1 or nbytes <= 0:
             return 0.0
         intra = group * stride <= self.devices_per_node
         bw, lat = (self.intra_bw, self.intra_latency_s) if intra else (self.inter_bw, self.inter_latency_s)
         factor = {"all_reduce": 2 * (group - 1) / group, "all_gather": (group - 1) / group,
                   "reduce_scatter": (group - 1) / group}.get(op, 1.0)
-        return lat * math.ceil(math.log2(group)) + factor * nbytes / bw
+        return (lat * math.ceil(math.log2(group)) if latency else 0.0) + factor * nbytes / bw
 
     def p2p_time(self, nbytes: float, *, intra: bool) -> float:
         bw, lat = (self.intra_bw, self.intra_latency_s) if intra else (self.inter_bw, self.inter_latency_s)

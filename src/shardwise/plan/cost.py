@@ -221,11 +221,14 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     tp_comm = 0.0
     if t > 1:
         collectives = 4 + (2 if plan.recompute == "full" else 0)  # 2 fwd + 2 bwd (+2 replayed)
-        per_layer_tp = collectives * cluster.collective_time("all_reduce", boundary, t)
-        edge = 2 * cluster.collective_time("all_reduce", boundary, t)  # vocab-parallel embedding / loss
-        # Every sharded matmul dispatches through DTensor (sharding propagation, redistribution):
-        # ~DTENSOR_OPS_PER_LAYER forward, twice that backward.
-        dispatch = 3 * DTENSOR_OPS_PER_LAYER * cluster.dtensor_overhead_s
+        measured = cluster.tp_layer_overhead_s > 0
+        # With a calibrated fixed cost per TP layer (dispatch + collective latency, measured on a
+        # tiny model) only the bytes are added; otherwise latency per collective and ~DTENSOR_OPS_PER_LAYER
+        # DTensor dispatches (sharding propagation, redistribution) forward, twice that backward.
+        per_layer_tp = collectives * cluster.collective_time("all_reduce", boundary, t, latency=not measured)
+        edge = 2 * cluster.collective_time("all_reduce", boundary, t, latency=not measured)  # vocab-parallel embedding / loss
+        replay = 4 / 3 if plan.recompute == "full" else 1.0  # a replayed forward: a third more of fwd + bwd
+        dispatch = replay * cluster.tp_layer_overhead_s if measured else 3 * DTENSOR_OPS_PER_LAYER * cluster.dtensor_overhead_s
         tp_comm = m * (layers * (per_layer_tp + dispatch) + edge)
 
     pp_comm = 0.0
@@ -320,12 +323,18 @@ def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_par
         return total, max(0.0, total - cluster.overlap * t_bwd)
     shard, rep = plan.shard, plan.dp
     # FSDP2 communicates per unit (each block, plus the root's remaining parameters): a collective
-    # latency and FSDP's hook work per unit, the bytes split over the units.
+    # latency and FSDP's hook work per unit, the bytes split over the units. A calibrated spec has
+    # measured that fixed cost per unit and microbatch (hooks + latency of the gathers and the
+    # reduce-scatter together); then only the bytes are charged per collective and the fixed cost
+    # once per unit and microbatch, exposed (it is CPU work on the critical path).
     units = layers + 1
-    hooks = units * FSDP_OPS_PER_UNIT * cluster.dtensor_overhead_s if shard > 1 else 0.0
-    rs = units * cluster.collective_time("reduce_scatter", grads / units, shard, stride=stride) + hooks
-    ag = units * cluster.collective_time("all_gather", params / units, shard, stride=stride) + hooks
+    unit_fixed = {3: cluster.zero3_unit_overhead_s, 2: cluster.zero2_unit_overhead_s}.get(plan.zero, 0.0) if shard > 1 else 0.0
+    measured = unit_fixed > 0
+    hooks = units * FSDP_OPS_PER_UNIT * cluster.dtensor_overhead_s if shard > 1 and not measured else 0.0
+    rs = units * cluster.collective_time("reduce_scatter", grads / units, shard, stride=stride, latency=not measured) + hooks
+    ag = units * cluster.collective_time("all_gather", params / units, shard, stride=stride, latency=not measured) + hooks
     replicas = units * cluster.collective_time("all_reduce", grads / shard / units, rep, stride=stride * shard)
+    fixed = m * units * unit_fixed
     if plan.zero == 1:
         # ZeroRedundancyOptimizer over DDP: the gradient all-reduce overlaps backward; each rank
         # then broadcasts its updated fp32 partition (an all-gather's volume) with nothing to hide behind.
@@ -336,7 +345,7 @@ def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_par
         # Gather once per microbatch before forward (kept for backward), reduce-scatter once.
         fwd, bwd = m * ag, rs + replicas
         exposed = max(0.0, fwd - cluster.overlap * m * t_fwd) + max(0.0, bwd - cluster.overlap * t_bwd)
-        return fwd + bwd, exposed
+        return fwd + bwd + fixed, exposed + fixed
     # ZeRO-3 gathers each block before its forward and again before its backward, every microbatch,
     # and reduce-scatters gradients once (accumulation keeps unsharded grads local until the boundary).
     fwd = m * ag
@@ -344,4 +353,4 @@ def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_par
     exposed = max(0.0, fwd - cluster.overlap * m * t_fwd) + max(0.0, bwd - cluster.overlap * m * t_bwd)
     # The first block's gather can never hide behind compute.
     first = 2 * m * ag / max(1, layers)
-    return fwd + bwd, max(exposed, first)
+    return fwd + bwd + fixed, max(exposed, first) + fixed

@@ -161,9 +161,14 @@ def plan_for_trainer(model: Any, *, world_size: int, global_batch: int, precisio
     """``Trainer(plan="auto")``: the fastest plan for ``model`` on the current world that the
     parallel layer accepts (checked with :func:`shardwise.parallel.parallelize.validate`, no
     communication). The trainer accumulates gradients itself, so without pipelining the plan uses
-    one microbatch per step; pass ``pipeline=True`` once the trainer drives pipeline schedules."""
+    one microbatch per step; pass ``pipeline=True`` once the trainer drives pipeline schedules.
+    The cluster is ``cluster``, else the spec named by the ``SHARDWISE_CLUSTER`` environment
+    variable (a ``shardwise calibrate`` file or a preset name), else the device's preset."""
     from shardwise.parallel.parallelize import validate
 
+    # A spec file from `shardwise calibrate` (or a preset name) named by SHARDWISE_CLUSTER replaces
+    # the device's preset, so a trainer plans with this machine's measured figures.
+    cluster = cluster if cluster is not None else (os.environ.get("SHARDWISE_CLUSTER") or None)
     spec = (cluster_of(cluster, world_size=world_size) if cluster is not None
             else cluster_for_device(device_type, world_size=world_size, device_name=device_name, memory_bytes=memory_bytes))
 
