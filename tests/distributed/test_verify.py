@@ -101,3 +101,24 @@ def test_verify_reports_a_missing_stage_parameter_as_inf():
     report = ParityReport(plan="pp=2", losses=(1.0,), ref_losses=(1.0,), grad_norms=(1.0,), ref_grad_norms=(1.0,),
                           weight_diffs={"a": 0.0, "b": float("inf")})
     assert not report.passed(1e-5) and report.weight_diff == ("b", float("inf"))
+
+
+@pytest.mark.parametrize("plan_text", ["zero=1,shard=2,pp=2,microbatches=2", "zero=1,dp=2,shard=2,pp=2,schedule=gpipe"])
+def test_validate_refuses_zero1_with_pipeline_and_its_alternatives_are_accepted(plan_text):
+    """zero=1 + pp failed deep inside torch (no DTensor rule for c10d.broadcast_); now one ConfigError
+    up front, whose suggested plans validate (zero=2 x pp runs in the 4-process test above)."""
+    from shardwise.errors import ConfigError
+    from shardwise.parallel.parallelize import validate
+
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, layers=2, hidden=16, heads=2))
+    with pytest.raises(ConfigError) as info:
+        validate(model, Plan.parse(plan_text))
+    message = str(info.value)
+    assert "zero=1" in message and "pipeline" in message
+    suggested = [part.split(", or ")[0].strip() for part in (message.split("e.g. ")[1], message.split("data parallelism: ")[1])]
+    for alternative in suggested:
+        plan = Plan.parse(alternative)
+        assert plan.world_size == Plan.parse(plan_text).world_size and plan.pp == 2
+        validate(model, plan)
+    # zero=1 over one shard shards nothing: no ZeroRedundancyOptimizer, so it stays allowed
+    validate(model, Plan(dp=2, zero=1, pp=2, microbatches=2))
