@@ -84,15 +84,36 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent
         for entry in path:
             if entry not in sys.path:
                 sys.path.append(entry)
+        groups_before = set(dist.distributed_c10d._world.pg_map)
         try:
             reply = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - everything is reported to the caller
             reply = ("err", traceback.format_exc())
+        _destroy_new_groups(groups_before)
         try:
             conn.send_bytes(pickle.dumps(reply))
         except Exception:  # noqa: BLE001 - an unpicklable result is a test error too
             conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
     dist.destroy_process_group()
+
+
+def _destroy_new_groups(before: set) -> None:
+    """Destroy the process groups a test created (DeviceMeshes make several per call).
+
+    Each Gloo group keeps its own connection threads; left alive across hundreds of tests they
+    add up to thousands of polling threads per process and starve everything else on the host.
+    Every rank runs the same tests, so every rank destroys the same groups.
+    """
+    import torch.distributed as dist
+
+    world = dist.distributed_c10d._world
+    for group in [g for g in list(world.pg_map) if g not in before]:
+        if group is dist.GroupMember.WORLD:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError):
+            pass
 
 
 def _free_port() -> int:
