@@ -10,7 +10,7 @@ import pytest
 
 from shardwise.cli import main
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.parallel.parity import GPTWorkload, ParityReport, Training, parity_worker
+from shardwise.parallel.parity import GPTWorkload, ParityReport, Run, Training, parity_worker
 from shardwise.plan.plan import Plan
 
 
@@ -90,10 +90,12 @@ def test_verify_engine_pipeline_on_2(dist2):
 
 @pytest.mark.timeout(300)
 def test_verify_engine_pipeline_combinations_on_4(dist4):
-    """DPxPP, TPxPP and ZeRO-2xPP (the alternative the zero=1 error suggests) in one reference run."""
-    plans = ["dp=2,pp=2,microbatches=2", "dp=1,tp=2,pp=2,microbatches=2", "dp=1,shard=2,pp=2,zero=2,microbatches=2"]
-    per_rank = dist4.run(parity_worker, PIPE_GPT, plans, Training(steps=3, global_batch=4))
-    _check_pipeline_reports(per_rank, [str(Plan.parse(p)) for p in plans])
+    """DPxPP, TPxPP (also with the LM head's loss kept vocabulary-parallel) and ZeRO-2xPP (the
+    alternative the zero=1 error suggests) in one reference run."""
+    runs = [Run("dp=2,pp=2,microbatches=2"), Run("tp=2,pp=2,microbatches=2"), Run("tp=2,pp=2,microbatches=2", loss_parallel=True),
+            Run("zero=2,shard=2,pp=2,microbatches=2")]
+    per_rank = dist4.run(parity_worker, PIPE_GPT, runs, Training(steps=3, global_batch=4))
+    _check_pipeline_reports(per_rank, [r.label for r in runs])
 
 
 def test_verify_reports_a_missing_stage_parameter_as_inf():

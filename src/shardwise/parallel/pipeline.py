@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
 from shardwise.errors import ConfigError
@@ -158,7 +159,7 @@ class PipelineSchedule:
         if self.has_last:
             # The last m calls are the microbatches; on the first step the schedule also calls the
             # loss once before them, on a metadata-inference output.
-            loss = torch.stack(self._losses[-self.plan.microbatches :]).mean().to(torch.float32)
+            loss = torch.stack([_plain(x) for x in self._losses[-self.plan.microbatches :]]).mean().to(torch.float32)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self._device)
         # The last stage lives on the last pp rank (looped layout); share its loss with all.
@@ -183,7 +184,7 @@ class PipelineSchedule:
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
         self._eval_schedule.eval(*args, target=target)
-        loss = self._losses[-1].float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
+        loss = _plain(self._losses[-1]).float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
         dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
         return loss
 
@@ -202,6 +203,12 @@ class PipelineSchedule:
                 if hasattr(schedule, flag):
                     setattr(schedule, flag, False)
             self._shapes_key = key
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of the loss: under TP loss parallelism it is a (replicated) DTensor, which
+    c10d's broadcast over the pp group cannot take."""
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def stage_modules(module: nn.Module) -> list[nn.Module]:
