@@ -177,11 +177,7 @@ def plan_for_trainer(model: Any, *, world_size: int, global_batch: int, precisio
             return False
         if plan.pp == 1 and plan.microbatches > 1:
             return False
-        if plan.pp > 1 and plan.zero == 1:
-            # ZeroRedundancyOptimizer over pipeline stages (whose DP wrapper makes DTensors) fails
-            # inside torch (no DTensor rule for c10d.broadcast_), although validate() accepts it.
-            return False
-        try:
+        try:  # refuses e.g. zero=1 with tp or pp (ZeroRedundancyOptimizer over DTensor parameters)
             validate(model, plan)
         except ConfigError:
             return False
