@@ -72,7 +72,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600)
     )
-    conn.send_bytes(pickle.dumps(("ok", "ready")))
+    conn.send_bytes(pickle.dumps(("ok", "ready", 1)))
     while True:
         try:
             message = conn.recv_bytes()
@@ -84,36 +84,17 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent
         for entry in path:
             if entry not in sys.path:
                 sys.path.append(entry)
-        groups_before = set(dist.distributed_c10d._world.pg_map)
         try:
             reply = ("ok", fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - everything is reported to the caller
             reply = ("err", traceback.format_exc())
-        _destroy_new_groups(groups_before)
+        # How many process groups this worker holds: the pool recycles itself past a limit.
+        reply = (*reply, len(dist.distributed_c10d._world.pg_map))
         try:
             conn.send_bytes(pickle.dumps(reply))
         except Exception:  # noqa: BLE001 - an unpicklable result is a test error too
-            conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+            conn.send_bytes(pickle.dumps(("err", traceback.format_exc(), 0)))
     dist.destroy_process_group()
-
-
-def _destroy_new_groups(before: set) -> None:
-    """Destroy the process groups a test created (DeviceMeshes make several per call).
-
-    Each Gloo group keeps its own connection threads; left alive across hundreds of tests they
-    add up to thousands of polling threads per process and starve everything else on the host.
-    Every rank runs the same tests, so every rank destroys the same groups.
-    """
-    import torch.distributed as dist
-
-    world = dist.distributed_c10d._world
-    for group in [g for g in list(world.pg_map) if g not in before]:
-        if group is dist.GroupMember.WORLD:
-            continue
-        try:
-            dist.destroy_process_group(group)
-        except (ValueError, RuntimeError):
-            pass
 
 
 def _free_port() -> int:
@@ -125,8 +106,10 @@ def _free_port() -> int:
 class WorkerPool:
     """``world_size`` spawned processes sharing one Gloo process group (see the module doc)."""
 
-    def __init__(self, world_size: int, *, timeout_s: float = 120.0, threads_per_rank: int = 1) -> None:
+    def __init__(self, world_size: int, *, timeout_s: float = 120.0, threads_per_rank: int = 1, max_groups: int = 48) -> None:
         self.world_size = world_size
+        self.max_groups = max_groups
+        self._groups = 0
         self.timeout_s = timeout_s
         self.threads_per_rank = threads_per_rank
         self._procs: list[mp.Process] = []
@@ -167,7 +150,7 @@ class WorkerPool:
             proc.join(timeout=5)
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._groups = [], [], 0
 
     # -- running ---------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float | None = None, **kwargs: Any) -> list[Any]:
@@ -193,9 +176,10 @@ class WorkerPool:
             for rank, conn in list(pending.items()):
                 if conn in ready:
                     try:
-                        status, value = pickle.loads(conn.recv_bytes())
+                        status, value, groups = pickle.loads(conn.recv_bytes())
                     except (EOFError, OSError):
-                        status, value = "err", f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+                        status, value, groups = "err", f"rank {rank} died (exit code {self._procs[rank].exitcode})", 0
+                    self._groups = max(self._groups, groups)
                     del pending[rank]
                     if status == "ok":
                         results[rank] = value
@@ -224,6 +208,11 @@ class WorkerPool:
                 others = f" (ranks {stuck} did not finish)" if stuck else ""
                 raise RankFailed(f"{what}: rank {first} failed{others}:\n{errors[first]}")
             raise RanksTimedOut(f"{what}: ranks {stuck} did not finish in time; their stacks are in the captured stderr")
+        if self._groups > self.max_groups:
+            # Each Gloo group keeps its own connection threads, and DeviceMesh caches groups by
+            # name, so they cannot be destroyed one by one. Hundreds of them mean thousands of
+            # polling threads per worker that starve the host: start fresh processes instead.
+            self.close()
         return [results[r] for r in range(self.world_size)]
 
 
