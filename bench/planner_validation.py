@@ -164,7 +164,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--trainer-rounds", type=int, default=5, help="interleaved rounds of Trainer(plan='auto') vs the best plan")
+    ap.add_argument("--trainer-rounds", type=int, default=None,
+                    help="interleaved rounds of Trainer(plan='auto') vs the best plan (default 5; with --reuse: keep the stored ones unless given)")
     ap.add_argument("--reuse", default=None, help="a previous results JSON: re-predict its measurements (e.g. with a new --spec)")
     args = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
@@ -227,9 +228,10 @@ def main() -> int:
     within = bool(pred_best and pred_best["measured_s"] <= 1.10 * meas_best["measured_s"])
     # Trainer(plan="auto") through the Trainer's own loop, paired with the measured-best plan in
     # the same loop (a --reuse run keeps the stored Trainer measurements).
-    if args.reuse:
+    if args.reuse and args.trainer_rounds is None:
         trainer = previous.get("trainer", {})
-    elif meas_best and args.trainer_rounds > 0:
+    elif meas_best and (args.trainer_rounds is None or args.trainer_rounds > 0):
+        args.trainer_rounds = 5 if args.trainer_rounds is None else args.trainer_rounds
         print(f"\ntiming Trainer(plan='auto') against {meas_best['plan']} in the Trainer's loop, "
               f"{args.trainer_rounds} rounds ...", flush=True)
         trainer = measure_trainer(config, args, meas_best["plan"], spec_path)

@@ -238,7 +238,8 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         pp_comm = 2 * v * (m + p - 1) * cluster.p2p_time(hop_bytes, intra=intra)
 
     dp_comm, dp_exposed = _dp_comm(cluster, plan, policy, stage_params=stage_params, layers=layers,
-                                   params_per_block=stats.params_per_block / t, t_fwd=t_fwd, t_bwd=t_bwd)
+                                   params_per_block=stats.params_per_block / t, t_fwd=t_fwd, t_bwd=t_bwd,
+                                   stage_tensors=layers * stats.tensors_per_block + stats.tensors_outer)
     optimizer_params = stage_params / (plan.shard if plan.zero >= 1 else 1)
     # Adam reads param, grad, m, v and writes param, m, v: about 7 x 4 bytes per parameter.
     t_opt = optimizer_params * 28.0 / cluster.memory_bw
@@ -310,7 +311,7 @@ def _buffers(stats: ModelStats, plan: Plan, policy: StatePolicy, *, layers: int,
 
 
 def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_params: float, layers: int,
-             params_per_block: float, t_fwd: float, t_bwd: float) -> tuple[float, float]:
+             params_per_block: float, t_fwd: float, t_bwd: float, stage_tensors: int = 0) -> tuple[float, float]:
     """(total, exposed) data-parallel communication seconds of one step."""
     if plan.dp_size == 1:
         return 0.0, 0.0
@@ -337,9 +338,12 @@ def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_par
     fixed = m * units * unit_fixed
     if plan.zero == 1:
         # ZeroRedundancyOptimizer over DDP: the gradient all-reduce overlaps backward; each rank
-        # then broadcasts its updated fp32 partition (an all-gather's volume) with nothing to hide behind.
+        # then broadcasts its updated fp32 partition (an all-gather's volume) with nothing to hide
+        # behind, one broadcast per parameter tensor (torch's default, parameters_as_bucket_view=False),
+        # so every tensor of the stage pays a broadcast latency.
         ar = cluster.collective_time("all_reduce", grads, plan.dp_size, stride=stride)
-        gather = cluster.collective_time("all_gather", stage_params * policy.param, plan.shard, stride=stride)
+        gather = cluster.collective_time("all_gather", stage_params * policy.param, plan.shard, stride=stride, latency=False)
+        gather += stage_tensors * cluster.collective_time("broadcast", 1.0, plan.shard, stride=stride)
         return ar + gather, max(0.0, ar - cluster.overlap * t_bwd) + gather
     if plan.zero == 2:
         # Gather once per microbatch before forward (kept for backward), reduce-scatter once.

@@ -64,6 +64,10 @@ class ModelStats:
     replicated_per_block: int = 0
     replicated_embed: int = 0
     replicated_head: int = 0
+    # Parameter *tensors* (not elements): optimizers that communicate per tensor (ZeRO-1's
+    # ZeroRedundancyOptimizer broadcasts each parameter from its owner) pay a latency per tensor.
+    tensors_per_block: int = 16
+    tensors_outer: int = 6
 
     @property
     def params_total(self) -> int:
@@ -178,6 +182,10 @@ class TransformerSpec:
             tp_divides=(a, h, f, self.kv_heads_),
             replicated_per_block=4 * h + b * 2 * h,  # LayerNorms, o_proj and fc_out biases
             replicated_embed=s * h if self.learned_positions else 0, replicated_head=2 * h,
+            # two LayerNorms (weight + bias) and six weight matrices, with biases when bias=True;
+            # token (+ position) embeddings, final norm, LM head (+ bias) unless tied
+            tensors_per_block=4 + 6 + 6 * b,
+            tensors_outer=1 + int(self.learned_positions) + 2 + (0 if self.tied_embeddings else 1 + b),
         )
 
 
