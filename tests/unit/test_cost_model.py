@@ -222,3 +222,22 @@ def test_measured_parallel_layer_costs_replace_the_per_operator_estimates() -> N
     # the ZeRO-2 figure applies to stage 2 only
     z2 = replace(base, zero2_unit_overhead_s=0.02)
     assert estimate(stats, z2, plan, global_batch=8).detail["dp_comm"] == estimate(stats, base, plan, global_batch=8).detail["dp_comm"]
+
+
+def test_parameter_tensor_count_matches_the_builtin_gpt() -> None:
+    """ZeRO-1 pays a broadcast per parameter tensor: the analytic count must be the real one."""
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.plan.stats import spec_from_gpt_config
+
+    for cfg in (GPTConfig(), GPTConfig(layers=2, hidden=64, heads=2)):
+        stats = spec_from_gpt_config(cfg).stats()
+        assert cfg.layers * stats.tensors_per_block + stats.tensors_outer == len(list(GPT(cfg).parameters()))
+    # and more tensors make ZeRO-1 slower, by one broadcast latency each
+    small = TransformerSpec(layers=2, hidden=64, heads=2, vocab=64, seq=16).stats()
+    cluster = resolve("cpu", devices=4, devices_per_node=4)
+    from dataclasses import replace
+
+    more = replace(small, tensors_outer=small.tensors_outer + 10)
+    plan = Plan(zero=1, shard=4)
+    gap = estimate(more, cluster, plan, global_batch=4).detail["dp_comm"] - estimate(small, cluster, plan, global_batch=4).detail["dp_comm"]
+    assert gap == pytest.approx(10 * cluster.collective_time("broadcast", 1.0, 4))

@@ -195,3 +195,17 @@ def test_plan_for_trainer_only_returns_plans_the_parallel_layer_accepts(tmp_path
     assert all(not (e.plan.zero == 1 and e.plan.pp > 1) for e in piped.result.plans)
     auto.save(str(tmp_path / "auto_plan.json"))
     assert Plan.from_dict(json.loads((tmp_path / "auto_plan.json").read_text())["plan"]) == auto.plan
+
+
+def test_plan_for_trainer_uses_the_cluster_named_by_shardwise_cluster(monkeypatch) -> None:
+    """Trainer(plan="auto") plans with the device's preset unless SHARDWISE_CLUSTER names a spec."""
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.plan.planner import plan_for_trainer
+
+    model = GPT(GPTConfig())
+    monkeypatch.delenv("SHARDWISE_CLUSTER", raising=False)
+    default = plan_for_trainer(model, world_size=4, global_batch=16)
+    assert default.estimate.memory_limit == pytest.approx(8 * 2**30 * 0.9)  # the cpu preset
+    monkeypatch.setenv("SHARDWISE_CLUSTER", "h100")
+    named = plan_for_trainer(model, world_size=4, global_batch=16)
+    assert named.estimate.memory_limit == pytest.approx(80e9 * 0.9)
