@@ -40,11 +40,12 @@ def test_worker_killed_restarts_and_resumes_bitwise(tmp_path):
     lines = out.splitlines()
     readies = [i for i, line in enumerate(lines) if line.startswith("READY resumed=")]
     assert len(readies) == 2 and lines[readies[0]] == "READY resumed=None", out  # first attempt, then the restart
-    # The restart resumes from the newest save committed before the kill: step 20, or step 10 when
-    # the asynchronous save of step 20 was still being written at step 25 (a loaded machine).
+    # The restart resumes from the newest save committed before the kill at step 25: step 20, or
+    # step 10 when step 20's asynchronous write was still in flight (a loaded machine). Never older
+    # than a save already reported as committed (the report of 20 may itself not have made it out).
     committed = [int(line.split()[1]) for line in lines[: readies[1]] if line.startswith("COMMITTED ")]
-    assert committed and lines[readies[1]] == f"READY resumed={max(committed)}", out
-    assert max(committed) in (10, 20), out
+    resumed = int(lines[readies[1]].split("=")[1])
+    assert committed and resumed in (10, 20) and resumed >= max(committed), out
     a = torch.load(os.path.join(tmp, "straight.pt"), weights_only=True)
     b = torch.load(os.path.join(tmp, "recovered.pt"), weights_only=True)
     assert a.keys() == b.keys()
