@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import pathlib
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -48,6 +48,7 @@ from shardwise.train.clip import clip_grad_norm_
 from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics, throughput
 from shardwise.train.precision import LossScaler, autocast, check_precision
+from shardwise.train.result import FitResult
 from shardwise.train.setup import auto_plan, resolve_plan, seed_everything
 from shardwise.train.state import ModelState, OptimizerState, TrainState
 
@@ -55,18 +56,6 @@ log = get_logger("train")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
-
-
-@dataclass(frozen=True)
-class FitResult:
-    """What :meth:`Trainer.fit` returns."""
-
-    step: int
-    epoch: int
-    train_loss: float | None  # the last logged (global) training loss
-    val_metrics: dict[str, float]  # the last evaluation, ``val_``-prefixed
-    elapsed_s: float
-    history: list[dict[str, Any]] = field(repr=False, default_factory=list)
 
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -86,23 +75,9 @@ class Trainer:
     - ``loss_fn(outputs, targets)``: the mean loss of a micro-batch. Batches are ``(inputs, targets)``.
     - ``global_batch_size``: samples per optimizer step over all data-parallel ranks and micro-steps;
       each rank's micro-batch is ``global_batch_size / (dp_size * grad_accum_steps)``.
-    - ``optimizer``: ``params -> Optimizer`` (default AdamW, lr 1e-3); ``lr_scheduler``:
-      ``optimizer -> scheduler``, stepped once per optimizer step (see :func:`warmup_cosine`).
-    - ``plan``: ``"dp"`` (every process a data-parallel replica), ``"auto"`` (the planner picks),
-      a plan string such as ``"zero=3,dp=4"`` / ``"dp=2,tp=2"``, or a :class:`Plan`.
-    - ``precision``: ``"fp32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast + dynamic loss scaling,
-      ``loss_scaler=LossScaler(...)`` to tune it); default: the plan's (fp32).
-    - ``grad_accum_steps``, ``clip_grad_norm`` (global 2-norm), ``seed``.
-    - ``max_steps`` / ``max_epochs`` (default one epoch), ``eval_every`` (steps; default: at each
-      epoch end), ``eval_batch_size`` (default: the micro-batch), ``log_every`` (steps between
-      reduced loss/throughput logs), ``metrics`` (``["accuracy"]`` or ``{name: fn}``).
-    - Data loading: ``num_workers``, ``pin_memory``, ``persistent_workers``, ``worker_start_method``,
-      ``collate_fn``, ``shuffle``.
-    - Parallel options: ``ddp=DDPOptions(...)``, ``sync_batchnorm``, ``tp=TPOptions(...)``,
-      ``fsdp=FSDPOptions(...)``, ``pipeline=PipelineOptions(...)``.
-    - Reporting: ``callbacks``, ``loggers``, ``run_dir`` (CSV, and TensorBoard when installed),
-      ``progress_bar``, ``flops_per_sample`` (training FLOPs, forward + backward) with
-      ``peak_flops_per_device`` (known GPUs are looked up) for MFU, ``tokens_per_sample`` for tokens/s.
+    - Every other option (optimizer and scheduler factories, plan, precision, accumulation,
+      clipping, step/epoch limits, evaluation, data loading, DDP/TP/FSDP/pipeline options,
+      callbacks, loggers, MFU inputs) is documented with its default in docs/training.md.
     - ``checkpoint``: a directory, CheckpointManager or CheckpointCallback (``shardwise.checkpoint``).
     """
 
