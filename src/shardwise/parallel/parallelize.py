@@ -18,7 +18,7 @@ Each technique lives in its own module as ``apply_x(model, mesh, *, options) -> 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
@@ -110,20 +110,9 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
     Call it before building meshes so bad input fails before any process-group work
     (:func:`parallelize` calls it again first thing).
     """
-    if plan.zero == 1 and plan.tp_enabled:
-        raise ConfigError(
-            f"plan {plan}: zero=1 (ZeroRedundancyOptimizer over DDP) cannot wrap tensor-parallel DTensors",
-            hint="use zero=2 or zero=3 with tp (FSDP composes with TP), or drop tp",
-        )
-    if plan.zero == 1 and plan.pp_enabled and plan.shard > 1:
-        # Under pipelining the data-parallel wrapper is FSDP2's replicate (DDP's reducer miscounts
-        # the schedule's metadata pass), whose DTensor parameters ZeroRedundancyOptimizer cannot
-        # broadcast (torch has no DTensor rule for c10d.broadcast_).
-        raise ConfigError(
-            f"plan {plan}: zero=1 (ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages",
-            hint=f"use zero=2 or zero=3 with pp (FSDP composes with pipeline stages), e.g. {replace(plan, zero=2)}, "
-                 f"or plain data parallelism: {replace(plan, zero=0, dp=plan.dp_size, shard=1)}",
-        )
+    conflict = plan.runtime_conflict()  # e.g. zero=1 with tp or pp
+    if conflict is not None:
+        raise conflict
     check_pipeline(model, plan, options=pipeline)  # too many stages, tied weights across stages, ...
     if not plan.tp_enabled:
         return None

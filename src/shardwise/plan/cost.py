@@ -14,7 +14,17 @@ parameter *is* the master copy and 16-bit compute copies are transient (autocast
 
 **Activations** (Korthikanti et al. 2022, table 2): per layer, ``A/t`` with tensor + sequence
 parallelism, ``10 s h + (A - 10 s h)/t`` with tensor parallelism alone, the attention-score part
-dropped by selective recomputation, only the layer input kept by full recomputation. In-flight
+dropped by selective recomputation, only the layer input kept by full recomputation. ``A`` is
+16-bit (:mod:`shardwise.plan.stats`); fp32 training doubles it. Mixed precision as torch runs it
+(autocast over fp32 parameters, :meth:`StatePolicy.torch`) keeps more than the 16-bit figure: the
+residual stream stays fp32 (the LayerNorm inputs and a pipeline stage's input/output: 2 extra bytes
+per element), separate q/k/v projections each save their own 16-bit copy of the normalized input,
+and every microbatch's forward saves the 16-bit copy autocast made of each weight (not under
+FSDP, whose gathered 16-bit parameters are freed or counted as buffers). Buffers: communication
+buffers of the busiest moment plus the gradient of the logits at the start of backward (as large as
+the logits and the loss's fp32 copy). Measured on one H200
+(``bench/planner_gpu.py``): the built-in GPT keeps 44.9 bytes per token and hidden unit and layer
+in bf16 (predicted 43) and 65 in fp32 (predicted 64). In-flight
 microbatches on the first stage: GPipe ``m``; 1F1B ``min(m, p)``; interleaved 1F1B
 ``p + (p - 1)/v`` (Narayanan et al. 2021); without pipelining ``1`` (accumulation is sequential).
 
@@ -35,7 +45,7 @@ communication overlaps with backward by the cluster's ``overlap`` fraction.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shardwise.errors import ConfigError
@@ -158,13 +168,20 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     if p > stats.blocks:
         raise ConfigError(f"plan pp={p} exceeds the model's {stats.blocks} blocks", hint=f"use pp <= {stats.blocks}")
     act_scale = 2.0 if plan.precision == "fp32" else 1.0  # stats are 16-bit
+    autocast = plan.precision != "fp32" and policy.param >= 4  # 16-bit compute over fp32 parameters
+    resid_scale = 2.0 if autocast else act_scale  # the residual stream stays fp32 under autocast
     layers = math.ceil(stats.blocks / p)  # the busiest stage
     stage_params = stage_param_count(stats, tp=t, pp=p)
 
     # -- memory ---------------------------------------------------------------------------
     states = model_state_bytes(stage_params, policy, zero=plan.zero, shard=plan.shard)
-    boundary = mbs * stats.boundary_bytes * act_scale  # one block input of one microbatch
-    per_layer = _layer_activation(stats, plan) * mbs * act_scale
+    boundary = mbs * stats.boundary_bytes * resid_scale  # one block input of one microbatch
+    if plan.recompute == "full":  # only the layer input (the residual stream) is kept
+        per_layer = _layer_activation(stats, plan) * resid_scale * mbs
+    else:
+        per_layer = (_layer_activation(stats, plan) * act_scale + (_autocast_extra(stats, plan) if autocast else 0.0)) * mbs
+        if autocast and plan.zero <= 1:  # autocast's 16-bit weight copies, saved by each microbatch's forward
+            per_layer += stats.params_per_block / t * policy.compute_bytes
     if p == 1:
         in_flight = 1.0
     elif plan.schedule == "gpipe":
@@ -175,11 +192,12 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         in_flight = float(min(m, p))
     logits = mbs * stats.logits_bytes / t * (act_scale + 2.0)  # the logits plus the loss's fp32 softmax
     stage_acts = in_flight * layers * per_layer
-    if plan.recompute == "full":
-        stage_acts += _layer_activation(stats, plan, recompute="none") * mbs * act_scale  # one layer replayed
+    if plan.recompute == "full":  # one layer replayed at a time
+        stage_acts += (_layer_activation(stats, plan, recompute="none") * act_scale
+                       + (_autocast_extra(stats, replace(plan, recompute="none")) if autocast else 0.0)) * mbs
     last_in_flight = in_flight if plan.schedule == "gpipe" or p == 1 else 1.0
     activations = stage_acts + boundary + last_in_flight * logits
-    buffers = _buffers(stats, plan, policy, layers=layers, boundary=boundary)
+    buffers = _buffers(stats, plan, policy, layers=layers, boundary=boundary) + logits  # + the loss's gradient
     memory = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
               "activations": activations, "buffers": buffers}
 
@@ -287,6 +305,17 @@ def _layer_activation(stats: ModelStats, plan: Plan, *, recompute: str | None = 
         return total / t
     replicated = min(total, 5 * stats.boundary_bytes)  # 10 s h: LayerNorm inputs and dropout masks
     return replicated + (total - replicated) / t
+
+
+def _autocast_extra(stats: ModelStats, plan: Plan) -> float:
+    """Bytes per layer and sample that autocast keeps beyond the 16-bit figure: the fp32 residual
+    stream the LayerNorms save (2 more bytes per element) and the extra 16-bit copies of the
+    normalized input that separate q/k/v projections save. Divided by ``t`` under sequence
+    parallelism, replicated under plain tensor parallelism (like the LayerNorm part in
+    :func:`_layer_activation`)."""
+    elems = stats.residual_elems_per_block + (stats.qkv_input_copies - 1) * stats.boundary_bytes / 2
+    extra = 2.0 * elems
+    return extra / plan.tp if plan.sequence_parallel else extra
 
 
 def _buffers(stats: ModelStats, plan: Plan, policy: StatePolicy, *, layers: int, boundary: float) -> float:

@@ -155,6 +155,27 @@ class Plan:
             )
         return self
 
+    def runtime_conflict(self) -> ConfigError | None:
+        """Why shardwise's parallel layer cannot run this layout, whatever the model (None if it can).
+
+        ZeRO-1 is torch's ``ZeroRedundancyOptimizer`` over DDP: it cannot wrap tensor-parallel
+        DTensors, and under pipelining the data-parallel wrapper is FSDP2's replicate, whose DTensor
+        parameters it cannot broadcast (torch has no DTensor rule for ``c10d.broadcast_``). The
+        planner's search skips such layouts; :func:`shardwise.parallel.parallelize.validate` raises this.
+        """
+        if self.zero == 1 and self.tp_enabled:
+            return ConfigError(
+                f"plan {self}: zero=1 (ZeroRedundancyOptimizer over DDP) cannot wrap tensor-parallel DTensors",
+                hint="use zero=2 or zero=3 with tp (FSDP composes with TP), or drop tp",
+            )
+        if self.zero == 1 and self.pp_enabled and self.shard > 1:
+            return ConfigError(
+                f"plan {self}: zero=1 (ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages",
+                hint=f"use zero=2 or zero=3 with pp (FSDP composes with pipeline stages), e.g. {dataclasses.replace(self, zero=2)}, "
+                     f"or plain data parallelism: {dataclasses.replace(self, zero=0, dp=self.dp_size, shard=1)}",
+            )
+        return None
+
     # -- construction ----------------------------------------------------------------------
     @classmethod
     def parse(cls, text: str) -> Plan:

@@ -7,10 +7,11 @@ Enumeration, outermost first, with the pruning that keeps a 1,024-device search 
 2. ``pp``: divides what is left and is at most the number of blocks;
 3. data-parallel size ``D = world / (tp pp)`` must divide the global batch;
 4. ZeRO stage and layout: DDP (stage 0), or stage 1-3 sharded over all ``D`` ranks (FSDP) or over a
-   node's worth with replicas across nodes (HSDP). With ``pp > 1`` only stages 0-1 (stages 2-3
-   would reduce-scatter / all-gather once per microbatch, which pipelines avoid, as in Megatron-LM
-   and DeepSpeed). A layout whose *model states alone* overflow the device is dropped before any
-   microbatch or schedule is tried;
+   node's worth with replicas across nodes (HSDP). Only layouts the parallel layer runs
+   (:meth:`Plan.runtime_conflict`): ZeRO-1 is ``ZeroRedundancyOptimizer`` over DDP, so it is
+   offered without tp and pp only; with tp or pp the sharded stages are 2-3 (FSDP2, which the cost
+   model charges a gather per microbatch under pipelining). A layout whose *model states alone*
+   overflow the device is dropped before any microbatch or schedule is tried;
 5. microbatch count ``m`` (every divisor of the per-replica batch; ``m >= pp`` except for GPipe),
    schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages where the blocks split evenly);
 6. recomputation ``none`` -> ``selective`` -> ``full``: the first that fits wins, because more
@@ -148,6 +149,8 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                                             recompute=recompute, precision=options.precision)
                             except ConfigError:
                                 continue
+                            if plan.runtime_conflict() is not None:
+                                continue
                             if options.supported is not None and not options.supported(plan):
                                 continue
                             est = estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy,
@@ -169,7 +172,7 @@ def _layouts(dp_total: int, tp: int, pp: int, per_node: int, options: SearchOpti
         return out or [(0, 1, 1)]
     node_shard = max(1, per_node // tp)
     for zero in options.zero_stages:
-        if zero == 0 or (pp > 1 and zero > 1):
+        if zero == 0 or (zero == 1 and (tp > 1 or pp > 1)):  # Plan.runtime_conflict: ZeRO-1 is DDP-only
             continue
         out.append((zero, 1, dp_total))
         if options.hsdp and 1 < node_shard < dp_total and dp_total % node_shard == 0:

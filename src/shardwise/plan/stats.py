@@ -14,9 +14,16 @@ Two sources:
 
 - :class:`TransformerSpec` (``{"layers", "hidden", "heads", "vocab", "seq"}``): closed forms, so a
   model of hundreds of billions of parameters is described in microseconds. Activation bytes follow
-  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1-2:
-  per layer and sample ``s h (34 + 5 a s / h)`` bytes at 16-bit, of which ``5 a s^2`` is the
-  attention score/softmax/dropout part that selective recomputation drops.
+  Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1-2,
+  term by term: per layer and sample at 16-bit, the attention block keeps its input (``2 s h``),
+  q, k, v (``2 s h (1 + 2 kv/h)``) and the input of the output projection (``2 s h``); the MLP its
+  input (``2 s h``) and both sides of the activation function (``2 x 2 s f``); the two LayerNorms
+  their inputs (``4 s h``). Eager attention adds the softmax output (``2 a s^2``), dropout adds
+  1-byte masks (``2 s h``, and ``a s^2`` on the scores) and the dropped-out scores (``2 a s^2``).
+  With ``attention="eager", dropout=True`` and ``ffn = 4h`` this is the paper's ``s h (34 + 5 a s / h)``;
+  the default (``attention="fused"``: PyTorch's ``scaled_dot_product_attention`` / FlashAttention,
+  which keep no ``s^2`` tensor; no dropout) is ``32 s h``. The ``s^2`` part is what selective
+  recomputation drops.
 - :func:`measure_module` for any ``nn.Module``: built on the ``meta`` device, parameters are counted
   per module, FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` and the saved-for-backward
   bytes from ``torch.autograd.graph.saved_tensors_hooks`` during one meta forward of one sample.
@@ -68,6 +75,12 @@ class ModelStats:
     # ZeroRedundancyOptimizer broadcasts each parameter from its owner) pay a latency per tensor.
     tensors_per_block: int = 16
     tensors_outer: int = 6
+    # Mixed precision under torch.autocast keeps some saved tensors at fp32 or twice: the elements per
+    # block and sample of the fp32 residual stream that the LayerNorms save (2 s h), and how many
+    # 16-bit copies of the normalized input the q/k/v projections save (3 when they are separate
+    # Linear layers, each casting its own; 1 when fused).
+    residual_elems_per_block: float = 0.0
+    qkv_input_copies: int = 1
 
     @property
     def params_total(self) -> int:
@@ -102,6 +115,9 @@ class TransformerSpec:
     tied_embeddings: bool = False
     bias: bool = True
     learned_positions: bool = True
+    attention: str = "fused"  # "fused" (SDPA / FlashAttention) or "eager" (keeps the s^2 softmax)
+    dropout: bool = False
+    separate_qkv: bool = False  # q, k, v as three Linear layers (shardwise's GPT) instead of one
     name: str = "transformer"
 
     def __post_init__(self) -> None:
@@ -116,6 +132,9 @@ class TransformerSpec:
         if self.hidden % self.heads:
             raise ConfigError(f"model spec heads={self.heads} does not divide hidden={self.hidden}",
                               hint=f"use a hidden size that is a multiple of {self.heads}")
+        if self.attention not in ("fused", "eager"):
+            raise ConfigError(f"model spec attention={self.attention!r} is unknown",
+                              hint='use "fused" (scaled_dot_product_attention / FlashAttention) or "eager"')
         if self.heads % self.kv_heads_:
             raise ConfigError(f"model spec kv_heads={self.kv_heads} does not divide heads={self.heads}",
                               hint="use a divisor of heads (or leave kv_heads out)")
@@ -138,7 +157,8 @@ class TransformerSpec:
         for key, value in data.items():
             key = aliases.get(key, key)
             if key not in known:
-                raise ConfigError(f"model spec key {key!r} is unknown", hint="use layers, hidden, heads, vocab, seq, ffn, kv_heads, tied_embeddings")
+                raise ConfigError(f"model spec key {key!r} is unknown",
+                                  hint="use layers, hidden, heads, vocab, seq, ffn, kv_heads, tied_embeddings, attention, dropout")
             values[key] = value
         missing = [k for k in ("layers", "hidden", "heads", "vocab", "seq") if k not in values]
         if missing:
@@ -171,13 +191,17 @@ class TransformerSpec:
         attn_flops = 2 * 2 * s * s * h
         block_flops = 2 * s * matmul_params + attn_flops
         head_flops = 2 * s * h * v
-        # Korthikanti et al. 2022, eq. 1 (16-bit activations, 1-byte dropout masks): 34 s h + 5 a s^2.
-        # Their 34 assumes ffn = 4h; the MLP part (19 s h) scales with ffn / 4h.
-        act = s * h * (15 + 19 * f / (4 * h)) + 5 * a * s * s
+        # Korthikanti et al. 2022, eq. 1, term by term (16-bit activations, 1-byte dropout masks).
+        drop = 1 if self.dropout else 0
+        attn_act = s * h * (2 + 2 * (1 + 2 * kv / h) + 2 + drop)  # input, q k v, out-proj input, mask
+        mlp_act = s * h * (2 + drop) + 2 * 2 * s * f  # input, mask; both sides of the activation
+        norm_act = 4 * s * h
+        scores = (2 + 3 * drop) * a * s * s if self.attention == "eager" else 0  # softmax (+ mask, dropped)
+        act = attn_act + mlp_act + norm_act + scores
         return ModelStats(
             name=self.name, blocks=self.layers, params_per_block=per_block, params_embed=embed, params_head=head,
             flops_per_block=float(block_flops), flops_head=float(head_flops), attn_flops_per_block=float(attn_flops),
-            act_bytes_per_block=float(act), attn_act_bytes_per_block=float(5 * a * s * s), boundary_bytes=float(2 * s * h),
+            act_bytes_per_block=float(act), attn_act_bytes_per_block=float(scores), boundary_bytes=float(2 * s * h),
             logits_bytes=float(2 * s * v), seq=s, hidden=h, heads=a, vocab=v, tied_embeddings=self.tied_embeddings,
             tp_divides=(a, h, f, self.kv_heads_),
             replicated_per_block=4 * h + b * 2 * h,  # LayerNorms, o_proj and fc_out biases
@@ -186,12 +210,13 @@ class TransformerSpec:
             # token (+ position) embeddings, final norm, LM head (+ bias) unless tied
             tensors_per_block=4 + 6 + 6 * b,
             tensors_outer=1 + int(self.learned_positions) + 2 + (0 if self.tied_embeddings else 1 + b),
+            residual_elems_per_block=float(2 * s * h), qkv_input_copies=3 if self.separate_qkv else 1,
         )
 
 
 # Named shapes for dry runs. "gpt" is shardwise's built-in GPT at its default size.
 PRESETS: dict[str, dict[str, Any]] = {
-    "gpt": {"layers": 4, "hidden": 128, "heads": 4, "vocab": 128, "seq": 128},
+    "gpt": {"layers": 4, "hidden": 128, "heads": 4, "vocab": 128, "seq": 128, "separate_qkv": True},
     "gpt2": {"layers": 12, "hidden": 768, "heads": 12, "vocab": 50257, "seq": 1024, "tied_embeddings": True},
     "gpt3-1.3b": {"layers": 24, "hidden": 2048, "heads": 16, "vocab": 51200, "seq": 2048},
     "gpt3-13b": {"layers": 40, "hidden": 5120, "heads": 40, "vocab": 51200, "seq": 2048},
@@ -208,7 +233,8 @@ def preset(name: str) -> TransformerSpec:
 def spec_from_gpt_config(config: Any) -> TransformerSpec:
     """The analytic spec of a :class:`shardwise.models.gpt.GPTConfig` (same parameter count)."""
     return TransformerSpec(layers=config.layers, hidden=config.hidden, heads=config.heads, vocab=config.vocab_size,
-                           seq=config.seq_len, ffn=config.ffn_size, name="gpt")
+                           seq=config.seq_len, ffn=config.ffn_size, attention="fused", dropout=config.dropout > 0,
+                           separate_qkv=True, name="gpt")
 
 
 def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, seq: int = 1, name: str = "model") -> ModelStats:
