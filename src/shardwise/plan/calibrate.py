@@ -1,10 +1,24 @@
 """Measure this machine for the planner and write a :class:`~shardwise.plan.cluster.ClusterSpec`.
 
-All N local processes measure *at the same time* (after a barrier), so the figures include what
-they cost each other: on a CPU box with fewer cores than processes each gets its share.
+All N local processes measure *at the same time*, so the figures include what they cost each
+other: on a CPU box with fewer cores than processes each gets its share. Each figure is a
+*concurrent window*: the ranks agree on a call count long enough to span many scheduler time
+slices (0.15 s at the fastest rank's pace), start together after a barrier, and the slowest rank's
+elapsed time over that count is the answer (median of three windows). Short per-rank timings
+would let a rank that happens to run while the others are descheduled report a speed no step
+ever sees.
 
-- Matmul throughput: ``2 n^3`` FLOPs per ``n x n`` matmul, median time per size and dtype, the
-  slowest rank's figure (a step waits for the slowest rank).
+- Matmul throughput: ``2 n^3`` FLOPs per ``n x n`` matmul by size and dtype (sizes up to 1024 on a
+  CPU, up to 8192 on a GPU, where small matmuls reach a small fraction of the peak).
+- Oversubscription: the same fp32 matmul on rank 0 alone (the others wait in a barrier, which
+  costs no CPU) over the concurrent figure: how much faster a lone busy process runs, which is
+  what a pipeline stage gains while the others idle. Measured, so that a host that other jobs
+  load (where idle stages do *not* free cores for ours) gets a smaller figure than processes per
+  core.
+- Transformer-layer throughput: forward + backward of the built-in GPT's block at a few widths, per
+  precision: what a real layer achieves (attention, norms, activation functions and autograd
+  included), which small or eager layers get far below the matmul figure.
+- Optimizer: Adam's step per parameter tensor (plain and DTensor) and per element.
 - Memory bandwidth: a large tensor copy (reads + writes ``2 x bytes``).
 - Collectives: :func:`shardwise.observe.collectives.measure_bandwidth` by message size, then a
   least-squares fit of the alpha-beta model ``t = alpha + f(op, n) * bytes / busbw`` per
@@ -13,7 +27,10 @@ they cost each other: on a CPU box with fewer cores than processes each gets its
 - Fixed cost of parallel layers: one forward + backward of a tiny built-in GPT (too small for
   bandwidth to matter) plain, under TP over all ranks and under FSDP (ZeRO-3 and ZeRO-2); the
   differences per layer / per FSDP unit become ``tp_layer_overhead_s`` and
-  ``zero{3,2}_unit_overhead_s`` (dispatch, hooks and collective latency together).
+  ``zero{3,2}_unit_overhead_s`` (dispatch, hooks and collective latency together). For pipelines,
+  the tiny GPT in 2 stages with 2 and with 4 microbatches: one more microbatch adds one slot to
+  the critical path, so the difference per microbatch minus the stage's own compute is
+  ``pp_microbatch_overhead_s`` (the schedule's Python work, point-to-point latency, shape checks).
 """
 
 from __future__ import annotations
@@ -41,10 +58,13 @@ class Calibration:
     memory_bw: float
     overhead_s: float
     dtensor_overhead_s: float
-    layer_overheads: dict[str, float]  # tp_layer_s, zero3_unit_s, zero2_unit_s
+    layer_overheads: dict[str, float]  # tp_layer_s, zero3_unit_s, zero2_unit_s, pp_microbatch_s
+    block_flops: dict[str, dict[str, float]]  # precision -> GEMM dimension -> FLOP/s of a transformer layer
+    optimizer: dict[str, float]  # Adam: tensor_s, dtensor_tensor_s, param_s
     solo_matmul: float  # fp32 FLOP/s of the largest size with only rank 0 busy
     collectives: list[BandwidthRow]
     memory_bytes: float
+    threads: int = 1  # intra-op threads per process while measuring
 
 
 def _slowest(value: float, device: Any) -> float:
@@ -63,37 +83,67 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
-def measure_matmul(device: Any, dtype: Any, n: int, *, iters: int = 5) -> float:
-    """FLOP/s of one process for ``n x n`` matmuls while every rank runs the same (slowest rank)."""
+def concurrent_seconds(fn: Any, device: Any, *, window_s: float = 0.15, windows: int = 3) -> float:
+    """Seconds per call of ``fn`` while every rank runs it (see the module doc): per window, the
+    ranks agree on a call count ``k`` (``window_s`` at the fastest rank's probed pace), start after
+    a barrier and report the slowest rank's elapsed / ``k``; the median over ``windows``."""
+    import torch.distributed as dist
+
+    fn()
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    fn()
+    _sync(device)
+    probe = max((time.perf_counter() - start) / 2, 1e-7)
+    calls = int(_slowest(float(max(2, math.ceil(window_s / probe))), device))  # the same count on every rank
+    out = []
+    for _ in range(windows):
+        dist.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        out.append(_slowest((time.perf_counter() - start) / calls, device))
+    return statistics.median(out)
+
+
+def solo_seconds(fn: Any, device: Any, *, window_s: float = 0.15, windows: int = 3) -> float:
+    """Seconds per call of ``fn`` on rank 0 while the other ranks wait in a barrier (broadcast)."""
     import torch
     import torch.distributed as dist
 
+    value = 0.0
+    if dist.get_rank() == 0:
+        fn()
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        calls = max(2, math.ceil(window_s / max(time.perf_counter() - start, 1e-7)))
+        runs = []
+        for _ in range(windows):
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            _sync(device)
+            runs.append((time.perf_counter() - start) / calls)
+        value = statistics.median(runs)
+    dist.barrier()
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t.item())
+
+
+def measure_matmul(device: Any, dtype: Any, n: int) -> float:
+    """FLOP/s of one process for ``n x n`` matmuls while every rank runs the same (concurrent window)."""
+    import torch
+
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(2):
-        a @ b
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        times.append(_time_per_call(lambda: a @ b, device))
-    return 2 * n**3 / _slowest(statistics.median(times), device)
-
-
-def _time_per_call(fn: Any, device: Any, *, window_s: float = 0.05) -> float:
-    """Mean seconds per call over a window of at least ``window_s``: long enough that being
-    descheduled for a time slice (other processes share the cores) averages out instead of
-    dominating a single short timing."""
-    calls = 0
-    _sync(device)
-    start = time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        if calls % 4 == 0:
-            _sync(device)
-            elapsed = time.perf_counter() - start
-            if elapsed >= window_s:
-                return elapsed / calls
+    return 2 * n**3 / concurrent_seconds(lambda: a @ b, device)
 
 
 def measure_overhead(device: Any) -> float:
@@ -101,10 +151,7 @@ def measure_overhead(device: Any) -> float:
     import torch
 
     x = torch.ones(8, device=device)
-    for _ in range(10):
-        x = x + 1
-    times = [_time_per_call(lambda: x + 1, device) for _ in range(5)]
-    return _slowest(statistics.median(times), device)
+    return concurrent_seconds(lambda: x + 1, device, window_s=0.05)
 
 
 def measure_dtensor_overhead(device: Any) -> float:
@@ -118,17 +165,18 @@ def measure_dtensor_overhead(device: Any) -> float:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     d = distribute_tensor(torch.ones(8 * dist.get_world_size(), device=device), mesh, [Shard(0)])
     plain = torch.ones(8, device=device)
-    for _ in range(10):
-        d + 1
-    dt = statistics.median(_time_per_call(lambda: d + 1, device) for _ in range(5))
-    pt = statistics.median(_time_per_call(lambda: plain + 1, device) for _ in range(5))
-    return _slowest(max(dt - pt, 0.0), device)
+    dt = concurrent_seconds(lambda: d + 1, device, window_s=0.05)
+    pt = concurrent_seconds(lambda: plain + 1, device, window_s=0.05)
+    return max(dt - pt, 0.0)
 
 
-def _layer_step_seconds(plan_text: str, device: Any, *, layers: int, reps: int = 5, calls: int = 4) -> float:
+def _layer_step_seconds(plan_text: str, device: Any, *, layers: int, microbatches: int = 1) -> float:
     """Seconds of one forward + backward of a tiny built-in GPT (``layers`` blocks, hidden 8 per
-    rank) under ``plan_text`` ("" for the plain model): every rank calls the same number of times,
-    because the sharded model communicates; median of ``reps`` windows, slowest rank."""
+    rank) under ``plan_text`` ("" for the plain model; with pipeline stages, ``microbatches``
+    microbatches of 2 samples through the schedule), in concurrent windows (every rank makes the
+    same calls: the sharded model communicates)."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -141,102 +189,163 @@ def _layer_step_seconds(plan_text: str, device: Any, *, layers: int, reps: int =
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # GPT returns a view; harmless here
     n = dist.get_world_size()
     cfg = GPTConfig(vocab_size=8 * n, seq_len=8, layers=layers, hidden=8 * n, heads=n)
-    ids = torch.zeros(2, cfg.seq_len, dtype=torch.long, device=device)
-    if plan_text:
-        plan = Plan.parse(plan_text)
-        pm = parallelize(GPT(cfg, seed=0).to(device), plan, build_mesh(plan, device.type))
-        module, context = pm.module, pm.loss_context
-    else:
-        import contextlib
 
+    def loss_fn(out: Any, target: Any) -> Any:
+        return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
+
+    ids = torch.zeros(2 * microbatches, cfg.seq_len, dtype=torch.long, device=device)
+    if not plan_text:
         module, context = GPT(cfg, seed=0).to(device), contextlib.nullcontext
+    else:
+        plan = Plan.parse(plan_text)
+        extra = {"loss_fn": loss_fn} if plan.pp > 1 else {}
+        pm = parallelize(GPT(cfg, seed=0).to(device), plan, build_mesh(plan, device.type), **extra)
+        if pm.pipeline is not None:
+            return concurrent_seconds(lambda: pm.pipeline.step(ids, ids), device, window_s=0.2)
+        module, context = pm.module, pm.loss_context
 
     def step() -> None:
         with context():
-            out = module(ids)
-            F.cross_entropy(out.flatten(0, 1), ids.flatten(0, 1)).backward()
+            loss_fn(module(ids), ids).backward()
 
-    for _ in range(2):
-        step()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        _sync(device)
-        times.append((time.perf_counter() - start) / calls)
-    return _slowest(statistics.median(times), device)
+    return concurrent_seconds(step, device, window_s=0.2)
 
 
 def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[str, float]:
-    """Fixed seconds per transformer layer and forward + backward that tensor parallelism and FSDP
-    add, measured on a GPT too small for bandwidth to matter (hidden 8 per rank): the step time
-    of the sharded model minus the plain one, divided by the layers (TP over all ranks) or by the
-    FSDP units (the blocks and the root). This is the dispatch, hook and collective-latency work
-    that per-operator figures undercount (FSDP2's pre/post hooks, DTensor redistribution)."""
+    """Fixed seconds that tensor parallelism, FSDP and pipelining add, measured on a GPT too small
+    for bandwidth to matter (hidden 8 per rank): per layer forward + backward under TP over all
+    ranks, per FSDP unit (the blocks and the root) under ZeRO-3 / ZeRO-2, and per pipeline
+    microbatch slot (2 stages; the slope from 2 to 4 microbatches minus one stage's compute of one
+    microbatch). This is the dispatch, hook, schedule and latency work that per-operator figures
+    undercount (FSDP2's pre/post hooks, DTensor redistribution, the pipelining runtime)."""
     import torch.distributed as dist
 
     n = dist.get_world_size()
     if n < 2:
-        return {"tp_layer_s": 0.0, "zero3_unit_s": 0.0, "zero2_unit_s": 0.0}
+        return {"tp_layer_s": 0.0, "zero3_unit_s": 0.0, "zero2_unit_s": 0.0, "pp_microbatch_s": 0.0}
     plain = _layer_step_seconds("", device, layers=layers)
     tp = _layer_step_seconds(f"tp={n}", device, layers=layers)
     zero3 = _layer_step_seconds(f"zero=3,dp=1,shard={n}", device, layers=layers)
     zero2 = _layer_step_seconds(f"zero=2,dp=1,shard={n}", device, layers=layers)
+    pp_microbatch = 0.0
+    if n % 2 == 0:
+        pipe = f"pp=2,dp={n // 2},schedule=1f1b"
+        two = _layer_step_seconds(pipe + ",microbatches=2", device, layers=layers, microbatches=2)
+        four = _layer_step_seconds(pipe + ",microbatches=4", device, layers=layers, microbatches=4)
+        pp_microbatch = max((four - two) / 2 - plain / 2, 0.0)
     units = layers + 1
     return {"tp_layer_s": max(tp - plain, 0.0) / layers, "zero3_unit_s": max(zero3 - plain, 0.0) / units,
-            "zero2_unit_s": max(zero2 - plain, 0.0) / units}
+            "zero2_unit_s": max(zero2 - plain, 0.0) / units, "pp_microbatch_s": pp_microbatch}
 
 
 def measure_solo_matmul(device: Any, n: int) -> float:
     """fp32 FLOP/s of rank 0 alone (the others wait at a barrier): a process's speed when it has
     the machine to itself, as a pipeline stage has during the fill and drain."""
     import torch
-    import torch.distributed as dist
 
     a = torch.randn(n, n, device=device)
-    value = 0.0
-    if dist.get_rank() == 0:
-        a @ a
-        value = 2 * n**3 / statistics.median(_time_per_call(lambda: a @ a, device) for _ in range(3))
-    dist.barrier()
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.broadcast(t, src=0)
-    return float(t.item())
+    return 2 * n**3 / solo_seconds(lambda: a @ a, device)
 
 
-def measure_memory_bw(device: Any, *, nbytes: int = 64 * 2**20, iters: int = 5) -> float:
+# (hidden, tokens per microbatch, sequence length) of the reference transformer layers: small on a
+# CPU, GPT-2 to GPT-3-13B widths on a GPU.
+CPU_BLOCK_SHAPES = ((64, 512, 128), (128, 512, 128), (256, 512, 128), (512, 1024, 128))
+GPU_BLOCK_SHAPES = ((512, 8192, 1024), (1024, 8192, 1024), (2048, 8192, 1024), (4096, 8192, 1024))
+
+
+def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Achieved FLOP/s of one transformer layer (the built-in GPT's ``Block``: LayerNorms, q/k/v/o
+    projections, ``scaled_dot_product_attention``, GELU MLP), forward + backward including the
+    gradient of its input, in concurrent windows, by precision (fp32, or autocast) and by the
+    layer's GEMM dimension ``(tokens h h)^(1/3)`` (the key :meth:`ClusterSpec.block_flops` reads).
+    FLOPs are the analytic ``3 x`` forward FLOPs of :class:`~shardwise.plan.stats.TransformerSpec`."""
+    import torch
+
+    from shardwise.models.gpt import Block, GPTConfig
+    from shardwise.plan.stats import TransformerSpec
+    from shardwise.train.precision import autocast
+
+    shapes = GPU_BLOCK_SHAPES if device.type == "cuda" else CPU_BLOCK_SHAPES
+    out: dict[str, dict[str, float]] = {}
+    for precision in precisions:
+        table = {}
+        for hidden, tokens, seq in shapes:
+            heads = max(1, hidden // 64)
+            cfg = GPTConfig(vocab_size=8, seq_len=seq, layers=1, hidden=hidden, heads=heads)
+            block = Block(cfg).to(device)
+            x = torch.randn(tokens // seq, seq, hidden, device=device, requires_grad=True)
+
+            def step() -> None:
+                with autocast(precision, device.type):
+                    y = block(x)
+                y.backward(torch.ones_like(y))
+
+            flops = 3 * TransformerSpec(layers=1, hidden=hidden, heads=heads, vocab=8, seq=seq).stats().flops_per_block * (tokens // seq)
+            dim = (tokens * hidden * hidden) ** (1 / 3)
+            table[f"{dim:.1f}"] = flops / concurrent_seconds(step, device, window_s=0.2)
+            del block, x
+        out[precision] = table
+    return out
+
+
+def measure_optimizer(device: Any) -> dict[str, float]:
+    """Seconds of ``torch.optim.Adam.step`` (the device's default implementation) per parameter
+    tensor, per tensor when the parameters are DTensors sharded over the world (what FSDP2 and TP
+    hand the optimizer), and per element: from 64 small tensors and one large one
+    (``t = tensors a + elements b``), in concurrent windows."""
     import torch
     import torch.distributed as dist
 
+    def seconds(params: list) -> float:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        return concurrent_seconds(opt.step, device, window_s=0.1)
+
+    small_n, small_size = 64, 256
+    big_size = 2**22 if device.type == "cuda" else 2**20
+    t_small = seconds([torch.zeros(small_size, device=device, requires_grad=True) for _ in range(small_n)])
+    t_big = seconds([torch.zeros(big_size, device=device, requires_grad=True)])
+    per_param = max((small_n * t_big - t_small) / (small_n * big_size - small_n * small_size), 0.0)
+    per_tensor = max(t_big - big_size * per_param, t_small / small_n - small_size * per_param, 0.0)
+    dtensor_tensor = 0.0
+    if dist.get_world_size() > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        shards = [torch.nn.Parameter(distribute_tensor(torch.zeros(small_size * dist.get_world_size(), device=device), mesh, [Shard(0)]))
+                  for _ in range(small_n)]
+        dtensor_tensor = max(seconds(shards) / small_n - small_size * per_param, 0.0)
+    return {"tensor_s": per_tensor, "dtensor_tensor_s": dtensor_tensor, "param_s": per_param}
+
+
+def measure_memory_bw(device: Any, *, nbytes: int = 64 * 2**20) -> float:
+    """Bytes per second of a large copy (read + write) while every rank copies."""
+    import torch
+
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return 2 * nbytes / _slowest(statistics.median(times), device)
+    return 2 * nbytes / concurrent_seconds(lambda: dst.copy_(src), device, window_s=0.1)
 
 
-def calibrate_worker(sizes: list[int], matmul_sizes: list[int], iters: int) -> Calibration:
-    """Runs on every rank of a launched group (see :func:`shardwise.launch`)."""
+CPU_MATMUL_SIZES = (64, 128, 256, 512, 1024)
+GPU_MATMUL_SIZES = (256, 1024, 4096, 8192)
+
+
+def calibrate_worker(sizes: list[int], matmul_sizes: list[int] | None, iters: int) -> Calibration:
+    """Runs on every rank of an initialized group: a group started by :func:`calibrate`, or a
+    training job's own world (``Trainer(plan="auto")``). It measures with the intra-op threads the
+    process already has (``shardwise run`` gives each local process the cores divided among them),
+    because that is what training will get; ``matmul_sizes`` None: the device's default sizes."""
     import torch
     import torch.distributed as dist
 
     from shardwise.observe.collectives import measure_bandwidth
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cpu":
-        # Measure with the threads a training process gets (torchrun's rule: the cores divided among
-        # the local processes); more threads than cores make OpenMP spin and slow small matmuls ~100x.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+    if matmul_sizes is None:
+        matmul_sizes = list(GPU_MATMUL_SIZES if device.type == "cuda" else CPU_MATMUL_SIZES)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if device.type == "cuda":
         dtypes["fp16"] = torch.float16
@@ -245,6 +354,8 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int], iters: int) -> C
     overhead = measure_overhead(device)
     dtensor = measure_dtensor_overhead(device)
     layer_overheads = measure_parallel_layer_overheads(device)
+    block = measure_block_throughput(device, ("fp32", "bf16"))
+    optimizer = measure_optimizer(device)
     solo = measure_solo_matmul(device, max(matmul_sizes))
     rows = measure_bandwidth(device, list(sizes), iters=iters)
     n = dist.get_world_size()
@@ -252,14 +363,23 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int], iters: int) -> C
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / n
-    return Calibration(n, device.type, matmul, memory_bw, overhead, dtensor, layer_overheads, solo, rows, memory)
+    return Calibration(n, device.type, matmul, memory_bw, overhead, dtensor, layer_overheads, block, optimizer, solo, rows,
+                       memory, threads=torch.get_num_threads())
 
 
 def oversubscription(cal: Calibration) -> float:
-    """Processes per core on a CPU host (1 on GPUs, where each process has its own device)."""
+    """How much faster one busy process runs than each of N busy ones (1 on GPUs, where each process
+    has its own device): the measured solo / concurrent fp32 matmul ratio, at most the processes per
+    core times the threads that a lone process can use. On an idle host with more processes than
+    cores this is the processes per core (a pipeline's idle stages free their cores for the busy
+    ones); on a host that other jobs load the measured ratio is smaller, because the cores an idle
+    stage frees go to those jobs as much as to ours."""
     if cal.device_type != "cpu":
         return 1.0
-    return max(1.0, cal.world_size / (os.cpu_count() or 1))
+    cores = os.cpu_count() or 1
+    ceiling = min(cal.threads, cores) / min(cal.threads, cores / cal.world_size)  # lone vs all-busy cores per process
+    measured = cal.solo_matmul / max(cal.matmul["fp32"][max(cal.matmul["fp32"])], 1.0)
+    return min(max(1.0, measured), max(1.0, ceiling))
 
 
 def fit_alpha_beta(rows: list[BandwidthRow], op: str, n: int) -> tuple[float, float]:
@@ -300,27 +420,41 @@ def to_spec(cal: Calibration, *, name: str | None = None) -> ClusterSpec:
         tp_layer_overhead_s=cal.layer_overheads["tp_layer_s"],
         zero3_unit_overhead_s=cal.layer_overheads["zero3_unit_s"],
         zero2_unit_overhead_s=cal.layer_overheads["zero2_unit_s"],
-        # How much faster one busy process runs than each of N busy ones: > 1 when the processes
-        # share fewer cores than there are processes (a pipeline's idle stages then cost nothing).
-        # Structural (processes per core), because a measured solo/shared ratio on a machine that
-        # other jobs load measures their load; the measured ratio is kept in `measurements`.
+        pp_microbatch_overhead_s=cal.layer_overheads.get("pp_microbatch_s", 0.0),
+        optimizer_tensor_s=cal.optimizer["tensor_s"], optimizer_dtensor_tensor_s=cal.optimizer["dtensor_tensor_s"],
+        optimizer_param_s=cal.optimizer["param_s"],
         oversubscription=oversubscription(cal),
         # CPU collectives run on the same cores as the compute: nothing hides behind backward.
         overlap=0.0 if cal.device_type == "cpu" else 1.0, device_type=cal.device_type,
         measurements={
             "matmul_flops": {d: {str(k): v for k, v in s.items()} for d, s in cal.matmul.items()},
+            "block_flops": cal.block_flops,
             "collectives": [r.__dict__ for r in cal.collectives],
             "fits": fits,
             "solo_matmul_flops": cal.solo_matmul,
             "solo_over_shared": cal.solo_matmul / max(cal.matmul["fp32"][max(cal.matmul["fp32"])], 1.0),
+            "threads_per_process": cal.threads, "cpu_count": os.cpu_count() or 1,
         },
     )
 
 
-def calibrate(nproc: int, *, sizes: tuple[int, ...] = DEFAULT_SIZES, matmul_sizes: tuple[int, ...] = (64, 128, 256, 512, 1024),
+def _calibrate_with_threads(threads: int, sizes: list[int], matmul_sizes: list[int] | None, iters: int) -> Calibration:
+    """A CPU worker of :func:`calibrate` with ``shardwise run``'s thread rule (cores / local processes):
+    more threads than cores make OpenMP spin and slow small matmuls ~100x."""
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.set_num_threads(threads)
+    return calibrate_worker(sizes, matmul_sizes, iters)
+
+
+def calibrate(nproc: int, *, sizes: tuple[int, ...] = DEFAULT_SIZES, matmul_sizes: tuple[int, ...] | None = None,
               iters: int = 10, name: str | None = None, timeout_s: float = 300.0) -> ClusterSpec:
-    """Start ``nproc`` local processes, measure, and return the spec (rank 0's view)."""
+    """Start ``nproc`` local processes (each with the cores divided among them, as ``shardwise run``
+    gives), measure, and return the spec (rank 0's view)."""
     from shardwise.launch.inprocess import launch
 
-    cal = launch(calibrate_worker, nprocs=nproc, args=(list(sizes), list(matmul_sizes), iters), timeout_s=timeout_s)[0]
+    sizes_arg = list(matmul_sizes) if matmul_sizes is not None else None
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    cal = launch(_calibrate_with_threads, nprocs=nproc, args=(threads, list(sizes), sizes_arg, iters), timeout_s=timeout_s)[0]
     return to_spec(cal, name=name)

@@ -48,10 +48,18 @@ class ClusterSpec:
     dtensor_overhead_s: float = 20e-6  # extra cost of one DTensor operator (sharding propagation)
     # Measured fixed costs of parallel layers (``shardwise calibrate``; 0: estimate them from the
     # per-operator figures): per transformer layer forward + backward under tensor parallelism,
-    # and per FSDP unit and microbatch under ZeRO-3 / ZeRO-2 (hooks + collective latency).
+    # per FSDP unit and microbatch under ZeRO-3 / ZeRO-2 (hooks + collective latency), and per
+    # microbatch slot of a pipeline schedule.
     tp_layer_overhead_s: float = 0.0
     zero3_unit_overhead_s: float = 0.0
     zero2_unit_overhead_s: float = 0.0
+    pp_microbatch_overhead_s: float = 0.0  # per microbatch slot of a pipeline schedule (runtime + p2p latency)
+    # The optimizer step (Adam, torch's default implementation for the device), measured: per
+    # parameter tensor, per tensor when the parameters are DTensors (FSDP2, TP), per element.
+    # 0: estimated from the memory bandwidth alone.
+    optimizer_tensor_s: float = 0.0
+    optimizer_dtensor_tensor_s: float = 0.0
+    optimizer_param_s: float = 0.0
     oversubscription: float = 1.0  # processes per compute unit: a lone busy process runs this much faster
     device_type: str = "cuda"
     measurements: dict[str, Any] = field(default_factory=dict)  # raw calibration tables, if any
@@ -92,17 +100,18 @@ class ClusterSpec:
         fraction of the peak, so the figure is interpolated (log-linearly) in that table. Presets
         have no table and use ``flops(precision)`` for every size.
         """
-        table = self.measurements.get("matmul_flops", {}).get(precision) or self.measurements.get("matmul_flops", {}).get("fp32")
-        if not table:
-            return self.flops(precision)
-        pts = sorted((float(k), float(v)) for k, v in table.items())
-        if dim <= pts[0][0]:
-            return pts[0][1] * max(dim / pts[0][0], 0.05)  # below the table: throughput falls with size
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-            if dim <= x1:
-                w = (math.log(dim) - math.log(x0)) / (math.log(x1) - math.log(x0))
-                return y0 + w * (y1 - y0)
-        return pts[-1][1]
+        found = _interpolate(self._table("matmul_flops", precision), dim)
+        return found if found is not None else self.flops(precision)
+
+    def block_flops(self, precision: str, dim: float) -> float | None:
+        """Achieved FLOP/s of a whole transformer layer, forward + backward (matmuls, attention,
+        norms, activation functions, autograd), for the layer's GEMM dimension ``dim``; measured by
+        ``shardwise calibrate`` on the built-in GPT's block. None without a calibration."""
+        return _interpolate(self._table("block_flops", precision), dim)
+
+    def _table(self, key: str, precision: str) -> dict[str, float]:
+        tables = self.measurements.get(key, {})
+        return tables.get(precision) or tables.get("fp32") or {}
 
     def peak(self, precision: str) -> float:
         return self.peak_flops.get(precision) or self.peak_flops.get("fp32") or max(self.peak_flops.values())
@@ -122,6 +131,16 @@ class ClusterSpec:
         factor = {"all_reduce": 2 * (group - 1) / group, "all_gather": (group - 1) / group,
                   "reduce_scatter": (group - 1) / group}.get(op, 1.0)
         return (lat * math.ceil(math.log2(group)) if latency else 0.0) + factor * nbytes / bw
+
+    def collective_latency(self, op: str, group: int, *, stride: int = 1) -> float:
+        """Seconds of one tiny collective: the calibrated fit's intercept for ``op`` when the spec
+        has one (``measurements["fits"]``), else ``latency * ceil(log2 group)``."""
+        if group <= 1:
+            return 0.0
+        fit = self.measurements.get("fits", {}).get(op)
+        if fit and group * stride <= self.devices_per_node:
+            return float(fit["alpha_s"])
+        return self.collective_time(op, 1.0, group, stride=stride)
 
     def p2p_time(self, nbytes: float, *, intra: bool) -> float:
         bw, lat = (self.intra_bw, self.intra_latency_s) if intra else (self.inter_bw, self.inter_latency_s)
@@ -159,6 +178,20 @@ class ClusterSpec:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"cluster spec file {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
         return cls.from_dict(data)
+
+
+def _interpolate(table: dict[str, float], dim: float) -> float | None:
+    """Log-linear interpolation in a ``{size: FLOP/s}`` table; below it throughput falls with size."""
+    if not table:
+        return None
+    pts = sorted((float(k), float(v)) for k, v in table.items())
+    if dim <= pts[0][0]:
+        return pts[0][1] * max(dim / pts[0][0], 0.05)
+    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
+        if dim <= x1:
+            w = (math.log(dim) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return y0 + w * (y1 - y0)
+    return pts[-1][1]
 
 
 def _gpu(name: str, *, memory_gb: float, fp32: float, bf16: float, tf32: float, nvlink: float, ib: float, hbm: float) -> ClusterSpec:

@@ -33,7 +33,8 @@ microbatches on the first stage: GPipe ``m``; 1F1B ``min(m, p)``; interleaved 1F
 divided by the achievable FLOP/s. Bubble: ``(p-1)/v`` microbatch times, i.e. the fraction
 ``(p-1)/(v m + p - 1)`` of the pipelined time. Tensor parallel: two all-reduces per layer forward and
 two backward on the layer's activation (all-gather + reduce-scatter with sequence parallelism,
-same volume). Pipeline: one send forward and one backward per microbatch and hop. Data parallel:
+same volume). Pipeline: one send forward and one backward per microbatch and hop (with a calibrated spec, a
+measured fixed cost per slot of the critical path replaces the per-send latency). Data parallel:
 DDP all-reduces the gradients; ZeRO-1 (ZeroRedundancyOptimizer over DDP) all-reduces them and then
 broadcasts each rank's updated partition; ZeRO-2 (FSDP2 keeping gathered parameters until backward)
 all-gathers parameters once per microbatch and reduce-scatters gradients; ZeRO-3 all-gathers
@@ -206,8 +207,6 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     tokens_mb = mbs * stats.seq
     dim = (tokens_mb * max(stats.hidden, 1) * max(stats.hidden / t, 1)) ** (1 / 3) if stats.hidden else 1024.0
     flops = cluster.matmul_flops(plan.precision, dim)
-    # Eager execution launches ~KERNELS_PER_LAYER operators per layer forward, twice that backward.
-    launches = layers * KERNELS_PER_LAYER * cluster.kernel_overhead_s
     # The last stage is the busiest: its share of the blocks plus the LM head.
     fwd = mbs * (layers * stats.flops_per_block + stats.flops_head) / t
     extra = 0.0
@@ -215,15 +214,28 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         extra = mbs * layers * stats.flops_per_block / t
     elif plan.recompute == "selective":
         extra = mbs * layers * stats.attn_flops_per_block / t
-    # Activation traffic: each activation is written in forward and read in backward, whether it is
-    # kept or recomputed (recomputation writes it again: the replayed share of it).
-    produced = _layer_activation(stats, plan, recompute="none") * mbs * act_scale * layers
-    replayed = {"full": produced, "selective": produced * stats.attn_act_bytes_per_block / max(stats.act_bytes_per_block, 1.0)}
-    traffic = produced / cluster.memory_bw
-    t_fwd = fwd / flops + traffic + launches
-    t_bwd = (2 * fwd + extra) / flops + traffic + replayed.get(plan.recompute, 0.0) / cluster.memory_bw + 2 * launches
-    if plan.recompute == "full":
-        t_bwd += launches
+    block_rate = cluster.block_flops(plan.precision, dim) if stats.hidden else None
+    if block_rate:
+        # Calibrated: a real transformer layer's measured forward + backward throughput covers its
+        # kernels, memory traffic and autograd work; the LM head runs at the matmul rate and its
+        # softmax / loss are memory-bound (the logits written and read once each way).
+        layer_fwd = mbs * layers * stats.flops_per_block / t
+        head_fwd = mbs * stats.flops_head / t
+        loss_traffic = mbs * stats.logits_bytes / t * (act_scale + 2.0) / cluster.memory_bw
+        t_fwd = layer_fwd / block_rate + head_fwd / flops + loss_traffic
+        t_bwd = (2 * layer_fwd + extra) / block_rate + 2 * head_fwd / flops + loss_traffic
+    else:
+        # Eager execution launches ~KERNELS_PER_LAYER operators per layer forward, twice that backward.
+        launches = layers * KERNELS_PER_LAYER * cluster.kernel_overhead_s
+        # Activation traffic: each activation is written in forward and read in backward, whether it
+        # is kept or recomputed (recomputation writes it again: the replayed share of it).
+        produced = _layer_activation(stats, plan, recompute="none") * mbs * act_scale * layers
+        replayed = {"full": produced, "selective": produced * stats.attn_act_bytes_per_block / max(stats.act_bytes_per_block, 1.0)}
+        traffic = produced / cluster.memory_bw
+        t_fwd = fwd / flops + traffic + launches
+        t_bwd = (2 * fwd + extra) / flops + traffic + replayed.get(plan.recompute, 0.0) / cluster.memory_bw + 2 * launches
+        if plan.recompute == "full":
+            t_bwd += launches
     t_mb = t_fwd + t_bwd
     compute = m * t_mb
     bubble = 0.0
@@ -253,14 +265,29 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     if p > 1:
         hop_bytes = boundary / (t if plan.sequence_parallel else 1)
         intra = plan.dp_size * t * 2 <= cluster.devices_per_node
-        pp_comm = 2 * v * (m + p - 1) * cluster.p2p_time(hop_bytes, intra=intra)
+        if cluster.pp_microbatch_overhead_s > 0:
+            # Calibrated: a fixed cost per slot of the critical path (v m + p - 1 of them: the
+            # schedule's runtime work and the send/receive latency), plus the bytes of each hop.
+            pp_comm = ((v * m + p - 1) * cluster.pp_microbatch_overhead_s
+                       + 2 * v * (m + p - 1) * (cluster.p2p_time(hop_bytes, intra=intra) - cluster.p2p_time(0.0, intra=intra)))
+        else:
+            pp_comm = 2 * v * (m + p - 1) * cluster.p2p_time(hop_bytes, intra=intra)
 
+    stage_tensors = layers * stats.tensors_per_block + stats.tensors_outer
     dp_comm, dp_exposed = _dp_comm(cluster, plan, policy, stage_params=stage_params, layers=layers,
                                    params_per_block=stats.params_per_block / t, t_fwd=t_fwd, t_bwd=t_bwd,
-                                   stage_tensors=layers * stats.tensors_per_block + stats.tensors_outer)
+                                   stage_tensors=stage_tensors)
     optimizer_params = stage_params / (plan.shard if plan.zero >= 1 else 1)
-    # Adam reads param, grad, m, v and writes param, m, v: about 7 x 4 bytes per parameter.
-    t_opt = optimizer_params * 28.0 / cluster.memory_bw
+    if cluster.optimizer_param_s > 0:
+        # Calibrated Adam: per tensor (DTensor parameters under FSDP2 / TP / a pipeline's replicate
+        # pay DTensor dispatch on every operator) plus per element. ZeRO-1 steps its partition only.
+        dtensor = plan.zero >= 2 or t > 1 or (p > 1 and plan.dp_size > 1)
+        per_tensor = cluster.optimizer_dtensor_tensor_s if dtensor and cluster.optimizer_dtensor_tensor_s > 0 else cluster.optimizer_tensor_s
+        tensors = stage_tensors / (plan.shard if plan.zero == 1 else 1)
+        t_opt = tensors * per_tensor + optimizer_params * cluster.optimizer_param_s
+    else:
+        # Adam reads param, grad, m, v and writes param, m, v: about 7 x 4 bytes per parameter.
+        t_opt = optimizer_params * 28.0 / cluster.memory_bw
 
     communication = tp_comm + pp_comm + dp_exposed
     step = compute + bubble + communication + t_opt
@@ -372,7 +399,7 @@ def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_par
         # so every tensor of the stage pays a broadcast latency.
         ar = cluster.collective_time("all_reduce", grads, plan.dp_size, stride=stride)
         gather = cluster.collective_time("all_gather", stage_params * policy.param, plan.shard, stride=stride, latency=False)
-        gather += stage_tensors * cluster.collective_time("broadcast", 1.0, plan.shard, stride=stride)
+        gather += stage_tensors * cluster.collective_latency("broadcast", plan.shard, stride=stride)
         return ar + gather, max(0.0, ar - cluster.overlap * t_bwd) + gather
     if plan.zero == 2:
         # Gather once per microbatch before forward (kept for backward), reduce-scatter once.
