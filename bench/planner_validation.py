@@ -22,6 +22,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -116,13 +117,14 @@ def measure(stats, cluster: ClusterSpec, config: dict, args: argparse.Namespace)
         pool.close()
 
 
-def measure_trainer(config: dict, args: argparse.Namespace, best: str, spec_path: str) -> dict:
+def measure_trainer(config: dict, args: argparse.Namespace, best: str) -> dict:
     """``Trainer(plan="auto")`` through the Trainer's own loop, against the measured-best plan run
-    by the same loop: per round, the planner on the device preset (what a run gets with no set-up),
-    the planner on this machine's calibrated spec (``SHARDWISE_CLUSTER``) and the explicit best
-    plan, in an order that rotates every round; the headline is the median of the per-round ratios
+    by the same loop: per round, the default auto path (the Trainer measures this machine in its
+    own world the first time, into an empty cache directory, then reads the cached spec), the
+    planner on the generic ``cpu`` preset (``SHARDWISE_CLUSTER=cpu``) and the explicit best plan,
+    in an order that rotates every round; the headline is the median of the per-round ratios
     auto / best (paired, so load drifts cancel)."""
-    runs = {"auto_preset": ("auto", None), "auto_calibrated": ("auto", spec_path), "best": (best, None)}
+    runs = {"auto": ("auto", None), "auto_preset": ("auto", "cpu"), "best": (best, None)}
     times: dict[str, list[float]] = {k: [] for k in runs}
     chosen: dict[str, str] = {}
     errors: dict[str, str] = {}
@@ -134,7 +136,7 @@ def measure_trainer(config: dict, args: argparse.Namespace, best: str, spec_path
             for name in order:
                 text, cluster = runs[name]
                 got = run(pool, text, config, worker=measure_trainer_worker, global_batch=args.global_batch,
-                          steps=args.steps, warmup=2, cluster=cluster)
+                          steps=args.trainer_steps, warmup=2, cluster=cluster)
                 if "error" in got:
                     errors[name] = got["error"]
                     continue
@@ -145,7 +147,7 @@ def measure_trainer(config: dict, args: argparse.Namespace, best: str, spec_path
     finally:
         pool.close()
     out: dict = {"best_plan": best, "chosen": chosen, "times": times, "errors": errors, "rounds": args.trainer_rounds}
-    for name in ("auto_preset", "auto_calibrated"):
+    for name in ("auto", "auto_preset"):
         pairs = [a / b for a, b in zip(times[name], times["best"])]
         if pairs:
             out[name] = {"plan": chosen.get(name), "median_s": statistics.median(times[name]),
@@ -166,6 +168,7 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--trainer-rounds", type=int, default=None,
                     help="interleaved rounds of Trainer(plan='auto') vs the best plan (default 5; with --reuse: keep the stored ones unless given)")
+    ap.add_argument("--trainer-steps", type=int, default=6, help="timed Trainer steps per run (after 2 warm-up steps)")
     ap.add_argument("--reuse", default=None, help="a previous results JSON: re-predict its measurements (e.g. with a new --spec)")
     args = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
@@ -174,6 +177,9 @@ def main() -> int:
     from shardwise.plan.calibrate import calibrate
 
     started = time.time()
+    # Trainer(plan="auto") measures this machine on first use and caches it: start from an empty
+    # cache, as a first-time user does (the worker processes inherit the variable).
+    os.environ["SHARDWISE_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardwise-bench-cache-")
     spec_path = os.path.abspath(args.spec) if args.spec else os.path.join(RESULTS, "planner_validation_cluster.json")
     if args.spec:
         cluster = ClusterSpec.load(args.spec)
@@ -234,7 +240,7 @@ def main() -> int:
         args.trainer_rounds = 5 if args.trainer_rounds is None else args.trainer_rounds
         print(f"\ntiming Trainer(plan='auto') against {meas_best['plan']} in the Trainer's loop, "
               f"{args.trainer_rounds} rounds ...", flush=True)
-        trainer = measure_trainer(config, args, meas_best["plan"], spec_path)
+        trainer = measure_trainer(config, args, meas_best["plan"])
     else:
         trainer = {}
     summary = {
@@ -245,7 +251,7 @@ def main() -> int:
         "predicted_best_within_10pct": within,
         "memory_max_abs_error": max((abs(r["rel_error"]) for r in memory_rows if "rel_error" in r), default=None),
     }
-    for name in ("auto_preset", "auto_calibrated"):
+    for name in ("auto", "auto_preset"):
         if name in trainer:
             summary[f"trainer_{name}_plan"] = trainer[name]["plan"]
             summary[f"trainer_{name}_ratio_to_best"] = trainer[name]["ratio_to_best"]
@@ -255,7 +261,7 @@ def main() -> int:
         print(f"predicted best {pred_best['plan']}: measured {1e3 * pred_best['measured_s']:.1f} ms vs measured best "
               f"{meas_best['plan']} {1e3 * meas_best['measured_s']:.1f} ms ({100 * summary['predicted_best_gap']:+.1f}%) "
               f"-> within 10%: {within}")
-    for name, what in (("auto_preset", "the cpu preset"), ("auto_calibrated", "the calibrated spec")):
+    for name, what in (("auto", "its own measurement of this machine (the default)"), ("auto_preset", "the cpu preset")):
         if name in trainer:
             t = trainer[name]
             print(f"Trainer(plan='auto') with {what} chose {t['plan']}: median {1e3 * t['median_s']:.1f} ms in the Trainer's loop, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from typing import Callable, Iterator
 
 import pytest
@@ -13,6 +14,9 @@ from shardwise.testing import WorkerPool
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # makes `tests.` importable in the worker processes too
+# plan="auto" caches this machine's calibration; tests measure into a directory of their own
+# (inherited by the worker processes), never into the user's ~/.cache.
+os.environ.setdefault("SHARDWISE_CACHE_DIR", tempfile.mkdtemp(prefix="shardwise-test-cache-"))
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from shardwise.errors import ConfigError
 
@@ -16,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure matmul throughput and collective bandwidth; write a cluster spec",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None, help="local processes (default: GPUs, else 2)")
-    p.add_argument("--out", default="cluster.json", help="where to write the spec (JSON)")
+    p.add_argument("--out", default="cluster.json", help="where to write the spec (JSON); it is also cached for plan='auto'")
     p.add_argument("--max-size-mb", type=float, default=16.0, help="largest collective message")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per size (median)")
     p.add_argument("--name", default=None, help="name stored in the spec")
@@ -39,6 +40,13 @@ def _main(args: argparse.Namespace) -> int:
     print(f"calibrating with {nproc} local processes ...", flush=True)
     spec = calibrate(nproc, sizes=sizes, iters=args.iters, name=args.name)
     spec.save(args.out)
+    # The same spec is what Trainer(plan="auto") reads for a job of this shape on this host.
+    from shardwise.plan.machine import cache_path, save_cached
+
+    cuda = torch.cuda.is_available()
+    cached = cache_path(world_size=nproc, device_type="cuda" if cuda else "cpu", threads=max(1, (os.cpu_count() or 1) // nproc),
+                        device_name=torch.cuda.get_device_name(0) if cuda else "")
+    save_cached(spec, cached)
     flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in spec.peak_flops.items())
     print(f"matmul per process: {flops}")
     print(f"memory bandwidth per process: {spec.memory_bw / 1e9:.2f} GB/s")
@@ -47,4 +55,5 @@ def _main(args: argparse.Namespace) -> int:
           f"FSDP unit {spec.zero3_unit_overhead_s * 1e3:.2f} ms (ZeRO-3) / {spec.zero2_unit_overhead_s * 1e3:.2f} ms (ZeRO-2)")
     print(f"memory per process: {spec.memory_bytes / 2**30:.1f} GiB")
     print(f"wrote {args.out}; use it with: shardwise plan --device-type {args.out} --devices {nproc} ...")
+    print(f"cached as {cached}: Trainer(plan='auto') with {nproc} local processes on this host plans with it")
     return 0

@@ -103,9 +103,12 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     if t.eval_windows and t.eval_windows < len(val_set):
         val_set = Subset(val_set, range(t.eval_windows))
     if config.parallel.plan.strip().lower() == "auto":  # the planner picks (rank 0 decides, all agree)
-        plan = auto_plan(model, env, global_batch_size=t.global_batch_size, precision=precision_override(t.precision), pipeline=t.grad_accum_steps == 1)
-        if env.is_main:
-            print(f"plan=auto chose {plan}:\n  " + plan.describe().replace("\n", "\n  "), flush=True)
+        plan, choice = auto_plan(model, env, global_batch_size=t.global_batch_size, precision=precision_override(t.precision),
+                                 pipeline=t.grad_accum_steps == 1)
+        if choice is not None:
+            print(f"plan=auto chose {plan}:\n  " + plan.describe().replace("\n", "\n  ") + "\n" + choice.summary(), flush=True)
+            os.makedirs(run_dir, exist_ok=True)
+            choice.save(os.path.join(run_dir, "auto_plan.json"))
     plan = resolve_plan(plan if config.parallel.plan.strip().lower() == "auto" else config.parallel.plan, env.world_size,
                         precision=precision_override(t.precision))
     lr = scale_lr(t.lr, plan.dp_size, rule=t.scale_lr)

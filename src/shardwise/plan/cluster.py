@@ -215,12 +215,16 @@ PRESETS: dict[str, ClusterSpec] = {
     "a100-80gb": _gpu("a100-80gb", memory_gb=80, fp32=19.5, tf32=156, bf16=312, nvlink=300, ib=25, hbm=2039),
     "h100": _gpu("h100", memory_gb=80, fp32=67, tf32=495, bf16=989, nvlink=450, ib=50, hbm=3350),
     "h200": _gpu("h200", memory_gb=141, fp32=67, tf32=495, bf16=989, nvlink=450, ib=50, hbm=4800),
-    # A generic CPU process (one or two cores of a current x86 server): order-of-magnitude figures only.
-    # Run `shardwise calibrate` for real ones; CPU collectives compete with compute for the cores, so
-    # nothing overlaps.
+    # A generic CPU process (one core of a current x86 server, Gloo on loopback): order-of-magnitude
+    # figures, the fixed costs of parallel layers and Adam from `shardwise calibrate` on a 2-core VM
+    # (4 processes, 2 per core), halved to one process per core. `Trainer(plan="auto")` measures the
+    # machine instead (shardwise.plan.machine). CPU collectives compete with compute for the cores,
+    # so nothing overlaps.
     "cpu": ClusterSpec(name="cpu", devices=2, devices_per_node=2, memory_bytes=8 * GIB, peak_flops={"fp32": 50e9, "bf16": 25e9},
-                       achievable_fraction=1.0, intra_bw=2 * GB, intra_latency_s=50e-6, inter_bw=1 * GB, inter_latency_s=100e-6,
-                       memory_bw=10 * GB, overlap=0.0, kernel_overhead_s=10e-6, device_type="cpu"),
+                       achievable_fraction=1.0, intra_bw=2 * GB, intra_latency_s=200e-6, inter_bw=1 * GB, inter_latency_s=400e-6,
+                       memory_bw=10 * GB, overlap=0.0, kernel_overhead_s=10e-6, dtensor_overhead_s=40e-6,
+                       tp_layer_overhead_s=20e-3, zero3_unit_overhead_s=6e-3, zero2_unit_overhead_s=5e-3, pp_microbatch_overhead_s=3.5e-3,
+                       optimizer_tensor_s=25e-6, optimizer_dtensor_tensor_s=150e-6, optimizer_param_s=6e-9, device_type="cpu"),
 }
 ALIASES = {"h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb"}
 

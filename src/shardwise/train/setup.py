@@ -3,8 +3,10 @@ which plan, and which seeds."""
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,8 +14,15 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.plan import Plan
 from shardwise.runtime.env import RuntimeEnv
+from shardwise.runtime.logging import get_logger
+
+if TYPE_CHECKING:
+    from shardwise.plan.planner import AutoPlan
+
+log = get_logger(__name__)
 
 
 def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = None) -> Plan:
@@ -36,20 +45,25 @@ def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = N
     return plan.check_world(world_size)
 
 
-def auto_plan(model: nn.Module, env: RuntimeEnv, *, global_batch_size: int, precision: str | None, pipeline: bool) -> Plan:
+def auto_plan(model: nn.Module, env: RuntimeEnv, *, global_batch_size: int, precision: str | None,
+              pipeline: bool) -> tuple[Plan, AutoPlan | None]:
     """``plan="auto"``: the planner's fastest plan for ``model`` on this world that the parallel
-    layer accepts (:func:`shardwise.plan.planner.plan_for_trainer`).
+    layer accepts (:func:`shardwise.plan.planner.plan_for_trainer`), with this machine's measured
+    spec (:func:`machine_spec`) unless ``SHARDWISE_CLUSTER`` names a preset or spec file.
 
     Rank 0 plans and broadcasts the result (one ``broadcast_object_list`` over the world), so every
     rank applies the same plan even if device names or free memory differ slightly between hosts.
+    Returns the plan and, on rank 0, the planner's choice with its predictions (None elsewhere).
     """
+    cluster = os.environ.get("SHARDWISE_CLUSTER") or machine_spec(env)
     chosen: list[Plan | str | None] = [None]
+    choice = None
     if env.rank == 0:
         from shardwise.plan.planner import plan_for_trainer
 
         cuda = env.device.type == "cuda"
         try:
-            chosen[0] = plan_for_trainer(
+            choice = plan_for_trainer(
                 model,
                 world_size=env.world_size,
                 global_batch=global_batch_size,
@@ -57,15 +71,40 @@ def auto_plan(model: nn.Module, env: RuntimeEnv, *, global_batch_size: int, prec
                 device_type=env.device.type,
                 device_name=torch.cuda.get_device_name(env.device) if cuda else "",
                 memory_bytes=float(torch.cuda.get_device_properties(env.device).total_memory) if cuda else None,
+                cluster=cluster,
                 pipeline=pipeline,
-            ).plan
+            )
+            chosen[0] = choice.plan
         except ConfigError as exc:  # sent to the other ranks too, so that none waits in the broadcast
             chosen[0] = str(exc)
     if dist.is_initialized() and env.world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
     if not isinstance(chosen[0], Plan):
         raise ConfigError(f"plan='auto' found no plan: {chosen[0]}", hint="pass an explicit plan, e.g. plan='dp' or plan='zero=3,dp=N'")
-    return chosen[0]
+    return chosen[0], choice
+
+
+def machine_spec(env: RuntimeEnv) -> ClusterSpec:
+    """This world's measured cluster spec: the cached calibration of this job shape, or a new one
+    measured now by every rank and cached by rank 0 (:mod:`shardwise.plan.machine`)."""
+    from shardwise.plan.machine import cache_path, calibrate_world, load_cached, save_cached
+
+    name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else ""
+    path = cache_path(world_size=env.world_size, device_type=env.device.type, threads=torch.get_num_threads(), device_name=name)
+    found: list[ClusterSpec | None] = [load_cached(path) if env.rank == 0 else None]
+    if dist.is_initialized() and env.world_size > 1:
+        dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        if env.is_main:
+            log.info("plan=auto: using this machine's calibration %s", path)
+        return found[0]
+    if env.is_main:
+        log.info("plan=auto: measuring this machine once (%d processes, about 30 s on a CPU host); it is cached in %s",
+                 env.world_size, path)
+    spec = calibrate_world(local_world_size=env.local_world_size)
+    if env.rank == 0:
+        save_cached(spec, path)
+    return spec
 
 
 def seed_everything(seed: int) -> None:

@@ -125,11 +125,13 @@ class Trainer:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer", hint=f"for example {name}=1")
         self.env = runtime.init()
+        self.auto_choice = None  # rank 0's planner result under plan="auto" (saved as <run_dir>/auto_plan.json)
         if isinstance(plan, str) and plan.strip().lower() == "auto":
             # Pipelines split each micro-batch again into microbatches: only without accumulation.
-            plan = auto_plan(model, self.env, global_batch_size=global_batch_size, precision=precision, pipeline=grad_accum_steps == 1)
-            if self.env.is_main:
-                log.info("plan=auto chose %s", plan)
+            plan, self.auto_choice = auto_plan(model, self.env, global_batch_size=global_batch_size, precision=precision,
+                                               pipeline=grad_accum_steps == 1)
+            if self.auto_choice is not None:
+                log.info("plan=auto chose %s", self.auto_choice.summary())
         self.plan = resolve_plan(plan, self.env.world_size, precision=precision)
         precision = self.plan.precision
         dp = self.plan.dp_size
@@ -183,6 +185,9 @@ class Trainer:
             self.callbacks.append(self.checkpoint)
         self.loggers: list[Logger] = list(loggers)
         if self.run_dir is not None and self.env.is_main:
+            if self.auto_choice is not None:
+                os.makedirs(self.run_dir, exist_ok=True)
+                self.auto_choice.save(os.path.join(self.run_dir, "auto_plan.json"))
             if not any(isinstance(lg, CSVLogger) for lg in self.loggers):
                 self.loggers.append(CSVLogger(self.run_dir))
             if tensorboard_available() and not any(isinstance(lg, TensorBoardLogger) for lg in self.loggers):

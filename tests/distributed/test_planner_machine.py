@@ -1,0 +1,56 @@
+"""plan="auto" measures the machine once per job shape, in the job's own world, and caches it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from shardwise.plan.cluster import ClusterSpec
+from shardwise.plan.machine import cache_path, load_cached, save_cached
+
+
+def machine_spec_twice() -> dict:
+    import torch
+
+    from shardwise import runtime
+    from shardwise.train.setup import machine_spec
+
+    env = runtime.init()
+    start = time.perf_counter()
+    first = machine_spec(env)
+    middle = time.perf_counter()
+    second = machine_spec(env)
+    end = time.perf_counter()
+    path = cache_path(world_size=env.world_size, device_type="cpu", threads=torch.get_num_threads())
+    return {"first": first.to_dict(), "second": second.to_dict(), "first_s": middle - start, "second_s": end - middle,
+            "path": path, "exists": os.path.exists(path)}
+
+
+@pytest.mark.timeout(240)
+def test_machine_spec_is_measured_in_the_world_and_then_read_from_the_cache(dist2) -> None:
+    results = dist2.run(machine_spec_twice)
+    for got in results:
+        assert got["exists"] and got["first"] == got["second"]  # every rank plans with rank 0's file
+        assert got["second_s"] < 2.0  # read, not measured again
+    spec = ClusterSpec.from_dict(results[0]["first"])
+    assert spec.devices == 2 and spec.device_type == "cpu" and spec.optimizer_param_s > 0
+    assert spec.block_flops("fp32", 200.0) and spec.oversubscription >= 1.0
+    assert load_cached(results[0]["path"]) == spec
+
+
+def test_cache_files_are_written_atomically_and_bad_ones_are_ignored(tmp_path, monkeypatch) -> None:
+    from shardwise.plan.cluster import resolve
+
+    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path))
+    path = cache_path(world_size=4, device_type="cpu", threads=1)
+    assert path.startswith(str(tmp_path)) and "4xcpu-1t" in path
+    assert load_cached(path) is None
+    spec = resolve("cpu", devices=4)
+    save_cached(spec, path)
+    assert load_cached(path) == spec and os.listdir(tmp_path) == [os.path.basename(path)]
+    with open(path, "w") as fh:
+        json.dump({"shardwise_cluster": 1, "old_key": 1}, fh)
+    assert load_cached(path) is None  # an unreadable or older format is measured again
