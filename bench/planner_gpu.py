@@ -10,7 +10,8 @@ GPU to be busy:
   predicted activation bytes (Korthikanti et al. 2022 for the transformer layers, the logits and
   the loss's fp32 copy), for precision fp32 / bf16 and recomputation none / full;
 - peak: ``max_memory_allocated`` over a step vs the predicted total;
-- step time: median of timed steps (CUDA-synchronized) vs the predicted step time.
+- step time: median of timed steps (CUDA-synchronized) vs the predicted step time, with the
+  device's preset and (``--spec``) with a spec calibrated on this GPU.
 
 Writes ``bench/results/planner_gpu.json`` (or ``--out``). Needs CUDA; one process, no launcher:
 
@@ -89,6 +90,7 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--spec", default=None, help="also predict with this calibrated spec (shardwise calibrate --nproc 1 on this GPU)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "planner_gpu.json"))
     args = ap.parse_args()
 
@@ -111,6 +113,11 @@ def main() -> int:
     name = torch.cuda.get_device_name(0)
     memory = float(torch.cuda.get_device_properties(0).total_memory)
     cluster = cluster_for_device("cuda", world_size=1, device_name=name, memory_bytes=memory)
+    calibrated = None
+    if args.spec:
+        from shardwise.plan.cluster import ClusterSpec
+
+        calibrated = ClusterSpec.load(args.spec).with_devices(1, 1)
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
     stats = spec_from_gpt_config(cfg).stats()
     rows = []
@@ -128,13 +135,19 @@ def main() -> int:
                 "peak_over_predicted_total": got["peak"] / pred.memory_total,
                 "time_ratio_measured_over_predicted": got["step_time_s"] / pred.step_time_s,
             }
+            if calibrated is not None:
+                cal = estimate(stats, calibrated, Plan(recompute=recompute, precision=precision), global_batch=args.batch)
+                row["predicted_calibrated"] = {"step_time_s": cal.step_time_s, "time": cal.time}
+                row["time_ratio_measured_over_calibrated"] = got["step_time_s"] / cal.step_time_s
             rows.append(row)
             print(f"{precision} recompute={recompute:<5} states {sum(got['states'].values()) / 1e9:6.3f} GB "
                   f"(pred {pred_states / 1e9:6.3f}, {100 * row['states_error']:+.1f}%)  activations "
                   f"{got['activations'] / 1e9:6.3f} GB (pred {pred.memory['activations'] / 1e9:6.3f}, "
                   f"{100 * row['activations_error']:+.1f}%)  peak {got['peak'] / 1e9:6.3f} GB (pred total "
                   f"{pred.memory_total / 1e9:6.3f})  step {1e3 * got['step_time_s']:7.2f} ms (pred "
-                  f"{1e3 * pred.step_time_s:7.2f}, x{row['time_ratio_measured_over_predicted']:.2f})", flush=True)
+                  f"{1e3 * pred.step_time_s:7.2f}, x{row['time_ratio_measured_over_predicted']:.2f}"
+                  + (f"; calibrated {1e3 * row['predicted_calibrated']['step_time_s']:7.2f}, "
+                     f"x{row['time_ratio_measured_over_calibrated']:.2f}" if calibrated is not None else "") + ")", flush=True)
     out = {"device": name, "cluster": cluster.name, "config": cfg.__dict__, "batch": args.batch, "torch": torch.__version__,
            "rows": rows}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
