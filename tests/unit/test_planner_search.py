@@ -209,3 +209,23 @@ def test_plan_for_trainer_uses_the_cluster_named_by_shardwise_cluster(monkeypatc
     monkeypatch.setenv("SHARDWISE_CLUSTER", "h100")
     named = plan_for_trainer(model, world_size=4, global_batch=16)
     assert named.estimate.memory_limit == pytest.approx(80e9 * 0.9)
+
+
+def test_search_offers_only_layouts_the_runtime_runs() -> None:
+    """ZeRO-1 is ZeroRedundancyOptimizer over DDP: never with tp or pp; pipelines get ZeRO-2/3."""
+    from shardwise.plan.search import _layouts
+
+    result = search(TransformerSpec.from_dict(GPT3).stats(), resolve("h100", devices=1024, devices_per_node=8),
+                    global_batch=1536, options=SearchOptions(top=100))
+    assert len(result.plans) == 100
+    assert all(e.plan.runtime_conflict() is None for e in result.plans)
+    assert not any(e.plan.zero == 1 and (e.plan.tp > 1 or e.plan.pp > 1) for e in result.plans)
+    assert {z for z, _, _ in _layouts(8, 1, 2, 8, SearchOptions())} == {0, 2, 3}
+    assert {z for z, _, _ in _layouts(8, 1, 1, 8, SearchOptions())} == {0, 1, 2, 3}
+
+
+def test_runtime_conflicts_name_the_fix() -> None:
+    assert "zero=2 or zero=3 with tp" in str(Plan(zero=1, shard=2, tp=2).runtime_conflict())
+    assert "zero=2 or zero=3 with pp" in str(Plan(zero=1, shard=2, pp=2, microbatches=2).runtime_conflict())
+    assert Plan(zero=3, shard=2, pp=2, microbatches=2).runtime_conflict() is None
+    assert Plan(zero=1, shard=4).runtime_conflict() is None
