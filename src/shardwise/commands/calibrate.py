@@ -53,6 +53,12 @@ def _main(args: argparse.Namespace) -> int:
     print(f"all-reduce: latency {spec.intra_latency_s * 1e6:.1f} us per step, bus bandwidth {spec.intra_bw / 1e9:.3f} GB/s")
     print(f"fixed cost per layer forward + backward: tensor parallel {spec.tp_layer_overhead_s * 1e3:.2f} ms, "
           f"FSDP unit {spec.zero3_unit_overhead_s * 1e3:.2f} ms (ZeRO-3) / {spec.zero2_unit_overhead_s * 1e3:.2f} ms (ZeRO-2)")
+    print(f"pipeline slot {spec.pp_microbatch_overhead_s * 1e3:.2f} ms; Adam {spec.optimizer_tensor_s * 1e6:.0f} us per tensor "
+          f"({spec.optimizer_dtensor_tensor_s * 1e6:.0f} us per DTensor) + {spec.optimizer_param_s * 1e9:.2f} ns per element")
+    layer = spec.measurements.get("block_flops", {})
+    for precision, table in layer.items():
+        print(f"transformer layer ({precision}, fwd + bwd): " + ", ".join(f"{float(v) / 1e9:.1f}" for v in table.values()) + " GFLOP/s by width")
+    print(f"oversubscription (a lone process vs all busy): {spec.oversubscription:.2f}")
     print(f"memory per process: {spec.memory_bytes / 2**30:.1f} GiB")
     print(f"wrote {args.out}; use it with: shardwise plan --device-type {args.out} --devices {nproc} ...")
     print(f"cached as {cached}: Trainer(plan='auto') with {nproc} local processes on this host plans with it")

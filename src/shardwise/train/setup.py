@@ -84,6 +84,19 @@ def auto_plan(model: nn.Module, env: RuntimeEnv, *, global_batch_size: int, prec
     return chosen[0], choice
 
 
+def choose_plan(plan: Plan | str, model: nn.Module, env: RuntimeEnv, *, global_batch_size: int, precision: str | None,
+                grad_accum_steps: int) -> tuple[Plan | str, AutoPlan | None]:
+    """``plan`` unchanged, or for ``"auto"`` the planner's plan (logged with its prediction on rank 0)
+    and the planner's choice. Pipelines split each micro-batch again into microbatches, so they are
+    considered only without gradient accumulation."""
+    if not (isinstance(plan, str) and plan.strip().lower() == "auto"):
+        return plan, None
+    chosen, choice = auto_plan(model, env, global_batch_size=global_batch_size, precision=precision, pipeline=grad_accum_steps == 1)
+    if choice is not None:
+        log.info("plan=auto chose %s", choice.summary())
+    return chosen, choice
+
+
 def machine_spec(env: RuntimeEnv) -> ClusterSpec:
     """This world's measured cluster spec: the cached calibration of this job shape, or a new one
     measured now by every rank and cached by rank 0 (:mod:`shardwise.plan.machine`)."""

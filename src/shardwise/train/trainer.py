@@ -49,7 +49,7 @@ from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensor
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics, throughput
 from shardwise.train.precision import LossScaler, autocast, check_precision
 from shardwise.train.result import FitResult
-from shardwise.train.setup import auto_plan, resolve_plan, seed_everything
+from shardwise.train.setup import choose_plan, resolve_plan, seed_everything
 from shardwise.train.state import ModelState, OptimizerState, TrainState
 
 log = get_logger("train")
@@ -125,13 +125,9 @@ class Trainer:
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer", hint=f"for example {name}=1")
         self.env = runtime.init()
-        self.auto_choice = None  # rank 0's planner result under plan="auto" (saved as <run_dir>/auto_plan.json)
-        if isinstance(plan, str) and plan.strip().lower() == "auto":
-            # Pipelines split each micro-batch again into microbatches: only without accumulation.
-            plan, self.auto_choice = auto_plan(model, self.env, global_batch_size=global_batch_size, precision=precision,
-                                               pipeline=grad_accum_steps == 1)
-            if self.auto_choice is not None:
-                log.info("plan=auto chose %s", self.auto_choice.summary())
+        # plan="auto": the planner's choice (rank 0 keeps its predictions, saved as <run_dir>/auto_plan.json)
+        plan, self.auto_choice = choose_plan(plan, model, self.env, global_batch_size=global_batch_size, precision=precision,
+                                             grad_accum_steps=grad_accum_steps)
         self.plan = resolve_plan(plan, self.env.world_size, precision=precision)
         precision = self.plan.precision
         dp = self.plan.dp_size
