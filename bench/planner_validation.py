@@ -117,14 +117,17 @@ def measure(stats, cluster: ClusterSpec, config: dict, args: argparse.Namespace)
         pool.close()
 
 
-def measure_trainer(config: dict, args: argparse.Namespace, best: str) -> dict:
+def measure_trainer(config: dict, args: argparse.Namespace, best: str,
+                    runs: dict[str, tuple[str, str | None]] | None = None) -> dict:
     """``Trainer(plan="auto")`` through the Trainer's own loop, against the measured-best plan run
     by the same loop: per round, the default auto path (the Trainer measures this machine in its
     own world the first time, into an empty cache directory, then reads the cached spec), the
     planner on the generic ``cpu`` preset (``SHARDWISE_CLUSTER=cpu``) and the explicit best plan,
     in an order that rotates every round; the headline is the median of the per-round ratios
-    auto / best (paired, so load drifts cancel)."""
-    runs = {"auto": ("auto", None), "auto_preset": ("auto", "cpu"), "best": (best, None)}
+    auto / best (paired, so load drifts cancel). ``runs``: name -> (plan text, SHARDWISE_CLUSTER)
+    instead of those three ("best" is always added)."""
+    runs = dict(runs or {"auto": ("auto", None), "auto_preset": ("auto", "cpu")})
+    runs["best"] = (best, None)
     times: dict[str, list[float]] = {k: [] for k in runs}
     chosen: dict[str, str] = {}
     errors: dict[str, str] = {}
@@ -147,7 +150,7 @@ def measure_trainer(config: dict, args: argparse.Namespace, best: str) -> dict:
     finally:
         pool.close()
     out: dict = {"best_plan": best, "chosen": chosen, "times": times, "errors": errors, "rounds": args.trainer_rounds}
-    for name in ("auto", "auto_preset"):
+    for name in (n for n in runs if n != "best"):
         pairs = [a / b for a, b in zip(times[name], times["best"])]
         if pairs:
             out[name] = {"plan": chosen.get(name), "median_s": statistics.median(times[name]),

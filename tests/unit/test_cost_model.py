@@ -352,3 +352,22 @@ def test_step_time_with_a_spec_calibrated_on_an_h200_matches_the_measurement() -
         assert 0.8 < measured / predicted < 1.25, (row["precision"], row["recompute"], measured, predicted)
         preset_errors.append(measured / estimate(stats, resolve("h200", devices=1), plan, global_batch=recorded["batch"]).step_time_s)
     assert max(preset_errors) > 1.5  # why calibrating matters
+
+
+def test_a_measured_recompute_rate_prices_full_recomputation() -> None:
+    """With the layer table measured under shardwise's own full recomputation (model FLOPs), the
+    layers of a recompute=full step cost 3 x forward FLOPs at that rate."""
+    from dataclasses import replace
+
+    stats = _small().stats()
+    base = _calibrated(resolve("cpu", devices=4, devices_per_node=4))
+    tables = dict(base.measurements["block_flops"], **{"fp32+recompute": {"100": 5e9, "1000": 2e10}})
+    cal = replace(base, measurements={"block_flops": tables})
+    dim = (stats.seq * stats.hidden * stats.hidden) ** (1 / 3)
+    full = estimate(stats, cal, Plan(dp=4, recompute="full"), global_batch=4)
+    none = estimate(stats, cal, Plan(dp=4), global_batch=4)
+    layers = 3 * stats.blocks * stats.flops_per_block
+    head = 3 * stats.flops_head / cal.matmul_flops("fp32", dim) + 2 * stats.logits_bytes * 4.0 / cal.memory_bw
+    assert full.detail["microbatch"] == pytest.approx(layers / cal.block_flops("fp32", dim, recompute=True) + head)
+    assert none.detail["microbatch"] == pytest.approx(layers / cal.block_flops("fp32", dim) + head)
+    assert cal.block_flops("fp32", dim, recompute=True) < cal.block_flops("fp32", dim)

@@ -14,10 +14,12 @@ ever sees.
   costs no CPU) over the concurrent figure: how much faster a lone busy process runs, which is
   what a pipeline stage gains while the others idle. Measured, so that a host that other jobs
   load (where idle stages do *not* free cores for ours) gets a smaller figure than processes per
-  core.
-- Transformer-layer throughput: forward + backward of the built-in GPT's block at a few widths, per
-  precision: what a real layer achieves (attention, norms, activation functions and autograd
-  included), which small or eager layers get far below the matmul figure.
+  core. It is also measured as the pipelining runtime gets it (:func:`measure_pipeline_overlap`:
+  every rank a stage with a real block, hand-off latencies included), and the smaller figure wins.
+- Transformer-layer throughput: forward + backward of a stack of the built-in GPT's blocks at a
+  few widths, per precision, plain and under full recomputation: what real layers achieve
+  (attention, norms, activation functions and autograd included), which small or eager layers get
+  far below the matmul figure.
 - Optimizer: Adam's step per parameter tensor (plain and DTensor) and per element.
 - Memory bandwidth: a large tensor copy (reads + writes ``2 x bytes``).
 - Collectives: :func:`shardwise.observe.collectives.measure_bandwidth` by message size, then a
@@ -28,9 +30,10 @@ ever sees.
   bandwidth to matter) plain, under TP over all ranks and under FSDP (ZeRO-3 and ZeRO-2); the
   differences per layer / per FSDP unit become ``tp_layer_overhead_s`` and
   ``zero{3,2}_unit_overhead_s`` (dispatch, hooks and collective latency together). For pipelines,
-  the tiny GPT in 2 stages with 2 and with 4 microbatches: one more microbatch adds one slot to
-  the critical path, so the difference per microbatch minus the stage's own compute is
-  ``pp_microbatch_overhead_s`` (the schedule's Python work, point-to-point latency, shape checks).
+  the tiny GPT with every rank a stage (at most 8) and ``p`` and ``2p`` microbatches: one more
+  microbatch adds one slot to the critical path, so the difference per microbatch minus a stage's
+  own compute is ``pp_microbatch_overhead_s`` (the schedule's Python work, point-to-point latency,
+  shape checks).
 """
 
 from __future__ import annotations
@@ -211,11 +214,66 @@ def _layer_step_seconds(plan_text: str, device: Any, *, layers: int, microbatche
     return concurrent_seconds(step, device, window_s=0.2)
 
 
+def measure_pipeline_overlap(device: Any, slot_s: float) -> float:
+    """How much faster a pipeline stage runs while others idle, as the pipelining runtime really
+    gets it (0 when not measured: GPUs, one process, an odd world).
+
+    Every rank a stage of a GPT with one real block each (hidden 128, sequence 128, 2 samples per
+    microbatch), 1F1B with ``m = p`` microbatches: on dedicated devices ``(2p - 1)`` slots; on an
+    oversubscribed host idle stages free their cores, so ``T = max(m t, (2p - 1) t / o)`` plus the
+    slot costs, with ``t`` one stage's forward + backward of a microbatch while every rank computes
+    (measured concurrently). Solving for ``o`` gives the effective figure, hand-off latencies
+    (a woken stage waiting for a core) included; :func:`oversubscription` keeps the smaller of it
+    and the solo/all-busy matmul ratio."""
+    import torch
+    import torch.distributed as dist
+
+    from shardwise.models.gpt import Block, GPTConfig
+
+    n = dist.get_world_size()
+    if device.type == "cuda" or n < 2 or n > 8:
+        return 0.0
+    hidden, seq, batch = 128, 128, 2
+    cfg = GPTConfig(vocab_size=8 * n, seq_len=seq, layers=n, hidden=hidden, heads=2)
+    block = Block(cfg).to(device)
+    x = torch.randn(batch, seq, hidden, device=device, requires_grad=True)
+
+    def stage() -> None:
+        y = block(x)
+        y.backward(torch.ones_like(y))
+
+    t = concurrent_seconds(stage, device, window_s=0.2)
+    piped = _pipeline_step_seconds(cfg, device, stages=n, microbatches=n, batch=batch)
+    p = n
+    busy = piped - (2 * p - 1) * slot_s  # the compute part of the pipelined step
+    if busy <= p * t:
+        return float(p)  # the fill and drain cost nothing: as fast as all stages busy
+    return max(1.0, (2 * p - 1) * t / busy)
+
+
+def _pipeline_step_seconds(cfg: Any, device: Any, *, stages: int, microbatches: int, batch: int) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    from shardwise.models.gpt import GPT
+    from shardwise.parallel.mesh import build_mesh
+    from shardwise.parallel.parallelize import parallelize
+    from shardwise.plan.plan import Plan
+
+    def loss_fn(out: Any, target: Any) -> Any:
+        return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
+
+    plan = Plan(pp=stages, microbatches=microbatches, schedule="1f1b")
+    pm = parallelize(GPT(cfg, seed=0).to(device), plan, build_mesh(plan, device.type), loss_fn=loss_fn)
+    ids = torch.zeros(batch * microbatches, cfg.seq_len, dtype=torch.long, device=device)
+    return concurrent_seconds(lambda: pm.pipeline.step(ids, ids), device, window_s=0.3)
+
+
 def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[str, float]:
     """Fixed seconds that tensor parallelism, FSDP and pipelining add, measured on a GPT too small
     for bandwidth to matter (hidden 8 per rank): per layer forward + backward under TP over all
     ranks, per FSDP unit (the blocks and the root) under ZeRO-3 / ZeRO-2, and per pipeline
-    microbatch slot (2 stages; the slope from 2 to 4 microbatches minus one stage's compute of one
+    microbatch slot (every rank a stage; the slope from p to 2p microbatches minus a stage's compute of one
     microbatch). This is the dispatch, hook, schedule and latency work that per-operator figures
     undercount (FSDP2's pre/post hooks, DTensor redistribution, the pipelining runtime)."""
     import torch.distributed as dist
@@ -227,12 +285,17 @@ def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[st
     tp = _layer_step_seconds(f"tp={n}", device, layers=layers)
     zero3 = _layer_step_seconds(f"zero=3,dp=1,shard={n}", device, layers=layers)
     zero2 = _layer_step_seconds(f"zero=2,dp=1,shard={n}", device, layers=layers)
+    # Pipeline: all ranks as stages (at most 8; the tiny GPT gets a block per stage), p and 2p
+    # microbatches; each extra microbatch adds one slot to the critical path.
+    stages = n if n <= 8 else next(p for p in (8, 4, 2) if n % p == 0) if n % 2 == 0 else 0
     pp_microbatch = 0.0
-    if n % 2 == 0:
-        pipe = f"pp=2,dp={n // 2},schedule=1f1b"
-        two = _layer_step_seconds(pipe + ",microbatches=2", device, layers=layers, microbatches=2)
-        four = _layer_step_seconds(pipe + ",microbatches=4", device, layers=layers, microbatches=4)
-        pp_microbatch = max((four - two) / 2 - plain / 2, 0.0)
+    if stages > 1:
+        pipe_layers = max(layers, stages)
+        pipe = f"pp={stages},dp={n // stages},schedule=1f1b"
+        one = _layer_step_seconds(pipe + f",microbatches={stages}", device, layers=pipe_layers, microbatches=stages)
+        two = _layer_step_seconds(pipe + f",microbatches={2 * stages}", device, layers=pipe_layers, microbatches=2 * stages)
+        plain_stack = plain if pipe_layers == layers else _layer_step_seconds("", device, layers=pipe_layers)
+        pp_microbatch = max((two - one) / stages - plain_stack / stages, 0.0)
     units = layers + 1
     return {"tp_layer_s": max(tp - plain, 0.0) / layers, "zero3_unit_s": max(zero3 - plain, 0.0) / units,
             "zero2_unit_s": max(zero2 - plain, 0.0) / units, "pp_microbatch_s": pp_microbatch}
@@ -249,30 +312,38 @@ def measure_solo_matmul(device: Any, n: int) -> float:
 
 # (hidden, tokens per microbatch, sequence length) of the reference transformer layers: small on a
 # CPU, GPT-2 to GPT-3-13B widths on a GPU.
+STACK = 4  # blocks per measured stack
 CPU_BLOCK_SHAPES = ((64, 512, 128), (128, 512, 128), (256, 512, 128), (512, 1024, 128))
 GPU_BLOCK_SHAPES = ((512, 8192, 1024), (1024, 8192, 1024), (2048, 8192, 1024), (4096, 8192, 1024))
 
 
 def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Achieved FLOP/s of one transformer layer (the built-in GPT's ``Block``: LayerNorms, q/k/v/o
-    projections, ``scaled_dot_product_attention``, GELU MLP), forward + backward including the
-    gradient of its input, in concurrent windows, by precision (fp32, or autocast) and by the
-    layer's GEMM dimension ``(tokens h h)^(1/3)`` (the key :meth:`ClusterSpec.block_flops` reads).
-    FLOPs are the analytic ``3 x`` forward FLOPs of :class:`~shardwise.plan.stats.TransformerSpec`."""
+    """Achieved FLOP/s of transformer layers (a stack of the built-in GPT's ``Block``: LayerNorms,
+    q/k/v/o projections, ``scaled_dot_product_attention``, GELU MLP), forward + backward including
+    the gradient of the input, in concurrent windows, by precision (fp32, or autocast) and by the
+    layer's GEMM dimension ``(tokens h h)^(1/3)`` (the key :meth:`ClusterSpec.block_flops` reads),
+    and again under full recomputation (shardwise's own activation checkpointing; key
+    ``"<precision>+recompute"``). FLOPs are the analytic ``3 x`` forward FLOPs of
+    :class:`~shardwise.plan.stats.TransformerSpec` (model FLOPs: the replayed forward is not counted,
+    so the recompute table's rate is lower by what recomputation really costs)."""
     import torch
 
     from shardwise.models.gpt import Block, GPTConfig
     from shardwise.plan.stats import TransformerSpec
     from shardwise.train.precision import autocast
 
+    from shardwise.parallel.checkpointing import apply_checkpointing
+
     shapes = GPU_BLOCK_SHAPES if device.type == "cuda" else CPU_BLOCK_SHAPES
     out: dict[str, dict[str, float]] = {}
-    for precision in precisions:
+    for precision, recompute in [(p, "none") for p in precisions] + [(p, "full") for p in precisions]:
         table = {}
         for hidden, tokens, seq in shapes:
             heads = max(1, hidden // 64)
             cfg = GPTConfig(vocab_size=8, seq_len=seq, layers=1, hidden=hidden, heads=heads)
-            block = Block(cfg).to(device)
+            # A stack of STACK blocks, not one: a lone block re-run keeps its weights and
+            # activations in cache, which a real stack does not (22% faster on this VM's CPU).
+            block = apply_checkpointing(torch.nn.Sequential(*(Block(cfg) for _ in range(STACK))).to(device), mode=recompute)
             x = torch.randn(tokens // seq, seq, hidden, device=device, requires_grad=True)
 
             def step() -> None:
@@ -280,11 +351,11 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[s
                     y = block(x)
                 y.backward(torch.ones_like(y))
 
-            flops = 3 * TransformerSpec(layers=1, hidden=hidden, heads=heads, vocab=8, seq=seq).stats().flops_per_block * (tokens // seq)
+            flops = STACK * 3 * TransformerSpec(layers=1, hidden=hidden, heads=heads, vocab=8, seq=seq).stats().flops_per_block * (tokens // seq)
             dim = (tokens * hidden * hidden) ** (1 / 3)
             table[f"{dim:.1f}"] = flops / concurrent_seconds(step, device, window_s=0.2)
             del block, x
-        out[precision] = table
+        out[precision if recompute == "none" else f"{precision}+recompute"] = table
     return out
 
 
@@ -357,6 +428,7 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int] | None, iters: in
     block = measure_block_throughput(device, ("fp32", "bf16"))
     optimizer = measure_optimizer(device)
     solo = measure_solo_matmul(device, max(matmul_sizes))
+    layer_overheads["pipeline_overlap"] = measure_pipeline_overlap(device, layer_overheads.get("pp_microbatch_s", 0.0))
     rows = measure_bandwidth(device, list(sizes), iters=iters)
     n = dist.get_world_size()
     if device.type == "cuda":
@@ -379,6 +451,9 @@ def oversubscription(cal: Calibration) -> float:
     cores = os.cpu_count() or 1
     ceiling = min(cal.threads, cores) / min(cal.threads, cores / cal.world_size)  # lone vs all-busy cores per process
     measured = cal.solo_matmul / max(cal.matmul["fp32"][max(cal.matmul["fp32"])], 1.0)
+    piped = cal.layer_overheads.get("pipeline_overlap", 0.0)
+    if piped > 0:
+        measured = min(measured, piped)
     return min(max(1.0, measured), max(1.0, ceiling))
 
 
@@ -434,6 +509,7 @@ def to_spec(cal: Calibration, *, name: str | None = None) -> ClusterSpec:
             "solo_matmul_flops": cal.solo_matmul,
             "solo_over_shared": cal.solo_matmul / max(cal.matmul["fp32"][max(cal.matmul["fp32"])], 1.0),
             "threads_per_process": cal.threads, "cpu_count": os.cpu_count() or 1,
+            "pipeline_overlap": cal.layer_overheads.get("pipeline_overlap", 0.0),
         },
     )
 

@@ -103,10 +103,15 @@ class ClusterSpec:
         found = _interpolate(self._table("matmul_flops", precision), dim)
         return found if found is not None else self.flops(precision)
 
-    def block_flops(self, precision: str, dim: float) -> float | None:
+    def block_flops(self, precision: str, dim: float, *, recompute: bool = False) -> float | None:
         """Achieved FLOP/s of a whole transformer layer, forward + backward (matmuls, attention,
         norms, activation functions, autograd), for the layer's GEMM dimension ``dim``; measured by
-        ``shardwise calibrate`` on the built-in GPT's block. None without a calibration."""
+        ``shardwise calibrate`` on the built-in GPT's block. ``recompute``: under full activation
+        recomputation, in model FLOPs (the replay's cost shows as a lower rate). None without a
+        calibration (or without the recompute table)."""
+        if recompute:
+            tables = self.measurements.get("block_flops", {})
+            return _interpolate(tables.get(f"{precision}+recompute") or tables.get("fp32+recompute") or {}, dim)
         return _interpolate(self._table("block_flops", precision), dim)
 
     def _table(self, key: str, precision: str) -> dict[str, float]:

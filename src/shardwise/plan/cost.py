@@ -224,6 +224,9 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         loss_traffic = mbs * stats.logits_bytes / t * (act_scale + 2.0) / cluster.memory_bw
         t_fwd = layer_fwd / block_rate + head_fwd / flops + loss_traffic
         t_bwd = (2 * layer_fwd + extra) / block_rate + 2 * head_fwd / flops + loss_traffic
+        replay_rate = cluster.block_flops(plan.precision, dim, recompute=True) if plan.recompute == "full" else None
+        if replay_rate:  # measured under shardwise's own full recomputation (model FLOPs)
+            t_bwd = 3 * layer_fwd / replay_rate - t_fwd + head_fwd / flops + 2 * head_fwd / flops + 2 * loss_traffic
     else:
         # Eager execution launches ~KERNELS_PER_LAYER operators per layer forward, twice that backward.
         launches = layers * KERNELS_PER_LAYER * cluster.kernel_overhead_s
