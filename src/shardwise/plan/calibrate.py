@@ -313,7 +313,7 @@ def measure_solo_matmul(device: Any, n: int) -> float:
 # (hidden, tokens per microbatch, sequence length) of the reference transformer layers: small on a
 # CPU, GPT-2 to GPT-3-13B widths on a GPU.
 STACK = 4  # blocks per measured stack
-CPU_BLOCK_SHAPES = ((64, 512, 128), (128, 512, 128), (256, 512, 128), (512, 1024, 128))
+CPU_BLOCK_SHAPES = ((64, 512, 128), (128, 512, 128), (256, 512, 128), (512, 256, 128))
 GPU_BLOCK_SHAPES = ((512, 8192, 1024), (1024, 8192, 1024), (2048, 8192, 1024), (4096, 8192, 1024))
 
 
@@ -353,7 +353,7 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[s
 
             flops = STACK * 3 * TransformerSpec(layers=1, hidden=hidden, heads=heads, vocab=8, seq=seq).stats().flops_per_block * (tokens // seq)
             dim = (tokens * hidden * hidden) ** (1 / 3)
-            table[f"{dim:.1f}"] = flops / concurrent_seconds(step, device, window_s=0.2)
+            table[f"{dim:.1f}"] = flops / concurrent_seconds(step, device, window_s=0.2, windows=2)
             del block, x
         out[precision if recompute == "none" else f"{precision}+recompute"] = table
     return out
