@@ -3,7 +3,7 @@
 The presets describe hardware from datasheets; what a plan costs *here* (eager overheads, a CPU
 host's shared cores, this interconnect) is only known by measuring. So the first ``plan="auto"``
 job of a given shape calibrates inside its own world (:func:`calibrate_world`, every rank takes
-part, ~30 s on a 2-core CPU host, a few seconds on GPUs) and keeps the spec in a cache file keyed
+part, about a minute on a 2-core CPU host, 20 s on one H200) and keeps the spec in a cache file keyed
 by host, world size, device, threads per process and torch version; later jobs of that shape read
 it. ``shardwise calibrate`` writes the same file. ``SHARDWISE_CLUSTER`` (a preset name or a spec
 file) bypasses all of this.

@@ -112,7 +112,7 @@ def machine_spec(env: RuntimeEnv) -> ClusterSpec:
             log.info("plan=auto: using this machine's calibration %s", path)
         return found[0]
     if env.is_main:
-        log.info("plan=auto: measuring this machine once (%d processes, about 30 s on a CPU host); it is cached in %s",
+        log.info("plan=auto: measuring this machine once (%d processes, about a minute on a small CPU host); it is cached in %s",
                  env.world_size, path)
     spec = calibrate_world(local_world_size=env.local_world_size)
     if env.rank == 0:
