@@ -34,6 +34,9 @@ ever sees.
   microbatch adds one slot to the critical path, so the difference per microbatch minus a stage's
   own compute is ``pp_microbatch_overhead_s`` (the schedule's Python work, point-to-point latency,
   shape checks).
+
+The model-level measurements (layers, pipelines, Adam) live in :mod:`shardwise.plan.layer_costs`,
+the concurrent windows in :mod:`shardwise.plan.timing`.
 """
 
 from __future__ import annotations
@@ -41,14 +44,14 @@ from __future__ import annotations
 import math
 import os
 import socket
-import statistics
-import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from shardwise.plan.cluster import ClusterSpec
 from shardwise.observe.collectives import BandwidthRow, bus_factor
+from shardwise.plan.cluster import ClusterSpec
+from shardwise.plan.layer_costs import (measure_block_throughput, measure_optimizer, measure_parallel_layer_overheads,
+                                        measure_pipeline_overlap)
+from shardwise.plan.timing import concurrent_seconds, solo_seconds
 
 DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
 
@@ -68,76 +71,6 @@ class Calibration:
     collectives: list[BandwidthRow]
     memory_bytes: float
     threads: int = 1  # intra-op threads per process while measuring
-
-
-def _slowest(value: float, device: Any) -> float:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _sync(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def concurrent_seconds(fn: Any, device: Any, *, window_s: float = 0.15, windows: int = 3) -> float:
-    """Seconds per call of ``fn`` while every rank runs it (see the module doc): per window, the
-    ranks agree on a call count ``k`` (``window_s`` at the fastest rank's probed pace), start after
-    a barrier and report the slowest rank's elapsed / ``k``; the median over ``windows``."""
-    import torch.distributed as dist
-
-    fn()
-    _sync(device)
-    start = time.perf_counter()
-    fn()
-    fn()
-    _sync(device)
-    probe = max((time.perf_counter() - start) / 2, 1e-7)
-    calls = int(_slowest(float(max(2, math.ceil(window_s / probe))), device))  # the same count on every rank
-    out = []
-    for _ in range(windows):
-        dist.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        _sync(device)
-        out.append(_slowest((time.perf_counter() - start) / calls, device))
-    return statistics.median(out)
-
-
-def solo_seconds(fn: Any, device: Any, *, window_s: float = 0.15, windows: int = 3) -> float:
-    """Seconds per call of ``fn`` on rank 0 while the other ranks wait in a barrier (broadcast)."""
-    import torch
-    import torch.distributed as dist
-
-    value = 0.0
-    if dist.get_rank() == 0:
-        fn()
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        calls = max(2, math.ceil(window_s / max(time.perf_counter() - start, 1e-7)))
-        runs = []
-        for _ in range(windows):
-            _sync(device)
-            start = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            _sync(device)
-            runs.append((time.perf_counter() - start) / calls)
-        value = statistics.median(runs)
-    dist.barrier()
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.broadcast(t, src=0)
-    return float(t.item())
 
 
 def measure_matmul(device: Any, dtype: Any, n: int) -> float:
@@ -173,134 +106,6 @@ def measure_dtensor_overhead(device: Any) -> float:
     return max(dt - pt, 0.0)
 
 
-def _layer_step_seconds(plan_text: str, device: Any, *, layers: int, microbatches: int = 1) -> float:
-    """Seconds of one forward + backward of a tiny built-in GPT (``layers`` blocks, hidden 8 per
-    rank) under ``plan_text`` ("" for the plain model; with pipeline stages, ``microbatches``
-    microbatches of 2 samples through the schedule), in concurrent windows (every rank makes the
-    same calls: the sharded model communicates)."""
-    import contextlib
-
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.parallel.mesh import build_mesh
-    from shardwise.parallel.parallelize import parallelize
-    from shardwise.plan.plan import Plan
-
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # GPT returns a view; harmless here
-    n = dist.get_world_size()
-    cfg = GPTConfig(vocab_size=8 * n, seq_len=8, layers=layers, hidden=8 * n, heads=n)
-
-    def loss_fn(out: Any, target: Any) -> Any:
-        return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
-
-    ids = torch.zeros(2 * microbatches, cfg.seq_len, dtype=torch.long, device=device)
-    if not plan_text:
-        module, context = GPT(cfg, seed=0).to(device), contextlib.nullcontext
-    else:
-        plan = Plan.parse(plan_text)
-        extra = {"loss_fn": loss_fn} if plan.pp > 1 else {}
-        pm = parallelize(GPT(cfg, seed=0).to(device), plan, build_mesh(plan, device.type), **extra)
-        if pm.pipeline is not None:
-            return concurrent_seconds(lambda: pm.pipeline.step(ids, ids), device, window_s=0.2)
-        module, context = pm.module, pm.loss_context
-
-    def step() -> None:
-        with context():
-            loss_fn(module(ids), ids).backward()
-
-    return concurrent_seconds(step, device, window_s=0.2)
-
-
-def measure_pipeline_overlap(device: Any, slot_s: float) -> float:
-    """How much faster a pipeline stage runs while others idle, as the pipelining runtime really
-    gets it (0 when not measured: GPUs, one process, an odd world).
-
-    Every rank a stage of a GPT with one real block each (hidden 128, sequence 128, 2 samples per
-    microbatch), 1F1B with ``m = p`` microbatches: on dedicated devices ``(2p - 1)`` slots; on an
-    oversubscribed host idle stages free their cores, so ``T = max(m t, (2p - 1) t / o)`` plus the
-    slot costs, with ``t`` one stage's forward + backward of a microbatch while every rank computes
-    (measured concurrently). Solving for ``o`` gives the effective figure, hand-off latencies
-    (a woken stage waiting for a core) included; :func:`oversubscription` keeps the smaller of it
-    and the solo/all-busy matmul ratio."""
-    import torch
-    import torch.distributed as dist
-
-    from shardwise.models.gpt import Block, GPTConfig
-
-    n = dist.get_world_size()
-    if device.type == "cuda" or n < 2 or n > 8:
-        return 0.0
-    hidden, seq, batch = 128, 128, 2
-    cfg = GPTConfig(vocab_size=8 * n, seq_len=seq, layers=n, hidden=hidden, heads=2)
-    block = Block(cfg).to(device)
-    x = torch.randn(batch, seq, hidden, device=device, requires_grad=True)
-
-    def stage() -> None:
-        y = block(x)
-        y.backward(torch.ones_like(y))
-
-    t = concurrent_seconds(stage, device, window_s=0.2)
-    piped = _pipeline_step_seconds(cfg, device, stages=n, microbatches=n, batch=batch)
-    p = n
-    busy = piped - (2 * p - 1) * slot_s  # the compute part of the pipelined step
-    if busy <= p * t:
-        return float(p)  # the fill and drain cost nothing: as fast as all stages busy
-    return max(1.0, (2 * p - 1) * t / busy)
-
-
-def _pipeline_step_seconds(cfg: Any, device: Any, *, stages: int, microbatches: int, batch: int) -> float:
-    import torch
-    import torch.nn.functional as F
-
-    from shardwise.models.gpt import GPT
-    from shardwise.parallel.mesh import build_mesh
-    from shardwise.parallel.parallelize import parallelize
-    from shardwise.plan.plan import Plan
-
-    def loss_fn(out: Any, target: Any) -> Any:
-        return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
-
-    plan = Plan(pp=stages, microbatches=microbatches, schedule="1f1b")
-    pm = parallelize(GPT(cfg, seed=0).to(device), plan, build_mesh(plan, device.type), loss_fn=loss_fn)
-    ids = torch.zeros(batch * microbatches, cfg.seq_len, dtype=torch.long, device=device)
-    return concurrent_seconds(lambda: pm.pipeline.step(ids, ids), device, window_s=0.3)
-
-
-def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[str, float]:
-    """Fixed seconds that tensor parallelism, FSDP and pipelining add, measured on a GPT too small
-    for bandwidth to matter (hidden 8 per rank): per layer forward + backward under TP over all
-    ranks, per FSDP unit (the blocks and the root) under ZeRO-3 / ZeRO-2, and per pipeline
-    microbatch slot (every rank a stage; the slope from p to 2p microbatches minus a stage's compute of one
-    microbatch). This is the dispatch, hook, schedule and latency work that per-operator figures
-    undercount (FSDP2's pre/post hooks, DTensor redistribution, the pipelining runtime)."""
-    import torch.distributed as dist
-
-    n = dist.get_world_size()
-    if n < 2:
-        return {"tp_layer_s": 0.0, "zero3_unit_s": 0.0, "zero2_unit_s": 0.0, "pp_microbatch_s": 0.0}
-    plain = _layer_step_seconds("", device, layers=layers)
-    tp = _layer_step_seconds(f"tp={n}", device, layers=layers)
-    zero3 = _layer_step_seconds(f"zero=3,dp=1,shard={n}", device, layers=layers)
-    zero2 = _layer_step_seconds(f"zero=2,dp=1,shard={n}", device, layers=layers)
-    # Pipeline: all ranks as stages (at most 8; the tiny GPT gets a block per stage), p and 2p
-    # microbatches; each extra microbatch adds one slot to the critical path.
-    stages = n if n <= 8 else next(p for p in (8, 4, 2) if n % p == 0) if n % 2 == 0 else 0
-    pp_microbatch = 0.0
-    if stages > 1:
-        pipe_layers = max(layers, stages)
-        pipe = f"pp={stages},dp={n // stages},schedule=1f1b"
-        one = _layer_step_seconds(pipe + f",microbatches={stages}", device, layers=pipe_layers, microbatches=stages)
-        two = _layer_step_seconds(pipe + f",microbatches={2 * stages}", device, layers=pipe_layers, microbatches=2 * stages)
-        plain_stack = plain if pipe_layers == layers else _layer_step_seconds("", device, layers=pipe_layers)
-        pp_microbatch = max((two - one) / stages - plain_stack / stages, 0.0)
-    units = layers + 1
-    return {"tp_layer_s": max(tp - plain, 0.0) / layers, "zero3_unit_s": max(zero3 - plain, 0.0) / units,
-            "zero2_unit_s": max(zero2 - plain, 0.0) / units, "pp_microbatch_s": pp_microbatch}
-
-
 def measure_solo_matmul(device: Any, n: int) -> float:
     """fp32 FLOP/s of rank 0 alone (the others wait at a barrier): a process's speed when it has
     the machine to itself, as a pipeline stage has during the fill and drain."""
@@ -312,85 +117,6 @@ def measure_solo_matmul(device: Any, n: int) -> float:
 
 # (hidden, tokens per microbatch, sequence length) of the reference transformer layers: small on a
 # CPU, GPT-2 to GPT-3-13B widths on a GPU.
-STACK = 4  # blocks per measured stack
-CPU_BLOCK_SHAPES = ((64, 512, 128), (128, 512, 128), (256, 512, 128), (512, 256, 128))
-GPU_BLOCK_SHAPES = ((512, 8192, 1024), (1024, 8192, 1024), (2048, 8192, 1024), (4096, 8192, 1024))
-
-
-def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[str, dict[str, float]]:
-    """Achieved FLOP/s of transformer layers (a stack of the built-in GPT's ``Block``: LayerNorms,
-    q/k/v/o projections, ``scaled_dot_product_attention``, GELU MLP), forward + backward including
-    the gradient of the input, in concurrent windows, by precision (fp32, or autocast) and by the
-    layer's GEMM dimension ``(tokens h h)^(1/3)`` (the key :meth:`ClusterSpec.block_flops` reads),
-    and again under full recomputation (shardwise's own activation checkpointing; key
-    ``"<precision>+recompute"``). FLOPs are the analytic ``3 x`` forward FLOPs of
-    :class:`~shardwise.plan.stats.TransformerSpec` (model FLOPs: the replayed forward is not counted,
-    so the recompute table's rate is lower by what recomputation really costs)."""
-    import torch
-
-    from shardwise.models.gpt import Block, GPTConfig
-    from shardwise.plan.stats import TransformerSpec
-    from shardwise.train.precision import autocast
-
-    from shardwise.parallel.checkpointing import apply_checkpointing
-
-    shapes = GPU_BLOCK_SHAPES if device.type == "cuda" else CPU_BLOCK_SHAPES
-    out: dict[str, dict[str, float]] = {}
-    for precision, recompute in [(p, "none") for p in precisions] + [(p, "full") for p in precisions]:
-        table = {}
-        for hidden, tokens, seq in shapes:
-            heads = max(1, hidden // 64)
-            cfg = GPTConfig(vocab_size=8, seq_len=seq, layers=1, hidden=hidden, heads=heads)
-            # A stack of STACK blocks, not one: a lone block re-run keeps its weights and
-            # activations in cache, which a real stack does not (22% faster on this VM's CPU).
-            block = apply_checkpointing(torch.nn.Sequential(*(Block(cfg) for _ in range(STACK))).to(device), mode=recompute)
-            x = torch.randn(tokens // seq, seq, hidden, device=device, requires_grad=True)
-
-            def step() -> None:
-                with autocast(precision, device.type):
-                    y = block(x)
-                y.backward(torch.ones_like(y))
-
-            flops = STACK * 3 * TransformerSpec(layers=1, hidden=hidden, heads=heads, vocab=8, seq=seq).stats().flops_per_block * (tokens // seq)
-            dim = (tokens * hidden * hidden) ** (1 / 3)
-            table[f"{dim:.1f}"] = flops / concurrent_seconds(step, device, window_s=0.2, windows=2)
-            del block, x
-        out[precision if recompute == "none" else f"{precision}+recompute"] = table
-    return out
-
-
-def measure_optimizer(device: Any) -> dict[str, float]:
-    """Seconds of ``torch.optim.Adam.step`` (the device's default implementation) per parameter
-    tensor, per tensor when the parameters are DTensors sharded over the world (what FSDP2 and TP
-    hand the optimizer), and per element: from 64 small tensors and one large one
-    (``t = tensors a + elements b``), in concurrent windows."""
-    import torch
-    import torch.distributed as dist
-
-    def seconds(params: list) -> float:
-        for p in params:
-            p.grad = torch.zeros_like(p)
-        opt = torch.optim.Adam(params, lr=1e-3)
-        return concurrent_seconds(opt.step, device, window_s=0.1)
-
-    small_n, small_size = 64, 256
-    big_size = 2**22 if device.type == "cuda" else 2**20
-    t_small = seconds([torch.zeros(small_size, device=device, requires_grad=True) for _ in range(small_n)])
-    t_big = seconds([torch.zeros(big_size, device=device, requires_grad=True)])
-    per_param = max((small_n * t_big - t_small) / (small_n * big_size - small_n * small_size), 0.0)
-    per_tensor = max(t_big - big_size * per_param, t_small / small_n - small_size * per_param, 0.0)
-    dtensor_tensor = 0.0
-    if dist.get_world_size() > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import Shard, distribute_tensor
-
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        shards = [torch.nn.Parameter(distribute_tensor(torch.zeros(small_size * dist.get_world_size(), device=device), mesh, [Shard(0)]))
-                  for _ in range(small_n)]
-        dtensor_tensor = max(seconds(shards) / small_n - small_size * per_param, 0.0)
-    return {"tensor_s": per_tensor, "dtensor_tensor_s": dtensor_tensor, "param_s": per_param}
-
-
 def measure_memory_bw(device: Any, *, nbytes: int = 64 * 2**20) -> float:
     """Bytes per second of a large copy (read + write) while every rank copies."""
     import torch

@@ -51,50 +51,15 @@ from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.plan.cluster import ClusterSpec
+from shardwise.plan.memory import StatePolicy, autocast_extra, buffer_bytes, layer_activation, model_state_bytes, stage_param_count
 from shardwise.plan.plan import Plan
 from shardwise.plan.stats import ModelStats
 
-ADAM_STATE_BYTES = 8.0  # fp32 exp_avg + exp_avg_sq
+__all__ = ["Estimate", "StatePolicy", "bubble_fraction", "estimate", "micro_batch_size", "model_state_bytes", "stage_param_count"]
+
 KERNELS_PER_LAYER = 20  # operators of one transformer layer's forward (matmuls, norms, adds, attention)
 DTENSOR_OPS_PER_LAYER = 12  # tensor-parallel DTensor dispatches of one layer's forward (6 linears + hooks)
 FSDP_OPS_PER_UNIT = 4  # DTensor-level operations of FSDP2's pre/post hooks per unit and collective
-
-
-@dataclass(frozen=True)
-class StatePolicy:
-    """Bytes per parameter of each kind of model state (``optimizer`` includes master weights)."""
-
-    param: float
-    grad: float
-    optimizer: float
-    compute_bytes: float = 4.0  # of a parameter gathered or cast for compute
-    reduce_bytes: float = 4.0  # of a gradient element on the wire
-    # FSDP2 implements stage 2 as stage 3 that keeps the gathered parameters from forward to
-    # backward: the stored parameters are sharded, the gathered copies count as buffers.
-    zero2_shards_params: bool = False
-
-    @classmethod
-    def torch(cls, precision: str = "fp32", optimizer: str = "adam") -> StatePolicy:
-        states = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0, "sgd_nomomentum": 0.0}.get(optimizer)
-        if states is None:
-            raise ConfigError(f"optimizer {optimizer!r} is unknown to the cost model", hint="use adam, adamw, sgd or sgd_nomomentum")
-        compute = 4.0 if precision == "fp32" else 2.0
-        return cls(param=4.0, grad=4.0, optimizer=states, compute_bytes=compute, reduce_bytes=4.0, zero2_shards_params=True)
-
-    @classmethod
-    def zero_paper(cls, k: float = 12.0) -> StatePolicy:
-        """ZeRO's mixed-precision Adam: fp16 params and grads (2 + 2), K = 12 (fp32 master, m, v)."""
-        return cls(param=2.0, grad=2.0, optimizer=k, compute_bytes=2.0, reduce_bytes=2.0)
-
-
-def model_state_bytes(params: float, policy: StatePolicy, *, zero: int, shard: int) -> dict[str, float]:
-    """Per-rank bytes of parameters, gradients and optimizer states for ``params`` on this rank."""
-    n = max(1, shard)
-    return {
-        "params": policy.param * params / (n if zero >= 3 or (zero == 2 and policy.zero2_shards_params) else 1),
-        "grads": policy.grad * params / (n if zero >= 2 else 1),
-        "optimizer": policy.optimizer * params / (n if zero >= 1 else 1),
-    }
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -178,9 +143,9 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     states = model_state_bytes(stage_params, policy, zero=plan.zero, shard=plan.shard)
     boundary = mbs * stats.boundary_bytes * resid_scale  # one block input of one microbatch
     if plan.recompute == "full":  # only the layer input (the residual stream) is kept
-        per_layer = _layer_activation(stats, plan) * resid_scale * mbs
+        per_layer = layer_activation(stats, plan) * resid_scale * mbs
     else:
-        per_layer = (_layer_activation(stats, plan) * act_scale + (_autocast_extra(stats, plan) if autocast else 0.0)) * mbs
+        per_layer = (layer_activation(stats, plan) * act_scale + (autocast_extra(stats, plan) if autocast else 0.0)) * mbs
         if autocast and plan.zero <= 1:  # autocast's 16-bit weight copies, saved by each microbatch's forward
             per_layer += stats.params_per_block / t * policy.compute_bytes
     if p == 1:
@@ -194,11 +159,11 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     logits = mbs * stats.logits_bytes / t * (act_scale + 2.0)  # the logits plus the loss's fp32 softmax
     stage_acts = in_flight * layers * per_layer
     if plan.recompute == "full":  # one layer replayed at a time
-        stage_acts += (_layer_activation(stats, plan, recompute="none") * act_scale
-                       + (_autocast_extra(stats, replace(plan, recompute="none")) if autocast else 0.0)) * mbs
+        stage_acts += (layer_activation(stats, plan, recompute="none") * act_scale
+                       + (autocast_extra(stats, replace(plan, recompute="none")) if autocast else 0.0)) * mbs
     last_in_flight = in_flight if plan.schedule == "gpipe" or p == 1 else 1.0
     activations = stage_acts + boundary + last_in_flight * logits
-    buffers = _buffers(stats, plan, policy, layers=layers, boundary=boundary) + logits  # + the loss's gradient
+    buffers = buffer_bytes(stats, plan, policy, layers=layers, boundary=boundary) + logits  # + the loss's gradient
     memory = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
               "activations": activations, "buffers": buffers}
 
@@ -232,7 +197,7 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         launches = layers * KERNELS_PER_LAYER * cluster.kernel_overhead_s
         # Activation traffic: each activation is written in forward and read in backward, whether it
         # is kept or recomputed (recomputation writes it again: the replayed share of it).
-        produced = _layer_activation(stats, plan, recompute="none") * mbs * act_scale * layers
+        produced = layer_activation(stats, plan, recompute="none") * mbs * act_scale * layers
         replayed = {"full": produced, "selective": produced * stats.attn_act_bytes_per_block / max(stats.act_bytes_per_block, 1.0)}
         traffic = produced / cluster.memory_bw
         t_fwd = fwd / flops + traffic + launches
@@ -306,67 +271,6 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         step_time_s=step, memory_limit=cluster.memory_bytes * (1 - headroom), tokens_per_s=tokens / step,
         tflops_per_device=achieved / 1e12, mfu=achieved / cluster.peak(plan.precision),
     )
-
-
-def stage_param_count(stats: ModelStats, *, tp: int, pp: int) -> float:
-    """Parameters on the busiest rank before ZeRO: its pipeline stage's share, sharded ``1/tp``
-    except what tensor parallelism replicates (norms, some biases, position embeddings)."""
-    layers = math.ceil(stats.blocks / pp)
-
-    def local(total: float, replicated: float) -> float:
-        return (total - replicated) / tp + replicated
-
-    blocks = layers * local(stats.params_per_block, stats.replicated_per_block)
-    embed = local(stats.params_embed, stats.replicated_embed)
-    head = local(stats.params_head, stats.replicated_head)
-    first = blocks + embed + (head if pp == 1 else 0.0)
-    last = blocks + head + (embed if stats.tied_embeddings and pp > 1 else 0.0)
-    return max(first, last)
-
-
-def _layer_activation(stats: ModelStats, plan: Plan, *, recompute: str | None = None) -> float:
-    """Saved bytes of one layer and one sample at 16-bit (Korthikanti et al. 2022, table 2)."""
-    recompute = recompute or plan.recompute
-    t = plan.tp
-    if recompute == "full":
-        return stats.boundary_bytes / (t if plan.sequence_parallel else 1)
-    total = stats.act_bytes_per_block - (stats.attn_act_bytes_per_block if recompute == "selective" else 0.0)
-    if t == 1 or plan.sequence_parallel:
-        return total / t
-    replicated = min(total, 5 * stats.boundary_bytes)  # 10 s h: LayerNorm inputs and dropout masks
-    return replicated + (total - replicated) / t
-
-
-def _autocast_extra(stats: ModelStats, plan: Plan) -> float:
-    """Bytes per layer and sample that autocast keeps beyond the 16-bit figure: the fp32 residual
-    stream the LayerNorms save (2 more bytes per element) and the extra 16-bit copies of the
-    normalized input that separate q/k/v projections save. Divided by ``t`` under sequence
-    parallelism, replicated under plain tensor parallelism (like the LayerNorm part in
-    :func:`_layer_activation`)."""
-    elems = stats.residual_elems_per_block + (stats.qkv_input_copies - 1) * stats.boundary_bytes / 2
-    extra = 2.0 * elems
-    return extra / plan.tp if plan.sequence_parallel else extra
-
-
-def _buffers(stats: ModelStats, plan: Plan, policy: StatePolicy, *, layers: int, boundary: float) -> float:
-    """Temporary communication buffers of the busiest moment."""
-    block = stats.params_per_block / plan.tp
-    out = 0.0
-    if plan.zero >= 3 and plan.shard > 1:
-        # FSDP: the unsharded block being computed plus the prefetched next one, and one block's
-        # unsharded gradients before the reduce-scatter.
-        out += 2 * block * policy.compute_bytes + block * policy.reduce_bytes
-    elif plan.zero == 2 and plan.shard > 1:
-        if policy.zero2_shards_params:  # FSDP2 keeps every gathered block from forward to backward
-            out += layers * block * policy.compute_bytes
-        out += block * policy.reduce_bytes  # one reduce-scatter bucket
-    elif plan.zero == 1 and plan.shard > 1:
-        out += block * policy.param  # the partition being broadcast after the step
-    if plan.tp > 1:
-        out += 2 * boundary  # all-reduce / all-gather output
-    if plan.pp > 1:
-        out += 2 * boundary  # send and receive buffers
-    return out
 
 
 def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_params: float, layers: int,
