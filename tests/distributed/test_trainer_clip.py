@@ -7,6 +7,7 @@ sharded on, and must not count replicated dimensions twice; the reference is the
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
 
+from shardwise.plan import Plan
 from shardwise.train.clip import clip_grad_norm_, global_grad_norm
 from tests.distributed.test_trainer_parity import Record, make_data, make_model, sgd
 
@@ -93,7 +95,7 @@ def test_trainer_on_sharded_plans_equals_one_process(pools, plan: str) -> None:
         assert got["val"]["loss"] == pytest.approx(ref["val"]["loss"], rel=1e-5)
 
 
-def fit_gpt(plan: str) -> dict:
+def fit_gpt(plan: str, run_dir: str | None = None) -> dict:
     """A tiny GPT (a model the planner can size): the auto plan must train like one process."""
     from torch.utils.data import TensorDataset
 
@@ -109,14 +111,19 @@ def fit_gpt(plan: str) -> dict:
 
     rec = Record()
     model = GPT(GPTConfig(vocab_size=16, seq_len=8, layers=2, hidden=16, heads=2), seed=0)
-    trainer = Trainer(model, loss_fn=lm_loss, optimizer=sgd, plan=plan, global_batch_size=16, max_steps=6, log_every=1, seed=7, progress_bar=False, callbacks=[rec])
+    trainer = Trainer(model, loss_fn=lm_loss, optimizer=sgd, plan=plan, global_batch_size=16, max_steps=6, log_every=1, seed=7,
+                      progress_bar=False, callbacks=[rec], run_dir=run_dir)
     trainer.fit(data)
     return {"losses": rec.losses, "plan": str(trainer.plan)}
 
 
-def test_auto_plan_is_the_same_on_every_rank_and_trains(pools) -> None:
-    results = pools(2).run(fit_gpt, "auto")
+def test_auto_plan_is_the_same_on_every_rank_and_trains(pools, tmp_path) -> None:
+    results = pools(2).run(fit_gpt, "auto", str(tmp_path))
     assert results[0]["plan"] == results[1]["plan"]
+    # rank 0 saved the choice with its predictions and the reason next to the run's logs
+    saved = json.loads((tmp_path / "auto_plan.json").read_text())
+    assert str(Plan.from_dict(saved["plan"])) == results[0]["plan"]
+    assert saved["prediction"]["step_time_s"] > 0 and saved["explanation"]
     ref = pools(1).run(fit_gpt, "dp")[0]
     for got in results:
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
