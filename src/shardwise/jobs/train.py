@@ -86,7 +86,7 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     """Train the GPT as ``config`` says; returns the summary on rank 0 and ``None`` elsewhere."""
     from shardwise.checkpoint import CheckpointManager
     from shardwise.train import PlotCurves, Trainer, scale_lr, warmup_cosine
-    from shardwise.train.setup import auto_plan, resolve_plan
+    from shardwise.train.setup import choose_plan, resolve_plan
 
     env = init()
     name = _agree_on_name(config.run.name or default_run_name())
@@ -102,15 +102,14 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     val_set = CharWindows(corpus.val, m.seq_len)
     if t.eval_windows and t.eval_windows < len(val_set):
         val_set = Subset(val_set, range(t.eval_windows))
-    if config.parallel.plan.strip().lower() == "auto":  # the planner picks (rank 0 decides, all agree)
-        plan, choice = auto_plan(model, env, global_batch_size=t.global_batch_size, precision=precision_override(t.precision),
-                                 pipeline=t.grad_accum_steps == 1)
-        if choice is not None:
-            print(f"plan=auto chose {plan}:\n  " + plan.describe().replace("\n", "\n  ") + "\n" + choice.summary(), flush=True)
-            os.makedirs(run_dir, exist_ok=True)
-            choice.save(os.path.join(run_dir, "auto_plan.json"))
-    plan = resolve_plan(plan if config.parallel.plan.strip().lower() == "auto" else config.parallel.plan, env.world_size,
-                        precision=precision_override(t.precision))
+    # plan="auto": the planner picks (rank 0 decides, all agree; the choice is logged and saved)
+    plan, choice = choose_plan(config.parallel.plan, model, env, global_batch_size=t.global_batch_size,
+                               precision=precision_override(t.precision), grad_accum_steps=t.grad_accum_steps)
+    if choice is not None:
+        print(f"plan=auto chose {choice.plan}:\n  " + choice.plan.describe().replace("\n", "\n  "), flush=True)
+        os.makedirs(run_dir, exist_ok=True)
+        choice.save(os.path.join(run_dir, "auto_plan.json"))
+    plan = resolve_plan(plan, env.world_size, precision=precision_override(t.precision))
     lr = scale_lr(t.lr, plan.dp_size, rule=t.scale_lr)
     steps_per_epoch = len(train_set) // t.global_batch_size
     total_steps = t.max_steps or steps_per_epoch * max(t.max_epochs, 1)
