@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from shardwise.plan import Plan
+
 TINY = [
     "--max-steps", "6",
     "--model.layers=1", "--model.hidden=32", "--model.heads=2", "--model.seq_len=32",
@@ -58,6 +60,17 @@ def test_train_two_processes_end_to_end(tmp_path) -> None:
     tensor = json.loads((tmp_path / "runs" / "tp" / "summary.json").read_text())
     assert tensor["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
     assert tensor["train_loss"] == pytest.approx(single["train_loss"], rel=1e-5)
+
+    # The planner picks (with this machine's measured spec: cached by an earlier test's world of 2,
+    # or measured now), prints the plan and saves its choice with the predictions; whatever it picks
+    # trains like one process.
+    auto = _shardwise(["train", "--nproc", "2", "--plan", "auto", "--run.name=auto", *TINY], str(tmp_path))
+    assert auto.returncode == 0, auto.stdout + auto.stderr
+    assert "plan=auto chose" in auto.stdout + auto.stderr
+    chosen = json.loads((tmp_path / "runs" / "auto" / "auto_plan.json").read_text())
+    planned = json.loads((tmp_path / "runs" / "auto" / "summary.json").read_text())
+    assert str(Plan.from_dict(chosen["plan"])) == planned["plan"] and chosen["prediction"]["step_time_s"] > 0
+    assert planned["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
     assert len(tensor["sample"]) == len("def ") + 40
 
 
