@@ -142,10 +142,13 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     # -- memory ---------------------------------------------------------------------------
     states = model_state_bytes(stage_params, policy, zero=plan.zero, shard=plan.shard)
     boundary = mbs * stats.boundary_bytes * resid_scale  # one block input of one microbatch
+    def kept(p: Plan) -> float:  # bytes one layer keeps per sample without full recomputation
+        return layer_activation(stats, p) * act_scale + (autocast_extra(stats, p) if autocast else 0.0)
+
     if plan.recompute == "full":  # only the layer input (the residual stream) is kept
         per_layer = layer_activation(stats, plan) * resid_scale * mbs
     else:
-        per_layer = (layer_activation(stats, plan) * act_scale + (autocast_extra(stats, plan) if autocast else 0.0)) * mbs
+        per_layer = kept(plan) * mbs
         if autocast and plan.zero <= 1:  # autocast's 16-bit weight copies, saved by each microbatch's forward
             per_layer += stats.params_per_block / t * policy.compute_bytes
     if p == 1:
@@ -159,8 +162,7 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     logits = mbs * stats.logits_bytes / t * (act_scale + 2.0)  # the logits plus the loss's fp32 softmax
     stage_acts = in_flight * layers * per_layer
     if plan.recompute == "full":  # one layer replayed at a time
-        stage_acts += (layer_activation(stats, plan, recompute="none") * act_scale
-                       + (autocast_extra(stats, replace(plan, recompute="none")) if autocast else 0.0)) * mbs
+        stage_acts += kept(replace(plan, recompute="none")) * mbs
     last_in_flight = in_flight if plan.schedule == "gpipe" or p == 1 else 1.0
     activations = stage_acts + boundary + last_in_flight * logits
     buffers = buffer_bytes(stats, plan, policy, layers=layers, boundary=boundary) + logits  # + the loss's gradient
@@ -187,11 +189,12 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         layer_fwd = mbs * layers * stats.flops_per_block / t
         head_fwd = mbs * stats.flops_head / t
         loss_traffic = mbs * stats.logits_bytes / t * (act_scale + 2.0) / cluster.memory_bw
-        t_fwd = layer_fwd / block_rate + head_fwd / flops + loss_traffic
-        t_bwd = (2 * layer_fwd + extra) / block_rate + 2 * head_fwd / flops + loss_traffic
         replay_rate = cluster.block_flops(plan.precision, dim, recompute=True) if plan.recompute == "full" else None
-        if replay_rate:  # measured under shardwise's own full recomputation (model FLOPs)
-            t_bwd = 3 * layer_fwd / replay_rate - t_fwd + head_fwd / flops + 2 * head_fwd / flops + 2 * loss_traffic
+        # Layers' forward + backward: at the rate measured under full recomputation when there is
+        # one (model FLOPs: the replay shows as a lower rate), else the replayed FLOPs at the plain rate.
+        layers_s = 3 * layer_fwd / replay_rate if replay_rate else (3 * layer_fwd + extra) / block_rate
+        t_fwd = layer_fwd / block_rate + head_fwd / flops + loss_traffic
+        t_bwd = layers_s - layer_fwd / block_rate + 2 * head_fwd / flops + loss_traffic
     else:
         # Eager execution launches ~KERNELS_PER_LAYER operators per layer forward, twice that backward.
         launches = layers * KERNELS_PER_LAYER * cluster.kernel_overhead_s

@@ -15,30 +15,37 @@ from typing import Any
 from shardwise.plan.timing import concurrent_seconds
 
 
-def _layer_step_seconds(plan_text: str, device: Any, *, layers: int, microbatches: int = 1) -> float:
-    """Seconds of one forward + backward of a tiny built-in GPT (``layers`` blocks, hidden 8 per
-    rank) under ``plan_text`` ("" for the plain model; with pipeline stages, ``microbatches``
-    microbatches of 2 samples through the schedule), in concurrent windows (every rank makes the
-    same calls: the sharded model communicates)."""
+def _tiny_gpt(layers: int) -> Any:
+    """A GPT too small for bandwidth to matter: hidden 8 per rank, one head per rank, 8 tokens."""
+    import torch.distributed as dist
+
+    from shardwise.models.gpt import GPTConfig
+
+    n = dist.get_world_size()
+    return GPTConfig(vocab_size=8 * n, seq_len=8, layers=layers, hidden=8 * n, heads=n)
+
+
+def _layer_step_seconds(plan_text: str, device: Any, *, cfg: Any, batch: int = 2) -> float:
+    """Seconds of one forward + backward of the built-in GPT ``cfg`` on ``batch`` samples under
+    ``plan_text`` ("" for the plain model; with pipeline stages, the whole schedule over the plan's
+    microbatches), in concurrent windows (every rank makes the same calls: the sharded model
+    communicates)."""
     import contextlib
 
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
 
-    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.models.gpt import GPT
     from shardwise.parallel.mesh import build_mesh
     from shardwise.parallel.parallelize import parallelize
     from shardwise.plan.plan import Plan
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # GPT returns a view; harmless here
-    n = dist.get_world_size()
-    cfg = GPTConfig(vocab_size=8 * n, seq_len=8, layers=layers, hidden=8 * n, heads=n)
 
     def loss_fn(out: Any, target: Any) -> Any:
         return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
 
-    ids = torch.zeros(2 * microbatches, cfg.seq_len, dtype=torch.long, device=device)
+    ids = torch.zeros(batch, cfg.seq_len, dtype=torch.long, device=device)
     if not plan_text:
         module, context = GPT(cfg, seed=0).to(device), contextlib.nullcontext
     else:
@@ -85,30 +92,12 @@ def measure_pipeline_overlap(device: Any, slot_s: float) -> float:
         y.backward(torch.ones_like(y))
 
     t = concurrent_seconds(stage, device, window_s=0.2)
-    piped = _pipeline_step_seconds(cfg, device, stages=n, microbatches=n, batch=batch)
+    piped = _layer_step_seconds(f"pp={n},schedule=1f1b,microbatches={n}", device, cfg=cfg, batch=batch * n)
     p = n
     busy = piped - (2 * p - 1) * slot_s  # the compute part of the pipelined step
     if busy <= p * t:
         return float(p)  # the fill and drain cost nothing: as fast as all stages busy
     return max(1.0, (2 * p - 1) * t / busy)
-
-
-def _pipeline_step_seconds(cfg: Any, device: Any, *, stages: int, microbatches: int, batch: int) -> float:
-    import torch
-    import torch.nn.functional as F
-
-    from shardwise.models.gpt import GPT
-    from shardwise.parallel.mesh import build_mesh
-    from shardwise.parallel.parallelize import parallelize
-    from shardwise.plan.plan import Plan
-
-    def loss_fn(out: Any, target: Any) -> Any:
-        return F.cross_entropy(out.flatten(0, 1), target.flatten(0, 1))
-
-    plan = Plan(pp=stages, microbatches=microbatches, schedule="1f1b")
-    pm = parallelize(GPT(cfg, seed=0).to(device), plan, build_mesh(plan, device.type), loss_fn=loss_fn)
-    ids = torch.zeros(batch * microbatches, cfg.seq_len, dtype=torch.long, device=device)
-    return concurrent_seconds(lambda: pm.pipeline.step(ids, ids), device, window_s=0.3)
 
 
 def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[str, float]:
@@ -123,20 +112,21 @@ def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[st
     n = dist.get_world_size()
     if n < 2:
         return {"tp_layer_s": 0.0, "zero3_unit_s": 0.0, "zero2_unit_s": 0.0, "pp_microbatch_s": 0.0}
-    plain = _layer_step_seconds("", device, layers=layers)
-    tp = _layer_step_seconds(f"tp={n}", device, layers=layers)
-    zero3 = _layer_step_seconds(f"zero=3,dp=1,shard={n}", device, layers=layers)
-    zero2 = _layer_step_seconds(f"zero=2,dp=1,shard={n}", device, layers=layers)
+    tiny = _tiny_gpt(layers)
+    plain = _layer_step_seconds("", device, cfg=tiny)
+    tp = _layer_step_seconds(f"tp={n}", device, cfg=tiny)
+    zero3 = _layer_step_seconds(f"zero=3,dp=1,shard={n}", device, cfg=tiny)
+    zero2 = _layer_step_seconds(f"zero=2,dp=1,shard={n}", device, cfg=tiny)
     # Pipeline: all ranks as stages (at most 8; the tiny GPT gets a block per stage), p and 2p
     # microbatches; each extra microbatch adds one slot to the critical path.
     stages = n if n <= 8 else next(p for p in (8, 4, 2) if n % p == 0) if n % 2 == 0 else 0
     pp_microbatch = 0.0
     if stages > 1:
-        pipe_layers = max(layers, stages)
+        piped = _tiny_gpt(max(layers, stages))
         pipe = f"pp={stages},dp={n // stages},schedule=1f1b"
-        one = _layer_step_seconds(pipe + f",microbatches={stages}", device, layers=pipe_layers, microbatches=stages)
-        two = _layer_step_seconds(pipe + f",microbatches={2 * stages}", device, layers=pipe_layers, microbatches=2 * stages)
-        plain_stack = plain if pipe_layers == layers else _layer_step_seconds("", device, layers=pipe_layers)
+        one = _layer_step_seconds(pipe + f",microbatches={stages}", device, cfg=piped, batch=2 * stages)
+        two = _layer_step_seconds(pipe + f",microbatches={2 * stages}", device, cfg=piped, batch=4 * stages)
+        plain_stack = plain if piped.layers == layers else _layer_step_seconds("", device, cfg=piped)
         pp_microbatch = max((two - one) / stages - plain_stack / stages, 0.0)
     units = layers + 1
     return {"tp_layer_s": max(tp - plain, 0.0) / layers, "zero3_unit_s": max(zero3 - plain, 0.0) / units,
