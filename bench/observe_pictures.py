@@ -59,7 +59,7 @@ def pipeline_chart(png: str) -> str | None:
     from shardwise.observe.plots import plot_pipeline_schedule
     from shardwise.parallel.mesh import build_mesh
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.plan.plan import Plan
+    from shardwise.layout import Plan
 
     plan = Plan.parse("pp=2,schedule=1f1b,microbatches=4")
     meshes = build_mesh(plan, "cpu")

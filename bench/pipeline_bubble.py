@@ -78,7 +78,7 @@ def measure(schedule: str, m: int, v: int, tf: float, repeats: int) -> dict:
     """Run on every rank of the pool; returns this rank's idle fractions and one step's events."""
     from shardwise.parallel.mesh import build_mesh
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.plan.plan import Plan
+    from shardwise.layout import Plan
 
     p = dist.get_world_size()
     plan = Plan(pp=p, schedule=schedule, microbatches=m, virtual_stages=v)

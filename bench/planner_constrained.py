@@ -33,8 +33,8 @@ from planner_validation import measure_trainer  # noqa: E402
 
 from shardwise.plan.cluster import ClusterSpec  # noqa: E402
 from shardwise.plan.cost import StatePolicy, estimate  # noqa: E402
-from shardwise.plan.plan import Plan  # noqa: E402
-from shardwise.plan.stats import spec_from_gpt_config  # noqa: E402
+from shardwise.layout import Plan  # noqa: E402
+from shardwise.plan.stats import transformer_stats  # noqa: E402
 
 
 def main() -> int:
@@ -52,7 +52,7 @@ def main() -> int:
     args.global_batch = sweep["global_batch"]
     cluster = ClusterSpec.from_dict(sweep["cluster"])
     budget = replace(cluster, memory_bytes=args.memory_mb * 2**20, name=f"{cluster.name}-budget-{args.memory_mb:g}MiB")
-    stats = spec_from_gpt_config(GPTConfig(**sweep["config"])).stats()
+    stats = transformer_stats(GPTConfig(**sweep["config"]))
     policy = StatePolicy.torch("fp32", "adam")
     rows = []
     for row in sweep["time"]:

@@ -38,7 +38,7 @@ def run_case(cfg, precision: str, recompute: str, batch: int, steps: int) -> dic
     from shardwise.models.gpt import GPT
     from shardwise.parallel.mesh import build_mesh
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.plan.plan import Plan
+    from shardwise.layout import Plan
     from shardwise.train.precision import autocast
 
     plan = Plan(recompute=recompute, precision=precision)
@@ -102,9 +102,9 @@ def main() -> int:
         return 2
     from shardwise.models.gpt import GPTConfig
     from shardwise.plan.cost import estimate
-    from shardwise.plan.plan import Plan
+    from shardwise.layout import Plan
     from shardwise.plan.planner import cluster_for_device
-    from shardwise.plan.stats import spec_from_gpt_config
+    from shardwise.plan.stats import transformer_stats
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -119,7 +119,7 @@ def main() -> int:
 
         calibrated = ClusterSpec.load(args.spec).with_devices(1, 1)
     cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, layers=args.layers, hidden=args.hidden, heads=args.heads)
-    stats = spec_from_gpt_config(cfg).stats()
+    stats = transformer_stats(cfg)
     rows = []
     for precision in ("bf16", "fp32"):
         for recompute in ("none", "full"):

@@ -1,7 +1,7 @@
 """Validate the planner's cost model against measurements on this machine.
 
 1. Calibrate: measure matmul throughput, operator overhead, memory bandwidth and collective
-   bandwidth/latency with 4 local processes (``shardwise.plan.calibrate``), or load ``--spec``.
+   bandwidth/latency with 4 local processes (``shardwise.calibrate.calibration``), or load ``--spec``.
 2. Memory: for DDP, ZeRO 1-3, TP, DP x TP, FSDP x TP (and PP once the parallel layer applies it),
    train the built-in GPT a step under the plan on 4 Gloo processes and compare each rank's
    measured parameter + gradient + optimizer-state bytes with the prediction (target: within 10%).
@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from shardwise.plan.cluster import ClusterSpec  # noqa: E402
 from shardwise.plan.cost import StatePolicy, estimate  # noqa: E402
-from shardwise.plan.measure import measure_plan_worker, measure_trainer_worker  # noqa: E402
-from shardwise.plan.plan import Plan  # noqa: E402
+from shardwise.calibrate.measure import measure_plan_worker, measure_trainer_worker  # noqa: E402
+from shardwise.layout import Plan  # noqa: E402
 from shardwise.plan.search import SearchOptions, _enumerate  # noqa: E402
-from shardwise.plan.stats import spec_from_gpt_config  # noqa: E402
+from shardwise.plan.stats import transformer_stats  # noqa: E402
 from shardwise.testing import WorkerPool  # noqa: E402
 
 WORLD = 4
@@ -177,7 +177,7 @@ def main() -> int:
     os.makedirs(RESULTS, exist_ok=True)
 
     from shardwise.models.gpt import GPTConfig
-    from shardwise.plan.calibrate import calibrate
+    from shardwise.calibrate.calibration import calibrate
 
     started = time.time()
     # Trainer(plan="auto") measures this machine on first use and caches it: start from an empty
@@ -192,7 +192,7 @@ def main() -> int:
         cluster.save(spec_path)
     cluster = cluster.with_devices(WORLD, WORLD)
     config = {"vocab_size": 128, "seq_len": args.seq, "layers": args.layers, "hidden": args.hidden, "heads": 4}
-    stats = spec_from_gpt_config(GPTConfig(**config)).stats()
+    stats = transformer_stats(GPTConfig(**config))
     policy = StatePolicy.torch("fp32", "adam")
     if args.reuse:
         with open(args.reuse) as fh:

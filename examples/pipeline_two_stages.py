@@ -30,7 +30,7 @@ import shardwise
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline_split import stage_summary, split_model
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 
 
 class Stage1(nn.Module):

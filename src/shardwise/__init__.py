@@ -3,36 +3,64 @@
 Public API (everything else is an implementation detail):
 
 - :func:`init`, :func:`shutdown`, :func:`barrier`, :func:`main_process_first`, :class:`RuntimeEnv`
+- :class:`Trainer`, :func:`prepare`, :mod:`callbacks`: training with any plan
 - :func:`launch`: run a function on N local processes
 - :class:`ShardwiseError`: the exception every user-facing check raises
 - :func:`shard`: MindSpore-style tensor-parallel annotation of a Linear/Embedding layer
 - :class:`PipelineStages`, :class:`PipelineOptions`: explicit pipeline stages / where to cut the model
+
+The names are imported on first use (PEP 562), so ``import shardwise.plan`` and ``shardwise plan``
+stay free of torch: the planner is pure Python, and only these entry points need the engine.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from shardwise.errors import ShardwiseError
-from shardwise.launch.inprocess import launch
-from shardwise.parallel.annotate import shard
-from shardwise.parallel.pipeline import PipelineOptions
-from shardwise.parallel.pipeline_split import PipelineStages
-from shardwise.runtime import RuntimeEnv, barrier, get_logger, init, main_process_first, shutdown
-from shardwise.train import Trainer, callbacks, prepare
+from shardwise.launch.inprocess import launch  # torch-free until called; it also shadows the subpackage's name
+from shardwise.version import __version__
 
-__version__ = "0.1.0"
+# public name -> (module, attribute); attribute None: the module itself
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "PipelineOptions": ("shardwise.parallel.pipeline", "PipelineOptions"),
+    "PipelineStages": ("shardwise.parallel.pipeline_split", "PipelineStages"),
+    "RuntimeEnv": ("shardwise.runtime.detect", "RuntimeEnv"),
+    "Trainer": ("shardwise.train.trainer", "Trainer"),
+    "barrier": ("shardwise.runtime.env", "barrier"),
+    "callbacks": ("shardwise.train.callbacks", None),
+    "get_logger": ("shardwise.runtime.logging", "get_logger"),
+    "init": ("shardwise.runtime.env", "init"),
+    "main_process_first": ("shardwise.runtime.env", "main_process_first"),
+    "prepare": ("shardwise.train.prepare", "prepare"),
+    "shard": ("shardwise.parallel.annotate", "shard"),
+    "shutdown": ("shardwise.runtime.env", "shutdown"),
+}
 
-__all__ = [
-    "PipelineOptions",
-    "PipelineStages",
-    "RuntimeEnv",
-    "ShardwiseError",
-    "__version__",
-    "Trainer",
-    "barrier",
-    "callbacks",
-    "get_logger",
-    "init",
-    "launch",
-    "main_process_first",
-    "prepare",
-    "shard",
-    "shutdown",
-]
+__all__ = ["ShardwiseError", "__version__", "launch", *sorted(_LAZY)]
+
+if TYPE_CHECKING:
+    from shardwise.parallel.annotate import shard
+    from shardwise.parallel.pipeline import PipelineOptions
+    from shardwise.parallel.pipeline_split import PipelineStages
+    from shardwise.runtime.detect import RuntimeEnv
+    from shardwise.runtime.env import barrier, init, main_process_first, shutdown
+    from shardwise.runtime.logging import get_logger
+    from shardwise.train import callbacks
+    from shardwise.train.prepare import prepare
+    from shardwise.train.trainer import Trainer
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardwise' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value = importlib.import_module(module)
+    value = value if attribute is None else getattr(value, attribute)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    from shardwise import __version__
+    from shardwise.version import __version__
 
     return __version__
 

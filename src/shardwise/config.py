@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Mapping, Sequence, TypeVar
 
 from shardwise.errors import ConfigError
+from shardwise.shape import TransformerShape
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -51,23 +52,17 @@ class _Section:
 
 
 # -- the sections of `shardwise train` -------------------------------------------------------
+# The [model] table is the one transformer shape (shardwise.shape), limited to the keys the
+# built-in GPT implements and the job does not set itself.
+MODEL_KEYS = ("layers", "hidden", "heads", "ffn", "seq_len", "dropout")
+
+
 @dataclass(frozen=True)
 class RunSection(_Section):
     section: ClassVar[str] = "run"
     name: str = opt("", "run name: logs go to <runs_dir>/<name>/ (empty: gpt-stdlib-<date>-<time>)")
     runs_dir: str = opt("runs", "parent directory of the run directories")
     seed: int = opt(0, "seed of the model initialization, the data order and the sample", min=0)
-
-
-@dataclass(frozen=True)
-class ModelSection(_Section):
-    section: ClassVar[str] = "model"
-    layers: int = opt(4, "transformer blocks", min=1)
-    hidden: int = opt(128, "hidden size (a multiple of heads)", min=8)
-    heads: int = opt(4, "attention heads", min=1)
-    ffn: int = opt(0, "MLP inner size (0: 4 * hidden)", min=0)
-    seq_len: int = opt(128, "context length in characters", min=8)
-    dropout: float = opt(0.0, "dropout probability", min=0.0, max=0.9)
 
 
 @dataclass(frozen=True)
@@ -127,7 +122,8 @@ class TrainJobConfig:
     """Everything ``shardwise train`` needs; one attribute per TOML table."""
 
     run: RunSection = field(default_factory=RunSection)
-    model: ModelSection = field(default_factory=ModelSection)
+    # The built-in GPT's shape; the job fills in the vocabulary from the corpus.
+    model: TransformerShape = field(default_factory=TransformerShape, metadata={"keys": MODEL_KEYS})
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -161,7 +157,7 @@ def load_config(cls: type[T] = TrainJobConfig, *, path: str | None = None, overr
         merged[section][key] = (value, "the command line")
     built = {}
     for section, section_cls in sections.items():
-        built[section] = _build_section(section, section_cls, merged[section])
+        built[section] = _build_section(section, section_cls, merged[section], section_fields(cls, section))
     return cls(**built)
 
 
@@ -170,7 +166,7 @@ def to_toml(config: Any) -> str:
     lines = []
     for section in fields(config):
         lines.append(f"[{section.name}]")
-        for f in fields(getattr(config, section.name)):
+        for f in section_fields(type(config), section.name):
             lines.append(f"{f.name} = {_toml_value(getattr(getattr(config, section.name), f.name))}")
         lines.append("")
     return "\n".join(lines)
@@ -181,7 +177,7 @@ def describe_keys(cls: type = TrainJobConfig) -> str:
     rows = []
     for section, section_cls in _sections(cls).items():
         hints = typing.get_type_hints(section_cls)
-        for f in fields(section_cls):
+        for f in section_fields(cls, section):
             choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is Literal else ()
             extra = f" ({'|'.join(choices)})" if choices else ""
             rows.append((f"{section}.{f.name} = {_toml_value(f.default)}", f.metadata.get("help", "") + extra))
@@ -220,6 +216,15 @@ def _sections(cls: type) -> dict[str, type]:
     return {f.name: hints[f.name] for f in fields(cls)}
 
 
+def section_fields(config_cls: type, section: str) -> list[Any]:
+    """The configurable fields of one table: all of its dataclass's fields, or the ``keys`` that
+    the config class's field metadata names (the ``[model]`` table exposes part of a shape)."""
+    outer = {f.name: f for f in fields(config_cls)}[section]
+    keys = outer.metadata.get("keys")
+    inner = fields(_sections(config_cls)[section])
+    return [f for f in inner if keys is None or f.name in keys]
+
+
 def _read_toml(path: str) -> dict[str, Any]:
     if tomllib is None:  # pragma: no cover - Python 3.10 without tomli
         raise ConfigError("reading TOML needs Python 3.11 or the 'tomli' package", hint="pip install tomli")
@@ -247,9 +252,9 @@ def _unknown(name: str, valid: list[str], what: str) -> ConfigError:
     return ConfigError(f"unknown config {what}", hint=f"{hint}valid: {', '.join(valid)}")
 
 
-def _build_section(section: str, cls: type, values: Mapping[str, tuple[Any, str]]) -> Any:
+def _build_section(section: str, cls: type, values: Mapping[str, tuple[Any, str]], allowed: Sequence[Any]) -> Any:
     hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
+    known = {f.name: f for f in allowed}
     out = {}
     for key, (value, source) in values.items():
         if key not in known:
@@ -319,14 +324,15 @@ def _toml_value(value: Any) -> str:
 def replace(config: T, **section_values: Mapping[str, Any]) -> T:
     """``replace(cfg, train={"max_steps": 5})``: a copy with some keys changed (checked like overrides)."""
     values = {f"{section}.{k}": v for section, kv in section_values.items() for k, v in kv.items()}
-    base = {f"{s.name}.{f.name}": getattr(getattr(config, s.name), f.name) for s in fields(config) for f in fields(getattr(config, s.name))}
+    base = {f"{s.name}.{f.name}": getattr(getattr(config, s.name), f.name) for s in fields(config)
+            for f in section_fields(type(config), s.name)}
     return load_config(type(config), values={**base, **values})
 
 
 __all__ = [
     "ConfigError",
     "DataSection",
-    "ModelSection",
+    "MODEL_KEYS",
     "ParallelSection",
     "RunSection",
     "SampleSection",

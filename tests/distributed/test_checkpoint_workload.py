@@ -52,7 +52,7 @@ class Job:
 
     def __init__(self, layout: str, *, seed: int = 0, width: int = 32) -> None:
         from shardwise.parallel.mesh import build_mesh
-        from shardwise.plan.plan import Plan
+        from shardwise.layout import Plan
 
         self.layout = layout
         world = dist.get_world_size() if dist.is_initialized() and layout != "single" else 1
@@ -169,11 +169,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from shardwise.runtime import init
+        from shardwise.runtime.env import init
 
         init()  # forms the group; a restarted attempt uses fresh store keys
     job = Job(args.layout, width=args.width)
     manager = job.manager(args.dir, async_save=args.async_save, every_n_steps=args.save_every, keep_last_n=args.keep)
+    # A custom loop opts in to SHARDWISE_FAULT explicitly (read once into the runtime's settings).
+    from shardwise.checkpoint.faults import Fault
+    from shardwise.runtime.detect import detect_process
+
+    settings = detect_process(os.environ).settings
+    manager.fault = Fault.for_attempt(settings.fault, settings.restart_count)
     trainer = _MiniTrainer(job)
     callback = CheckpointCallback(manager, resume="auto")
     callback.on_fit_start(trainer)

@@ -4,7 +4,7 @@ built on the meta device, parallelized, then materialized shard by shard."""
 
 from __future__ import annotations
 
-from shardwise.parallel.parity import GPTWorkload, Run, Training, parity_worker
+from shardwise.verify.parity import GPTWorkload, Run, Training, parity_worker
 from tests.distributed.test_tp import LargeModelWorkload
 
 RTOL = 1e-5
@@ -43,10 +43,10 @@ def clip_norm_worker(plans: list[str]) -> list[tuple[str, float, float]]:
     """One backward under each plan; the trainer's clipping norm next to DTensor's own."""
     import torch.nn.functional as F
 
-    from shardwise.parallel.grad_norm import reference_grad_norm
+    from shardwise.verify.grad_norm import reference_grad_norm
     from shardwise.parallel.mesh import build_mesh
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.plan.plan import Plan
+    from shardwise.layout import Plan
     from shardwise.train.clip import global_grad_norm
 
     workload = GPTWorkload()

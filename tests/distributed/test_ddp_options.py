@@ -13,7 +13,7 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.parallel.ddp import DDPOptions, apply_ddp
 from shardwise.parallel.mesh import build_mesh
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 from tests.distributed.test_trainer_parity import make_data, make_model
 
 

@@ -1,14 +1,14 @@
 """ZeRO-1/2/3 and HSDP against one process (fp32, 20 steps, same seed and global batch).
 
 Tolerance: rtol 1e-5 on per-step loss, per-step global grad norm and final weights (weights
-relative to max(|w_ref|max, 0.01), see shardwise.parallel.parity). Sharding changes only the
+relative to max(|w_ref|max, 0.01), see shardwise.verify.parity). Sharding changes only the
 order of the gradient sums (reduce-scatter/all-reduce instead of one local backward), so the
 observed differences are ~1e-7.
 """
 
 from __future__ import annotations
 
-from shardwise.parallel.parity import GPTWorkload, Run, Training, parity_worker
+from shardwise.verify.parity import GPTWorkload, Run, Training, parity_worker
 
 RTOL = 1e-5
 TRAINING = Training(steps=20, global_batch=8)
@@ -70,7 +70,7 @@ def accumulation_worker(plan_text: str) -> tuple[bool, bool]:
     the sharded parameters' .grad stays None until the boundary micro-step reduces."""
     from shardwise.parallel.mesh import build_mesh
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.plan.plan import Plan
+    from shardwise.layout import Plan
 
     workload = GPTWorkload()
     plan = Plan.parse(plan_text)

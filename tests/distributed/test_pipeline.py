@@ -21,7 +21,7 @@ from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import PipelineOptions, stage_modules
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 
 STEPS = 20
 BATCH = 8  # global batch

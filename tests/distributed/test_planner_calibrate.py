@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.plan.calibrate import calibrate_worker, to_spec
+from shardwise.calibrate.calibration import calibrate_worker, to_spec
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.search import search
-from shardwise.plan.stats import TransformerSpec
+from shardwise.plan.stats import TransformerSpec, transformer_stats
 
 
 @pytest.mark.timeout(240)
@@ -42,5 +42,5 @@ def test_calibration_yields_a_usable_spec(dist2, tmp_path) -> None:
     assert 1.0 <= spec.oversubscription <= 2.0  # 2 processes with one thread each
     spec.save(str(tmp_path / "cluster.json"))
     loaded = ClusterSpec.load(str(tmp_path / "cluster.json"))
-    result = search(TransformerSpec(layers=2, hidden=64, heads=4, vocab=64, seq=16).stats(), loaded, global_batch=8)
+    result = search(transformer_stats(TransformerSpec(layers=2, hidden=64, heads=4, vocab_size=64, seq_len=16)), loaded, global_batch=8)
     assert result.best.plan.world_size == 2

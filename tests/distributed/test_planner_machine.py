@@ -9,22 +9,22 @@ import time
 import pytest
 
 from shardwise.plan.cluster import ClusterSpec
-from shardwise.plan.machine import cache_path, load_cached, save_cached
+from shardwise.calibrate.machine import cache_path, load_cached, save_cached
 
 
 def machine_spec_twice() -> dict:
     import torch
 
-    from shardwise import runtime
-    from shardwise.train.setup import machine_spec
+    from shardwise.runtime.env import init
+    from shardwise.train.build import machine_spec
 
-    env = runtime.init()
+    env = init()
     start = time.perf_counter()
     first = machine_spec(env)
     middle = time.perf_counter()
     second = machine_spec(env)
     end = time.perf_counter()
-    path = cache_path(world_size=env.world_size, device_type="cpu", threads=torch.get_num_threads())
+    path = cache_path(env.settings.cache_dir, world_size=env.world_size, device_type="cpu", threads=torch.get_num_threads())
     return {"first": first.to_dict(), "second": second.to_dict(), "first_s": middle - start, "second_s": end - middle,
             "path": path, "exists": os.path.exists(path)}
 
@@ -41,11 +41,10 @@ def test_machine_spec_is_measured_in_the_world_and_then_read_from_the_cache(dist
     assert load_cached(results[0]["path"]) == spec
 
 
-def test_cache_files_are_written_atomically_and_bad_ones_are_ignored(tmp_path, monkeypatch) -> None:
+def test_cache_files_are_written_atomically_and_bad_ones_are_ignored(tmp_path) -> None:
     from shardwise.plan.cluster import resolve
 
-    monkeypatch.setenv("SHARDWISE_CACHE_DIR", str(tmp_path))
-    path = cache_path(world_size=4, device_type="cpu", threads=1)
+    path = cache_path(str(tmp_path), world_size=4, device_type="cpu", threads=1)
     assert path.startswith(str(tmp_path)) and "4xcpu-1t" in path
     assert load_cached(path) is None
     spec = resolve("cpu", devices=4)

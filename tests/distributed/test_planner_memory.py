@@ -7,18 +7,18 @@ import pytest
 
 from shardwise.plan.cluster import resolve
 from shardwise.plan.cost import StatePolicy, estimate
-from shardwise.plan.measure import measure_plan_worker
-from shardwise.plan.plan import Plan
-from shardwise.plan.stats import TransformerSpec
+from shardwise.calibrate.measure import measure_plan_worker
+from shardwise.layout import Plan
+from shardwise.plan.stats import TransformerSpec, transformer_stats
 
 CONFIG = {"vocab_size": 64, "seq_len": 16, "layers": 2, "hidden": 64, "heads": 4}
-SPEC = TransformerSpec(layers=2, hidden=64, heads=4, vocab=64, seq=16, name="gpt")
+SPEC = TransformerSpec(layers=2, hidden=64, heads=4, vocab_size=64, seq_len=16, name="gpt")
 BATCH = 8
 
 
 def predicted(plan_text: str) -> dict[str, float]:
     plan = Plan.parse(plan_text)
-    est = estimate(SPEC.stats(), resolve("cpu", devices=4), plan, global_batch=BATCH, policy=StatePolicy.torch("fp32", "adam"))
+    est = estimate(transformer_stats(SPEC), resolve("cpu", devices=4), plan, global_batch=BATCH, policy=StatePolicy.torch("fp32", "adam"))
     return {k: est.memory[k] for k in ("params", "grads", "optimizer")}
 
 

@@ -11,7 +11,7 @@ from shardwise.observe.pipeline_trace import PipelineRecorder
 from shardwise.observe.plots import bubble_fraction, plot_pipeline_schedule
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import parallelize
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 from tests.distributed.test_pipeline import make_workload
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 import shardwise
 import shardwise.parallel.annotate as annotate
-from shardwise.parallel.parity import GPTWorkload, Run, Training, parity_worker
+from shardwise.verify.parity import GPTWorkload, Run, Training, parity_worker
 
 RTOL = 1e-5
 TRAINING = Training(steps=20, global_batch=8)

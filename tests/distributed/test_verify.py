@@ -10,8 +10,8 @@ import pytest
 
 from shardwise.cli import main
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.parallel.parity import GPTWorkload, ParityReport, Run, Training, parity_worker
-from shardwise.plan.plan import Plan
+from shardwise.verify.parity import GPTWorkload, ParityReport, Run, Training, parity_worker
+from shardwise.layout import Plan
 
 
 @pytest.mark.parametrize(
@@ -25,10 +25,10 @@ from shardwise.plan.plan import Plan
         ("pp=2,microbatches=3,schedule=gpipe", "shardwise verify: error: --global-batch 8 does not split into 1 data-parallel ranks x "
                                                "1 micro-steps x 3 pipeline microbatches; use a multiple of 3, e.g. 6\n"),
         # ZeroRedundancyOptimizer cannot take the pipeline stages' DTensor parameters: refused up front.
-        ("zero=1,shard=2,pp=2,microbatches=2", "shardwise verify: error: plan dp=1,shard=2,pp=2,zero=1,microbatches=2: zero=1 "
+        ("zero=1,shard=2,pp=2,microbatches=2", "shardwise verify: error: plan dp=1,shard=2,pp=2,zero=1: zero=1 "
          "(ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages; use zero=2 or zero=3 with pp "
-         "(FSDP composes with pipeline stages), e.g. dp=1,shard=2,pp=2,zero=2,microbatches=2, or plain data parallelism: "
-         "dp=2,pp=2,microbatches=2\n"),
+         "(FSDP composes with pipeline stages), e.g. dp=1,shard=2,pp=2,zero=2, or plain data parallelism: "
+         "dp=2,pp=2\n"),
     ],
 )
 def test_bad_plans_fail_as_one_line(plan, message, capsys):
@@ -65,7 +65,7 @@ def test_verify_user_script_under_tp(tmp_path):
 
 
 # -- pipeline plans: the engine behind `shardwise verify --plan ...pp=2...` on the shared pools ------
-PIPE_GPT = GPTWorkload(vocab_size=32, seq_len=8, layers=2, hidden=16, heads=2)
+PIPE_GPT = GPTWorkload(GPTConfig(vocab_size=32, seq_len=8, layers=2, hidden=16, heads=2))
 
 
 def _check_pipeline_reports(per_rank, plans):

@@ -12,7 +12,7 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from shardwise.observe.watchdog import HANG_EXIT_CODE, Watchdog, in_flight_collectives, side_store
+from shardwise.runtime.watchdog import HANG_EXIT_CODE, Watchdog, in_flight_collectives, side_store
 
 
 def _late_rank(namespace: str, late: int, sleep_s: float):

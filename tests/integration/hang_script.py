@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import shardwise
-from shardwise.observe.watchdog import current
+from shardwise.runtime.watchdog import current
 
 
 def main() -> None:

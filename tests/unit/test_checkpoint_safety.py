@@ -140,12 +140,15 @@ def test_preemption_signal_restores_handlers():
 def test_fault_spec_parsing_and_firing():
     fault = Fault.parse("rank=1,step=5,at=save,how=raise")
     assert fault == Fault(rank=1, step=5, at="save", how="raise")
-    assert Fault.from_env({"SHARDWISE_FAULT": "rank=0,step=2"}) == Fault(rank=0, step=2)
-    assert Fault.from_env({}) is None
-    fault.maybe_fire(rank=0, step=5, at="save", env={})  # another rank: nothing
-    fault.maybe_fire(rank=1, step=5, at="save", env={"TORCHELASTIC_RESTART_COUNT": "1"})  # a restart: nothing
+    assert Fault.for_attempt("rank=0,step=2", 0) == Fault(rank=0, step=2)
+    assert Fault.for_attempt("rank=0,step=2", 1) is None  # a restarted attempt replays the step unharmed
+    assert Fault.for_attempt("rank=0,step=2,restart=1", 1) == Fault(rank=0, step=2, restart=1)
+    assert Fault.for_attempt("", 0) is None
+    fault.maybe_fire(rank=0, step=5, at="save")  # another rank: nothing
+    fault.maybe_fire(rank=1, step=4, at="save")  # another step: nothing
+    fault.maybe_fire(rank=1, step=5, at="step")  # another place: nothing
     with pytest.raises(InjectedFault):
-        fault.maybe_fire(rank=1, step=5, at="save", env={})
+        fault.maybe_fire(rank=1, step=5, at="save")
     for bad in ("rank=1", "rank=x,step=2", "rank=1,step=2,at=never", "step"):
         with pytest.raises(ConfigError):
             Fault.parse(bad)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.config import TrainJobConfig, TrainSection, describe_keys, load_config, override_keys, replace, to_toml
+from dataclasses import fields
+
+from shardwise.config import TrainJobConfig, TrainSection, describe_keys, load_config, override_keys, replace, section_fields, to_toml
 from shardwise.errors import ConfigError
 
 
@@ -100,7 +102,8 @@ def test_override_keys_splits_the_command_line() -> None:
 def test_describe_keys_lists_every_key_with_its_default() -> None:
     text = describe_keys()
     assert "train.lr = 0.003" in text and "train.precision = \"fp32\"" in text and "(fp32|bf16|fp16)" in text
-    assert len(text.splitlines()) == sum(len(vars(getattr(TrainJobConfig(), s))) for s in vars(TrainJobConfig()))
+    assert len(text.splitlines()) == sum(len(section_fields(TrainJobConfig, f.name)) for f in fields(TrainJobConfig))
+    assert "model.seq_len = 128" in text and "model.vocab_size" not in text  # the job sets the vocabulary
 
 
 def test_docs_list_the_current_keys() -> None:

@@ -11,8 +11,8 @@ import pytest
 from shardwise.errors import ConfigError
 from shardwise.plan.cluster import PRESETS, ClusterSpec, resolve
 from shardwise.plan.cost import StatePolicy, bubble_fraction, estimate, model_state_bytes
-from shardwise.plan.plan import Plan
-from shardwise.plan.stats import TransformerSpec, preset
+from shardwise.layout import Plan
+from shardwise.plan.stats import TransformerSpec, preset, transformer_stats
 
 # ZeRO (Rajbhandari et al. 2020), table 1: per-device model-state memory in GB (1e9 bytes) with
 # mixed-precision Adam (K = 12), by model size Ψ and data-parallel degree N_d, for the baseline and
@@ -59,7 +59,7 @@ def test_bubble_fraction(p: int, m: int, v: int, want: float) -> None:
 
 
 def _small() -> TransformerSpec:
-    return TransformerSpec(layers=8, hidden=256, heads=8, vocab=1000, seq=128, attention="eager", dropout=True)
+    return TransformerSpec(layers=8, hidden=256, heads=8, vocab_size=1000, seq_len=128, attention="eager", dropout=True)
 
 
 def _cluster(devices: int = 8) -> ClusterSpec:
@@ -67,7 +67,7 @@ def _cluster(devices: int = 8) -> ClusterSpec:
 
 
 def test_estimate_bubble_matches_formula() -> None:
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
         plan = Plan(pp=4, dp=2, schedule=schedule, microbatches=8, virtual_stages=v)
         est = estimate(stats, _cluster(), plan, global_batch=64)
@@ -88,7 +88,7 @@ def test_state_memory_by_stage_fp32_adam() -> None:
 
 
 def test_mixed_precision_keeps_fp32_master_weights_and_fp32_residuals() -> None:
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     fp32 = estimate(stats, _cluster(1), Plan(), global_batch=8)
     bf16 = estimate(stats, _cluster(1), Plan(precision="bf16"), global_batch=8)
     # the fp32 parameter is the master copy: model states do not shrink under autocast
@@ -102,10 +102,10 @@ def test_activation_terms_reproduce_korthikanti_eq1() -> None:
     """Eager attention with dropout and ffn = 4h: s h (34 + 5 a s / h) bytes per layer and sample;
     fused attention without dropout (the default): 32 s h, nothing quadratic in s."""
     s, h, a = 2048, 12288, 96
-    paper = TransformerSpec(layers=2, hidden=h, heads=a, vocab=1000, seq=s, attention="eager", dropout=True).stats()
+    paper = transformer_stats(TransformerSpec(layers=2, hidden=h, heads=a, vocab_size=1000, seq_len=s, attention="eager", dropout=True))
     assert paper.act_bytes_per_block == pytest.approx(s * h * (34 + 5 * a * s / h))
     assert paper.attn_act_bytes_per_block == pytest.approx(5 * a * s * s)
-    fused = TransformerSpec(layers=2, hidden=h, heads=a, vocab=1000, seq=s).stats()
+    fused = transformer_stats(TransformerSpec(layers=2, hidden=h, heads=a, vocab_size=1000, seq_len=s))
     assert fused.act_bytes_per_block == pytest.approx(32 * s * h) and fused.attn_act_bytes_per_block == 0
 
 
@@ -114,11 +114,11 @@ def test_activations_match_the_measurement_on_an_h200() -> None:
     GPT holds right after forward (the loss included), in bf16 (autocast) and fp32, are predicted
     within 5%; model states exactly."""
     from shardwise.models.gpt import GPTConfig
-    from shardwise.plan.stats import spec_from_gpt_config
+    from shardwise.plan.stats import transformer_stats
 
     path = Path(__file__).resolve().parents[2] / "bench" / "results" / "gpu" / "planner_gpu.json"
     recorded = json.loads(path.read_text())
-    stats = spec_from_gpt_config(GPTConfig(**recorded["config"])).stats()
+    stats = transformer_stats(GPTConfig(**recorded["config"]))
     cluster = resolve("h200", devices=1)
     for row in recorded["rows"]:
         if row["recompute"] != "none":  # under full recomputation the replayed layer exists only in backward
@@ -130,7 +130,7 @@ def test_activations_match_the_measurement_on_an_h200() -> None:
 
 
 def test_estimate_zero_stages_shrink_states_and_cost_communication() -> None:
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     cluster = _cluster(8)
     ests = [estimate(stats, cluster, Plan(dp=8) if z == 0 else Plan(zero=z, shard=8), global_batch=64) for z in range(4)]
     states = [e.model_state_bytes for e in ests]
@@ -141,7 +141,7 @@ def test_estimate_zero_stages_shrink_states_and_cost_communication() -> None:
 
 
 def test_activation_memory_by_schedule_and_recompute() -> None:
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     cluster = _cluster(4)
 
     def acts(**kw: object) -> float:
@@ -156,7 +156,7 @@ def test_activation_memory_by_schedule_and_recompute() -> None:
 
 
 def test_tensor_and_sequence_parallel_divide_activations() -> None:
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     one = estimate(stats, _cluster(1), Plan(), global_batch=8).memory["activations"]
     tp = estimate(stats, _cluster(4), Plan(tp=4), global_batch=8).memory["activations"]
     sp = estimate(stats, _cluster(4), Plan(tp=4, sequence_parallel=True), global_batch=8).memory["activations"]
@@ -168,10 +168,10 @@ def test_analytic_stats_match_the_builtin_gpt() -> None:
     import torch
 
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.plan.stats import measure_module, spec_from_gpt_config
+    from shardwise.models.measure import measure_module
 
     cfg = GPTConfig(layers=3, hidden=64, heads=4, vocab_size=96, seq_len=32)
-    analytic = spec_from_gpt_config(cfg).stats()
+    analytic = transformer_stats(cfg)
     measured = measure_module(lambda: GPT(cfg), lambda d: torch.zeros(1, cfg.seq_len, dtype=torch.long, device=d), seq=cfg.seq_len)
     assert analytic.params_total == measured.params_total == cfg.param_count()
     assert analytic.params_per_block == measured.params_per_block
@@ -181,7 +181,7 @@ def test_analytic_stats_match_the_builtin_gpt() -> None:
 
 
 def test_gpt3_175b_parameter_count() -> None:
-    assert preset("gpt3-175b").stats().params_total / 1e9 == pytest.approx(175.2, abs=0.1)
+    assert transformer_stats(preset("gpt3-175b")).params_total / 1e9 == pytest.approx(175.2, abs=0.1)
 
 
 def test_collective_time_uses_the_slower_link_across_nodes() -> None:
@@ -210,8 +210,8 @@ def test_cluster_spec_round_trips_through_json(tmp_path) -> None:
 
 def test_batch_that_does_not_split_is_an_error() -> None:
     with pytest.raises(ConfigError, match="global batch 10"):
-        estimate(_small().stats(), _cluster(4), Plan(dp=4), global_batch=10)
-    assert math.isfinite(estimate(_small().stats(), _cluster(4), Plan(dp=4), global_batch=12).step_time_s)
+        estimate(transformer_stats(_small()), _cluster(4), Plan(dp=4), global_batch=10)
+    assert math.isfinite(estimate(transformer_stats(_small()), _cluster(4), Plan(dp=4), global_batch=12).step_time_s)
 
 
 def test_oversubscribed_hosts_hide_the_bubble_in_shared_cores() -> None:
@@ -219,7 +219,7 @@ def test_oversubscribed_hosts_hide_the_bubble_in_shared_cores() -> None:
     the critical path (m + p - 1) t / 2 is below the work-conserving bound m t for m >= p - 1."""
     from dataclasses import replace
 
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     base = replace(resolve("cpu", devices=4, devices_per_node=4), kernel_overhead_s=0.0)
     shared = replace(base, oversubscription=2.0)
     plan = Plan(pp=4, microbatches=4)
@@ -238,7 +238,7 @@ def test_measured_parallel_layer_costs_replace_the_per_operator_estimates() -> N
     per-operator dispatch estimate; the bytes are still charged at the bus bandwidth."""
     from dataclasses import replace
 
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     base = resolve("cpu", devices=4, devices_per_node=4)
     boundary = stats.boundary_bytes * 2.0  # fp32, one sample per microbatch below
     bw = base.collective_time("all_reduce", boundary, 4, latency=False)
@@ -261,13 +261,13 @@ def test_measured_parallel_layer_costs_replace_the_per_operator_estimates() -> N
 def test_parameter_tensor_count_matches_the_builtin_gpt() -> None:
     """ZeRO-1 pays a broadcast per parameter tensor: the analytic count must be the real one."""
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.plan.stats import spec_from_gpt_config
+    from shardwise.plan.stats import transformer_stats
 
     for cfg in (GPTConfig(), GPTConfig(layers=2, hidden=64, heads=2)):
-        stats = spec_from_gpt_config(cfg).stats()
+        stats = transformer_stats(cfg)
         assert cfg.layers * stats.tensors_per_block + stats.tensors_outer == len(list(GPT(cfg).parameters()))
     # and more tensors make ZeRO-1 slower, by one broadcast latency each
-    small = TransformerSpec(layers=2, hidden=64, heads=2, vocab=64, seq=16).stats()
+    small = transformer_stats(TransformerSpec(layers=2, hidden=64, heads=2, vocab_size=64, seq_len=16))
     cluster = resolve("cpu", devices=4, devices_per_node=4)
     from dataclasses import replace
 
@@ -290,7 +290,7 @@ def test_calibrated_layer_throughput_and_adam_replace_the_flop_and_bandwidth_est
     costs per tensor (DTensor parameters more) plus per element."""
     from dataclasses import replace
 
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     base = replace(resolve("cpu", devices=4, devices_per_node=4), pp_microbatch_overhead_s=0.0)
     cal = _calibrated(base)
     est = estimate(stats, cal, Plan(dp=4), global_batch=4)
@@ -312,7 +312,7 @@ def test_calibrated_layer_throughput_and_adam_replace_the_flop_and_bandwidth_est
 def test_calibrated_pipeline_slot_cost_is_charged_per_slot_of_the_critical_path() -> None:
     from dataclasses import replace
 
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     base = resolve("cpu", devices=4, devices_per_node=4)
     plain = replace(base, pp_microbatch_overhead_s=0.0)
     slot = replace(base, pp_microbatch_overhead_s=0.01)
@@ -338,12 +338,12 @@ def test_step_time_with_a_spec_calibrated_on_an_h200_matches_the_measurement() -
     predicts the built-in GPT's step (bf16 / fp32, recomputation none / full) within 20%, where the
     datasheet preset is off by up to 1.95 x (small GEMMs reach far less than 55% of the peak)."""
     from shardwise.models.gpt import GPTConfig
-    from shardwise.plan.stats import spec_from_gpt_config
+    from shardwise.plan.stats import transformer_stats
 
     gpu = Path(__file__).resolve().parents[2] / "bench" / "results" / "gpu"
     recorded = json.loads((gpu / "planner_gpu.json").read_text())
     spec = ClusterSpec.load(str(gpu / "calibrated_1gpu.json"))
-    stats = spec_from_gpt_config(GPTConfig(**recorded["config"])).stats()
+    stats = transformer_stats(GPTConfig(**recorded["config"]))
     preset_errors = []
     for row in recorded["rows"]:
         plan = Plan(precision=row["precision"], recompute=row["recompute"])
@@ -359,7 +359,7 @@ def test_a_measured_recompute_rate_prices_full_recomputation() -> None:
     layers of a recompute=full step cost 3 x forward FLOPs at that rate."""
     from dataclasses import replace
 
-    stats = _small().stats()
+    stats = transformer_stats(_small())
     base = _calibrated(resolve("cpu", devices=4, devices_per_node=4))
     tables = dict(base.measurements["block_flops"], **{"fp32+recompute": {"100": 5e9, "1000": 2e10}})
     cal = replace(base, measurements={"block_flops": tables})

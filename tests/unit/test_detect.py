@@ -84,3 +84,36 @@ def test_mpirun_inside_slurm_allocation_prefers_mpi() -> None:
 def test_contradictory_or_broken_variables(env: dict[str, str], pattern: str) -> None:
     with pytest.raises(ShardwiseError, match=pattern):
         detect_process(env)
+
+
+def test_settings_are_read_once_into_the_runtime_env(tmp_path) -> None:
+    from shardwise.runtime.settings import DEFAULT_HANG_TIMEOUT_S, read_settings
+
+    env = {"RANK": "0", "WORLD_SIZE": "1", "SHARDWISE_CLUSTER": "h100", "SHARDWISE_CACHE_DIR": str(tmp_path),
+           "SHARDWISE_FAULT": "rank=0,step=3", "SHARDWISE_HANG_TIMEOUT": "45", "TORCHELASTIC_RUN_ID": "job7",
+           "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    settings = detect_process(env).settings
+    assert settings == read_settings(env)
+    assert (settings.cluster, settings.cache_dir, settings.fault, settings.hang_timeout_s) == ("h100", str(tmp_path), "rank=0,step=3", 45.0)
+    assert (settings.run_id, settings.restart_count, settings.use_agent_store) == ("job7", 2, True)
+    assert settings.attempt_namespace == "job7/2"
+    bare = detect_process({}).settings
+    assert bare.cluster is None and bare.hang_timeout_s == DEFAULT_HANG_TIMEOUT_S and bare.restart_count == 0
+    assert read_settings({"XDG_CACHE_HOME": str(tmp_path)}).cache_dir == str(tmp_path / "shardwise")
+    with pytest.raises(ShardwiseError, match="TORCHELASTIC_RESTART_COUNT"):
+        read_settings({"TORCHELASTIC_RESTART_COUNT": "two"})
+
+
+def test_one_runtime_env_type_from_detection_to_init() -> None:
+    from shardwise.runtime.detect import RuntimeEnv
+
+    info = detect_process({})
+    assert type(info) is RuntimeEnv and info.device is None and info.backend == "" and info.is_main
+
+
+def test_logger_names_keep_one_prefix() -> None:
+    from shardwise.runtime.logging import get_logger
+
+    assert get_logger("train").name == "shardwise.train"
+    assert get_logger("shardwise.train.build").name == "shardwise.train.build"
+    assert get_logger().name == "shardwise"

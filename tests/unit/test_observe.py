@@ -10,14 +10,15 @@ import torch
 from torch import nn
 
 from shardwise.cli import build_parser
-from shardwise.commands.run import hang_timeout_env
+from shardwise.launch.options import hang_timeout_env
 from shardwise.errors import ConfigError, LaunchError
 from shardwise.observe.deep import _intersect, _union
-from shardwise.observe.hang_report import Heartbeat, InFlight, Stall, diagnose, verdict
+from shardwise.runtime.hang_report import Heartbeat, InFlight, Stall, diagnose, verdict
 from shardwise.observe.plots import PipelineEvent, bubble_fraction, plot_bandwidth, plot_pipeline_schedule, plot_timeline
 from shardwise.observe.profiler import StepProfiler, StepTimes
 from shardwise.observe.stragglers import RankSummary, find_stragglers, format_table, summarize
-from shardwise.observe.watchdog import DEFAULT_HANG_TIMEOUT_S, enable_flight_recorder, hang_timeout_from_env
+from shardwise.runtime.settings import DEFAULT_HANG_TIMEOUT_S, hang_timeout as hang_timeout_from_env
+from shardwise.runtime.watchdog import enable_flight_recorder
 
 
 # -- watchdog settings ------------------------------------------------------------------------
@@ -45,10 +46,10 @@ def test_hang_timeout_flag_reaches_the_workers_env(tmp_path) -> None:
     script = tmp_path / "t.py"
     script.write_text("")
     args = build_parser().parse_args(["run", "--hang-timeout", "20", str(script)])
-    assert hang_timeout_env(args) == {"SHARDWISE_HANG_TIMEOUT": "20"}
-    assert hang_timeout_env(build_parser().parse_args(["run", str(script)])) == {}
+    assert hang_timeout_env(args.hang_timeout) == {"SHARDWISE_HANG_TIMEOUT": "20"}
+    assert hang_timeout_env(build_parser().parse_args(["run", str(script)]).hang_timeout) == {}
     with pytest.raises(LaunchError):
-        hang_timeout_env(build_parser().parse_args(["run", "--hang-timeout", "-3", str(script)]))
+        hang_timeout_env(build_parser().parse_args(["run", "--hang-timeout", "-3", str(script)]).hang_timeout)
 
 
 # -- hang diagnosis ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardwise.errors import ConfigError
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan, resolve_plan
 
 
 @pytest.mark.parametrize(
@@ -59,3 +59,47 @@ def test_json_round_trip(tmp_path):
     plan.save(str(path))
     assert Plan.load(str(path)) == plan
     assert "HSDP" in plan.describe() and "sequence parallel" in plan.describe()
+
+
+# -- the fill-in rules: a plan says what the user cares about, the rest follows from the world ------
+@pytest.mark.parametrize(
+    ("text", "world", "expected"),
+    [
+        ("zero=3", 4, Plan(shard=4, zero=3)),  # ZeRO without shard: over all data-parallel ranks
+        ("zero=3,tp=2", 4, Plan(shard=2, tp=2, zero=3)),
+        ("zero=3,shard=2", 4, Plan(dp=2, shard=2, zero=3)),  # shard named: dp replicas (HSDP) fill the rest
+        ("zero=3,dp=4", 4, Plan(shard=4, zero=3)),  # the old spelling keeps its meaning
+        ("tp=2", 4, Plan(dp=2, tp=2)),  # the unnamed dp takes the rest
+        ("dp=2,pp=2", 4, Plan(dp=2, pp=2, microbatches=2)),  # a pipeline gets one microbatch per stage
+        ("tp=2,pp=2", 4, Plan(tp=2, pp=2, microbatches=2)),
+        ("pp=2,schedule=interleaved_1f1b,virtual_stages=2", 2, Plan(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=4)),
+        ("pp=4,microbatches=8", 8, Plan(dp=2, pp=4, microbatches=8)),  # named keys are kept
+        ("", 3, Plan(dp=3)),
+    ],
+)
+def test_fill_in_rules(text, world, expected):
+    assert Plan.parse(text, world_size=world) == expected
+    assert resolve_plan(text or "dp", world) == expected
+
+
+def test_fill_in_failures_name_the_fix():
+    with pytest.raises(ConfigError, match="tp\\*pp=3 does not divide the world of 4"):
+        Plan.parse("tp=3", world_size=4)
+    with pytest.raises(ConfigError, match="shard=3 does not divide the 4 data-parallel ranks"):
+        Plan.parse("zero=3,shard=3", world_size=4)
+    with pytest.raises(ConfigError, match="uses 2 processes .* but the world has 4"):
+        resolve_plan("dp=2", 4)  # an explicit degree is never changed
+
+
+def test_default_microbatches_need_not_be_spelled_and_print_round_trips():
+    assert Plan(pp=2).microbatches == 2 and Plan().microbatches == 1
+    assert str(Plan(dp=2, pp=2)) == "dp=2,pp=2" and Plan.parse(str(Plan(dp=2, pp=2))) == Plan(dp=2, pp=2)
+    assert Plan.from_json(Plan(pp=2, microbatches=6).to_json()) == Plan(pp=2, microbatches=6)
+    with pytest.raises(ConfigError, match="fewer than pp=4"):
+        Plan(pp=4, microbatches=2)
+
+
+def test_precision_goes_into_the_plan_once():
+    assert resolve_plan("dp", 2, precision="bf16") == Plan(dp=2, precision="bf16")
+    with pytest.raises(ConfigError, match="contradicts the plan's precision=bf16"):
+        resolve_plan("dp=2,precision=bf16", 2, precision="fp16")

@@ -1,4 +1,4 @@
-"""Plan search, `shardwise plan`, Plan.auto and bad input."""
+"""Plan search, `shardwise plan`, auto_plan and bad input."""
 
 from __future__ import annotations
 
@@ -11,18 +11,19 @@ import pytest
 from shardwise.cli import main
 from shardwise.errors import ConfigError
 from shardwise.plan import Plan, auto_plan
-from shardwise.plan.calibrate import fit_alpha_beta
+from shardwise.calibrate.calibration import fit_alpha_beta
 from shardwise.plan.cluster import resolve
 from shardwise.plan.search import SearchOptions, evaluate, explain, search
-from shardwise.plan.stats import TransformerSpec, preset
+from shardwise.plan.support import runtime_conflict
+from shardwise.plan.stats import TransformerSpec, preset, transformer_stats
 from shardwise.observe.collectives import BandwidthRow
 
 GPT3 = {"layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq": 2048}
 
 
 def test_every_returned_plan_is_valid_and_fits() -> None:
-    spec = TransformerSpec(layers=24, hidden=2048, heads=16, vocab=51200, seq=2048)
-    stats = spec.stats()
+    spec = TransformerSpec(layers=24, hidden=2048, heads=16, vocab_size=51200, seq_len=2048)
+    stats = transformer_stats(spec)
     cluster = resolve("a100-40gb", devices=64, devices_per_node=8)
     result = search(stats, cluster, global_batch=256, options=SearchOptions(top=50))
     assert len(result.plans) == 50 and result.evaluated >= 50
@@ -45,7 +46,7 @@ def test_175b_on_1024_h100_plans_in_under_two_seconds() -> None:
     # CPU time of this process: the search is single-threaded pure Python, and the wall clock of a
     # machine shared with other jobs measures their load, not the planner (unloaded: ~0.05 s).
     start = time.process_time()
-    result = search(TransformerSpec.from_dict(GPT3).stats(), resolve("h100", devices=1024, devices_per_node=8), global_batch=1536)
+    result = search(transformer_stats(TransformerSpec.from_dict(GPT3)), resolve("h100", devices=1024, devices_per_node=8), global_batch=1536)
     elapsed = time.process_time() - start
     assert elapsed < 2.0, elapsed
     best = result.best
@@ -54,7 +55,7 @@ def test_175b_on_1024_h100_plans_in_under_two_seconds() -> None:
 
 
 def test_fixed_plan_is_evaluated_exactly() -> None:
-    stats = preset("gpt3-13b").stats()
+    stats = transformer_stats(preset("gpt3-13b"))
     cluster = resolve("a100-80gb", devices=64, devices_per_node=8)
     plan = Plan.parse("dp=4,tp=8,pp=2,microbatches=8,precision=bf16")
     est = evaluate(stats, cluster, plan, global_batch=64)
@@ -66,13 +67,13 @@ def test_fixed_plan_is_evaluated_exactly() -> None:
 
 
 def test_no_fit_names_the_minimum_memory_and_device_count() -> None:
-    result = search(TransformerSpec.from_dict(GPT3).stats(), resolve("a100-40gb", devices=8), global_batch=8)
+    result = search(transformer_stats(TransformerSpec.from_dict(GPT3)), resolve("a100-40gb", devices=8), global_batch=8)
     assert not result.plans
     err = result.no_fit_error()
     assert "least memory any layout needs is" in str(err) and "GB per device" in str(err)
     assert result.min_devices is not None and result.min_devices > 8
     assert f"smallest device count that fits is {result.min_devices}" in str(err)
-    bigger = search(TransformerSpec.from_dict(GPT3).stats(), resolve("a100-40gb", devices=result.min_devices), global_batch=8)
+    bigger = search(transformer_stats(TransformerSpec.from_dict(GPT3)), resolve("a100-40gb", devices=result.min_devices), global_batch=8)
     assert bigger.plans
 
 
@@ -124,7 +125,7 @@ def test_cli_table_and_fixed(capsys: pytest.CaptureFixture) -> None:
 
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture) -> None:
     rc, _, err = _cli(capsys, "--model-spec", json.dumps({**GPT3, "hidden": 12290}), "--devices", "8")
-    assert rc == 2 and err.count("\n") == 1 and "heads=96 does not divide hidden=12290" in err
+    assert rc == 2 and err.count("\n") == 1 and "hidden=12290 is not divisible by heads=96" in err
     rc, _, err = _cli(capsys, "--model", "gpt", "--devices", "0")
     assert rc == 2 and err.count("\n") == 1 and "--devices" in err
     rc, _, err = _cli(capsys, "--model", "gpt3-175b", "--devices", "8", "--device-type", "a100-40gb")
@@ -137,7 +138,7 @@ def test_script_sources(tmp_path, capsys: pytest.CaptureFixture) -> None:
     spec_file = tmp_path / "spec_model.py"
     spec_file.write_text("MODEL_SPEC = {'layers': 4, 'hidden': 64, 'heads': 4, 'vocab': 100, 'seq': 32}\n")
     rc, out, _ = _cli(capsys, "--script", str(spec_file), "--devices", "2", "--device-type", "cpu", "--json")
-    assert rc == 0 and json.loads(out)["params"] == TransformerSpec(layers=4, hidden=64, heads=4, vocab=100, seq=32).stats().params_total
+    assert rc == 0 and json.loads(out)["params"] == transformer_stats(TransformerSpec(layers=4, hidden=64, heads=4, vocab_size=100, seq_len=32)).params_total
     module_file = tmp_path / "mlp_model.py"
     module_file.write_text(textwrap.dedent("""
         import torch
@@ -161,11 +162,11 @@ def test_auto_plan_for_the_builtin_gpt() -> None:
     assert auto.plan.world_size == 4 and auto.estimate.fits
     assert "auto plan" in auto.summary()
     assert json.loads(auto.to_json())["plan"] == auto.plan.to_dict()
-    assert Plan.auto({"layers": 2, "hidden": 64, "heads": 4, "vocab": 64, "seq": 16}, world_size=2, global_batch=8).world_size == 2
+    assert auto_plan({"layers": 2, "hidden": 64, "heads": 4, "vocab": 64, "seq": 16}, world_size=2, global_batch=8).plan.world_size == 2
 
 
 def test_explain_names_the_deciding_component() -> None:
-    stats = preset("gpt3-1.3b").stats()
+    stats = transformer_stats(preset("gpt3-1.3b"))
     cluster = resolve("h100", devices=8)
     fast = evaluate(stats, cluster, Plan(dp=8, precision="bf16"), global_batch=64)
     slow = evaluate(stats, cluster, Plan(dp=2, pp=4, microbatches=4, precision="bf16"), global_batch=64)
@@ -182,50 +183,54 @@ def test_alpha_beta_fit_recovers_a_synthetic_link() -> None:
 
 def test_plan_for_trainer_only_returns_plans_the_parallel_layer_accepts(tmp_path) -> None:
     from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.models.measure import module_stats
     from shardwise.parallel.parallelize import validate
-    from shardwise.plan.planner import plan_for_trainer
+    from shardwise.train.build import plan_for_trainer
 
     model = GPT(GPTConfig())
-    auto = plan_for_trainer(model, world_size=4, global_batch=16, precision="fp32", device_type="cpu")
+    cpu = resolve("cpu", devices=4, devices_per_node=4)
+    auto = plan_for_trainer(model, module_stats(model), cpu, world_size=4, global_batch=16, precision="fp32")
     assert auto.plan.world_size == 4 and auto.plan.pp == 1 and auto.plan.microbatches == 1
     validate(model, auto.plan)  # raises if the parallel layer would refuse it
     for est in auto.result.plans:
         assert not (est.plan.zero == 1 and est.plan.tp > 1)  # ZeRO-1 over TP is refused by the parallel layer
-    piped = plan_for_trainer(model, world_size=4, global_batch=16, precision="fp32", device_type="cpu", pipeline=True)
+    piped = plan_for_trainer(model, module_stats(model), cpu, world_size=4, global_batch=16, precision="fp32", pipelines_allowed=True)
     assert all(not (e.plan.zero == 1 and e.plan.pp > 1) for e in piped.result.plans)
     auto.save(str(tmp_path / "auto_plan.json"))
     assert Plan.from_dict(json.loads((tmp_path / "auto_plan.json").read_text())["plan"]) == auto.plan
 
 
-def test_plan_for_trainer_uses_the_cluster_named_by_shardwise_cluster(monkeypatch) -> None:
-    """Trainer(plan="auto") plans with the device's preset unless SHARDWISE_CLUSTER names a spec."""
-    from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.plan.planner import plan_for_trainer
+def test_trainer_cluster_is_the_argument_else_the_setting_else_this_machine() -> None:
+    """Trainer(plan="auto", cluster=...) plans with that spec; without one, with SHARDWISE_CLUSTER
+    (read once into the runtime's settings); the machine's own measurement only when neither is set."""
+    from dataclasses import replace
 
-    model = GPT(GPTConfig())
-    monkeypatch.delenv("SHARDWISE_CLUSTER", raising=False)
-    default = plan_for_trainer(model, world_size=4, global_batch=16)
-    assert default.estimate.memory_limit == pytest.approx(8 * 2**30 * 0.9)  # the cpu preset
-    monkeypatch.setenv("SHARDWISE_CLUSTER", "h100")
-    named = plan_for_trainer(model, world_size=4, global_batch=16)
-    assert named.estimate.memory_limit == pytest.approx(80e9 * 0.9)
+    from shardwise.runtime.detect import detect_process
+    from shardwise.runtime.settings import read_settings
+    from shardwise.train.build import cluster_spec
+
+    env = replace(detect_process({}), world_size=1)
+    assert cluster_spec(env, "h100").memory_bytes == pytest.approx(80e9)
+    named = replace(env, settings=read_settings({"SHARDWISE_CLUSTER": "a100-40gb"}))
+    assert cluster_spec(named, None).memory_bytes == pytest.approx(40e9)
+    assert cluster_spec(named, "h100").memory_bytes == pytest.approx(80e9)  # the argument wins
 
 
 def test_search_offers_only_layouts_the_runtime_runs() -> None:
     """ZeRO-1 is ZeroRedundancyOptimizer over DDP: never with tp or pp; pipelines get ZeRO-2/3."""
     from shardwise.plan.search import _layouts
 
-    result = search(TransformerSpec.from_dict(GPT3).stats(), resolve("h100", devices=1024, devices_per_node=8),
+    result = search(transformer_stats(TransformerSpec.from_dict(GPT3)), resolve("h100", devices=1024, devices_per_node=8),
                     global_batch=1536, options=SearchOptions(top=100))
     assert len(result.plans) == 100
-    assert all(e.plan.runtime_conflict() is None for e in result.plans)
+    assert all(runtime_conflict(e.plan) is None for e in result.plans)
     assert not any(e.plan.zero == 1 and (e.plan.tp > 1 or e.plan.pp > 1) for e in result.plans)
     assert {z for z, _, _ in _layouts(8, 1, 2, 8, SearchOptions())} == {0, 2, 3}
     assert {z for z, _, _ in _layouts(8, 1, 1, 8, SearchOptions())} == {0, 1, 2, 3}
 
 
 def test_runtime_conflicts_name_the_fix() -> None:
-    assert "zero=2 or zero=3 with tp" in str(Plan(zero=1, shard=2, tp=2).runtime_conflict())
-    assert "zero=2 or zero=3 with pp" in str(Plan(zero=1, shard=2, pp=2, microbatches=2).runtime_conflict())
-    assert Plan(zero=3, shard=2, pp=2, microbatches=2).runtime_conflict() is None
-    assert Plan(zero=1, shard=4).runtime_conflict() is None
+    assert "zero=2 or zero=3 with tp" in str(runtime_conflict(Plan(zero=1, shard=2, tp=2)))
+    assert "zero=2 or zero=3 with pp" in str(runtime_conflict(Plan(zero=1, shard=2, pp=2, microbatches=2)))
+    assert runtime_conflict(Plan(zero=3, shard=2, pp=2, microbatches=2)) is None
+    assert runtime_conflict(Plan(zero=1, shard=4)) is None

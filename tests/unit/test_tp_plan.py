@@ -12,7 +12,7 @@ from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.annotate import annotated_plan, shard
 from shardwise.parallel.parallelize import parallelize, validate
 from shardwise.parallel.tp import TPPlan, derive_tp_plan, to_torch_plan, validate_tp
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 
 
 def _gpt(**kw) -> GPT:

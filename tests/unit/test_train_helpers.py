@@ -99,6 +99,73 @@ def test_csv_logger_widens_header_and_plot_writes_png(tmp_path) -> None:
     assert os.path.getsize(png) > 1000
 
 
+def test_csv_logger_writes_nothing_before_begin_and_keeps_history_on_resume(tmp_path) -> None:
+    first = CSVLogger(tmp_path)
+    assert not os.path.exists(first.path)  # a run refused at start leaves no (empty) file behind
+    for step in (1, 2, 3, 4):
+        first.log({"loss": 1.0 / step}, step=step)
+    first.log({"val_loss": 0.5}, step=4)
+    before = open(first.path).read()
+    CSVLogger(tmp_path)  # constructing a logger changes nothing
+    assert open(first.path).read() == before
+    resumed = CSVLogger(tmp_path)
+    resumed.begin(2)  # resumed from the checkpoint of step 2: steps 3 and 4 are redone
+    resumed.log({"loss": 0.3}, step=3)
+    rows = read_csv(resumed.path)
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[2]["loss"] == 0.3
+    fresh = CSVLogger(tmp_path)
+    fresh.begin(0)
+    assert read_csv(fresh.path) == []
+
+
+def test_trainer_arguments_fail_before_any_process_group(monkeypatch) -> None:
+    from torch import nn
+
+    from shardwise.train.trainer import Trainer
+
+    def no_init(*args, **kwargs):
+        raise AssertionError("the process group must not be touched")
+
+    monkeypatch.setattr("shardwise.runtime.env.init", no_init)
+    model = nn.Linear(2, 2)
+    for kwargs, pattern in [({"max_steps": -5}, "max_steps=-5 must be a positive integer"),
+                            ({"max_epochs": 0}, "max_epochs=0"), ({"eval_every": 0}, "eval_every=0"),
+                            ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0"), ({"global_batch_size": 0}, "global_batch_size=0"),
+                            ({"loss_fn": "mse"}, "loss_fn='mse' is not callable")]:
+        args = {"loss_fn": nn.functional.mse_loss, "global_batch_size": 4, **kwargs}
+        with pytest.raises(ConfigError, match=pattern):
+            Trainer(model, **args)
+
+
+def test_a_non_scalar_loss_names_loss_fn() -> None:
+    import torch
+
+    from shardwise.train.checks import scalar_loss
+
+    with pytest.raises(ConfigError, match=r"loss_fn returned a tensor of shape \(4,\), not a scalar"):
+        scalar_loss(lambda out, y: (out - y) ** 2)(torch.zeros(4), torch.ones(4))
+    with pytest.raises(ConfigError, match="loss_fn returned a float"):
+        scalar_loss(lambda out, y: 1.0)(torch.zeros(4), torch.ones(4))
+    assert scalar_loss(lambda out, y: ((out - y) ** 2).mean())(torch.zeros(4), torch.ones(4)).item() == 1.0
+
+
+def test_schedules_that_need_the_step_count_are_built_by_fit() -> None:
+    import torch
+
+    from shardwise.train.checks import wants_total_steps
+
+    deferred = warmup_cosine(warmup_steps=50)
+    assert wants_total_steps(deferred) and not wants_total_steps(warmup_cosine(warmup_steps=2, total_steps=4))
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = deferred(opt, 10)  # warmup clipped to the 10 steps there are
+    lrs = []
+    for _ in range(10):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[0] == 0.0 and lrs[-1] == pytest.approx(0.9)
+
+
 def test_batch_and_ddp_option_errors() -> None:
     assert split_batch({"inputs": 1, "targets": 2}) == (1, 2)
     with pytest.raises(ShardwiseError, match="inputs, targets"):

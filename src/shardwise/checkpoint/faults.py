@@ -1,6 +1,7 @@
 """A fault injector for recovery tests: fail rank R at step S, or in the middle of a save.
 
-Spelled as an option or in the environment variable ``SHARDWISE_FAULT``::
+Spelled as an option (``CheckpointManager(fault=Fault.parse(...))``) or, for the built-in job, in
+the environment variable ``SHARDWISE_FAULT`` (read once into the runtime's settings)::
 
     SHARDWISE_FAULT="rank=1,step=25"                 # SIGKILL rank 1 when it reaches step 25
     SHARDWISE_FAULT="rank=0,step=20,at=save"         # SIGKILL rank 0 while it writes step 20
@@ -16,11 +17,11 @@ from __future__ import annotations
 import os
 import signal
 from dataclasses import dataclass
-from typing import Literal, Mapping
+from typing import Literal
 
 from shardwise.errors import ConfigError
 
-ENV = "SHARDWISE_FAULT"
+ENV = "SHARDWISE_FAULT"  # read by shardwise.runtime.settings
 
 
 class InjectedFault(RuntimeError):
@@ -53,14 +54,15 @@ class Fault:
         return fault
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "Fault | None":
-        text = (os.environ if env is None else env).get(ENV, "")
-        return cls.parse(text) if text.strip() else None
+    def for_attempt(cls, text: str, attempt: int) -> "Fault | None":
+        """The fault ``text`` describes (``SHARDWISE_FAULT``, read into the runtime's settings) if it
+        fires in launch attempt ``attempt`` (``settings.restart_count``), else None."""
+        fault = cls.parse(text) if text.strip() else None
+        return fault if fault is not None and fault.restart == attempt else None
 
-    def maybe_fire(self, *, rank: int, step: int, at: str, env: Mapping[str, str] | None = None) -> None:
-        """Fail now if this is the configured rank, step, place and launch attempt."""
-        attempt = int((os.environ if env is None else env).get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if (rank, step, at, attempt) != (self.rank, self.step, self.at, self.restart):
+    def maybe_fire(self, *, rank: int, step: int, at: str) -> None:
+        """Fail now if this is the configured rank, step and place."""
+        if (rank, step, at) != (self.rank, self.step, self.at):
             return
         if self.how == "raise":
             raise InjectedFault(f"injected fault: rank {rank} at {at} of step {step}")

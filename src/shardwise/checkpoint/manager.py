@@ -128,7 +128,7 @@ class CheckpointManager:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.dp_size = dp_size or (plan.dp * plan.shard if plan is not None else self.world_size)
         self.dp_rank = self.rank % self.dp_size if dp_rank is None else dp_rank
-        self.fault = fault if fault is not None else Fault.from_env()
+        self.fault = fault
         self._group: Any = None  # DCP's collectives (also run from the async writer thread)
         self._control: Any = None  # small collectives of the training thread (agree, broadcast)
         self._pending: threading.Event | None = None  # set when the save in flight is committed (or failed)

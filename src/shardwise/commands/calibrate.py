@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     import torch
 
-    from shardwise.plan.calibrate import DEFAULT_SIZES, calibrate
+    from shardwise.calibrate.calibration import DEFAULT_SIZES, calibrate
 
     nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() or 2)
     if nproc < 1:
@@ -41,10 +41,11 @@ def _main(args: argparse.Namespace) -> int:
     spec = calibrate(nproc, sizes=sizes, iters=args.iters, name=args.name)
     spec.save(args.out)
     # The same spec is what Trainer(plan="auto") reads for a job of this shape on this host.
-    from shardwise.plan.machine import cache_path, save_cached
+    from shardwise.calibrate.machine import cache_path, save_cached
+    from shardwise.runtime.settings import read_settings
 
     cuda = torch.cuda.is_available()
-    cached = cache_path(world_size=nproc, device_type="cuda" if cuda else "cpu", threads=max(1, (os.cpu_count() or 1) // nproc),
+    cached = cache_path(read_settings(os.environ).cache_dir, world_size=nproc, device_type="cuda" if cuda else "cpu", threads=max(1, (os.cpu_count() or 1) // nproc),
                         device_name=torch.cuda.get_device_name(0) if cuda else "")
     save_cached(spec, cached)
     flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in spec.peak_flops.items())

@@ -5,13 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-import torch
-
 from shardwise.errors import ShardwiseError
-from shardwise.launch.inprocess import launch
-from shardwise.observe.collectives import format_table
-from shardwise.observe.doctor import collective_worker, default_sizes, version_mismatches
-from shardwise.observe.environment import collect, format_report
 
 EXAMPLES = """examples:
   shardwise doctor                 environment report and a 2-process collective test
@@ -31,6 +25,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    import torch
+
+    from shardwise.launch.inprocess import launch
+    from shardwise.observe.collectives import format_table
+    from shardwise.observe.doctor import collective_worker, default_sizes, version_mismatches
+    from shardwise.observe.environment import collect, format_report
+
     report = collect(os.environ)
     print(format_report(report))
     nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() or 2)

@@ -39,10 +39,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from shardwise.layout import Plan
     from shardwise.plan.cost import StatePolicy
-    from shardwise.plan.plan import Plan
-    from shardwise.plan.planner import builtin_gpt_stats, cluster_of, spec_from_text, stats_from_script, stats_of
+    from shardwise.plan.planner import cluster_of, spec_from_text, stats_of
     from shardwise.plan.search import SearchOptions, evaluate, search
+    from shardwise.plan.stats import transformer_stats
 
     if args.devices is None or args.devices < 1:
         raise ConfigError(f"--devices {args.devices} must be a positive integer", hint="e.g. --devices 8")
@@ -56,11 +57,13 @@ def _main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--headroom {args.headroom} must lie in [0, 1)", hint="e.g. --headroom 0.1")
     cluster = cluster_of(args.device_type, world_size=args.devices, devices_per_node=args.devices_per_node)
     if args.model_spec:
-        stats = spec_from_text(args.model_spec).stats(seq=args.seq)
+        stats = transformer_stats(spec_from_text(args.model_spec), seq=args.seq)
     elif args.script:
+        from shardwise.models.measure import stats_from_script  # torch: only for a model given as code
+
         stats = stats_from_script(args.script, seq=args.seq)
     else:
-        stats = builtin_gpt_stats(seq=args.seq) if args.model == "gpt" else stats_of(args.model, seq=args.seq)
+        stats = stats_of(args.model, seq=args.seq)
     global_batch = args.global_batch if args.global_batch is not None else 4 * args.devices
     if global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch} must be a positive integer")

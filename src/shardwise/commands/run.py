@@ -5,9 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from shardwise.errors import LaunchError
-from shardwise.launch.options import DEFAULT_RDZV_TIMEOUT_S, RunOptions, resolve
-from shardwise.launch.run import run_launch
+from shardwise.launch.options import DEFAULT_RDZV_TIMEOUT_S, RunOptions, hang_timeout_env, resolve
 
 EXAMPLES = """examples:
   shardwise run --nproc-per-node 4 train.py --lr 3e-4
@@ -76,18 +74,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
-def hang_timeout_env(args: argparse.Namespace) -> dict[str, str]:
-    """``--hang-timeout`` as the variable the workers' :func:`shardwise.init` reads (empty when not given)."""
-    value = getattr(args, "hang_timeout", None)
-    if value is None:
-        return {}
-    if value < 0:
-        raise LaunchError(f"--hang-timeout {value:g} is negative", hint="give seconds, or 0 to disable the watchdog")
-    return {"SHARDWISE_HANG_TIMEOUT": f"{value:g}"}
-
-
 def _main(args: argparse.Namespace) -> int:
+    from shardwise.launch.run import run_launch  # torch's elastic agent: only when launching
+
     resolved = resolve(options_from_args(args, args.script, args.script_args, args.module))
-    resolved = dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args)})
+    resolved = dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args.hang_timeout)})
     run_launch(resolved)
     return 0

@@ -16,7 +16,7 @@ import os
 import typing
 from dataclasses import fields
 
-from shardwise.config import TrainJobConfig, load_config, to_toml
+from shardwise.config import TrainJobConfig, load_config, section_fields, to_toml
 from shardwise.errors import ConfigError, ShardwiseError
 
 EXAMPLES = """examples:
@@ -68,7 +68,7 @@ def _add_config_keys(parser: argparse.ArgumentParser) -> None:
         cls = sections[section.name]
         group = parser.add_argument_group(f"[{section.name}] configuration (--{section.name}.KEY=VALUE)")
         hints = typing.get_type_hints(cls)
-        for f in fields(cls):
+        for f in section_fields(TrainJobConfig, section.name):
             choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
             extra = f" ({'|'.join(choices)})" if choices else ""
             group.add_argument(f"--{section.name}.{f.name}", dest=f"cfg:{section.name}.{f.name}", default=argparse.SUPPRESS,
@@ -94,33 +94,31 @@ def nproc_of(config: TrainJobConfig) -> int:
 
 
 def _main(args: argparse.Namespace) -> int:
+    import tempfile
     from dataclasses import replace
 
-    from shardwise.jobs.train import JobSummary, default_run_name, format_summary, precision_override
-    from shardwise.train.setup import resolve_plan
+    from shardwise.jobs.train import JobSummary, check_run_dir, default_run_name, format_summary, precision_override
+    from shardwise.layout import resolve_plan
 
     config = resolve_config(args)
     if args.print_config:
         print(to_toml(config), end="")
         return 0
     nproc = nproc_of(config)
+    # The plan is resolved here, once: the workers get the resolved plan ("auto": the Trainer plans).
     auto = config.parallel.plan.strip().lower() == "auto"
-    plan = resolve_plan("dp" if auto else config.parallel.plan, nproc, precision=precision_override(config.train.precision))
-    if not auto and config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
+    plan = None if auto else resolve_plan(config.parallel.plan, nproc, precision=precision_override(config.train.precision))
+    if plan is not None and config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
         raise ConfigError(
             f"config key 'train.global_batch_size': {config.train.global_batch_size} does not split into "
             f"{plan.dp_size} data-parallel ranks x {config.train.grad_accum_steps} accumulation steps",
             hint=f"use a multiple of {plan.dp_size * config.train.grad_accum_steps}",
         )
-    if config.model.hidden % config.model.heads:
-        raise ConfigError(f"config key 'model.hidden': {config.model.hidden} is not divisible by model.heads={config.model.heads}")
-    config = replace(config, run=replace(config.run, name=config.run.name or default_run_name()))
+    config = replace(config, run=replace(config.run, name=config.run.name or default_run_name()),
+                     parallel=replace(config.parallel, plan="auto" if plan is None else str(plan)))
     run_dir = os.path.join(config.run.runs_dir, config.run.name)
-    os.makedirs(run_dir, exist_ok=True)
-    config_path = os.path.join(run_dir, "config.toml")
-    with open(config_path, "w") as fh:
-        fh.write(to_toml(config))
-    if auto:
+    check_run_dir(run_dir)
+    if plan is None:
         print(f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed below)", flush=True)
     else:
         print(f"plan ({plan}, {nproc} process{'es' if nproc > 1 else ''}):")
@@ -129,7 +127,7 @@ def _main(args: argparse.Namespace) -> int:
 
     if nproc == 1:
         from shardwise.jobs.train import run_job
-        from shardwise.runtime import shutdown
+        from shardwise.runtime.env import shutdown
 
         try:
             run_job(config)
@@ -138,13 +136,19 @@ def _main(args: argparse.Namespace) -> int:
     else:
         import dataclasses
 
-        from shardwise.commands.run import hang_timeout_env
-        from shardwise.launch.options import RunOptions, resolve
+        from shardwise.launch.options import RunOptions, hang_timeout_env, resolve
         from shardwise.launch.run import run_launch
 
-        options = RunOptions(script="shardwise.jobs.train", module=True, script_args=("--config", config_path), nproc_per_node=str(nproc))
-        resolved = resolve(options)
-        run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args)}))
+        # The workers read the resolved configuration from a file of their own; the job writes
+        # <run_dir>/config.toml itself once training starts (a refused resume changes nothing).
+        with tempfile.TemporaryDirectory(prefix="shardwise-train-") as tmp:
+            launch_config = os.path.join(tmp, "config.toml")
+            with open(launch_config, "w") as fh:
+                fh.write(to_toml(config))
+            options = RunOptions(script="shardwise.jobs.train", module=True, script_args=("--config", launch_config),
+                                 nproc_per_node=str(nproc))
+            resolved = resolve(options)
+            run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args.hang_timeout)}))
 
     summary_path = os.path.join(run_dir, "summary.json")
     if not os.path.exists(summary_path):

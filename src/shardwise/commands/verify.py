@@ -4,7 +4,7 @@ Trains the built-in GPT (or the model of ``--script``) for ``--steps`` steps und
 ``plan.world_size`` local Gloo processes and as a single process, from the same seed on the same
 global batches, and prints the largest divergence of the loss, the global gradient norm and the
 weights with a pass/fail verdict at ``--rtol`` (float32 tolerance by default). The engine is
-:mod:`shardwise.parallel.parity`.
+:mod:`shardwise.verify.parity`.
 
 Bad input (a plan that does not fit the model, a batch that does not split) fails as one line
 before any process starts.
@@ -14,14 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 from shardwise.errors import ConfigError
-from shardwise.launch.inprocess import launch
-from shardwise.parallel.parallelize import validate
-from shardwise.parallel.parity import GPTWorkload, Run, ScriptWorkload, Training, parity_worker
-from shardwise.parallel.tp import TPOptions
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 
 EXAMPLES = """examples:
   shardwise verify --plan dp=2,tp=2
@@ -51,6 +45,13 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    import torch
+
+    from shardwise.launch.inprocess import launch
+    from shardwise.parallel.parallelize import validate
+    from shardwise.parallel.tp import TPOptions
+    from shardwise.verify.parity import GPTWorkload, Run, ScriptWorkload, Training, parity_worker
+
     plan = Plan.parse(args.plan)
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} must be at least 1", hint="for example --steps 20")

@@ -35,11 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Subset
 
+from shardwise.callback import Callback
 from shardwise.config import TrainJobConfig, load_config, override_keys, to_toml
 from shardwise.data.corpus import CharWindows, load_stdlib_corpus
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.runtime import init, shutdown
+from shardwise.runtime.env import init, shutdown
 
 
 @dataclass(frozen=True)
@@ -83,57 +84,43 @@ def default_run_name() -> str:
 
 
 def run_job(config: TrainJobConfig) -> JobSummary | None:
-    """Train the GPT as ``config`` says; returns the summary on rank 0 and ``None`` elsewhere."""
+    """Train the GPT as ``config`` says; returns the summary on rank 0 and ``None`` elsewhere.
+
+    The run directory's files are each written once, by rank 0: ``config.toml`` when training
+    starts (after a resume was accepted, so a refused resume changes nothing), ``metrics.csv`` and
+    ``auto_plan.json`` by the Trainer, ``curves.png``, then ``summary.json`` and ``sample.txt``.
+    """
     from shardwise.checkpoint import CheckpointManager
-    from shardwise.train import PlotCurves, Trainer, scale_lr, warmup_cosine
-    from shardwise.train.setup import choose_plan, resolve_plan
+    from shardwise.checkpoint.faults import Fault
+    from shardwise.train import PlotCurves, Trainer, warmup_cosine
 
     env = init()
     name = _agree_on_name(config.run.name or default_run_name())
     run_dir = os.path.join(config.run.runs_dir, name)
+    check_run_dir(run_dir)
     corpus = load_stdlib_corpus(max_chars=config.data.max_chars, val_fraction=config.data.val_fraction)
-    m, t = config.model, config.train
+    t = config.train
     # The vocabulary is padded to a multiple of 8 so that tensor parallelism can split the
     # embedding and the output layer evenly; the padded ids never occur and are never decoded.
-    model_config = GPTConfig(vocab_size=-(-corpus.vocab_size // 8) * 8, seq_len=m.seq_len, layers=m.layers, hidden=m.hidden,
-                             heads=m.heads, ffn=m.ffn, dropout=m.dropout)
-    model = GPT(model_config, seed=config.run.seed)
-    train_set = CharWindows(corpus.train, m.seq_len)
-    val_set = CharWindows(corpus.val, m.seq_len)
+    shape = GPTConfig(**{**config.model.to_dict(), "vocab_size": -(-corpus.vocab_size // 8) * 8, "name": "gpt"})
+    model = GPT(shape, seed=config.run.seed)
+    train_set = CharWindows(corpus.train, shape.seq_len)
+    val_set = CharWindows(corpus.val, shape.seq_len)
     if t.eval_windows and t.eval_windows < len(val_set):
         val_set = Subset(val_set, range(t.eval_windows))
-    # plan="auto": the planner picks (rank 0 decides, all agree; the choice is logged and saved)
-    plan, choice = choose_plan(config.parallel.plan, model, env, global_batch_size=t.global_batch_size,
-                               precision=precision_override(t.precision), grad_accum_steps=t.grad_accum_steps)
-    if choice is not None:
-        print(f"plan=auto chose {choice.plan}:\n  " + choice.plan.describe().replace("\n", "\n  "), flush=True)
-        os.makedirs(run_dir, exist_ok=True)
-        choice.save(os.path.join(run_dir, "auto_plan.json"))
-    plan = resolve_plan(plan, env.world_size, precision=precision_override(t.precision))
-    lr = scale_lr(t.lr, plan.dp_size, rule=t.scale_lr)
-    steps_per_epoch = len(train_set) // t.global_batch_size
-    total_steps = t.max_steps or steps_per_epoch * max(t.max_epochs, 1)
-    if env.is_main:
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.toml"), "w") as fh:
-            fh.write(to_toml(_with_name(config, name)))
-        print(f"corpus: {len(corpus.files)} files of the standard library, {len(corpus.text):,} characters "
-              f"({len(corpus.train):,} train / {len(corpus.val):,} validation), vocabulary {corpus.vocab_size}, "
-              f"unigram entropy {corpus.unigram_entropy:.3f} nats/char", flush=True)
-        print(f"model: GPT {m.layers} layers x {m.hidden} hidden x {m.heads} heads, context {m.seq_len}, "
-              f"{model_config.param_count():,} parameters, {model_config.flops_per_token() / 1e6:.2f} MFLOP/token; "
-              f"lr {lr:g}, {total_steps} steps of {t.global_batch_size} sequences", flush=True)
+    fault = Fault.for_attempt(env.settings.fault, env.settings.restart_count)  # recovery tests only
     trainer = Trainer(
         model,
         loss_fn=lm_loss,
-        optimizer=partial(adamw, lr=lr, weight_decay=t.weight_decay),
-        plan=plan,
-        precision=plan.precision,
+        optimizer=partial(adamw, lr=t.lr, weight_decay=t.weight_decay),
+        plan=config.parallel.plan,  # resolved by the command ("auto": the Trainer plans, once)
+        precision=precision_override(t.precision),
         global_batch_size=t.global_batch_size,
         grad_accum_steps=t.grad_accum_steps,
         clip_grad_norm=t.clip_grad_norm or None,
-        lr_scheduler=warmup_cosine(warmup_steps=min(t.warmup_steps, total_steps), total_steps=total_steps, min_lr_ratio=t.min_lr_ratio),
-        callbacks=[PlotCurves()],
+        scale_lr=t.scale_lr,
+        lr_scheduler=warmup_cosine(warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),  # total steps from fit
+        callbacks=[PlotCurves(), WriteConfig(_with_name(config, name), run_dir)],
         seed=config.run.seed,
         max_steps=t.max_steps or None,
         max_epochs=t.max_epochs or None,
@@ -141,26 +128,66 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
         log_every=t.log_every,
         num_workers=config.data.num_workers,
         run_dir=run_dir,
-        flops_per_sample=model_config.flops_per_token() * m.seq_len,
-        tokens_per_sample=m.seq_len,
+        flops_per_sample=shape.flops_per_token() * shape.seq_len,
+        tokens_per_sample=shape.seq_len,
         checkpoint=CheckpointManager(os.path.join(run_dir, "checkpoints"), every_n_steps=config.checkpoint.every_n_steps or None,
-                                     keep_last_n=config.checkpoint.keep_last_n, async_save=config.checkpoint.async_save),
+                                     keep_last_n=config.checkpoint.keep_last_n, async_save=config.checkpoint.async_save,
+                                     fault=fault),
     )
+    if env.is_main:
+        if trainer.auto_choice is not None:
+            print(f"plan=auto chose {trainer.plan}:\n  " + trainer.plan.describe().replace("\n", "\n  "), flush=True)
+        print(f"corpus: {len(corpus.files)} files of the standard library, {len(corpus.text):,} characters "
+              f"({len(corpus.train):,} train / {len(corpus.val):,} validation), vocabulary {corpus.vocab_size}, "
+              f"unigram entropy {corpus.unigram_entropy:.3f} nats/char", flush=True)
+        print(f"model: GPT {shape.layers} layers x {shape.hidden} hidden x {shape.heads} heads, context {shape.seq_len}, "
+              f"{shape.param_count():,} parameters, {shape.flops_per_token() / 1e6:.2f} MFLOP/token; "
+              f"lr {trainer.optimizer.param_groups[0]['lr']:g}, {trainer.total_steps_for(train_set)} steps of "
+              f"{t.global_batch_size} sequences", flush=True)
     result = trainer.fit(train_set, val_set, resume="auto" if config.checkpoint.resume == "auto" else None)
     # A pipeline stage holds only some layers, so it cannot generate text on its own.
     sample = "" if trainer.plan.pp_enabled else _sample(trainer.model.module, corpus, config)
     if not env.is_main:
         return None
     summary = JobSummary(
-        run_dir=run_dir, steps=result.step, world_size=env.world_size, plan=str(plan),
+        run_dir=run_dir, steps=result.step, world_size=env.world_size, plan=str(trainer.plan),
         val_loss=result.val_metrics.get("val_loss"), train_loss=result.train_loss,
-        unigram_entropy=corpus.unigram_entropy, elapsed_s=result.elapsed_s, params=model_config.param_count(), sample=sample,
+        unigram_entropy=corpus.unigram_entropy, elapsed_s=result.elapsed_s, params=shape.param_count(), sample=sample,
     )
     with open(os.path.join(run_dir, "summary.json"), "w") as fh:
         json.dump(asdict(summary), fh, indent=2)
     with open(os.path.join(run_dir, "sample.txt"), "w") as fh:
         fh.write(sample)
     return summary
+
+
+class WriteConfig(Callback):
+    """Rank 0 writes the run's resolved configuration to ``<run_dir>/config.toml`` when training
+    starts: after the checkpoint callback restored (or refused) a resume, so a refused resume
+    leaves the run directory as it was."""
+
+    def __init__(self, config: TrainJobConfig, run_dir: str) -> None:
+        self.config, self.run_dir = config, run_dir
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if trainer.env.is_main:
+            os.makedirs(self.run_dir, exist_ok=True)
+            with open(os.path.join(self.run_dir, "config.toml"), "w") as fh:
+                fh.write(to_toml(self.config))
+
+
+def check_run_dir(run_dir: str) -> None:
+    """One line, before anything is written, when the run directory cannot be created or written."""
+    probe = run_dir
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    probe = probe or "."
+    if not os.path.isdir(probe):
+        raise ConfigError(f"run directory {run_dir!r}: {probe!r} is a file, not a directory",
+                          hint="choose another --run.runs_dir or --run.name")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"run directory {run_dir!r} is not writable ({probe!r} is read-only for this user)",
+                          hint="choose a writable --run.runs_dir")
 
 
 def format_summary(summary: JobSummary) -> str:

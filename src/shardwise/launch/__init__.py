@@ -1,7 +1,3 @@
-"""Starting processes: ``shardwise run`` (scripts) and :func:`launch` (functions), both on torch's elastic agent."""
-
-from shardwise.launch.inprocess import launch
-from shardwise.launch.options import ResolvedLaunch, RunOptions, resolve
-from shardwise.launch.run import run_launch
-
-__all__ = ["ResolvedLaunch", "RunOptions", "launch", "resolve", "run_launch"]
+"""Starting processes: ``shardwise run`` (scripts, :mod:`shardwise.launch.run` on the flags of
+:mod:`shardwise.launch.options`), :func:`shardwise.launch.inprocess.launch` (functions) and
+``shardwise slurm`` (:mod:`shardwise.launch.sbatch`), all on torch's elastic agent."""

@@ -14,12 +14,8 @@ from __future__ import annotations
 import uuid
 from typing import Any, Callable, Sequence
 
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-from torch.distributed.launcher.api import LaunchConfig
-
 from shardwise.errors import LaunchError
 from shardwise.launch.options import free_port
-from shardwise.launch.run import run_elastic
 
 
 def _worker(fn: Callable[..., Any], backend: str | None, timeout_s: float, *args: Any) -> Any:
@@ -43,6 +39,12 @@ def launch(
     log_dir: str | None = None,
 ) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` local processes with an initialized process group."""
+    # torch's elastic agent is imported here, so that ``import shardwise`` stays light
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    from shardwise.launch.run import run_elastic
+
     if nprocs < 1:
         raise LaunchError(f"nprocs={nprocs} must be at least 1", hint="launch(fn, nprocs=2)")
     config = LaunchConfig(

@@ -20,13 +20,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
-import torch
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.launcher.api import LaunchConfig
+from typing import TYPE_CHECKING
 
 from shardwise.errors import LaunchError
 from shardwise.runtime.detect import slurm_nodelist, slurm_port
 from shardwise.runtime.slurm import first_host
+
+if TYPE_CHECKING:
+    from torch.distributed.launcher.api import LaunchConfig
 
 DEFAULT_RDZV_TIMEOUT_S = 300
 MAX_AUTO_CPU_PROCS = 4
@@ -63,8 +64,19 @@ class ResolvedLaunch:
     worker_env: Mapping[str, str] = field(default_factory=dict)
 
 
+def hang_timeout_env(seconds: float | None) -> dict[str, str]:
+    """``--hang-timeout`` as the variable the workers' :func:`shardwise.init` reads (empty when not given)."""
+    if seconds is None:
+        return {}
+    if seconds < 0:
+        raise LaunchError(f"--hang-timeout {seconds:g} is negative", hint="give seconds, or 0 to disable the watchdog")
+    return {"SHARDWISE_HANG_TIMEOUT": f"{seconds:g}"}
+
+
 def auto_nproc(environ: Mapping[str, str]) -> int:
     """One process per visible GPU; on CPUs one per core, at most four (each uses several threads)."""
+    import torch  # here, so that parsing flags (``shardwise run --help``) needs no torch
+
     if torch.cuda.is_available():
         return torch.cuda.device_count()
     gpus_on_node = environ.get("SLURM_GPUS_ON_NODE", "")
@@ -167,6 +179,9 @@ def _topology(options: RunOptions, environ: Mapping[str, str]) -> _Topology:
 
 def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> ResolvedLaunch:
     """Check the flags and build torch's ``LaunchConfig`` (see the module doc for the rules)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
+
     environ = os.environ if environ is None else environ
     _check_target(options)
     nproc = parse_nproc(options.nproc_per_node, environ)

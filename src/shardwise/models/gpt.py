@@ -19,65 +19,43 @@ works unchanged.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.shape import TransformerShape
 
 
-@dataclass(frozen=True)
-class GPTConfig:
-    """Shape of the model. ``ffn=0`` means ``4 * hidden``."""
+def GPTConfig(**fields: Any) -> TransformerShape:  # noqa: N802 - named like the value it builds
+    """The built-in GPT's shape: a :class:`~shardwise.shape.TransformerShape` with the GPT's own
+    layout (separate q/k/v projections, learned positions, biases, untied LM head). ``ffn=0``
+    means ``4 * hidden``."""
+    return TransformerShape(**{"separate_qkv": True, "name": "gpt", **fields})
 
-    vocab_size: int = 128
-    seq_len: int = 128
-    layers: int = 4
-    hidden: int = 128
-    heads: int = 4
-    ffn: int = 0
-    dropout: float = 0.0
 
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "layers", "hidden", "heads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"GPT {name}={getattr(self, name)} must be positive")
-        if self.hidden % self.heads:
-            raise ConfigError(f"GPT hidden={self.hidden} is not divisible by heads={self.heads}",
-                              hint=f"use a hidden size that is a multiple of {self.heads}")
-        if self.ffn < 0 or not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"GPT ffn={self.ffn} must be >= 0 and dropout={self.dropout} in [0, 1)")
+# What this implementation realizes of a TransformerShape; any other value is refused.
+_FIXED = {"kv_heads": (0,), "tied_embeddings": (False,), "bias": (True,), "learned_positions": (True,),
+          "attention": ("fused",)}
 
-    @property
-    def ffn_size(self) -> int:
-        return self.ffn or 4 * self.hidden
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
-
-    def param_count(self, *, embeddings: bool = True) -> int:
-        """Parameters (weights and biases); ``embeddings=False`` leaves out ``tok_emb`` and ``pos_emb``."""
-        h, f = self.hidden, self.ffn_size
-        per_block = 2 * 2 * h + 4 * (h * h + h) + (h * f + f) + (f * h + h)  # ln1, ln2, attn, mlp
-        body = self.layers * per_block + 2 * h + (h * self.vocab_size + self.vocab_size)  # + ln_f, lm_head
-        return body + (self.vocab_size * h + self.seq_len * h if embeddings else 0)
-
-    def flops_per_token(self) -> int:
-        """Training FLOPs per token: ``6 N + 12 L h T`` (Kaplan et al. 2020; PaLM, Chowdhery et al. 2022, app. B).
-
-        ``N`` counts the non-embedding parameters (an embedding lookup does no multiply-adds):
-        each costs 2 FLOPs per token forward and 4 backward. The attention scores ``q k^T`` and the
-        weighted sum ``a v`` add ``2 * 2 * T * h`` forward per layer and token, times 3 with the
-        backward. The causal mask is not subtracted (the kernels do not skip the masked half).
-        """
-        return 6 * self.param_count(embeddings=False) + 12 * self.layers * self.hidden * self.seq_len
+def _gpt_shape(config: TransformerShape) -> TransformerShape:
+    """``config`` as the GPT realizes it (separate q/k/v), or a ConfigError naming the field it lacks."""
+    if not isinstance(config, TransformerShape):
+        raise ConfigError(f"GPT takes a TransformerShape, got {type(config).__name__}", hint="build it with GPTConfig(...)")
+    for key, allowed in _FIXED.items():
+        value = getattr(config, key)
+        if value not in allowed and not (key == "kv_heads" and value == config.heads):
+            raise ConfigError(f"the built-in GPT does not implement {key}={value!r}",
+                              hint=f"leave {key} at its default ({allowed[0]!r}), or bring your own model")
+    return replace(config, separate_qkv=True, name=config.name or "gpt")
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: TransformerShape) -> None:
         super().__init__()
         h = config.hidden
         self.head_dim = config.head_dim
@@ -98,7 +76,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: TransformerShape) -> None:
         super().__init__()
         self.fc_in = nn.Linear(config.hidden, config.ffn_size)
         self.act = nn.GELU()
@@ -109,7 +87,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: TransformerShape) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(config.hidden)
         self.attn = CausalSelfAttention(config)
@@ -129,9 +107,9 @@ class GPT(nn.Module):
     materialize with ``model.to_empty(device=...)`` then ``model.init_weights(seed)``.
     """
 
-    def __init__(self, config: GPTConfig, *, seed: int = 0) -> None:
+    def __init__(self, config: TransformerShape, *, seed: int = 0) -> None:
         super().__init__()
-        self.config = config
+        config = self.config = _gpt_shape(config)
         self.tok_emb = nn.Embedding(config.vocab_size, config.hidden)
         self.pos_emb = nn.Embedding(config.seq_len, config.hidden)
         self.drop = nn.Dropout(config.dropout)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from shardwise.observe import watchdog
+from shardwise.runtime import watchdog
 from shardwise.observe.deep import DeepProfiler
 from shardwise.observe.nan import NanGuard, Policy
 from shardwise.observe.profiler import StepProfiler
 from shardwise.observe.stragglers import find_stragglers, format_table, gather_summaries, summarize
 from shardwise.runtime.logging import get_logger
-from shardwise.train.callbacks import Callback
+from shardwise.callback import Callback
 
 if TYPE_CHECKING:
     from shardwise.train.trainer import Trainer

@@ -31,7 +31,7 @@ class RankVersions:
 
 
 def local_versions(rank: int) -> RankVersions:
-    from shardwise import __version__
+    from shardwise.version import __version__
 
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
     return RankVersions(rank, socket.gethostname(), platform.python_version(), torch.__version__, __version__,

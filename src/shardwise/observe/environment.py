@@ -71,7 +71,7 @@ def collect(environ: Mapping[str, str]) -> Report:
     backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()), ("mpi", dist.is_mpi_available())) if ok]
     facts.append(("backends", ", ".join(backends) or "none"))
     try:
-        from shardwise import __version__
+        from shardwise.version import __version__
 
         facts.append(("shardwise", __version__))
     except ImportError:

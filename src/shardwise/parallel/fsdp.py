@@ -49,15 +49,15 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class FSDPOptions:
-    """How ``fully_shard`` is applied.
+    """How ``fully_shard`` is applied, beyond what the plan says.
 
     ``reshard_after_forward``: None picks the stage's policy (ZeRO-3: True, ZeRO-2: False); the
     root module is never resharded after forward (its parameters are needed first in backward).
+    The compute precision and CPU offload are the plan's (``Plan.precision``, ``Plan.cpu_offload``),
+    so the wrapping and the training loop's autocast cannot disagree.
     """
 
     reshard_after_forward: bool | None = None
-    cpu_offload: bool = False
-    precision: str = "fp32"
     reduce_dtype: torch.dtype = torch.float32
 
 
@@ -85,26 +85,29 @@ def find_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[nn.Module]:
     return best
 
 
-def _policies(options: FSDPOptions, mesh: DeviceMesh) -> dict[str, Any]:
-    if options.precision not in _DTYPES:
-        raise ConfigError(f"precision={options.precision!r} is unknown", hint="use fp32, bf16 or fp16")
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[options.precision], reduce_dtype=options.reduce_dtype)
+def _policies(options: FSDPOptions, mesh: DeviceMesh, *, precision: str, cpu_offload: bool) -> dict[str, Any]:
+    if precision not in _DTYPES:
+        raise ConfigError(f"precision={precision!r} is unknown", hint="use fp32, bf16 or fp16")
+    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=options.reduce_dtype)
     # Pinned host memory (fast async copies to the GPU) needs an accelerator; on a CPU mesh the
     # "offloaded" state already lives in host memory and the policy only changes where the step runs.
     pin = mesh.device_type != "cpu"
-    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if options.cpu_offload else OffloadPolicy()
+    offload: OffloadPolicy = CPUOffloadPolicy(pin_memory=pin) if cpu_offload else OffloadPolicy()
     return {"mp_policy": mp, "offload_policy": offload}
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, options: FSDPOptions = FSDPOptions()) -> nn.Module:
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, precision: str = "fp32", cpu_offload: bool = False,
+               options: FSDPOptions = FSDPOptions()) -> nn.Module:
     """ZeRO-2 or ZeRO-3 with ``fully_shard``: each trunk block, then the root (module doc).
 
-    ``mesh`` is 1-D (FSDP: ``dp_shard``) or 2-D (HSDP: ``(dp_replicate, dp_shard)``).
+    ``mesh`` is 1-D (FSDP: ``dp_shard``) or 2-D (HSDP: ``(dp_replicate, dp_shard)``); ``precision``
+    is the compute dtype (fp32 master weights and reductions stay), ``cpu_offload`` keeps sharded
+    parameters, gradients and optimizer state in host memory.
     """
     if stage not in (2, 3):
         raise ConfigError(f"apply_fsdp handles ZeRO stages 2 and 3, not {stage}", hint="stage 1 uses build_optimizer with DDP")
     reshard = options.reshard_after_forward if options.reshard_after_forward is not None else stage == 3
-    kwargs = _policies(options, mesh)
+    kwargs = _policies(options, mesh, precision=precision, cpu_offload=cpu_offload)
     for block in find_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **kwargs)
     # The root holds what is left (embeddings, final norm, head); it is used first in backward,
@@ -113,13 +116,14 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, options: FSDPO
     return model
 
 
-def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, options: FSDPOptions = FSDPOptions()) -> nn.Module:
+def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, precision: str = "fp32", cpu_offload: bool = False,
+                    options: FSDPOptions = FSDPOptions()) -> nn.Module:
     """Plain data parallel for models with DTensor (TP) parameters: torch's FSDP2-based
     ``replicate``: the gradients of each block are all-reduced over ``mesh`` in backward
     (2·(N-1)/N · |grads| per rank per step, like DDP), with no sharding."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    kwargs = _policies(options, mesh)
+    kwargs = _policies(options, mesh, precision=precision, cpu_offload=cpu_offload)
     for block in find_blocks(model):
         replicate(block, mesh=mesh, **kwargs)
     replicate(model, mesh=mesh, **kwargs)

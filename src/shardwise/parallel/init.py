@@ -25,12 +25,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from shardwise.errors import ConfigError
+from shardwise.layout import Plan
 from shardwise.parallel.mesh import Meshes
 from shardwise.parallel.parallelize import ParallelModel, parallelize
-from shardwise.plan.plan import Plan
+from shardwise.parallel.replay import replay_reset_parameters
 
 
 def build_on_meta(factory: Callable[[], nn.Module]) -> nn.Module:
@@ -48,50 +47,8 @@ def materialize(model: nn.Module, *, device: torch.device | str, seed: int,
     elif callable(getattr(model, "init_weights", None)):
         model.init_weights(seed)
     else:
-        _replay_reset_parameters(model, seed=seed)
+        replay_reset_parameters(model, seed=seed)
     return model
-
-
-@torch.no_grad()
-def _replay_reset_parameters(model: nn.Module, *, seed: int) -> None:
-    torch.manual_seed(seed)
-    for name, module in model.named_modules():
-        params = {n: p for n, p in module._parameters.items() if p is not None}
-        buffers = {n: b for n, b in module._buffers.items() if b is not None}
-        if not params and not buffers:
-            continue
-        if not callable(getattr(module, "reset_parameters", None)):
-            if not params:
-                continue  # buffers without a reset (e.g. a constant mask) are the model's business
-            raise ConfigError(
-                f"cannot initialize {name or type(model).__name__} ({type(module).__name__}) after meta construction: "
-                "it owns parameters but has no reset_parameters()",
-                hint="give the model an init_weights(seed) method, or pass init=... to materialize",
-            )
-        stand_in = _stand_in(module, params, buffers)
-        stand_in.reset_parameters()
-        for n, p in params.items():
-            _copy_shard(p, stand_in._parameters[n])
-        for n, b in buffers.items():
-            _copy_shard(b, stand_in._buffers[n])
-
-
-def _stand_in(module: nn.Module, params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> nn.Module:
-    """A shallow copy of ``module`` whose own tensors are full-size CPU tensors (children dropped)."""
-    stand_in = object.__new__(type(module))
-    stand_in.__dict__.update(module.__dict__)
-    stand_in.__dict__["_parameters"] = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype)) for n, p in params.items()}
-    stand_in.__dict__["_buffers"] = {n: torch.empty(b.shape, dtype=b.dtype) for n, b in buffers.items()}
-    stand_in.__dict__["_modules"] = {}
-    return stand_in
-
-
-def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
-    if isinstance(target, DTensor):
-        local = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
-        target.to_local().copy_(local.to_local())
-    else:
-        target.copy_(full)
 
 
 def _wraps_with_ddp(plan: Plan) -> bool:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from shardwise.plan.plan import MESH_DIMS, Plan
+from shardwise.layout import MESH_DIMS, Plan
 
 
 @dataclass(frozen=True)

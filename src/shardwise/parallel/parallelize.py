@@ -32,7 +32,8 @@ from shardwise.parallel.fsdp import FSDPOptions, apply_fsdp, apply_replicate, bu
 from shardwise.parallel.mesh import Meshes
 from shardwise.parallel.pipeline import PipelineOptions, build_pipeline, check_pipeline
 from shardwise.parallel.tp import TPOptions, TPPlan, apply_tp, derive_tp_plan, validate_tp
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
+from shardwise.plan.support import runtime_conflict
 
 
 class PipelineRunner(Protocol):
@@ -110,7 +111,7 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
     Call it before building meshes so bad input fails before any process-group work
     (:func:`parallelize` calls it again first thing).
     """
-    conflict = plan.runtime_conflict()  # e.g. zero=1 with tp or pp
+    conflict = runtime_conflict(plan)  # e.g. zero=1 with tp or pp
     if conflict is not None:
         raise conflict
     check_pipeline(model, plan, options=pipeline)  # too many stages, tied weights across stages, ...
@@ -183,17 +184,18 @@ def apply_local(
     if plan.compile:
         for block in find_blocks(model) or [model]:
             block.compile()
-    fsdp_options = fsdp or FSDPOptions(cpu_offload=plan.cpu_offload, precision=plan.precision)
+    # The plan decides precision and offload; FSDPOptions only what it leaves open.
+    sharding = {"precision": plan.precision, "cpu_offload": plan.cpu_offload, "options": fsdp or FSDPOptions()}
     if plan.zero >= 2:
         # HSDP when both data-parallel degrees are > 1: shard inside a row, all-reduce across rows.
         mesh = meshes.hsdp if plan.dp > 1 else meshes.dp_shard
-        return apply_fsdp(model, mesh, stage=plan.zero, options=fsdp_options)
+        return apply_fsdp(model, mesh, stage=plan.zero, **sharding)
     if plan.dp_enabled:
         if tp_plan is not None or plan.pp_enabled:
             # DDP cannot wrap DTensor parameters; FSDP2's replicate all-reduces them the same way.
             # Under pipelining DDP's reducer also miscounts the parameters (torch's metadata-
             # inference pass runs a backward outside no_sync), while replicate is supported there.
-            return apply_replicate(model, meshes.dp, options=fsdp_options)
+            return apply_replicate(model, meshes.dp, **sharding)
         # ZeRO-1 keeps DDP's all-reduce; the optimizer-state sharding is in build_optimizer.
         return apply_ddp(model, meshes.dp, options=ddp or DDPOptions())
     return model

@@ -41,7 +41,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.pipeline_split import Balance, split_model
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.replay import replay_reset_parameters
 
 Balance = Literal["params", "flops"]
 
@@ -201,9 +202,7 @@ class _StageInit:
         if callable(getattr(model, "init_weights", None)):
             model.init_weights(seed)
         else:
-            from shardwise.parallel.init import _replay_reset_parameters
-
-            _replay_reset_parameters(model, seed=seed)
+            replay_reset_parameters(model, seed=seed)
 
 
 class SequentialStage(_StageInit, nn.Sequential):

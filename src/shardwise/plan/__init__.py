@@ -1,18 +1,20 @@
-"""Parallel layouts: the :class:`Plan` value object and the planner that picks one.
+"""The planner: the pure cost model, model statistics and the search (torch-free).
 
 ``auto_plan(model_or_spec, world_size=..., cluster=..., global_batch=...)`` searches the layouts
 with the cost model (:mod:`shardwise.plan.cost`) and returns the fastest that fits; ``search``,
-``estimate`` and ``ClusterSpec`` are the pieces (see docs/planner.md). None of them imports torch.
+``estimate`` and ``ClusterSpec`` are the pieces (see docs/planner.md). Nothing here imports torch,
+so ``shardwise plan`` starts fast; measuring a machine is :mod:`shardwise.calibrate`, measuring an
+arbitrary ``nn.Module`` is :mod:`shardwise.models.measure`.
 """
 
+from shardwise.layout import MESH_DIMS, Plan
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.cost import Estimate, StatePolicy, bubble_fraction, estimate
-from shardwise.plan.plan import MESH_DIMS, Plan
 from shardwise.plan.planner import AutoPlan, auto_plan, stats_of
 from shardwise.plan.search import SearchOptions, SearchResult, search
-from shardwise.plan.stats import ModelStats, TransformerSpec
+from shardwise.plan.stats import ModelStats, TransformerShape, TransformerSpec, transformer_stats
 
 __all__ = [
     "MESH_DIMS", "AutoPlan", "ClusterSpec", "Estimate", "ModelStats", "Plan", "SearchOptions", "SearchResult", "StatePolicy",
-    "TransformerSpec", "auto_plan", "bubble_fraction", "estimate", "search", "stats_of",
+    "TransformerShape", "TransformerSpec", "auto_plan", "bubble_fraction", "estimate", "search", "stats_of", "transformer_stats",
 ]

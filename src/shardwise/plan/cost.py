@@ -52,7 +52,7 @@ from typing import Any
 from shardwise.errors import ConfigError
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.memory import StatePolicy, autocast_extra, buffer_bytes, layer_activation, model_state_bytes, stage_param_count
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 from shardwise.plan.stats import ModelStats
 
 __all__ = ["Estimate", "StatePolicy", "bubble_fraction", "estimate", "micro_batch_size", "model_state_bytes", "stage_param_count"]

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from shardwise.errors import ConfigError
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 from shardwise.plan.stats import ModelStats
 
 

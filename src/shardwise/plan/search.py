@@ -8,7 +8,7 @@ Enumeration, outermost first, with the pruning that keeps a 1,024-device search 
 3. data-parallel size ``D = world / (tp pp)`` must divide the global batch;
 4. ZeRO stage and layout: DDP (stage 0), or stage 1-3 sharded over all ``D`` ranks (FSDP) or over a
    node's worth with replicas across nodes (HSDP). Only layouts the parallel layer runs
-   (:meth:`Plan.runtime_conflict`): ZeRO-1 is ``ZeroRedundancyOptimizer`` over DDP, so it is
+   (:func:`shardwise.plan.support.runtime_conflict`): ZeRO-1 is ``ZeroRedundancyOptimizer`` over DDP, so it is
    offered without tp and pp only; with tp or pp the sharded stages are 2-3 (FSDP2, which the cost
    model charges a gather per microbatch under pipelining). A layout whose *model states alone*
    overflow the device is dropped before any microbatch or schedule is tried;
@@ -29,8 +29,9 @@ from typing import Callable
 from shardwise.errors import ConfigError
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.cost import Estimate, StatePolicy, estimate, model_state_bytes, stage_param_count
-from shardwise.plan.plan import Plan
+from shardwise.layout import Plan
 from shardwise.plan.stats import ModelStats
+from shardwise.plan.support import runtime_conflict
 
 SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 
@@ -149,7 +150,7 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                                             recompute=recompute, precision=options.precision)
                             except ConfigError:
                                 continue
-                            if plan.runtime_conflict() is not None:
+                            if runtime_conflict(plan) is not None:
                                 continue
                             if options.supported is not None and not options.supported(plan):
                                 continue
@@ -172,7 +173,7 @@ def _layouts(dp_total: int, tp: int, pp: int, per_node: int, options: SearchOpti
         return out or [(0, 1, 1)]
     node_shard = max(1, per_node // tp)
     for zero in options.zero_stages:
-        if zero == 0 or (zero == 1 and (tp > 1 or pp > 1)):  # Plan.runtime_conflict: ZeRO-1 is DDP-only
+        if zero == 0 or (zero == 1 and (tp > 1 or pp > 1)):  # runtime_conflict: ZeRO-1 is DDP-only
             continue
         out.append((zero, 1, dp_total))
         if options.hsdp and 1 < node_shard < dp_total and dp_total % node_shard == 0:

@@ -1,7 +1,8 @@
 """Find out who started this process and where it sits in the world.
 
 Each launcher leaves its own environment variables; :func:`detect_process` turns them into one
-typed :class:`ProcessInfo`. Precedence, from most to least specific:
+typed :class:`RuntimeEnv` (the same type :func:`shardwise.init` completes with the device and
+backend). Precedence, from most to least specific:
 
 1. torchrun / the elastic agent / ``shardwise run`` / ``shardwise.launch``: ``RANK``, ``WORLD_SIZE``,
    ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``.
@@ -17,20 +18,33 @@ worker inside either keeps theirs too, so torchrun's variables win over both.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Literal, Mapping
 
 from shardwise.errors import ShardwiseError
+from shardwise.runtime.settings import Settings, read_settings
 from shardwise.runtime.slurm import first_host
+
+if TYPE_CHECKING:
+    import torch
 
 Launcher = Literal["torchrun", "openmpi", "mpich", "slurm", "none"]
 
 DEFAULT_MASTER_PORT = 29500
 
 
+DEFAULT_TIMEOUT_S = 600.0
+
+
 @dataclass(frozen=True)
-class ProcessInfo:
-    """Where this process sits, as its launcher described it."""
+class RuntimeEnv:
+    """This process's place in the world, and how it talks to the others.
+
+    :func:`detect_process` fills in what the launcher says (``device`` None, ``backend`` empty);
+    :func:`shardwise.init` adds the device and backend once the process group has formed, and that
+    value is what every other layer takes as an argument. ``settings`` holds shardwise's own
+    environment variables, read once (:mod:`shardwise.runtime.settings`).
+    """
 
     launcher: Launcher
     rank: int
@@ -39,8 +53,25 @@ class ProcessInfo:
     local_world_size: int
     node_rank: int
     num_nodes: int
-    master_addr: str
-    master_port: int
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    device: torch.device | None = None
+    backend: str = ""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    settings: Settings = field(default_factory=Settings)
+
+    @property
+    def is_main(self) -> bool:
+        """True on global rank 0: the rank that logs, prints and writes single files."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
 
 
 def _int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -62,7 +93,7 @@ def _port(environ: Mapping[str, str], default: int) -> int:
     return port
 
 
-def _from_torchrun(env: Mapping[str, str]) -> ProcessInfo:
+def _from_torchrun(env: Mapping[str, str]) -> RuntimeEnv:
     for name in ("RANK", "WORLD_SIZE"):
         if name not in env:
             other = "WORLD_SIZE" if name == "RANK" else "RANK"
@@ -77,7 +108,7 @@ def _from_torchrun(env: Mapping[str, str]) -> ProcessInfo:
             f"WORLD_SIZE={world} but MASTER_ADDR is not set",
             hint="start the job with 'shardwise run' or torchrun, or export MASTER_ADDR and MASTER_PORT",
         )
-    return ProcessInfo(
+    return RuntimeEnv(
         launcher="torchrun",
         rank=rank,
         world_size=world,
@@ -101,13 +132,13 @@ def _mpi_master(env: Mapping[str, str], world: int, local_world: int, launcher: 
     )
 
 
-def _from_openmpi(env: Mapping[str, str]) -> ProcessInfo:
+def _from_openmpi(env: Mapping[str, str]) -> RuntimeEnv:
     world = _int(env, "OMPI_COMM_WORLD_SIZE")
     rank = _int(env, "OMPI_COMM_WORLD_RANK")
     local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world)
     local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", rank % local_world)
     node_rank = _int(env, "OMPI_COMM_WORLD_NODE_RANK", rank // local_world)
-    return ProcessInfo(
+    return RuntimeEnv(
         launcher="openmpi",
         rank=rank,
         world_size=world,
@@ -120,12 +151,12 @@ def _from_openmpi(env: Mapping[str, str]) -> ProcessInfo:
     )
 
 
-def _from_mpich(env: Mapping[str, str]) -> ProcessInfo:
+def _from_mpich(env: Mapping[str, str]) -> RuntimeEnv:
     world = _int(env, "PMI_SIZE")
     rank = _int(env, "PMI_RANK")
     local_world = _int(env, "MPI_LOCALNRANKS", world)
     local_rank = _int(env, "MPI_LOCALRANKID", rank % local_world)
-    return ProcessInfo(
+    return RuntimeEnv(
         launcher="mpich",
         rank=rank,
         world_size=world,
@@ -151,13 +182,13 @@ def slurm_port(env: Mapping[str, str]) -> int:
     return _port(env, 15000 + int(job) % 20000 if job.isdigit() else DEFAULT_MASTER_PORT)
 
 
-def _from_slurm(env: Mapping[str, str]) -> ProcessInfo:
+def _from_slurm(env: Mapping[str, str]) -> RuntimeEnv:
     world = _int(env, "SLURM_NTASKS")
     rank = _int(env, "SLURM_PROCID")
     num_nodes = _int(env, "SLURM_NNODES", _int(env, "SLURM_JOB_NUM_NODES", 1))
     per_node = env.get("SLURM_NTASKS_PER_NODE", "")
     local_world = int(per_node) if per_node.isdigit() else max(1, world // max(num_nodes, 1))
-    return ProcessInfo(
+    return RuntimeEnv(
         launcher="slurm",
         rank=rank,
         world_size=world,
@@ -170,7 +201,7 @@ def _from_slurm(env: Mapping[str, str]) -> ProcessInfo:
     )
 
 
-def _validate(info: ProcessInfo, env: Mapping[str, str]) -> ProcessInfo:
+def _validate(info: RuntimeEnv, env: Mapping[str, str]) -> RuntimeEnv:
     src = {"torchrun": "RANK/WORLD_SIZE", "openmpi": "OMPI_COMM_WORLD_*", "mpich": "PMI_*", "slurm": "SLURM_*"}
     where = src.get(info.launcher, info.launcher)
     if info.world_size < 1:
@@ -193,7 +224,7 @@ def _validate(info: ProcessInfo, env: Mapping[str, str]) -> ProcessInfo:
     return info
 
 
-def detect_process(environ: Mapping[str, str]) -> ProcessInfo:
+def detect_process(environ: Mapping[str, str]) -> RuntimeEnv:
     """Read the launcher's variables from ``environ`` (usually ``os.environ``)."""
     env = environ
     if "RANK" in env or ("WORLD_SIZE" in env and not _mpi_or_slurm(env)):
@@ -205,8 +236,8 @@ def detect_process(environ: Mapping[str, str]) -> ProcessInfo:
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
         info = _from_slurm(env)
     else:
-        info = ProcessInfo("none", 0, 1, 0, 1, 0, 1, "127.0.0.1", 0)
-    return _validate(info, env)
+        info = RuntimeEnv("none", 0, 1, 0, 1, 0, 1, "127.0.0.1", 0)
+    return replace(_validate(info, env), settings=read_settings(env))
 
 
 def _mpi_or_slurm(env: Mapping[str, str]) -> bool:

@@ -1,8 +1,9 @@
 """Start and stop this process's part of the distributed world.
 
 :func:`init` reads the launcher (see :mod:`shardwise.runtime.detect`), picks the backend and the
-device, and forms the default process group. It returns a frozen :class:`RuntimeEnv` that every
-other layer takes as an argument; nothing reads the environment again after this.
+device, and forms the default process group. It returns a frozen :class:`~shardwise.runtime.detect.RuntimeEnv`
+that every other layer takes as an argument; shardwise's own variables are read into its
+``settings`` at the same moment, and no layer reads the environment again after this.
 
 Backend: NCCL when CUDA devices are present (one device per local rank, ``cuda:local_rank``),
 Gloo otherwise. A world of one still gets a (one-member) process group so that DeviceMesh,
@@ -14,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import timedelta
 from typing import Iterator, Mapping
 
@@ -22,40 +23,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import LaunchError, ShardwiseError
-from shardwise.observe.watchdog import enable_flight_recorder, hang_timeout_from_env, start_watchdog, stop_watchdog
-from shardwise.runtime.detect import Launcher, ProcessInfo, detect_process
+from shardwise.runtime.detect import DEFAULT_TIMEOUT_S, RuntimeEnv, detect_process
 from shardwise.runtime.logging import setup_logging
-
-DEFAULT_TIMEOUT_S = 600.0
-
-
-@dataclass(frozen=True)
-class RuntimeEnv:
-    """This process's place in the world, and how it talks to the others."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
-    node_rank: int
-    num_nodes: int
-    device: torch.device
-    backend: str
-    launcher: Launcher
-    timeout_s: float = DEFAULT_TIMEOUT_S
-
-    @property
-    def is_main(self) -> bool:
-        """True on global rank 0: the rank that logs, prints and writes single files."""
-        return self.rank == 0
-
-    @property
-    def is_local_main(self) -> bool:
-        return self.local_rank == 0
-
-    @property
-    def is_distributed(self) -> bool:
-        return self.world_size > 1
+from shardwise.runtime.watchdog import enable_flight_recorder, start_watchdog, stop_watchdog
 
 
 def _free_port() -> int:
@@ -91,21 +61,6 @@ def _device_for(backend: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def _env_from_group(backend: str, timeout_s: float, launcher: Launcher, info: ProcessInfo) -> RuntimeEnv:
-    return RuntimeEnv(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        local_rank=info.local_rank,
-        local_world_size=info.local_world_size,
-        node_rank=info.node_rank,
-        num_nodes=info.num_nodes,
-        device=_device_for(backend, info.local_rank),
-        backend=backend,
-        launcher=launcher,
-        timeout_s=timeout_s,
-    )
-
-
 def init(
     *,
     backend: str | None = None,
@@ -119,17 +74,18 @@ def init(
     the group. ``timeout_s`` bounds both the rendezvous and every collective.
 
     ``hang_timeout_s`` (default: ``SHARDWISE_HANG_TIMEOUT``, else 300 s; 0 disables) starts the hang
-    watchdog of :mod:`shardwise.observe.watchdog` in a multi-process world: a collective or step
+    watchdog of :mod:`shardwise.runtime.watchdog` in a multi-process world: a collective or step
     without progress for that long makes every rank report and exit non-zero.
     """
-    info = detect_process(os.environ if environ is None else environ)
+    environ = os.environ if environ is None else environ
+    info = detect_process(environ)
     if dist.is_initialized():
-        return _env_from_group(dist.get_backend(), timeout_s, info.launcher, info)
+        backend = dist.get_backend()
+        return replace(info, device=_device_for(backend, info.local_rank), backend=backend, timeout_s=timeout_s)
     chosen = choose_backend(backend)
-    hang_s = hang_timeout_from_env(os.environ if environ is None else environ) if hang_timeout_s is None else hang_timeout_s
+    hang_s = info.settings.hang_timeout_s if hang_timeout_s is None else hang_timeout_s
     if hang_s > 0:
         enable_flight_recorder(os.environ, chosen)  # read by torch when the group forms
-    environ = os.environ if environ is None else environ
     device = _device_for(chosen, info.local_rank)
     timeout = timedelta(seconds=timeout_s)
     try:
@@ -137,13 +93,11 @@ def init(
             # The elastic agent keeps one store for the whole job, across restarts. Keys from a
             # failed attempt (e.g. Gloo's peer addresses) must not leak into the next one, so each
             # attempt gets its own key prefix.
-            agent_store = environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
             store = dist.TCPStore(
                 info.master_addr, info.master_port, world_size=info.world_size,
-                is_master=not agent_store and info.rank == 0, timeout=timeout,
+                is_master=not info.settings.use_agent_store and info.rank == 0, timeout=timeout,
             )
-            attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-            init_kwargs = {"store": dist.PrefixStore(f"shardwise/attempt_{attempt}", store)}
+            init_kwargs = {"store": dist.PrefixStore(f"shardwise/attempt_{info.settings.restart_count}", store)}
         elif info.world_size == 1:
             init_kwargs = {"init_method": f"tcp://127.0.0.1:{_free_port()}"}
         else:
@@ -164,19 +118,8 @@ def init(
         ) from exc
     setup_logging(info.rank, info.world_size)
     if hang_s > 0 and info.world_size > 1:
-        start_watchdog(rank=info.rank, world_size=info.world_size, timeout_s=hang_s)
-    return RuntimeEnv(
-        rank=info.rank,
-        world_size=info.world_size,
-        local_rank=info.local_rank,
-        local_world_size=info.local_world_size,
-        node_rank=info.node_rank,
-        num_nodes=info.num_nodes,
-        device=device,
-        backend=chosen,
-        launcher=info.launcher,
-        timeout_s=timeout_s,
-    )
+        start_watchdog(rank=info.rank, world_size=info.world_size, timeout_s=hang_s, namespace=info.settings.attempt_namespace)
+    return replace(info, device=device, backend=chosen, timeout_s=timeout_s)
 
 
 def shutdown() -> None:

@@ -40,5 +40,8 @@ def setup_logging(rank: int, world_size: int, *, all_ranks: bool = False, level:
 
 
 def get_logger(name: str | None = None) -> logging.Logger:
-    """A child of the ``shardwise`` logger: ``get_logger("train")`` logs as ``shardwise.train``."""
-    return logging.getLogger(ROOT if not name else f"{ROOT}.{name}")
+    """A child of the ``shardwise`` logger: ``get_logger("train")`` logs as ``shardwise.train``, and a
+    module's ``__name__`` (``"shardwise.train.build"``) keeps its one ``shardwise`` prefix."""
+    if not name or name == ROOT:
+        return logging.getLogger(ROOT)
+    return logging.getLogger(name if name.startswith(ROOT + ".") else f"{ROOT}.{name}")

@@ -7,7 +7,7 @@ mapping of tensors; the model is called as ``model(inputs)``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -40,3 +40,14 @@ def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
 
 def batch_size_of(targets: Any) -> int:
     return int(targets.shape[0]) if isinstance(targets, torch.Tensor) else len(targets)
+
+
+def chunks(loader: Iterable[Any], k: int) -> Iterator[list[Any]]:
+    """Group the loader's micro-batches ``k`` at a time (one optimizer step each); a last group of
+    fewer than ``k`` is dropped (epochs are cut to whole global batches, so there is none)."""
+    group: list[Any] = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == k:
+            yield group
+            group = []

@@ -47,9 +47,21 @@ def warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_
 
 
 def warmup_cosine(
-    *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0, warmup_start_factor: float = 0.0
-) -> Callable[[torch.optim.Optimizer], LRScheduler]:
-    """A scheduler factory for ``Trainer(lr_scheduler=...)``: stepped once per optimizer step."""
+    *, warmup_steps: int, total_steps: int | None = None, min_lr_ratio: float = 0.0, warmup_start_factor: float = 0.0
+) -> Callable[..., LRScheduler]:
+    """A scheduler factory for ``Trainer(lr_scheduler=...)``: stepped once per optimizer step.
+
+    Without ``total_steps`` the factory takes ``(optimizer, total_steps)`` and the Trainer calls it
+    when ``fit`` knows the number of steps; the warmup is then at most that number."""
+    if total_steps is None:
+        if warmup_steps < 0:
+            raise ConfigError(f"warmup_cosine(warmup_steps={warmup_steps}) is negative", hint="use warmup_steps >= 0")
+
+        def deferred(optimizer: torch.optim.Optimizer, total: int) -> LRScheduler:
+            return warmup_cosine(warmup_steps=min(warmup_steps, total), total_steps=total, min_lr_ratio=min_lr_ratio,
+                                 warmup_start_factor=warmup_start_factor)(optimizer)
+
+        return deferred
     if warmup_steps < 0 or total_steps < 1 or warmup_steps > total_steps:
         raise ConfigError(
             f"warmup_cosine(warmup_steps={warmup_steps}, total_steps={total_steps}) is not a schedule",

@@ -22,15 +22,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import shardwise.runtime as runtime
+from shardwise.runtime import env as runtime
 from shardwise.data.loader import DistributedLoader, LoaderOptions, train_loader
 from shardwise.errors import ConfigError
 from shardwise.parallel.ddp import DDPOptions
-from shardwise.parallel.mesh import Meshes, build_mesh
-from shardwise.parallel.parallelize import ParallelModel, parallelize
-from shardwise.plan.plan import Plan
-from shardwise.runtime.env import RuntimeEnv
-from shardwise.train.setup import resolve_plan, seed_everything
+from shardwise.layout import Plan
+from shardwise.parallel.mesh import Meshes
+from shardwise.parallel.parallelize import ParallelModel
+from shardwise.runtime.detect import RuntimeEnv
+from shardwise.train.build import build
 
 
 class Prepared(tuple):
@@ -76,8 +76,6 @@ def prepare(
     A ``DataLoader`` keeps its batch size (per process), collate function, workers and pinning; its
     sampler is replaced by a distributed one (an epoch ends at the last full global batch).
     """
-    env = runtime.init()
-    resolved = resolve_plan(plan, env.world_size)
     if isinstance(data, DataLoader):
         dataset = data.dataset
         batch_size = batch_size or data.batch_size
@@ -90,13 +88,14 @@ def prepare(
     else:
         dataset = data
         options = LoaderOptions(num_workers=num_workers or 0, pin_memory=bool(pin_memory), collate_fn=collate_fn)
-    if not batch_size:
-        raise ConfigError("prepare needs a batch size", hint="pass batch_size= (samples per process per step) or a DataLoader with one")
-    meshes = build_mesh(resolved, env.device.type)
-    dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
-    seed_everything(seed + dp_rank)
-    pm = parallelize(model.to(env.device), resolved, meshes, ddp=ddp)
-    optimizer = pm.build_optimizer(optimizer_factory)  # ZeRO-1 wraps it to shard its state
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ConfigError(f"prepare needs a positive batch size, got {batch_size!r}",
+                          hint="pass batch_size= (samples per process per step) or a DataLoader with one")
+    # The Trainer's build step (train/build.py); "auto" plans for batch_size on every process.
+    built = build(model, optimizer_factory, plan=plan, global_batch_size=batch_size * runtime.init().world_size, seed=seed, ddp=ddp)
+    pm, meshes, env = built.model, built.meshes, built.env
+    dp_rank, dp_size = built.dp_rank, built.dp_size
+    optimizer = built.optimizer
     loader = train_loader(
         dataset,
         micro_batch_size=batch_size,

@@ -23,39 +23,39 @@ import os
 import pathlib
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-import shardwise.runtime as runtime
-from shardwise.runtime.logging import get_logger
+from shardwise.callback import Callback
+from shardwise.checkpoint.callback import checkpoint_callback
 from shardwise.data.loader import LoaderOptions, eval_loader, train_loader
 from shardwise.errors import ConfigError
+from shardwise.layout import Plan
 from shardwise.parallel.ddp import DDPOptions
 from shardwise.parallel.fsdp import FSDPOptions
-from shardwise.parallel.mesh import build_mesh
-from shardwise.parallel.parallelize import ParallelModel, parallelize
+from shardwise.parallel.parallelize import ParallelModel
 from shardwise.parallel.pipeline import PipelineOptions
 from shardwise.parallel.tp import TPOptions
-from shardwise.plan.plan import Plan
+from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
-from shardwise.train.batch import move_batch, split_batch
-from shardwise.train.callbacks import Callback, ProgressBar
+from shardwise.train.batch import chunks, move_batch, split_batch
+from shardwise.train.build import ClusterArg, OptimizerFactory, build
+from shardwise.train.callbacks import ProgressBar
+from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.clip import clip_grad_norm_
 from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
-from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics, throughput
+from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics
 from shardwise.train.precision import LossScaler, autocast, check_precision
 from shardwise.train.result import FitResult
-from shardwise.train.setup import choose_plan, resolve_plan, seed_everything
 from shardwise.train.state import ModelState, OptimizerState, TrainState
+from shardwise.train.window import LogWindow
 
 log = get_logger("train")
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+SchedulerFactory = Callable[..., Any]  # (optimizer) or (optimizer, total_steps) -> scheduler
 
 
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -93,6 +93,7 @@ class Trainer:
         grad_accum_steps: int = 1,
         clip_grad_norm: float | None = None,
         lr_scheduler: SchedulerFactory | None = None,
+        scale_lr: str = "none",
         callbacks: Sequence[Callback] = (),
         loggers: Sequence[Logger] = (),
         seed: int = 0,
@@ -112,6 +113,7 @@ class Trainer:
         tp: TPOptions | None = None,
         fsdp: FSDPOptions | None = None,
         pipeline: PipelineOptions | None = None,
+        cluster: ClusterArg = None,
         run_dir: str | os.PathLike[str] | None = None,
         metrics: MetricsArg = None,
         flops_per_sample: float | None = None,
@@ -121,25 +123,32 @@ class Trainer:
         progress_bar: bool = True,
         checkpoint: Any = None,
     ) -> None:
-        for name, value in (("global_batch_size", global_batch_size), ("grad_accum_steps", grad_accum_steps), ("log_every", log_every)):
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer", hint=f"for example {name}=1")
-        self.env = runtime.init()
-        # plan="auto": the planner's choice (rank 0 keeps its predictions, saved as <run_dir>/auto_plan.json)
-        plan, self.auto_choice = choose_plan(plan, model, self.env, global_batch_size=global_batch_size, precision=precision,
-                                             grad_accum_steps=grad_accum_steps)
-        self.plan = resolve_plan(plan, self.env.world_size, precision=precision)
-        precision = self.plan.precision
-        dp = self.plan.dp_size
-        if global_batch_size % (dp * grad_accum_steps):
-            raise ConfigError(
-                f"global_batch_size={global_batch_size} does not split into {dp} data-parallel ranks x {grad_accum_steps} accumulation steps",
-                hint=f"use a multiple of {dp * grad_accum_steps}, e.g. {dp * grad_accum_steps * max(1, global_batch_size // (dp * grad_accum_steps))}",
-            )
-        self.precision = precision
-        check_precision(precision, self.env.device.type)
-        self.loss_fn, self.global_batch_size, self.grad_accum_steps = loss_fn, global_batch_size, grad_accum_steps
-        self.micro_batch_size = global_batch_size // (dp * grad_accum_steps)
+        check_counts(global_batch_size=global_batch_size, grad_accum_steps=grad_accum_steps, log_every=log_every,
+                     max_steps=max_steps, max_epochs=max_epochs, eval_every=eval_every, eval_batch_size=eval_batch_size,
+                     clip_grad_norm=clip_grad_norm, tokens_per_sample=tokens_per_sample)
+        if not callable(loss_fn):
+            raise ConfigError(f"loss_fn={loss_fn!r} is not callable", hint="pass a function (outputs, targets) -> scalar loss")
+        self.loss_fn = scalar_loss(loss_fn)
+        self.global_batch_size, self.grad_accum_steps = global_batch_size, grad_accum_steps
+
+        def check(plan: Plan, device_type: str) -> None:  # before any mesh or wrapping
+            check_batch_split(global_batch_size, plan.dp_size, grad_accum_steps)
+            check_precision(plan.precision, device_type)
+
+        # The shared build step (train/build.py): init, plan (rank 0 plans "auto"), mesh, seeds,
+        # parallelize, optimizer. Pipelines split each micro-batch again, so an automatic choice
+        # considers them only without gradient accumulation.
+        built = build(model, optimizer, plan=plan, global_batch_size=global_batch_size, seed=seed, precision=precision,
+                      pipelines_allowed=grad_accum_steps == 1, cluster=cluster, tokens_per_sample=tokens_per_sample,
+                      ddp=replace(ddp, sync_batchnorm=ddp.sync_batchnorm or sync_batchnorm), tp=tp, fsdp=fsdp,
+                      pipeline=pipeline, loss_fn=self.loss_fn, check=check)
+        self.env, self.plan, self.auto_choice, self.meshes = built.env, built.plan, built.auto_choice, built.meshes
+        self.model: ParallelModel = built.model
+        self.optimizer = built.optimizer
+        self.dp_rank, self.dp_size = built.dp_rank, built.dp_size
+        self.precision = self.plan.precision
+        scale_learning_rates(self.optimizer, self.dp_size, rule=scale_lr)
+        self.micro_batch_size = global_batch_size // (self.dp_size * grad_accum_steps)
         self.clip_grad_norm, self.seed, self.max_steps, self.max_epochs = clip_grad_norm, seed, max_steps, max_epochs
         self.eval_every, self.log_every, self.shuffle = eval_every, log_every, shuffle
         self.eval_batch_size = eval_batch_size or self.micro_batch_size
@@ -148,23 +157,14 @@ class Trainer:
         )
         self.metric_fns = resolve_metrics(metrics)
         self.flops_per_sample, self.tokens_per_sample = flops_per_sample, tokens_per_sample
-        peak = peak_flops_per_device or peak_flops(self.env.device, precision)
+        peak = peak_flops_per_device or peak_flops(self.env.device, self.precision)
         self.peak_flops_total = peak * self.env.world_size if peak else None
         self.run_dir = pathlib.Path(run_dir) if run_dir is not None else None
-
-        # Wrap: meshes, then the model on its device, then the parallel layout, then the optimizer
-        # (it must see the final, possibly sharded, parameters).
-        self.meshes = build_mesh(self.plan, self.env.device.type)
-        self.dp_rank, self.dp_size = self.meshes.dp.get_local_rank(), self.meshes.dp.size()
-        # Same seed within one replica (TP/PP ranks), different across replicas (dropout).
-        seed_everything(seed + self.dp_rank)
-        ddp = replace(ddp, sync_batchnorm=ddp.sync_batchnorm or sync_batchnorm)
-        self.model: ParallelModel = parallelize(
-            model.to(self.env.device), self.plan, self.meshes, ddp=ddp, tp=tp, fsdp=fsdp, loss_fn=loss_fn, pipeline=pipeline
-        )
-        self.optimizer = self.model.build_optimizer(optimizer)  # ZeRO-1 wraps it to shard its state
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
-        self.scaler = (loss_scaler or LossScaler()) if precision == "fp16" else None
+        # A one-argument factory builds the scheduler now; a two-argument one (optimizer,
+        # total_steps) when fit knows the number of steps (see total_steps_for).
+        self._scheduler_factory = lr_scheduler
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and not wants_total_steps(lr_scheduler) else None
+        self.scaler = (loss_scaler or LossScaler()) if self.precision == "fp16" else None
         self.state = TrainState(rank=self.env.rank)
         self.should_stop = False
         self.history: list[dict[str, Any]] = []
@@ -174,16 +174,13 @@ class Trainer:
         if progress_bar and self.env.is_main and not any(isinstance(c, ProgressBar) for c in self.callbacks):
             self.callbacks.insert(0, ProgressBar())
         # checkpoint: a directory, a CheckpointManager or a CheckpointCallback (shardwise.checkpoint)
-        from shardwise.checkpoint.callback import checkpoint_callback
-
         self.checkpoint = checkpoint_callback(checkpoint)
         if self.checkpoint is not None:
             self.callbacks.append(self.checkpoint)
+        # Loggers open their files when fit starts, after a resume was accepted: a refused resume
+        # must leave the run directory as it found it.
         self.loggers: list[Logger] = list(loggers)
         if self.run_dir is not None and self.env.is_main:
-            if self.auto_choice is not None:
-                os.makedirs(self.run_dir, exist_ok=True)
-                self.auto_choice.save(os.path.join(self.run_dir, "auto_plan.json"))
             if not any(isinstance(lg, CSVLogger) for lg in self.loggers):
                 self.loggers.append(CSVLogger(self.run_dir))
             if tensorboard_available() and not any(isinstance(lg, TensorBoardLogger) for lg in self.loggers):
@@ -211,6 +208,18 @@ class Trainer:
             parts["grad_scaler"] = self.scaler
         return parts
 
+    def total_steps_for(self, train_data: Dataset) -> int:
+        """The optimizer steps ``fit(train_data)`` will run: ``max_steps``, else ``max_epochs``
+        (default 1) times the whole global batches in one epoch. Known before ``fit``, for learning
+        rate schedules and progress reports."""
+        if self.max_steps is not None:
+            return self.max_steps
+        per_epoch = len(train_data) // self.global_batch_size  # type: ignore[arg-type]
+        if per_epoch < 1:
+            raise ConfigError(f"the training data ({len(train_data)} samples) is smaller than one global batch "  # type: ignore[arg-type]
+                              f"({self.global_batch_size})", hint="use a smaller global_batch_size or more data")
+        return per_epoch * (self.max_epochs or 1)
+
     # -- fit ------------------------------------------------------------------------------
     def fit(self, train_data: Dataset, val_data: Dataset | None = None, *, resume: str | int | None = None) -> FitResult:
         """Train until ``max_steps`` / ``max_epochs`` (default: one epoch) or a callback stops it.
@@ -225,27 +234,33 @@ class Trainer:
         loader = self._train_loader(train_data)
         sampler = self.state.sampler
         assert sampler is not None
-        steps_per_epoch = sampler.total_size // self.global_batch_size
         if self.max_steps is None and self.max_epochs is None:
             self.max_epochs = 1
-        if self.max_steps is None:
-            self.total_steps = steps_per_epoch * self.max_epochs  # type: ignore[operator]
-        self._call("on_fit_start")
+        self.total_steps = self.total_steps_for(train_data)
+        if self.lr_scheduler is None and self._scheduler_factory is not None:
+            self.lr_scheduler = self._scheduler_factory(self.optimizer, self.total_steps)  # type: ignore[call-arg]
+        # Restore first, before any other callback sees the state; a refused resume raises here,
+        # before any file of the run directory is opened.
+        first = [self.checkpoint] if self.checkpoint is not None else []
+        for cb in first + [cb for cb in self.callbacks if cb is not self.checkpoint]:
+            cb.on_fit_start(self)
+        self._open_run_files()
         self.model.module.train()  # evaluation restores the mode it found
         start = time.perf_counter()
-        self._window_start, self._window_steps, self._window_loss = time.perf_counter(), 0, None
+        self._window = LogWindow(self.meshes.dp.get_group() if self.dp_size > 1 else None, self.dp_size, self.global_batch_size,
+                                 self.tokens_per_sample, self.flops_per_sample, self.peak_flops_total)
         last_eval_step, val_metrics, train_loss = -1, {}, None
 
         while not self._finished():
             sampler.set_epoch(self.state.epoch)  # keeps a restored mid-epoch position
-            for micro_batches in _chunks(loader, self.grad_accum_steps):
+            for micro_batches in chunks(loader, self.grad_accum_steps):
                 metrics = self._train_step(micro_batches)
                 sampler.advance(self.global_batch_size)
                 self.state.step += 1
                 self.state.samples_seen += self.global_batch_size
                 metrics.update(step=self.state.step, epoch=self.state.epoch, lr=self.optimizer.param_groups[0]["lr"])
                 if self.state.step % self.log_every == 0 or self._finished() or sampler.epoch_finished:
-                    metrics.update(self._flush_window())
+                    metrics.update(self._window.flush())
                     metrics = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
                     train_loss = metrics["loss"]
                 else:  # reading the norm would wait for the device: only on logging steps
@@ -262,8 +277,8 @@ class Trainer:
                 self._call("on_epoch_end")
                 if val_data is not None and self.eval_every is None and last_eval_step != self.state.step:
                     val_metrics, last_eval_step = self._eval_during_fit(val_data), self.state.step
-        if self._window_steps:  # stopped by a callback between logging steps
-            train_loss = self._flush_window()["loss"]
+        if self._window.steps:  # stopped by a callback between logging steps
+            train_loss = self._window.flush()["loss"]
         if val_data is not None and last_eval_step != self.state.step:
             val_metrics = self._eval_during_fit(val_data)
         self._call("on_fit_end")
@@ -304,34 +319,8 @@ class Trainer:
             metrics.update(loss_scale=self.scaler.scale, skipped=not take_step)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        self._window_loss = loss_sum / k if self._window_loss is None else self._window_loss + loss_sum / k
-        self._window_steps += 1
+        self._window.add(loss_sum / k)
         return metrics
-
-    def _flush_window(self) -> dict[str, float]:
-        """Global mean loss and throughput over the steps since the last log.
-
-        Communication: one all-reduce (SUM) of one float over the dp mesh; it also synchronizes the
-        ranks, so the wall time measured here is the true step time.
-        """
-        loss = self._window_loss.detach().clone().double()  # type: ignore[union-attr]
-        if self.dp_size > 1:
-            dist.all_reduce(loss, group=self.meshes.dp.get_group())
-        steps = self._window_steps
-        now = time.perf_counter()
-        seconds = now - self._window_start
-        out = {"loss": loss.item() / (self.dp_size * steps), "step_time_s": seconds / steps}
-        out.update(
-            throughput(
-                samples=steps * self.global_batch_size,
-                seconds=seconds,
-                tokens_per_sample=self.tokens_per_sample,
-                flops_per_sample=self.flops_per_sample,
-                peak_flops_total=self.peak_flops_total,
-            )
-        )
-        self._window_start, self._window_steps, self._window_loss = now, 0, None
-        return out
 
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self, data: Dataset) -> dict[str, float]:
@@ -352,10 +341,21 @@ class Trainer:
         metrics.update(step=self.state.step, epoch=self.state.epoch)
         self._call("on_eval_end", metrics)
         self._log(metrics)
-        self._window_start = time.perf_counter()  # evaluation time is not training throughput
+        self._window.restart_clock()  # evaluation time is not training throughput
         return metrics
 
     # -- helpers --------------------------------------------------------------------------
+    def _open_run_files(self) -> None:
+        """Rank 0 writes the run directory's files once, after a resume was accepted:
+        ``auto_plan.json`` (plan="auto") and the loggers' files (kept up to a resumed step)."""
+        if self.run_dir is not None and self.env.is_main and self.auto_choice is not None:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.auto_choice.save(os.path.join(self.run_dir, "auto_plan.json"))
+        for logger in self.loggers:
+            begin = getattr(logger, "begin", None)
+            if begin is not None:
+                begin(self.state.step)
+
     def _train_loader(self, data: Dataset) -> DataLoader:
         loader = train_loader(
             data,
@@ -386,13 +386,3 @@ class Trainer:
         self.history.append(row)
         for logger in self.loggers:
             logger.log(row, self.state.step)
-
-
-def _chunks(loader: DataLoader, k: int) -> Iterator[list[Any]]:
-    """Group the loader's micro-batches k at a time (one optimizer step each)."""
-    group: list[Any] = []
-    for batch in loader:
-        group.append(batch)
-        if len(group) == k:
-            yield group
-            group = []

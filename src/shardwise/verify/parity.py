@@ -14,7 +14,7 @@ for ``steps`` optimizer steps twice from the same seed and on the same global ba
 
 It compares per-step loss (the parallel loss is averaged over the data-parallel ranks, which is
 the global-batch mean because the slices are equal), per-step global gradient norm (computed
-over DTensor shards by :func:`shardwise.parallel.grad_norm.reference_grad_norm`, and summed over the
+over DTensor shards by :func:`shardwise.verify.grad_norm.reference_grad_norm`, and summed over the
 pipeline stages) and the final weights (gathered with ``full_tensor()``; with pipelining each stage
 compares its own parameters by their original names and the results are gathered over ``pp``). Loss and grad norm are compared relatively; a weight tensor's
 divergence is ``max|w - w_ref| / max(max|w_ref|, weight_floor)``: relative to the tensor's scale,
@@ -46,35 +46,33 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError
+from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.init import parallelize_on_meta
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import stage_modules
 from shardwise.parallel.tp import TPOptions
-from shardwise.plan.plan import Plan
-from shardwise.parallel.grad_norm import reference_grad_norm
+from shardwise.layout import Plan
+from shardwise.shape import TransformerShape
+from shardwise.verify.grad_norm import reference_grad_norm
 
 
 # -- workloads ---------------------------------------------------------------------------------
+SMALL_GPT = GPTConfig(vocab_size=64, seq_len=16, layers=2, hidden=32, heads=4)
+
+
 @dataclass(frozen=True)
 class GPTWorkload:
-    """shardwise's GPT on random token ids (next-token cross-entropy)."""
+    """shardwise's GPT of ``shape`` (small by default) on random token ids (next-token cross-entropy)."""
 
-    vocab_size: int = 64
-    seq_len: int = 16
-    layers: int = 2
-    hidden: int = 32
-    heads: int = 4
+    shape: TransformerShape = SMALL_GPT
 
     def build(self, seed: int) -> nn.Module:
-        from shardwise.models.gpt import GPT, GPTConfig
-
-        cfg = GPTConfig(vocab_size=self.vocab_size, seq_len=self.seq_len, layers=self.layers, hidden=self.hidden, heads=self.heads)
-        return GPT(cfg, seed=seed)
+        return GPT(self.shape, seed=seed)
 
     def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(10_000 + step)
-        ids = torch.randint(0, self.vocab_size, (size, self.seq_len + 1), generator=gen)
+        ids = torch.randint(0, self.shape.vocab_size, (size, self.shape.seq_len + 1), generator=gen)
         return ids[:, :-1], ids[:, 1:]
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,8 @@
 The ranks agree on a call count long enough to span many scheduler time slices, start together
 after a barrier, and the slowest rank's elapsed time over that count is the answer (median of a
 few windows). Short per-rank timings would let a rank that runs while the others are descheduled
-report a speed no training step ever sees. Used by :mod:`shardwise.plan.calibrate` and
-:mod:`shardwise.plan.layer_costs`; every function is a collective call (all ranks).
+report a speed no training step ever sees. Used by :mod:`shardwise.calibrate.calibration` and
+:mod:`shardwise.calibrate.layer_costs`; every function is a collective call (all ranks).
 """
 
 from __future__ import annotations

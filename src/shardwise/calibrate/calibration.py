@@ -35,8 +35,8 @@ ever sees.
   own compute is ``pp_microbatch_overhead_s`` (the schedule's Python work, point-to-point latency,
   shape checks).
 
-The model-level measurements (layers, pipelines, Adam) live in :mod:`shardwise.plan.layer_costs`,
-the concurrent windows in :mod:`shardwise.plan.timing`.
+The model-level measurements (layers, pipelines, Adam) live in :mod:`shardwise.calibrate.layer_costs`,
+the concurrent windows in :mod:`shardwise.calibrate.timing`.
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from typing import Any
 
 from shardwise.observe.collectives import BandwidthRow, bus_factor
 from shardwise.plan.cluster import ClusterSpec
-from shardwise.plan.layer_costs import (measure_block_throughput, measure_optimizer, measure_parallel_layer_overheads,
+from shardwise.calibrate.layer_costs import (measure_block_throughput, measure_optimizer, measure_parallel_layer_overheads,
                                         measure_pipeline_overlap)
-from shardwise.plan.timing import concurrent_seconds, solo_seconds
+from shardwise.calibrate.timing import concurrent_seconds, solo_seconds
 
 DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
 

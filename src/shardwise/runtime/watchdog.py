@@ -8,7 +8,7 @@ How it works (one daemon thread per rank, started by :func:`shardwise.init`):
    C++, FSDP's all-gathers — with its group, sequence number, operation and shapes, and keeps the
    unfinished ones "active". Step numbers come from :meth:`Watchdog.step` (the Trainer calls it).
 2. **Heartbeats through the rendezvous store.** Every ``interval_s`` each rank writes a small JSON
-   :class:`~shardwise.observe.hang_report.Heartbeat` under its own key (one ``set``, O(1) per rank)
+   :class:`~shardwise.runtime.hang_report.Heartbeat` under its own key (one ``set``, O(1) per rank)
    and checks one ``abort`` key. It reads the other ranks' heartbeats only when it suspects a hang,
    so the store load stays O(world) per interval. The store is reached over its own client socket,
    never through the process group, so it works while the group is stuck.
@@ -18,7 +18,7 @@ How it works (one daemon thread per rank, started by :func:`shardwise.init`):
    The step check is off by default: a rank stuck outside collectives (a dead data loader, a
    deadlock) is named by its peers, who wait for it in the next collective, while a legitimately
    long stretch without steps (a big evaluation) would otherwise be mistaken for a hang. It then diagnoses who did not arrive
-   (:func:`~shardwise.observe.hang_report.diagnose`), publishes the verdict under ``abort``
+   (:func:`~shardwise.runtime.hang_report.diagnose`), publishes the verdict under ``abort``
    (first writer wins), prints it with its Python stack and in-flight collectives, and exits with
    :data:`HANG_EXIT_CODE`. Every other rank sees ``abort`` within one interval and does the same,
    so every rank dumps its stack and the whole job ends instead of waiting for a 30-minute timeout.
@@ -48,35 +48,16 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, Iterator, Mapping, MutableMapping, TextIO
+from typing import Callable, Iterator, MutableMapping, TextIO
 
 import torch.distributed as dist
 
-from shardwise.errors import ConfigError
-from shardwise.observe.hang_report import Heartbeat, InFlight, Stall, diagnose, verdict
+from shardwise.runtime.hang_report import Heartbeat, InFlight, Stall, diagnose, verdict
 
-ENV_VAR = "SHARDWISE_HANG_TIMEOUT"
-DEFAULT_HANG_TIMEOUT_S = 300.0
 HANG_EXIT_CODE = 124  # like timeout(1): "it ran past its limit"
 FLIGHT_RECORDER_ENTRIES = "2000"
 _FAULTHANDLER_MARGIN_S = 60.0
 _ACTIVE: list["Watchdog"] = []  # the watchdog init() started in this process (at most one)
-
-
-def hang_timeout_from_env(environ: Mapping[str, str], default: float = DEFAULT_HANG_TIMEOUT_S) -> float:
-    """``SHARDWISE_HANG_TIMEOUT`` in seconds (``0`` or ``off`` disables the watchdog), else ``default``."""
-    raw = environ.get(ENV_VAR, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("off", "none", "false", "no"):
-        return 0.0
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{ENV_VAR}={raw!r} is not a number of seconds", hint=f"e.g. {ENV_VAR}=300, or 0 to disable") from None
-    if value < 0:
-        raise ConfigError(f"{ENV_VAR}={raw} is negative", hint="use seconds > 0, or 0 to disable the watchdog")
-    return value
 
 
 def enable_flight_recorder(environ: MutableMapping[str, str], backend: str) -> None:
@@ -308,12 +289,11 @@ class Watchdog:
         self._exit(HANG_EXIT_CODE)
 
 
-def start_watchdog(*, rank: int, world_size: int, timeout_s: float, namespace: str | None = None, **kwargs) -> Watchdog | None:
-    """Start this process's watchdog on the default group's store (``timeout_s <= 0``: none)."""
+def start_watchdog(*, rank: int, world_size: int, timeout_s: float, namespace: str = "local/0", **kwargs) -> Watchdog | None:
+    """Start this process's watchdog on the default group's store (``timeout_s <= 0``: none), under
+    ``namespace`` (the launch attempt's, :attr:`Settings.attempt_namespace <shardwise.runtime.settings.Settings.attempt_namespace>`)."""
     if timeout_s <= 0 or not dist.is_initialized() or current() is not None:
         return current()
-    if namespace is None:
-        namespace = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     store = side_store(dist.distributed_c10d._get_default_store(), namespace)
     dog = Watchdog(store, rank=rank, world_size=world_size, timeout_s=timeout_s, **kwargs).start()
     _ACTIVE.append(dog)

@@ -1,4 +1,5 @@
-"""The parallel layout as one validated value: :class:`Plan`.
+"""The parallel layout as one validated value: :class:`Plan` (a leaf: it imports nothing of shardwise
+but its errors, so every layer may import it, like torchtitan's ``ParallelDims``).
 
 A plan names four degrees whose product is the world size, laid out on a named device mesh from
 the outermost to the innermost dimension (innermost = fastest links, so TP stays inside a node)::
@@ -74,7 +75,7 @@ class Plan:
     pp: int = 1
     zero: int = 0
     schedule: Schedule = "1f1b"
-    microbatches: int = 1
+    microbatches: int = 0  # 0: one per pipeline stage and virtual stage (1 without a pipeline)
     virtual_stages: int = 1
     sequence_parallel: bool = False
     recompute: Recompute = "none"
@@ -83,6 +84,8 @@ class Plan:
     compile: bool = False
 
     def __post_init__(self) -> None:
+        if self.microbatches == 0 and isinstance(self.pp, int) and isinstance(self.virtual_stages, int):
+            object.__setattr__(self, "microbatches", default_microbatches(self.pp, self.virtual_stages))
         for name in ("dp", "shard", "tp", "pp", "microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -155,34 +158,14 @@ class Plan:
             )
         return self
 
-    def runtime_conflict(self) -> ConfigError | None:
-        """Why shardwise's parallel layer cannot run this layout, whatever the model (None if it can).
-
-        ZeRO-1 is torch's ``ZeroRedundancyOptimizer`` over DDP: it cannot wrap tensor-parallel
-        DTensors, and under pipelining the data-parallel wrapper is FSDP2's replicate, whose DTensor
-        parameters it cannot broadcast (torch has no DTensor rule for ``c10d.broadcast_``). The
-        planner's search skips such layouts; :func:`shardwise.parallel.parallelize.validate` raises this.
-        """
-        if self.zero == 1 and self.tp_enabled:
-            return ConfigError(
-                f"plan {self}: zero=1 (ZeroRedundancyOptimizer over DDP) cannot wrap tensor-parallel DTensors",
-                hint="use zero=2 or zero=3 with tp (FSDP composes with TP), or drop tp",
-            )
-        if self.zero == 1 and self.pp_enabled and self.shard > 1:
-            return ConfigError(
-                f"plan {self}: zero=1 (ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages",
-                hint=f"use zero=2 or zero=3 with pp (FSDP composes with pipeline stages), e.g. {dataclasses.replace(self, zero=2)}, "
-                     f"or plain data parallelism: {dataclasses.replace(self, zero=0, dp=self.dp_size, shard=1)}",
-            )
-        return None
-
     # -- construction ----------------------------------------------------------------------
     @classmethod
-    def parse(cls, text: str) -> Plan:
-        """``"dp=2,tp=2"`` -> Plan(dp=2, tp=2). Flags without a value mean True (``sp``)."""
+    def parse(cls, text: str, *, world_size: int | None = None) -> Plan:
+        """``"dp=2,tp=2"`` -> Plan(dp=2, tp=2). Flags without a value mean True (``sp``). With
+        ``world_size`` the degrees left out are filled in (see :meth:`from_dict`)."""
         text = text.strip()
         if text in ("", "single", "none"):
-            return cls()
+            return cls(dp=world_size or 1)
         values: dict[str, Any] = {}
         for item in text.split(","):
             key, sep, raw = item.strip().partition("=")
@@ -190,10 +173,18 @@ class Plan:
             if not sep:
                 raw = "true"
             values[key] = raw.strip()
-        return cls.from_dict(values)
+        return cls.from_dict(values, world_size=world_size)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> Plan:
+    def from_dict(cls, values: dict[str, Any], *, world_size: int | None = None) -> Plan:
+        """A plan from the keys a user named; with ``world_size`` the rest is filled in:
+
+        - ``zero=N`` with ``dp`` but no ``shard``: shard over those data-parallel ranks (``"zero=3,dp=4"``);
+        - ``zero=N`` with neither: shard over all data-parallel ranks, the rest of the world after tp and pp;
+        - ``zero=N`` with ``shard`` but no ``dp``: ``dp`` replicas of the shard group (HSDP) fill the rest;
+        - no ZeRO and no ``dp``: ``dp`` takes the rest of the world;
+        - ``pp`` without ``microbatches``: one microbatch per stage and virtual stage.
+        """
         known = {f.name: f for f in fields(cls)}
         out: dict[str, Any] = {}
         for key, raw in values.items():
@@ -204,15 +195,9 @@ class Plan:
         # "zero=3,dp=4" means: shard over the data-parallel ranks (the common case).
         if out.get("zero", 0) > 0 and "shard" not in out and "dp" in out:
             out["shard"], out["dp"] = out["dp"], 1
+        if world_size is not None:
+            out = _fill_degrees(out, world_size)
         return cls(**out)
-
-    @classmethod
-    def auto(cls, model: Any, *, world_size: int, cluster: Any = "cpu", global_batch: int, **options: Any) -> Plan:
-        """The planner's fastest plan that fits (``shardwise.plan.auto_plan``; imported lazily so that
-        this module stays light). ``model``: an nn.Module, a transformer spec dict or a preset name."""
-        from shardwise.plan.planner import auto_plan
-
-        return auto_plan(model, world_size=world_size, cluster=cluster, global_batch=global_batch, **options).plan
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -246,6 +231,8 @@ class Plan:
             if value != f.default or f.name in ("dp",):
                 if f.name == "schedule" and not self.pp_enabled:
                     continue
+                if f.name == "microbatches" and value == default_microbatches(self.pp, self.virtual_stages):
+                    continue
                 parts.append(f.name if value is True else f"{f.name}={value}")
         return ",".join(parts)
 
@@ -267,6 +254,59 @@ class Plan:
             rows.append(("torch.compile", "on"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def default_microbatches(pp: int, virtual_stages: int = 1) -> int:
+    """Microbatches when a plan names none: one per stage and virtual stage (the fewest that keep
+    every stage of a 1F1B or interleaved schedule busy); 1 without a pipeline."""
+    return pp * virtual_stages if pp > 1 else 1
+
+
+def _fill_degrees(values: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """The degrees :meth:`Plan.from_dict` fills in for ``world_size`` (named keys are kept)."""
+    out = dict(values)
+    fixed = 1
+    for key in ("tp", "pp"):
+        value = out.get(key, 1)
+        fixed *= value if isinstance(value, int) and value > 0 else 1
+    given = ",".join(f"{k}={v}" for k, v in values.items())
+    if world_size % fixed:
+        raise ConfigError(f"plan {given}: tp*pp={fixed} does not divide the world of {world_size} processes",
+                          hint=f"use degrees whose product divides {world_size}, e.g. {_suggest(world_size)}")
+    rest = world_size // fixed
+    if out.get("zero", 0) > 0:
+        if "shard" not in out and "dp" not in out:
+            out["shard"], out["dp"] = rest, 1
+        elif "dp" not in out:
+            shard = out["shard"]
+            if not isinstance(shard, int) or shard < 1 or rest % shard:
+                raise ConfigError(f"plan {given}: shard={shard} does not divide the {rest} data-parallel ranks of {world_size} processes",
+                                  hint=f"use a shard degree that divides {rest}, or leave shard out (shard={rest})")
+            out["dp"] = rest // shard
+    elif "dp" not in out:
+        out["dp"] = rest
+    return out
+
+
+def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = None) -> Plan:
+    """The plan a job runs: ``"dp"`` -> all processes data parallel, a string parsed with the
+    degrees it leaves out filled in for ``world_size``; the result must use the whole world.
+
+    ``precision`` (a trainer's) is written into the plan, so FSDP's mixed-precision policy and the
+    printed plan agree with the autocast the loop uses; it may not contradict a plan that sets one.
+    """
+    if isinstance(plan, str):
+        plan = Plan(dp=world_size) if plan.strip().lower() in ("dp", "ddp") else Plan.parse(plan, world_size=world_size)
+    if not isinstance(plan, Plan):
+        raise ConfigError(f"plan must be a Plan or a string, got {type(plan).__name__}", hint='for example plan="dp" or plan="dp=2,tp=2"')
+    if precision is not None and precision != plan.precision:
+        if plan.precision != "fp32":
+            raise ConfigError(
+                f"precision={precision!r} contradicts the plan's precision={plan.precision}",
+                hint="set the precision in one place (the plan or the Trainer)",
+            )
+        plan = dataclasses.replace(plan, precision=precision)  # validated by Plan.__post_init__
+    return plan.check_world(world_size)
 
 
 def _coerce(key: str, raw: Any, annotation: Any) -> Any:

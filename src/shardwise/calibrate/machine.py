@@ -19,27 +19,21 @@ import socket
 import tempfile
 from dataclasses import replace
 
+from shardwise.calibrate.calibration import calibrate_worker, to_spec
 from shardwise.errors import ConfigError
 from shardwise.plan.cluster import ClusterSpec
 
 QUICK_COLLECTIVE_SIZES = (64 * 2**10, 2**20, 4 * 2**20)
 
 
-def cache_dir() -> str:
-    explicit = os.environ.get("SHARDWISE_CACHE_DIR")
-    if explicit:
-        return explicit
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "shardwise")
-
-
-def cache_path(*, world_size: int, device_type: str, threads: int, device_name: str = "") -> str:
-    """The cache file of one job shape on this host."""
+def cache_path(directory: str, *, world_size: int, device_type: str, threads: int, device_name: str = "") -> str:
+    """The cache file of one job shape on this host, in ``directory`` (the runtime settings'
+    ``cache_dir``: ``$SHARDWISE_CACHE_DIR``, else ``$XDG_CACHE_HOME/shardwise``, else ``~/.cache/shardwise``)."""
     import torch
 
     device = device_type if not device_name else f"{device_type}-{device_name.replace(' ', '_')}"
     name = f"cluster-{socket.gethostname()}-{world_size}x{device}-{threads}t-torch{torch.__version__.split('+')[0]}.json"
-    return os.path.join(cache_dir(), name)
+    return os.path.join(directory, name)
 
 
 def load_cached(path: str) -> ClusterSpec | None:
@@ -68,13 +62,12 @@ def save_cached(spec: ClusterSpec, path: str) -> None:
 def calibrate_world(*, local_world_size: int | None = None) -> ClusterSpec:
     """Measure the current process group (collective call: every rank) and return its spec.
 
-    Same measurements as ``shardwise calibrate`` (:func:`shardwise.plan.calibrate.calibrate_worker`)
+    Same measurements as ``shardwise calibrate`` (:func:`shardwise.calibrate.calibration.calibrate_worker`)
     with fewer collective message sizes, in the job's own processes and threads, so the figures
     are the ones training will see. ``local_world_size`` sets the devices per node (default: all
     ranks on one node)."""
     import torch.distributed as dist
 
-    from shardwise.plan.calibrate import calibrate_worker, to_spec
 
     cal = calibrate_worker(list(QUICK_COLLECTIVE_SIZES), None, 3)
     spec = to_spec(cal)

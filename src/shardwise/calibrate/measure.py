@@ -28,8 +28,8 @@ def measure_plan_worker(plan_text: str, config: dict[str, Any], *, global_batch:
     from shardwise.models.gpt import GPT, GPTConfig
     from shardwise.parallel.mesh import build_mesh
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.parallel.parity import memory_bytes
-    from shardwise.plan.plan import Plan
+    from shardwise.verify.parity import memory_bytes
+    from shardwise.layout import Plan
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # GPT returns a view; harmless here
     plan = Plan.parse(plan_text)
@@ -94,11 +94,9 @@ def measure_trainer_worker(plan_text: str, config: dict[str, Any], *, global_bat
     planner call of ``plan="auto"`` (rank 0 plans, then broadcasts), the Trainer's data loader,
     its micro-step loop, its loss all-reduce each logging step (``log_every=1``, which also
     synchronizes the ranks so a logged step time is the slowest rank's) and Adam. ``cluster`` is a
-    spec file for the planner (``SHARDWISE_CLUSTER``), None for the device's preset. Returns the
+    preset name or spec file for the planner (``Trainer(cluster=...)``); None: this machine, measured. Returns the
     chosen plan, the median of the timed steps (slowest rank) and all of them.
     """
-    import os
-
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -116,22 +114,13 @@ def measure_trainer_worker(plan_text: str, config: dict[str, Any], *, global_bat
     gen = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, cfg.vocab_size, ((warmup + steps) * global_batch, cfg.seq_len + 1), generator=gen)
     data = TensorDataset(ids[:, :-1], ids[:, 1:])
-    previous = os.environ.get("SHARDWISE_CLUSTER")
-    if cluster is not None:
-        os.environ["SHARDWISE_CLUSTER"] = cluster
     try:
         trainer = Trainer(GPT(cfg, seed=0), loss_fn=loss_fn, global_batch_size=global_batch, plan=plan_text,
                           optimizer=lambda params: torch.optim.Adam(params, lr=lr), max_steps=warmup + steps,
-                          log_every=1, progress_bar=False, shuffle=False)
+                          log_every=1, progress_bar=False, shuffle=False, cluster=cluster)
         result = trainer.fit(data)
     except (ShardwiseError, NotImplementedError, RuntimeError, ValueError) as exc:
         return {"plan": plan_text, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    finally:
-        if cluster is not None:
-            if previous is None:
-                os.environ.pop("SHARDWISE_CLUSTER", None)
-            else:
-                os.environ["SHARDWISE_CLUSTER"] = previous
     times = [row["step_time_s"] for row in result.history if "step_time_s" in row][warmup:]
     t = torch.tensor([statistics.median(times)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -1,7 +1,7 @@
 """What parallel layers, real transformer layers and the optimizer cost on this machine.
 
-Measured on the built-in GPT by :func:`shardwise.plan.calibrate.calibrate_worker`, in concurrent
-windows (:mod:`shardwise.plan.timing`): the fixed costs of tensor parallelism, FSDP units and
+Measured on the built-in GPT by :func:`shardwise.calibrate.calibration.calibrate_worker`, in concurrent
+windows (:mod:`shardwise.calibrate.timing`): the fixed costs of tensor parallelism, FSDP units and
 pipeline slots on a GPT too small for bandwidth to matter; how much a pipeline stage gains while
 the others idle; the throughput of a stack of real transformer layers, plain and under full
 recomputation; and Adam's step per tensor, per DTensor and per element.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from shardwise.plan.timing import concurrent_seconds
+from shardwise.calibrate.timing import concurrent_seconds
 
 
 def _tiny_gpt(layers: int) -> Any:
@@ -38,7 +38,7 @@ def _layer_step_seconds(plan_text: str, device: Any, *, cfg: Any, batch: int = 2
     from shardwise.models.gpt import GPT
     from shardwise.parallel.mesh import build_mesh
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.plan.plan import Plan
+    from shardwise.layout import Plan
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # GPT returns a view; harmless here
 
@@ -150,7 +150,7 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[s
     import torch
 
     from shardwise.models.gpt import Block, GPTConfig
-    from shardwise.plan.stats import TransformerSpec
+    from shardwise.plan.stats import TransformerSpec, transformer_stats
     from shardwise.train.precision import autocast
 
     from shardwise.parallel.checkpointing import apply_checkpointing
@@ -172,7 +172,7 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[s
                     y = block(x)
                 y.backward(torch.ones_like(y))
 
-            flops = STACK * 3 * TransformerSpec(layers=1, hidden=hidden, heads=heads, vocab=8, seq=seq).stats().flops_per_block * (tokens // seq)
+            flops = STACK * 3 * transformer_stats(TransformerSpec(layers=1, hidden=hidden, heads=heads, vocab_size=8, seq_len=seq)).flops_per_block * (tokens // seq)
             dim = (tokens * hidden * hidden) ** (1 / 3)
             table[f"{dim:.1f}"] = flops / concurrent_seconds(step, device, window_s=0.2, windows=2)
             del block, x

@@ -1,0 +1,152 @@
+"""Statistics of any ``nn.Module`` for the planner, measured on the ``meta`` device.
+
+Nothing is allocated: the model is built (or copied) on ``meta``, parameters are counted per
+module, FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` and the saved-for-backward
+bytes from ``torch.autograd.graph.saved_tensors_hooks`` during one meta forward of one sample. The
+repeated blocks are the longest ``nn.ModuleList``/``nn.Sequential`` whose children all share one
+type; the parameters before them count as the embedding part, those after as the head.
+
+A model that carries its :class:`~shardwise.shape.TransformerShape` as ``model.config`` (the
+built-in GPT) gets the planner's closed forms instead (:func:`shardwise.plan.stats.transformer_stats`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import runpy
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from shardwise.errors import ConfigError
+from shardwise.plan.stats import ModelStats, TransformerShape, transformer_stats
+
+
+def module_stats(model: nn.Module, *, seq: int | None = None) -> ModelStats:
+    """Planner statistics of a live module (it is copied to ``meta``, never run).
+
+    ``seq``: the input length per sample (1 for non-sequence inputs); needed unless the model
+    carries its shape as ``model.config``."""
+    config = getattr(model, "config", None)
+    if isinstance(config, TransformerShape):
+        return transformer_stats(config, seq=seq)
+    if seq is None:
+        raise ConfigError(f"planning a {type(model).__name__} needs its input length per sample",
+                          hint="pass the length of one sample (1 for non-sequence inputs)")
+    meta = copy.deepcopy(model).to("meta")
+    first = next(meta.parameters(), None)
+    is_tokens = isinstance(getattr(meta, "tok_emb", None) or first, nn.Embedding)
+
+    def example(device: str) -> torch.Tensor:
+        if is_tokens:
+            return torch.zeros(1, seq, dtype=torch.long, device=device)
+        in_features = getattr(first, "shape", (1, 1))[-1]
+        return torch.zeros(1, in_features, device=device)
+
+    return measure_module(lambda: meta, example, seq=seq, name=type(model).__name__)
+
+
+def stats_from_script(path: str, *, seq: int | None = None) -> ModelStats:
+    """``shardwise plan --script file.py``: the file defines ``MODEL_SPEC`` (a dict), or
+    ``build_model()`` and ``example_input(device)`` (one sample's input), measured on ``meta``."""
+    if not os.path.exists(path):
+        raise ConfigError(f"--script {path!r} does not exist", hint="give the path of a Python file")
+    namespace = runpy.run_path(path, run_name="shardwise_plan")
+    if "MODEL_SPEC" in namespace:
+        shape = TransformerShape.from_dict(dict(namespace["MODEL_SPEC"]), name=os.path.basename(path))
+        return transformer_stats(shape, seq=seq)
+    if "build_model" not in namespace or "example_input" not in namespace:
+        raise ConfigError(f"--script {path} defines neither MODEL_SPEC nor build_model() + example_input(device)",
+                          hint="add MODEL_SPEC = {...} or both functions")
+    return measure_module(namespace["build_model"], namespace["example_input"], seq=seq or int(namespace.get("SEQ", 1)),
+                          name=os.path.basename(path))
+
+
+def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, seq: int = 1, name: str = "model") -> ModelStats:
+    """Statistics of any model, measured on the ``meta`` device (nothing is allocated).
+
+    ``build()`` returns the ``nn.Module`` (it is called under ``torch.device("meta")``);
+    ``example(device)`` returns the input of one sample. The repeated blocks are the longest
+    ``nn.ModuleList``/``nn.Sequential`` whose children all have the same type; everything else
+    counts as the embedding (before the blocks) or head (after) part, split by parameter order.
+    """
+    with torch.device("meta"):
+        model = build()
+    blocks = _find_blocks(model) or [model]  # no repeated blocks: the whole model is one block
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    names = [n for n, _ in model.named_parameters()]
+    first_block = next((i for i, (_, p) in enumerate(model.named_parameters()) if id(p) in in_blocks), len(names))
+    embed = sum(p.numel() for i, (_, p) in enumerate(model.named_parameters()) if id(p) not in in_blocks and i < first_block)
+    head = sum(p.numel() for i, (_, p) in enumerate(model.named_parameters()) if id(p) not in in_blocks and i >= first_block)
+
+    state = {"active": None, "saved": {}, "boundary": 0}
+
+    def pre(module: nn.Module, args: tuple) -> None:
+        state["active"] = id(module)
+        if isinstance(args[0], torch.Tensor) and not state["boundary"]:
+            state["boundary"] = args[0].numel() * 2  # counted at 16-bit like the analytic path
+
+    def post(module: nn.Module, args: tuple, out: Any) -> None:
+        state["active"] = None
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = state["active"]
+        scale = 2 / t.element_size() if t.is_floating_point() else 1  # normalize to 16-bit
+        state["saved"][key] = state["saved"].get(key, 0.0) + t.numel() * t.element_size() * scale
+        return t
+
+    handles = [h for b in blocks for h in (b.register_forward_pre_hook(pre), b.register_forward_hook(post))]
+    counter = FlopCounterMode(display=False)
+    logits_bytes = 0
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
+            out = model(example("meta"))
+            if isinstance(out, torch.Tensor):
+                logits_bytes = out.numel() * 2
+    finally:
+        for h in handles:
+            h.remove()
+    total_flops = counter.get_total_flops()
+    flops_by_module = counter.get_flop_counts()
+    n = max(1, len(blocks))
+    block_saved = sum(v for k, v in state["saved"].items() if k is not None) / n
+    block_flops = 0.0
+    if blocks[0] is model:
+        block_flops = float(total_flops)
+    else:
+        for key, counts in flops_by_module.items():
+            if key.count(".") == _block_depth(model, blocks):
+                block_flops = max(block_flops, float(sum(counts.values())))
+    block_flops = block_flops or total_flops / n
+    heads = int(getattr(getattr(model, "config", None), "heads", 0) or 0)
+    hidden = int(getattr(getattr(model, "config", None), "hidden", 0) or 0)
+    divides = (heads, hidden) if heads and hidden else ()
+    return ModelStats(
+        name=name, blocks=len(blocks), params_per_block=max(block_params, default=0), params_embed=embed, params_head=head,
+        flops_per_block=block_flops, flops_head=max(0.0, total_flops - block_flops * len(blocks)), attn_flops_per_block=0.0,
+        act_bytes_per_block=block_saved, attn_act_bytes_per_block=0.0, boundary_bytes=float(state["boundary"]),
+        logits_bytes=float(logits_bytes), seq=seq, hidden=hidden, heads=heads,
+        vocab=int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0), tp_divides=divides,
+    )
+
+
+def _find_blocks(model: Any) -> list[Any]:
+    best: list[Any] = []
+    for module in model.modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            children = list(module.children())
+            if len(children) > max(1, len(best)) and len({type(c) for c in children}) == 1:
+                best = children
+    return best
+
+
+def _block_depth(model: Any, blocks: list[Any]) -> int:
+    """Dots in a block's qualified name as FlopCounterMode reports it (``Global`` prefix aside)."""
+    for name, module in model.named_modules():
+        if blocks and module is blocks[0]:
+            return name.count(".") + 1  # FlopCounterMode names are "<ModelClass>.<path>"
+    return -1

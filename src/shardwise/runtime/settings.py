@@ -1,0 +1,87 @@
+"""shardwise's own environment variables, read once into a typed value.
+
+:func:`read_settings` runs when the launcher's variables are read (:func:`shardwise.runtime.detect.detect_process`,
+so once per :func:`shardwise.init`); every later layer takes the value from
+:attr:`RuntimeEnv.settings <shardwise.runtime.detect.RuntimeEnv.settings>` and never reads the
+environment again. The variables:
+
+- ``SHARDWISE_HANG_TIMEOUT``: seconds a collective may stall before the hang watchdog stops the job
+  (default 300; ``0`` or ``off`` disables);
+- ``SHARDWISE_CLUSTER``: a preset name or a ``shardwise calibrate`` spec file for ``plan="auto"``
+  (default: this machine, measured once and cached);
+- ``SHARDWISE_CACHE_DIR`` (else ``$XDG_CACHE_HOME/shardwise``, else ``~/.cache/shardwise``): where
+  that measurement is cached;
+- ``SHARDWISE_FAULT``: a fault to inject for recovery tests (:mod:`shardwise.checkpoint.faults`);
+- torch's elastic agent's ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT`` and
+  ``TORCHELASTIC_USE_AGENT_STORE``: which job and which launch attempt this is.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from shardwise.errors import ConfigError
+
+HANG_TIMEOUT_VAR = "SHARDWISE_HANG_TIMEOUT"
+DEFAULT_HANG_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The values of the variables in the module doc (defaults when unset)."""
+
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
+    cluster: str | None = None
+    cache_dir: str = ""
+    fault: str = ""
+    run_id: str = "local"
+    restart_count: int = 0
+    use_agent_store: bool = False
+
+    @property
+    def attempt_namespace(self) -> str:
+        """A key prefix of this job's launch attempt (keys of a failed attempt must not leak into the next)."""
+        return f"{self.run_id}/{self.restart_count}"
+
+
+def hang_timeout(environ: Mapping[str, str], default: float = DEFAULT_HANG_TIMEOUT_S) -> float:
+    """``SHARDWISE_HANG_TIMEOUT`` in seconds (``0`` or ``off``: 0, the watchdog disabled), else ``default``."""
+    raw = environ.get(HANG_TIMEOUT_VAR, "").strip().lower()
+    if not raw:
+        return default
+    if raw in ("off", "none", "false", "no"):
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{HANG_TIMEOUT_VAR}={raw!r} is not a number of seconds",
+                          hint=f"e.g. {HANG_TIMEOUT_VAR}=300, or 0 to disable") from None
+    if value < 0:
+        raise ConfigError(f"{HANG_TIMEOUT_VAR}={raw} is negative", hint="use seconds > 0, or 0 to disable the watchdog")
+    return value
+
+
+def default_cache_dir(environ: Mapping[str, str]) -> str:
+    explicit = environ.get("SHARDWISE_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "shardwise")
+
+
+def read_settings(environ: Mapping[str, str]) -> Settings:
+    """The settings of ``environ`` (usually ``os.environ``); a bad value is one ConfigError line."""
+    restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
+    if not restart.isdigit():
+        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restart!r} is not a count", hint="unset it; the elastic agent sets it")
+    return Settings(
+        hang_timeout_s=hang_timeout(environ),
+        cluster=environ.get("SHARDWISE_CLUSTER") or None,
+        cache_dir=default_cache_dir(environ),
+        fault=environ.get("SHARDWISE_FAULT", "").strip(),
+        run_id=environ.get("TORCHELASTIC_RUN_ID", "local") or "local",
+        restart_count=int(restart),
+        use_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+    )

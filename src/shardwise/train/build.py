@@ -1,0 +1,202 @@
+"""The one build step of :class:`~shardwise.train.Trainer` and :func:`~shardwise.train.prepare`.
+
+What happens, in this order (each step needs the one before)::
+
+    env   = shardwise.init()                       # process group, device, settings
+    plan  = resolve_plan(plan) | choose "auto"    # a Plan that fits the world (rank 0 plans "auto")
+    mesh  = build_mesh(plan)                       # the named 4-D device mesh
+    seed  = seed + dp_rank                         # same within a replica, different across replicas
+    model = parallelize(model.to(device), plan)    # pipeline split -> TP -> recompute -> FSDP/DDP
+    opt   = model.build_optimizer(factory)         # on the final (possibly sharded) parameters
+
+``plan="auto"`` is the planner's fastest plan that the parallel layer accepts (checked with
+:func:`shardwise.parallel.parallelize.validate`, no communication), for the model's statistics
+and a cluster: ``cluster=`` if given, else ``SHARDWISE_CLUSTER`` (read once into the runtime's
+settings), else this machine, measured once in the job's own world and cached
+(:mod:`shardwise.calibrate.machine`). Rank 0 plans and broadcasts the result.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.runtime import env as runtime
+from shardwise.errors import ConfigError
+from shardwise.layout import Plan, resolve_plan
+from shardwise.parallel.ddp import DDPOptions
+from shardwise.parallel.fsdp import FSDPOptions
+from shardwise.parallel.mesh import Meshes, build_mesh
+from shardwise.parallel.parallelize import ParallelModel, parallelize, validate
+from shardwise.parallel.pipeline import PipelineOptions
+from shardwise.parallel.tp import TPOptions
+from shardwise.plan.cluster import ClusterSpec
+from shardwise.plan.planner import AutoPlan, auto_plan, cluster_of
+from shardwise.plan.search import SearchOptions
+from shardwise.plan.stats import ModelStats
+from shardwise.runtime.detect import RuntimeEnv
+from shardwise.runtime.logging import get_logger
+
+log = get_logger("train")
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+ClusterArg = ClusterSpec | str | None
+
+
+@dataclass(frozen=True)
+class Built:
+    """What :func:`build` made."""
+
+    env: RuntimeEnv
+    plan: Plan
+    auto_choice: AutoPlan | None  # plan="auto": the planner's choice on rank 0 (None elsewhere)
+    meshes: Meshes
+    model: ParallelModel
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def dp_rank(self) -> int:
+        return self.meshes.dp.get_local_rank()
+
+    @property
+    def dp_size(self) -> int:
+        return self.meshes.dp.size()
+
+
+def build(model: nn.Module, optimizer: OptimizerFactory, *, plan: Plan | str, global_batch_size: int, seed: int,
+          precision: str | None = None, pipelines_allowed: bool = True, cluster: ClusterArg = None,
+          tokens_per_sample: int | None = None, ddp: DDPOptions | None = None, tp: TPOptions | None = None,
+          fsdp: FSDPOptions | None = None, pipeline: PipelineOptions | None = None,
+          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+          check: Callable[[Plan, str], None] | None = None) -> Built:
+    """The steps of the module doc. ``global_batch_size`` is what ``plan="auto"`` plans for;
+    ``pipelines_allowed=False`` keeps pipelines out of an automatic choice (a pipeline splits each
+    micro-batch again, which gradient accumulation already does). ``check(plan, device_type)``
+    runs on the resolved plan before any mesh is built (the caller's own checks: batch splits,
+    precision on this device)."""
+    env = runtime.init()
+    choice = None
+    if isinstance(plan, str) and plan.strip().lower() == "auto":
+        plan, choice = choose_plan(model, env, global_batch_size=global_batch_size, precision=precision,
+                                   pipelines_allowed=pipelines_allowed, cluster=cluster, tokens_per_sample=tokens_per_sample)
+    resolved = resolve_plan(plan, env.world_size, precision=precision)
+    if check is not None:
+        check(resolved, env.device.type)
+    meshes = build_mesh(resolved, env.device.type)
+    # Same seed within one replica (TP/PP ranks hold parts of one model), different across
+    # replicas (dropout masks differ per batch).
+    seed_everything(seed + meshes.dp.get_local_rank())
+    pm = parallelize(model.to(env.device), resolved, meshes, ddp=ddp, tp=tp, fsdp=fsdp, loss_fn=loss_fn, pipeline=pipeline)
+    opt = pm.build_optimizer(optimizer)  # ZeRO-1 wraps it to shard its state
+    return Built(env=env, plan=resolved, auto_choice=choice, meshes=meshes, model=pm, optimizer=opt)
+
+
+def choose_plan(model: nn.Module, env: RuntimeEnv, *, global_batch_size: int, precision: str | None,
+                pipelines_allowed: bool, cluster: ClusterArg = None, tokens_per_sample: int | None = None) -> tuple[Plan, AutoPlan | None]:
+    """``plan="auto"`` (see the module doc): the plan on every rank and, on rank 0, the planner's
+    choice with its predictions (logged). The model's statistics are taken first, so a model the
+    planner cannot read fails before any measuring.
+
+    Communication: one ``broadcast_object_list`` over the world (rank 0's result or its error, so
+    no rank waits for a plan that never comes); measuring the machine is collective too.
+    """
+    try:  # before any measuring: a model the planner cannot read fails in milliseconds
+        stats = model_stats(model, tokens_per_sample=tokens_per_sample)
+    except ConfigError as exc:
+        raise ConfigError(f"plan='auto' found no plan: {exc.message}",
+                          hint="pass tokens_per_sample= (the input length of one sample; 1 for non-sequence inputs), "
+                               "or an explicit plan, e.g. plan='dp'") from None
+    spec = cluster_spec(env, cluster)
+    chosen: list[Plan | str | None] = [None]
+    choice = None
+    if env.rank == 0:
+        try:
+            choice = plan_for_trainer(model, stats, spec, world_size=env.world_size, global_batch=global_batch_size,
+                                      precision=precision or "fp32", pipelines_allowed=pipelines_allowed)
+            chosen[0] = choice.plan
+        except ConfigError as exc:
+            chosen[0] = str(exc)
+    if dist.is_initialized() and env.world_size > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    if not isinstance(chosen[0], Plan):
+        raise ConfigError(f"plan='auto' found no plan: {chosen[0]}", hint="pass an explicit plan, e.g. plan='dp' or plan='zero=3,dp=N'")
+    if choice is not None:
+        log.info("plan=auto chose %s", choice.summary())
+    return chosen[0], choice
+
+
+def model_stats(model: nn.Module, *, tokens_per_sample: int | None) -> ModelStats:
+    """The planner's statistics of ``model``: closed forms for a model carrying its shape as
+    ``model.config`` (the built-in GPT), else measured on the meta device."""
+    from shardwise.models.measure import module_stats
+
+    return module_stats(model, seq=tokens_per_sample)
+
+
+def plan_for_trainer(model: nn.Module, stats: ModelStats, spec: ClusterSpec, *, world_size: int, global_batch: int,
+                     precision: str = "fp32", pipelines_allowed: bool = False) -> AutoPlan:
+    """The fastest plan for ``model`` on ``spec`` that the parallel layer accepts. The trainer
+    accumulates gradients itself, so without pipelines a plan has one microbatch per step."""
+
+    def supported(plan: Plan) -> bool:
+        if plan.pp > 1 and not pipelines_allowed:
+            return False
+        if plan.pp == 1 and plan.microbatches > 1:
+            return False
+        try:  # refuses e.g. a TP degree that does not divide the heads
+            validate(model, plan)
+        except ConfigError:
+            return False
+        return True
+
+    options = SearchOptions(precision=precision, supported=supported, sequence_parallel=False)
+    return auto_plan(stats, world_size=world_size, cluster=spec, global_batch=global_batch, options=options)
+
+
+def cluster_spec(env: RuntimeEnv, cluster: ClusterArg) -> ClusterSpec:
+    """``cluster`` (a spec, a preset name or a spec file), else ``SHARDWISE_CLUSTER``, else this
+    machine's measured spec (see the module doc)."""
+    chosen = cluster if cluster is not None else env.settings.cluster
+    if chosen is not None:
+        return cluster_of(chosen, world_size=env.world_size)
+    return machine_spec(env)
+
+
+def machine_spec(env: RuntimeEnv) -> ClusterSpec:
+    """This world's measured cluster spec: the cached calibration of this job shape, or a new one
+    measured now by every rank and cached by rank 0."""
+    # Upward import (train -> calibrate), the one in the package: calibration runs parallelized
+    # training steps, so it sits above train/, yet plan="auto" needs its figures. Only this path
+    # imports it, lazily.
+    from shardwise.calibrate.machine import cache_path, calibrate_world, load_cached, save_cached
+
+    name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else ""
+    path = cache_path(env.settings.cache_dir, world_size=env.world_size, device_type=env.device.type,
+                      threads=torch.get_num_threads(), device_name=name)
+    found: list[ClusterSpec | None] = [load_cached(path) if env.rank == 0 else None]
+    if dist.is_initialized() and env.world_size > 1:
+        dist.broadcast_object_list(found, src=0)
+    if found[0] is not None:
+        if env.is_main:
+            log.info("plan=auto: using this machine's calibration %s", path)
+        return found[0]
+    if env.is_main:
+        log.info("plan=auto: measuring this machine once (%d processes, about a minute on a small CPU host); it is cached in %s",
+                 env.world_size, path)
+    spec = calibrate_world(local_world_size=env.local_world_size)
+    if env.rank == 0:
+        save_cached(spec, path)
+    return spec
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every CUDA device) with ``seed``."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
