@@ -238,3 +238,14 @@ def test_replaced_file_with_matching_checksum_is_refused_in_one_line(tmp_path, r
     assert "\n" not in message and "weights_only" not in message
     assert not os.path.exists(pwned)
     assert all(torch.equal(before[k], v) for k, v in fresh.model.state_dict().items())
+
+
+def test_inspect_lists_steps_despite_a_damaged_latest_pointer(tmp_path):
+    """``latest`` is a convenience (the markers are the truth): unreadable, it must not stop the listing."""
+    from shardwise.checkpoint.inspect import report
+
+    _saved(tmp_path, steps=(2,))
+    os.remove(tmp_path / cm.LATEST)
+    os.mkdir(tmp_path / cm.LATEST)
+    text = report(str(tmp_path))
+    assert "(latest -> ?)" in text and "complete" in text
