@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import os
 
 from shardwise.errors import LaunchError
 from shardwise.launch.options import DEFAULT_RDZV_TIMEOUT_S, RunOptions, resolve
@@ -81,13 +83,27 @@ def hang_timeout_env(args: argparse.Namespace) -> dict[str, str]:
     value = getattr(args, "hang_timeout", None)
     if value is None:
         return {}
+    if not math.isfinite(value):
+        raise LaunchError(f"--hang-timeout {value:g} is not a number of seconds", hint="give seconds, or 0 to disable the watchdog")
     if value < 0:
         raise LaunchError(f"--hang-timeout {value:g} is negative", hint="give seconds, or 0 to disable the watchdog")
     return {"SHARDWISE_HANG_TIMEOUT": f"{value:g}"}
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """What :func:`shardwise.launch.options.resolve` does not check, before it creates the log
+    directory or binds a port."""
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise LaunchError(f"--master-port {args.master_port} is not a port", hint="use 1-65535, e.g. --master-port 29500")
+    if not args.module and os.path.isdir(args.script):
+        raise LaunchError(f"script {args.script!r} is a directory", hint="give the training script's file, or -m for a module")
+    if args.log_dir and os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
+        raise LaunchError(f"--log-dir {args.log_dir!r} is not a directory", hint="give a directory (it is created if missing)")
+
+
 def _main(args: argparse.Namespace) -> int:
+    _check_flags(args)
+    hang_env = hang_timeout_env(args)
     resolved = resolve(options_from_args(args, args.script, args.script_args, args.module))
-    resolved = dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args)})
-    run_launch(resolved)
+    run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}))
     return 0
