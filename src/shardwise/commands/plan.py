@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
+from shardwise.config import check_input_file
 from shardwise.errors import ConfigError
 
 EXAMPLES = """examples:
@@ -55,10 +57,13 @@ def _main(args: argparse.Namespace) -> int:
         raise ConfigError(f"--seq {args.seq} must be a positive integer")
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom} must lie in [0, 1)", hint="e.g. --headroom 0.1")
+    if _is_spec_file(args.device_type):
+        check_input_file(args.device_type, option="--device-type")
     cluster = cluster_of(args.device_type, world_size=args.devices, devices_per_node=args.devices_per_node)
     if args.model_spec:
-        stats = transformer_stats(spec_from_text(args.model_spec), seq=args.seq)
+        stats = transformer_stats(spec_from_text(_model_spec_text(args.model_spec)), seq=args.seq)
     elif args.script:
+        check_input_file(args.script, option="--script")
         from shardwise.models.measure import stats_from_script  # torch: only for a model given as code
 
         stats = stats_from_script(args.script, seq=args.seq)
@@ -92,6 +97,29 @@ def _main(args: argparse.Namespace) -> int:
     print(format_table(estimates))
     print(explanation)
     return 0
+
+
+def _is_spec_file(device_type: str) -> bool:
+    """Whether ``--device-type`` names a file (a preset name wins, as in the planner's resolve)."""
+    from shardwise.plan.cluster import ALIASES, PRESETS
+
+    return ALIASES.get(device_type.lower(), device_type.lower()) not in PRESETS and os.path.exists(device_type)
+
+
+def _model_spec_text(value: str) -> str:
+    """``--model-spec`` as JSON text: the value itself when it is (or looks like) JSON, else the
+    content of the file it names; a name that is no file is said to be one, not "not JSON"."""
+    if value.lstrip()[:1] in ("{", "["):
+        return value
+    if not os.path.exists(value):
+        raise ConfigError(f"--model-spec {value!r} is neither a JSON object nor an existing file",
+                          hint='give inline JSON, e.g. \'{"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq": 32}\', or a JSON file')
+    check_input_file(value, option="--model-spec")
+    try:
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    except UnicodeDecodeError:
+        raise ConfigError(f"--model-spec {value!r} is not a text file", hint="give a JSON file") from None
 
 
 def format_table(estimates: list) -> str:
