@@ -33,6 +33,8 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by all nodes of an elastic job")
     g.add_argument("--rdzv-timeout", type=int, default=DEFAULT_RDZV_TIMEOUT_S, metavar="SECONDS",
                    help="give up if the nodes have not met within this time (default %(default)s)")
+    g.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="KEY=VALUE,...",
+                   help="more rendezvous settings, e.g. last_call_timeout=5,keep_alive_interval=2,is_host=1")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the group this many times on failure")
     g.add_argument("--log-dir", "--log_dir", default=None, help="write each rank's stdout/stderr under this directory")
     g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
@@ -54,6 +56,7 @@ def options_from_args(args: argparse.Namespace, script: str, script_args: list[s
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
         rdzv_timeout_s=args.rdzv_timeout,
+        rdzv_conf=args.rdzv_conf,
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
     )
