@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import TYPE_CHECKING
 
 from shardwise.launch.options import DEFAULT_RDZV_TIMEOUT_S, RunOptions, hang_timeout_env, resolve
+
+if TYPE_CHECKING:
+    from shardwise.launch.multihost import HostLaunch
 
 EXAMPLES = """examples:
   shardwise run --nproc-per-node 4 train.py --lr 3e-4
@@ -16,6 +20,10 @@ EXAMPLES = """examples:
   shardwise run --nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job7 --max-restarts 3 train.py
   # inside a Slurm allocation (one task per node; nodes, rank and master come from Slurm):
   srun --ntasks-per-node=1 shardwise run train.py
+  # every node from here over ssh (hostfile lines 'node1 slots=8'; pre-flight checks each host first):
+  shardwise run --hostfile hosts.txt train.py --lr 3e-4
+  shardwise run --hosts node1:8,node2:8 --env WANDB_API_KEY --chdir /shared/proj train.py
+  shardwise run --hostfile hosts.txt --nnodes 1:2 --max-restarts 3 train.py   # keeps training if a node is lost
 """
 
 
@@ -40,6 +48,32 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
                    help="a collective or step without progress for this long makes every rank dump its stack, name the "
                         "stuck rank and exit non-zero (default: $SHARDWISE_HANG_TIMEOUT, else 300; 0 disables)")
+
+
+def add_host_flags(parser: argparse.ArgumentParser) -> None:
+    """Starting every node from this machine over ssh (also used by ``shardwise doctor``)."""
+    g = parser.add_argument_group("hosts (start every node from here over ssh; see docs/multinode.md)")
+    g.add_argument("--hostfile", default=None, metavar="FILE", help="one host per line: 'node1 slots=8' (# comments)")
+    g.add_argument("--hosts", default=None, metavar="H:N,...", help="hosts and processes, e.g. node1:8,node2:8")
+    g.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                   help="also forward this variable (NCCL_*, GLOO_*, SHARDWISE_* and PYTHONPATH always are); repeatable")
+    g.add_argument("--chdir", default=None, metavar="DIR", help="working directory on every host (default: this one)")
+    g.add_argument("--python", default=None, metavar="PATH", help="interpreter on every host (default: this one's path)")
+    g.add_argument("--ssh-config", default=None, metavar="FILE", help="ssh configuration file (ssh -F; default: your own)")
+    g.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE", help="ssh -o KEY=VALUE; repeatable")
+    g.add_argument("--ssh-timeout", type=int, default=10, metavar="SECONDS",
+                   help="an unreachable host fails after this long (ssh ConnectTimeout, default %(default)s)")
+
+
+def host_launch_from_args(args: argparse.Namespace, hang_timeout_s: float | None = None) -> HostLaunch:
+    """The ``--hostfile``/``--hosts`` flags as a :class:`~shardwise.launch.multihost.HostLaunch`."""
+    from shardwise.launch.hosts import hosts_from
+    from shardwise.launch.multihost import HostLaunch
+    from shardwise.launch.ssh import SshOptions
+
+    ssh = SshOptions(config_file=args.ssh_config, options=tuple(args.ssh_option), connect_timeout_s=args.ssh_timeout)
+    return HostLaunch(hosts=hosts_from(args.hostfile, args.hosts), ssh=ssh, env_names=tuple(args.env), chdir=args.chdir,
+                      python=args.python, hang_timeout_s=hang_timeout_s)
 
 
 def options_from_args(args: argparse.Namespace, script: str, script_args: list[str], module: bool) -> RunOptions:
@@ -71,6 +105,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_launch_flags(p)
+    add_host_flags(p)
+    p.add_argument("--stop-with-stdin", action="store_true",
+                   help="stop every process of this node when stdin closes (what --hostfile runs on each host)")
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -78,6 +115,16 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.hostfile or args.hosts:  # every node from here, over ssh
+        from shardwise.launch.multihost import launch_on_hosts
+
+        hang_timeout_env(args.hang_timeout)  # refuses a negative one here, before any host is asked
+        options = options_from_args(args, args.script, args.script_args, args.module)
+        return launch_on_hosts(options, host_launch_from_args(args, args.hang_timeout))
+    if args.stop_with_stdin:  # the remote half: this node stops when its ssh session ends
+        from shardwise.launch.lifeline import stop_with_stdin
+
+        stop_with_stdin()
     from shardwise.launch.run import run_launch  # torch's elastic agent: only when launching
 
     resolved = resolve(options_from_args(args, args.script, args.script_args, args.module))
