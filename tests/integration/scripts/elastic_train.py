@@ -1,6 +1,6 @@
 """The Trainer job of the node-loss test: a small MLP, a fixed global batch, checkpoints every few
-steps, one ``LOSS`` line per step from rank 0 (and an optional pause per step, so that a test can
-kill a node mid-run). Run under ``shardwise run --nnodes 1:2 ...`` or as one plain process."""
+steps, one ``LOSS`` line per step from rank 0, and optional holds where a test can kill or add a
+node mid-step. Run under ``shardwise run --nnodes 1:2 ...`` or as one plain process."""
 
 from __future__ import annotations
 
@@ -18,24 +18,28 @@ from shardwise.train import Callback, Trainer
 
 
 class PrintLoss(Callback):
-    """Rank 0 prints each step's loss; every rank pauses ``delay_s`` per step. With ``hold``
-    (step, world size), the ranks of a world of that size wait at that step until the elastic agent
-    stops them with SIGTERM (a node joined) or 120 s pass, so a regrow test does not race the end."""
+    """Rank 0 prints each step's loss. ``holds``: (steps done, world size) pairs at which every rank
+    waits inside the next step, after its backward: in a loop that asks all ranks whether a SIGTERM
+    arrived (the elastic agent stopping them because a node joined), so the ranks leave together,
+    finish the step and save at its end; or until a collective of the loop fails (a node was
+    killed). Tests act on the ``HOLD`` line instead of racing a running job."""
 
-    def __init__(self, delay_s: float, hold: tuple[int, int] | None) -> None:
-        self.delay_s, self.hold = delay_s, hold
+    def __init__(self, holds: list[tuple[int, int]]) -> None:
+        self.holds = holds
 
     def on_step_end(self, trainer, metrics) -> None:
         if trainer.env.is_main:
             print(f"LOSS step={metrics['step']} world={trainer.env.world_size} plan={trainer.plan} loss={metrics['loss']:.9e}",
                   flush=True)
-        time.sleep(self.delay_s)
-        if self.hold == (trainer.step, trainer.env.world_size):
-            if trainer.env.is_main:
-                print(f"HOLD step={trainer.step} world={trainer.env.world_size}", flush=True)
-            deadline = time.monotonic() + 120
-            while not trainer.checkpoint.signal.requested and time.monotonic() < deadline:
-                time.sleep(0.05)
+
+    def on_after_backward(self, trainer) -> None:
+        if (trainer.step, trainer.env.world_size) not in self.holds:
+            return
+        if trainer.env.is_main:
+            print(f"HOLD step={trainer.step} world={trainer.env.world_size}", flush=True)
+        deadline = time.monotonic() + 120
+        while not trainer.checkpoint.manager.agree(trainer.checkpoint.signal.requested) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def main() -> None:
@@ -43,8 +47,8 @@ def main() -> None:
     p.add_argument("--plan", default="dp=2,tp=2")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--save-every", type=int, default=5)
-    p.add_argument("--step-delay", type=float, default=0.0)
-    p.add_argument("--hold-at", default=None, metavar="STEP:WORLD", help="wait at STEP in a world of WORLD processes for SIGTERM")
+    p.add_argument("--hold-at", action="append", default=[], metavar="STEP:WORLD",
+                   help="after STEP steps in a world of WORLD processes, wait (see PrintLoss)")
     p.add_argument("--dir", required=True)
     args = p.parse_args()
     shardwise.init()  # before the CheckpointManager, which takes its rank from the process group
@@ -61,7 +65,7 @@ def main() -> None:
         log_every=1,
         seed=3,
         progress_bar=False,
-        callbacks=[PrintLoss(args.step_delay, tuple(map(int, args.hold_at.split(":"))) if args.hold_at else None)],
+        callbacks=[PrintLoss([tuple(map(int, h.split(":"))) for h in args.hold_at])],
         checkpoint=CheckpointManager(args.dir, every_n_steps=args.save_every, keep_last_n=3),
     )
     trainer.fit(TensorDataset(x, y))
