@@ -123,11 +123,16 @@ def launch_on_hosts(options: RunOptions, launch: HostLaunch, *, show_hosts: bool
     world = World(nnodes=nnodes, elastic=elastic, master_addr=target.master_addr,
                   master_port=pre.master_port or DEFAULT_MASTER_PORT, run_id=options.rdzv_id or uuid.uuid4().hex[:12])
     print(f"shardwise run: pre-flight ok on {len(launch.hosts)} host(s) ({pre.versions()}); master "
-          f"{world.master_addr}:{world.master_port}, {'elastic ' if elastic else ''}{nnodes} node(s)", file=sys.stderr, flush=True)
+          f"{world.master_addr}:{world.master_port}, " + (f"elastic {nnodes} nodes, rendezvous id {world.run_id}" if elastic
+                                                           else f"{nnodes} node(s)"), file=sys.stderr, flush=True)
     sessions = []
     for rank, host in enumerate(launch.hosts):
         argv = [target.python, "-m", "shardwise", "run", *node_args(options, host, rank, world, hang_timeout_s=launch.hang_timeout_s)]
-        sessions.append(Session(host.name, tuple(ssh_argv(host.name, remote_command(argv, env=target.env, chdir=target.chdir), launch.ssh))))
+        # by hand, a returning host joins as a non-host node (no store); the environment is left out (secrets)
+        rejoin = remote_command([a.replace("is_host=1", "is_host=0") for a in argv if a != "--stop-with-stdin"], env={},
+                                chdir=target.chdir) if elastic else ""
+        ssh_line = ssh_argv(host.name, remote_command(argv, env=target.env, chdir=target.chdir), launch.ssh)
+        sessions.append(Session(host.name, tuple(ssh_line), rejoin=rejoin.replace("exec ", "", 1)))
     with Sessions(sessions, stop_grace_s=launch.stop_grace_s) as running:
         outcome = running.wait(min_alive=parse_nnodes(nnodes)[0] if elastic else None)
     if outcome.interrupted:
