@@ -25,7 +25,7 @@ from shardwise.launch.ssh import SshOptions, forwarded_env, remote_command, ssh_
 
 # -- hosts ----------------------------------------------------------------------------------------
 def test_hostfile_deepspeed_and_openmpi_lines() -> None:
-    text = "# cluster\nnode1 slots=8\n\n  node2 slots=8   # second\nuser@10.0.0.3\n[::1] slots=2\n"
+    text = "# cluster\nnode1 slots=8\n\n  node2 slots=8 max_slots=16  # second\nuser@10.0.0.3\n[::1] slots=2\n"
     assert parse_hostfile(text) == (Host("node1", 8), Host("node2", 8), Host("user@10.0.0.3"), Host("[::1]", 2))
 
 
@@ -185,7 +185,7 @@ def test_sessions_prefix_output_and_succeed(capfd) -> None:
 
 def test_a_failed_session_stops_the_others_and_its_code_is_the_jobs() -> None:
     start = time.monotonic()
-    with Sessions([_sh("a", "sleep 60"), _sh("b", "sleep 0.3; exit 3")], stop_grace_s=5) as s:
+    with Sessions([_sh("a", "exec sleep 60"), _sh("b", "sleep 0.3; exit 3")], stop_grace_s=1) as s:
         outcome = s.wait()
         assert all(p.poll() is not None for p in s.procs)
     assert (outcome.exit_code, outcome.failed, outcome.failed_code) == (3, "b", 3)

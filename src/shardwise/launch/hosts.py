@@ -2,7 +2,8 @@
 
 Two spellings users already have:
 
-- a hostfile as DeepSpeed and OpenMPI write it, one host per line, ``#`` starts a comment::
+- a hostfile as DeepSpeed and OpenMPI write it, one host per line, ``#`` starts a comment
+  (OpenMPI's ``max_slots=M`` is accepted and ignored)::
 
       # 2 nodes of 8 GPUs
       node1 slots=8
@@ -74,9 +75,12 @@ def parse_hostfile(text: str, source: str = "hostfile") -> tuple[Host, ...]:
         host = Host(_check_name(words[0], where))
         for word in words[1:]:
             key, sep, value = word.partition("=")
-            if key != "slots" or not sep:
+            if key not in ("slots", "max_slots") or not sep:
                 raise LaunchError(f"{where}: {word!r} is not understood", hint="write 'host slots=N' (N processes on that host)")
-            host = Host(host.name, _slots(value, where))
+            if key == "slots":
+                host = Host(host.name, _slots(value, where))
+            else:
+                _slots(value, where)  # OpenMPI's oversubscription limit: checked, not needed (slots are started)
         hosts.append(host)
     return _unique(hosts, source)
 

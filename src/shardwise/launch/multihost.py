@@ -152,4 +152,8 @@ def doctor_on_hosts(launch: HostLaunch, *, nproc: int | None, max_size_mb: float
     args = ["--iters", str(iters)] + (["--max-size-mb", f"{max_size_mb:g}"] if max_size_mb is not None else [])
     options = RunOptions(script="shardwise.observe.doctor_world", module=True, script_args=tuple(args),
                          nproc_per_node=str(nproc) if nproc else "auto", rdzv_timeout_s=120)
+    if nproc == 0:  # --nproc 0: the checks of every host only, no collectives
+        check_topology(options, launch.hosts)
+        print("pre-flight:\n" + "\n".join(host_lines(preflight(options, launch)[0])), flush=True)
+        return 0
     return launch_on_hosts(options, launch, show_hosts=True)
