@@ -92,6 +92,9 @@ def test_the_log_says_who_was_lost_the_plans_and_the_steps_redone() -> None:
     assert lines[-1] == "elastic: resumed from the checkpoint of step 20; no steps are redone"
     first = describe_change(None, now, requested_plan="dp=2,tp=2", resumed_step=None, global_batch=8)
     assert first == ["elastic: 2 processes on 1 node [gpu-a (ranks 0-1)], plan dp=1,tp=2 (re-planned from dp=2,tp=2)"]
+    filled = describe_change(None, _record(0, "dp=1,shard=2,zero=3", (a,), dp=2), requested_plan="zero=3", resumed_step=None,
+                             global_batch=8)
+    assert filled == ["elastic: 2 processes on 1 node [gpu-a (ranks 0-1)], plan dp=1,shard=2,zero=3"]  # filled in, not re-planned
     lost_early = describe_change(_record(3, "dp=4", (a, b), dp=4), _record(0, "dp=2", (a,), dp=2), requested_plan="dp",
                                  resumed_step=None, global_batch=8)
     assert lost_early[-1] == "elastic: no checkpoint to resume: starting again from step 0; steps 1-3 are redone"

@@ -30,6 +30,8 @@ from typing import Any
 import torch.distributed as dist
 
 from shardwise.callback import Callback
+from shardwise.errors import ConfigError
+from shardwise.layout import resolve_plan
 from shardwise.runtime.logging import get_logger
 
 log = get_logger("train")
@@ -101,7 +103,7 @@ def describe_change(before: WorldRecord | None, now: WorldRecord, *, requested_p
     """The few lines rank 0 prints at the start of ``fit`` in an elastic job (see the module doc)."""
     hosts = _names(now.nodes, now.nodes)
     if before is None:
-        replanned = f" (re-planned from {requested_plan})" if requested_plan and requested_plan != now.plan else ""
+        replanned = f" (re-planned from {requested_plan})" if _replanned(requested_plan, now.plan, now.world_size) else ""
         return [f"elastic: {_count(now.world_size, 'process')} on {_count(len(now.nodes), 'node')} [{hosts}], plan {now.plan}{replanned}"]
     old = {n.key for n in before.nodes}
     new = {n.key for n in now.nodes}
@@ -128,6 +130,17 @@ def describe_change(before: WorldRecord | None, now: WorldRecord, *, requested_p
         f"step {before.step} is redone" if before.step == start + 1 else "no steps are redone")
     lines.append(f"elastic: {where}; {redone}")
     return lines
+
+
+def _replanned(requested: str, plan: str, world_size: int) -> bool:
+    """Whether ``plan`` differs from what ``requested`` means in this world without re-planning
+    (``"dp"`` -> ``dp=4`` or ``"zero=3"`` -> ``shard=4`` is filling in, not re-planning)."""
+    if not requested or requested.strip().lower() == "auto":
+        return False
+    try:
+        return str(resolve_plan(requested, world_size)) != plan
+    except ConfigError:
+        return True
 
 
 def read_record(directory: str, run_id: str) -> WorldRecord | None:
