@@ -145,9 +145,11 @@ def test_probe_runs_here(tmp_path) -> None:
 
 # -- per-node flags -------------------------------------------------------------------------------
 def test_node_args_static_and_elastic() -> None:
-    opts = RunOptions(script="train.py", script_args=("--lr", "1"), max_restarts=2)
+    opts = RunOptions(script="train.py", script_args=("--lr", "1"))
     static = World(nnodes="2", elastic=False, master_addr="10.0.0.1", master_port=29500, run_id="r")
     args = node_args(opts, Host("b", 4), 1, static, hang_timeout_s=60)
+    restarting = " ".join(node_args(RunOptions(script="t.py", max_restarts=2), Host("b"), 1, static, hang_timeout_s=None))
+    assert "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500" in restarting  # a restart must re-form every node
     assert args[:1] == ["--stop-with-stdin"] and args[-3:] == ["train.py", "--lr", "1"]
     assert " ".join(args).count("--node-rank 1 --master-addr 10.0.0.1 --master-port 29500") == 1
     assert "--nproc-per-node 4" in " ".join(args) and "--hang-timeout 60" in " ".join(args)

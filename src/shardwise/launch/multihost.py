@@ -78,8 +78,9 @@ def node_args(options: RunOptions, host: Host, node_rank: int, world: World, *, 
     """The ``shardwise run`` arguments of node ``node_rank`` (after ``python -m shardwise run``)."""
     args = ["--stop-with-stdin", "--nproc-per-node", str(host.slots or options.nproc_per_node), "--nnodes", world.nnodes,
             "--rdzv-timeout", str(options.rdzv_timeout_s), "--max-restarts", str(options.max_restarts)]
-    if world.elastic or options.rdzv_backend == "c10d":
-        # node 0 hosts the rendezvous store (no guessing from host names, which aliases defeat)
+    if world.elastic or options.rdzv_backend == "c10d" or options.max_restarts > 0:
+        # The c10d rendezvous, so that a restart re-forms the whole world (the static one cannot
+        # restart across nodes). Node 0 hosts its store: no guessing from host names (aliases).
         conf = ",".join(filter(None, [options.rdzv_conf, f"is_host={1 if node_rank == 0 else 0}"]))
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{world.master_addr}:{world.master_port}",
                  "--rdzv-id", world.run_id, "--rdzv-conf", conf]
