@@ -17,6 +17,10 @@ import pytest
 
 from tests.integration.conftest import LoopbackSshd, free_port
 
+# The first test of a fresh machine also installs openssh-server (apt-get, up to ~12 min worst case);
+# every command below has its own hard timeout.
+pytestmark = pytest.mark.timeout(900)
+
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parents[2]
 SHARDWISE = [sys.executable, "-m", "shardwise"]

@@ -19,6 +19,7 @@ same commands had been typed on each machine; shardwise adds no agent or daemon 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import uuid
 from dataclasses import dataclass
@@ -129,11 +130,12 @@ def launch_on_hosts(options: RunOptions, launch: HostLaunch, *, show_hosts: bool
     sessions = []
     for rank, host in enumerate(launch.hosts):
         argv = [target.python, "-m", "shardwise", "run", *node_args(options, host, rank, world, hang_timeout_s=launch.hang_timeout_s)]
-        # by hand, a returning host joins as a non-host node (no store); the environment is left out (secrets)
-        rejoin = remote_command([a.replace("is_host=1", "is_host=0") for a in argv if a != "--stop-with-stdin"], env={},
-                                chdir=target.chdir) if elastic else ""
+        # typed by hand there, a returning host joins as a node without the store; the forwarded
+        # environment is left out of the printed line (it may hold secrets)
+        by_hand = [a.replace("is_host=1", "is_host=0") for a in argv if a != "--stop-with-stdin"]
+        rejoin = f"cd {shlex.quote(target.chdir)} && {shlex.join(by_hand)}" if elastic else ""
         ssh_line = ssh_argv(host.name, remote_command(argv, env=target.env, chdir=target.chdir), launch.ssh)
-        sessions.append(Session(host.name, tuple(ssh_line), rejoin=rejoin.replace("exec ", "", 1)))
+        sessions.append(Session(host.name, tuple(ssh_line), rejoin=rejoin))
     with Sessions(sessions, stop_grace_s=launch.stop_grace_s) as running:
         outcome = running.wait(min_alive=parse_nnodes(nnodes)[0] if elastic else None)
     if outcome.interrupted:
