@@ -44,9 +44,9 @@ from shardwise.train import evaluate as _evaluate
 from shardwise.train.batch import chunks, move_batch, split_batch
 from shardwise.train.build import ClusterArg, OptimizerFactory, build
 from shardwise.train.callbacks import ProgressBar
-from shardwise.train.elastic import elastic_callbacks
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.clip import clip_grad_norm_
+from shardwise.train.elastic import elastic_callbacks
 from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics
 from shardwise.train.precision import LossScaler, autocast, check_precision
