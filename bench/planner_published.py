@@ -47,7 +47,7 @@ from shardwise.plan.search import SearchOptions, candidates, fixed_options, sear
 DATA = os.path.join(HERE, "data", "published_throughput.json")
 RESULTS = os.path.join(HERE, "results")
 GAP = 1.3  # a free-search claim above this over the published layout is explained
-CHIPS = {"a100-40gb": "A100", "a100-80gb": "A100", "h100": "H100", "h200": "H100", "v100": "V100"}
+CHIPS = {"a100-40gb": "A100", "a100-80gb": "A100", "a800": "A100", "h100": "H100", "h200": "H100", "h800": "H100", "v100": "V100"}
 
 
 def with_params(cluster: ClusterSpec, params: dict[str, float] | None) -> ClusterSpec:
@@ -63,13 +63,11 @@ def fixed_estimate(case: Case, params: dict[str, float] | None = None) -> tuple[
     cluster = with_params(case.cluster, params)
     base = SearchOptions(precision=case.precision, headroom=0.0, top=1, policy=case.policy, run=case.run, hsdp=True)
     options = fixed_options(case.fixed, base)
-    found = search(case.stats, cluster, global_batch=case.global_batch, options=options)
-    if found.plans:
-        return found.plans[0], True
     every = candidates(case.stats, cluster, global_batch=case.global_batch, options=options)
     if not every:
-        raise ValueError(f"row {case.index}: no plan matches {case.fixed}")
-    return every[0], False
+        raise ValueError(f"no plan matches {case.fixed} on {cluster.devices} GPUs with global batch {case.global_batch}")
+    fitting = [e for e in every if e.fits]
+    return (fitting[0], True) if fitting else (every[0], False)
 
 
 def free_estimate(case: Case) -> Estimate | None:
@@ -88,7 +86,11 @@ def evaluate(all_cases: list[Case], *, free: bool = True) -> list[dict[str, Any]
         best_published[c.setup] = max(best_published.get(c.setup, 0.0), c.published_tps)
     out = []
     for case in all_cases:
-        est, fits = fixed_estimate(case)
+        try:
+            est, fits = fixed_estimate(case)
+        except ValueError as exc:  # the published layout is no plan the cost model can price
+            out.append({"index": case.index, "source": case.source, "label": case.label, "error": str(exc)})
+            continue
         row: dict[str, Any] = {
             "index": case.index, "source": case.source, "label": case.label, "fixed": case.fixed, "formula": case.formula,
             "gpu": case.cluster.name, "gpus": case.cluster.devices, "published_tps": case.published_tps,
@@ -113,6 +115,7 @@ def _errors(rows: list[dict[str, Any]]) -> list[float]:
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    rows = [r for r in rows if "ratio" in r]
     errs = _errors(rows)
     frees = [r["free_over_best_published"] for r in rows if "free_over_best_published" in r]
     return {
@@ -179,6 +182,20 @@ def loso(all_cases: list[Case]) -> dict[str, Any]:
     return out
 
 
+def markdown(out: dict[str, Any]) -> str:
+    """The summary table docs/planner.md quotes (tests/unit/test_docs_commands.py regenerates it from
+    the committed JSON and compares)."""
+    loso = out.get("loso", {})
+    lines = ["| source | runs | median abs. error | within 15% | within 25% | predicted not to fit | free search / best published: median, max | free within 1.3x | leave-one-source-out median error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in [*out["by_source"].items(), ("all", out["overall"])]:
+        held = loso.get(name, {}).get("median_abs_error")
+        lines.append(f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | "
+                     f"{100 * s['within_25']:.0f}% | {s['fit_misses']} | {s['free_ratio_median']:.2f}, {s['free_ratio_max']:.2f} | "
+                     f"{100 * s['free_within_1.3']:.0f}% | {'-' if held is None else f'{100 * held:.1f}%'} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -221,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     usable = [c for c in mapped if isinstance(c, Case)]
     skipped = [c for c in mapped if isinstance(c, Skip)]
     start = time.perf_counter()
-    rows = evaluate(usable, free=not args.no_free)
+    evaluated = evaluate(usable, free=not args.no_free)
     elapsed = time.perf_counter() - start
+    rows = [r for r in evaluated if "ratio" in r]
+    skipped += [Skip(r["index"], r["source"], r["label"], r["error"]) for r in evaluated if "error" in r]
     by_source = {s: summary([r for r in rows if r["source"] == s]) for s in sorted({r["source"] for r in rows})}
     total = summary(rows)
     out: dict[str, Any] = {"runs_file": os.path.relpath(args.runs, os.path.dirname(HERE)) if args.runs.startswith(os.path.dirname(HERE)) else args.runs,
@@ -263,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             params = "; ".join(f"{chip}: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()) for chip, p in s["params"].items())
             print(f"  {name[:45]:<45} {s['runs']:>4} runs  median |err| {100 * s['median_abs_error']:.1f}%, "
                   f"{100 * s['within_15']:.0f}% within 15%  ({params})")
+    print(markdown(out))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
         json.dump(out, fh, indent=1)

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
+from shardwise.errors import ConfigError
 from shardwise.plan.cluster import PRESETS, ClusterSpec
 from shardwise.plan.memory import StatePolicy
 from shardwise.plan.policy import RunPolicy
@@ -65,13 +66,17 @@ def cluster_of(row: dict[str, Any]) -> ClusterSpec | str:
     """The preset for the row's GPU (with the memory its text names), or why there is none."""
     gpu = str(row.get("gpu") or "")
     low = gpu.lower()
-    if "a100" in low:
+    if "a800" in low:
+        key = "a800"
+    elif "a100" in low:
         key = "a100-40gb" if re.search(r"40\s*gb", low) else "a100-80gb"
     elif "h200" in low:
         key = "h200"
-    elif "h100" in low or "h800" in low:
+    elif "h800" in low:
+        key = "h800"
+    elif "h100" in low:
         key = "h100"
-    elif "v100" in low and "v100" in PRESETS:
+    elif "v100" in low:
         key = "v100"
     else:
         return f"no preset for GPU {gpu!r}"
@@ -80,7 +85,7 @@ def cluster_of(row: dict[str, Any]) -> ClusterSpec | str:
     per_node = int(row.get("gpus_per_node") or min(8, gpus))
     spec = replace(spec, devices=gpus, devices_per_node=min(per_node, gpus))
     mem = re.findall(r"(\d+)\s*GB", gpu, flags=re.I)
-    if mem and key not in ("a100-40gb", "a100-80gb"):
+    if mem and key not in ("a100-40gb", "a100-80gb") and 8 <= float(mem[-1]) <= 256:
         spec = replace(spec, memory_bytes=float(mem[-1]) * GB)
     return spec
 
@@ -224,7 +229,7 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
     fp8 = bool(re.search(r"float8|fp8", str(row.get("precision") or "").lower()))
     async_tp = "async tp" in fields or bool(re.search(r"optimizations?( column)?:[^.]*async tp", notes))
     run = RunPolicy.sixteen_bit(selective=selective, grad_reduce_overlap=not framework_old, linear_dtype="fp8" if fp8 else "",
-                                async_tp=async_tp)
+                                async_tp=async_tp, zero3_unit="linear" if "deepspeed" in low and zero == 3 else "block")
     policy = StatePolicy.torch("bf16", reduce_bytes=2.0 if "pure" in low else 4.0) if zero >= 2 or "fsdp" in low else StatePolicy.megatron()
     fixed = ",".join(f"{k}={str(v).lower()}" for k, v in keys.items())
     setup = (stats.name, stats.seq, str(row.get("gpu")), cluster.devices, gb)
@@ -234,7 +239,16 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
 
 
 def cases(rows: list[dict[str, Any]]) -> list[Case | Skip]:
-    return [case_of(i, row) for i, row in enumerate(rows)]
+    """Every row as a case, or a Skip naming why it cannot be one (a malformed or unmodelled row of
+    a held-out file must not stop the others)."""
+    out: list[Case | Skip] = []
+    for i, row in enumerate(rows):
+        try:
+            out.append(case_of(i, row))
+        except (ConfigError, KeyError, TypeError, ValueError) as exc:
+            out.append(Skip(i, source_of(row) if isinstance(row, dict) else "unknown", str(row.get("model", "?")) if isinstance(row, dict) else "?",
+                            f"cannot map the row: {exc}"))
+    return out
 
 
 __all__ = ["Case", "Skip", "case_of", "cases", "cluster_of", "published_tokens_per_gpu", "source_of", "stats_of"]

@@ -247,7 +247,7 @@ MEMORY_EFFICIENCY = 0.85  # STREAM-like copy kernels: ~1.3 of 1.555 TB/s on an A
 # Per-chip efficiencies of the compute model (shardwise.plan.compute) and the overlap fraction
 # (shardwise.plan.comm). A100: fitted on 107 published A100 runs of four sources, each source
 # weighted once (`bench/planner_published.py --fit`; leave-one-source-out in docs/planner.md).
-A100 = {"gemm": 0.70, "attention": 0.325, "overlap": 0.6}
+A100 = {"gemm": 0.725, "attention": 0.30, "overlap": 0.7}
 # H100 / H200 (same compute die): no published H100 runs to fit here but three on a lower-power
 # variant, so each figure is carried over from the A100 by a measured or published ratio:
 # - gemm: the A100's training GEMM efficiency times the ratio of the two chips' best-GEMM fractions,
@@ -279,11 +279,18 @@ def _gpu(name: str, *, memory_gb: float, fp32: float, bf16: float, tf32: float, 
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 67 TFLOPS FP32, 495 TF32, 989 BF16/FP16 dense;
 # 3.35 TB/s HBM3; NVLink 900 GB/s bidirectional = 450 per direction. DGX H100: 8x 400 Gb/s NDR = 50 GB/s per GPU.
 # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+# H800 / A800 (export variants): H100 / A100 compute with NVLink 400 GB/s bidirectional = 200 per direction.
+# NVIDIA V100 datasheet (SXM2 32 GB): 15.7 TFLOPS FP32, 125 FP16 tensor (no BF16), 900 GB/s HBM2,
+# NVLink 300 GB/s bidirectional = 150 per direction; DGX-1: 4x 100 Gb/s EDR for 8 GPUs = 6.25 GB/s per GPU.
+# The A100's fitted efficiencies stand in for the V100 (no published V100 runs here; no FlashAttention there).
 PRESETS: dict[str, ClusterSpec] = {
     "a100-40gb": _gpu("a100-40gb", memory_gb=40, fp32=19.5, tf32=156, bf16=312, nvlink=300, ib=25, hbm=1555, **A100),
     "a100-80gb": _gpu("a100-80gb", memory_gb=80, fp32=19.5, tf32=156, bf16=312, nvlink=300, ib=25, hbm=2039, **A100),
     "h100": _gpu("h100", memory_gb=80, fp32=67, tf32=495, bf16=989, fp8=1979, nvlink=450, ib=50, hbm=3350, **H100),
     "h200": _gpu("h200", memory_gb=141, fp32=67, tf32=495, bf16=989, fp8=1979, nvlink=450, ib=50, hbm=4800, **H100),
+    "h800": _gpu("h800", memory_gb=80, fp32=67, tf32=495, bf16=989, fp8=1979, nvlink=200, ib=50, hbm=3350, **H100),
+    "a800": _gpu("a800", memory_gb=80, fp32=19.5, tf32=156, bf16=312, nvlink=200, ib=25, hbm=2039, **A100),
+    "v100": _gpu("v100", memory_gb=32, fp32=15.7, tf32=15.7, bf16=125, nvlink=150, ib=6.25, hbm=900, **A100),
     # A generic CPU process (one core of a current x86 server, Gloo on loopback): order-of-magnitude
     # figures, the fixed costs of parallel layers and Adam from `shardwise calibrate` on a 2-core VM
     # (4 processes, 2 per core), halved to one process per core. `Trainer(plan="auto")` measures the
@@ -295,7 +302,7 @@ PRESETS: dict[str, ClusterSpec] = {
                        tp_layer_overhead_s=20e-3, zero3_unit_overhead_s=6e-3, zero2_unit_overhead_s=5e-3, pp_microbatch_overhead_s=3.5e-3,
                        optimizer_tensor_s=25e-6, optimizer_dtensor_tensor_s=150e-6, optimizer_param_s=6e-9, device_type="cpu"),
 }
-ALIASES = {"h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb"}
+ALIASES = {"h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb", "v100-32gb": "v100", "a800-80gb": "a800", "h800-80gb": "h800"}
 
 
 def resolve(device_type: str, *, devices: int | None = None, devices_per_node: int | None = None) -> ClusterSpec:

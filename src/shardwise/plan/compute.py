@@ -3,7 +3,8 @@ recomputation replays), by kind of work.
 
 **Calibrated specs** (``shardwise calibrate``) carry a measured transformer-layer throughput table:
 the layers cost ``3 x`` their forward FLOPs (plus the replay) at the measured rate for the layer's
-GEMM size, the LM head runs at the measured matmul rate and its loss is memory-bound.
+GEMM size, the LM head runs at the measured matmul rate and its loss is memory-bound. The per-op
+selective policies (``matmuls``, ``op``) are not measured and are priced like full recomputation.
 
 **Presets** model each kind of work from the device's datasheet and three efficiencies
 (:class:`~shardwise.plan.cluster.ClusterSpec`):
@@ -12,7 +13,9 @@ GEMM size, the LM head runs at the measured matmul rate and its loss is memory-b
   (h + 2 kv)/t``, output ``T x h/t -> h``, MLP ``T x h -> f/t`` (twice when gated) and
   ``T x f/t -> h``, the LM head ``T x h -> V/t``): a roofline, ``max(2 M N K / (peak e_gemm),
   bytes / (bw e_mem))`` with ``bytes = 2 (MK + KN + MN)``; backward is two GEMMs of each
-  (data and weight gradient);
+  (data and weight gradient); a tile's fixed prologue and epilogue cost ``GEMM_K0 = 128`` inner
+  elements, so the compute time is scaled by ``(K + 128) / K`` (short inner dimensions, e.g. the
+  small models' ``h`` or a tensor-parallel ``h / t``, reach less of the peak);
 - *fused attention* (FlashAttention / SDPA): ``4 T s h / t`` FLOPs forward, of which a causal kernel
   computes the lower triangle plus the diagonal blocks of 128, ``(1 + 128/s) / 2``; backward runs 5
   matmuls where forward ran 2 (``2.5 x``; Dao 2023, FlashAttention-2, sec. 3); at
@@ -48,6 +51,7 @@ from shardwise.plan.policy import RunPolicy
 from shardwise.plan.stats import ModelStats
 
 KERNELS_PER_LAYER = 20  # operators of one transformer layer's forward (matmuls, norms, adds, attention)
+GEMM_K0 = 128  # a GEMM tile's fixed prologue/epilogue, in inner-dimension elements (about two k-steps of 64)
 CAUSAL_BLOCK = 128  # query/key tile of FlashAttention's causal kernel
 
 
@@ -91,6 +95,10 @@ def _calibrated(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPol
     extra = {"full": layer_fwd, "layer": layer_fwd / 2}.get(mode, 0.0)
     if mode == "attention":
         extra = mbs * layers * stats.attn_flops_per_block / t
+    # No calibration measures the per-op policies (their dispatch hooks cost more than the
+    # pointwise work they replay on a CPU): priced like full recomputation, never as free.
+    if mode in ("matmuls", "op"):
+        mode, extra = "full", layer_fwd
     replay_rate = cluster.block_flops(plan.precision, dim, recompute=True) if mode == "full" else None
     # At the rate measured under full recomputation when there is one (model FLOPs: the replay
     # shows as a lower rate), else the replayed FLOPs at the plain rate.
@@ -126,7 +134,9 @@ def gemm_time(cluster: ClusterSpec, m: float, n: float, k: float, *, peak: float
     """Roofline time of one ``(m x k) @ (k x n)`` GEMM with ``elem``-byte operands."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    compute = 2 * m * n * k / (peak * cluster.gemm_efficiency_)
+    # Each output tile runs k / k_step steps plus a fixed prologue and epilogue, so a short inner
+    # dimension reaches less of the peak: efficiency x k / (k + GEMM_K0).
+    compute = 2 * m * n * k / (peak * cluster.gemm_efficiency_) * (k + GEMM_K0) / k
     memory = elem * (m * k + k * n + m * n) / (cluster.memory_bw * cluster.memory_efficiency)
     return max(compute, memory)
 

@@ -233,16 +233,20 @@ def buffer_bytes(stats: ModelStats, plan: Plan, policy: StatePolicy, run: RunPol
                  stage_params: float) -> float:
     """Temporary communication buffers of the busiest moment.
 
-    ZeRO-3 gathers one unit (a block: FSDP wraps each block) and prefetches the next, holds one
-    block's unsharded gradients before the reduce-scatter, and keeps the root unit (embeddings,
-    head) gathered from forward to backward; FSDP2's ZeRO-2 keeps every gathered block from forward
+    ZeRO-3 gathers one unit (``run.zero3_unit``: a block, as FSDP wraps each block, or DeepSpeed's
+    largest weight matrix) and prefetches the next, holds one unit's unsharded gradients before the
+    reduce-scatter, and keeps the root unit (embeddings, head) gathered from forward to backward; FSDP2's ZeRO-2 keeps every gathered block from forward
     to backward; accumulating unsharded gradients over microbatches (shardwise) keeps a full-size
     gradient; TP and PP add their send/receive buffers."""
     block = stats.params_per_block / plan.tp
     root = (stats.params_embed + stats.params_head) / plan.tp
+    unit = block
+    if run.zero3_unit == "linear" and stats.ffn:  # DeepSpeed fetches module by module: the largest weight matrix
+        h, kv, f = stats.hidden, stats.kv_hidden or stats.hidden, stats.ffn
+        unit = max(h * (h if stats.qkv_input_copies > 1 else h + 2 * kv), h * f) / plan.tp
     out = 0.0
     if plan.zero >= 3 and plan.shard > 1:
-        out += 2 * block * policy.compute_bytes + block * policy.reduce_bytes + root * policy.compute_bytes
+        out += 2 * unit * policy.compute_bytes + unit * policy.reduce_bytes + root * policy.compute_bytes
     elif plan.zero == 2 and plan.shard > 1:
         if policy.zero2_shards_params:  # FSDP2 keeps every gathered block from forward to backward
             out += layers * block * policy.compute_bytes + root * policy.compute_bytes

@@ -37,6 +37,9 @@ The same :class:`~shardwise.layout.Plan` costs different memory and time in diff
   stage's output over its own NIC and the receiving stage all-gathers it over NVLink (Megatron-LM's
   scatter/gather optimization, Narayanan et al. 2021 sec. 4.1; with sequence parallelism the
   activation is already split); otherwise every TP rank sends the whole activation.
+- ``zero3_unit``: what ZeRO-3 gathers at a time. ``"block"``: FSDP's unit, one transformer block
+  (FSDP1/FSDP2 wrapping each block, as shardwise, torchtitan and llm-foundry do), the next one
+  prefetched; ``"linear"``: DeepSpeed's per-module fetch, the largest weight matrix and the next.
 - ``linear_dtype``: ``"fp8"`` runs the linear layers at the FP8 tensor-core rate (torchao float8
   training) plus the casts' memory traffic; ``""`` runs them in the plan's precision.
 """
@@ -62,6 +65,7 @@ class RunPolicy:
     grad_reduce_overlap: bool = True
     async_tp: bool = False
     pp_scatter_gather: bool = False
+    zero3_unit: str = "block"
     linear_dtype: str = ""
 
     def __post_init__(self) -> None:
@@ -70,6 +74,8 @@ class RunPolicy:
                               "(Megatron-LM, torchtitan, llm-foundry)")
         if self.selective not in SELECTIVE_MODES:
             raise ConfigError(f"selective recompute mode {self.selective!r} is unknown", hint=f"use one of {', '.join(SELECTIVE_MODES)}")
+        if self.zero3_unit not in ("block", "linear"):
+            raise ConfigError(f"zero3_unit {self.zero3_unit!r} is unknown", hint="use block (FSDP) or linear (DeepSpeed)")
         if self.linear_dtype not in ("", "fp8"):
             raise ConfigError(f"linear_dtype {self.linear_dtype!r} is unknown", hint='use "" (the plan\'s precision) or "fp8"')
 
