@@ -167,6 +167,7 @@ def loso(all_cases: list[Case]) -> dict[str, Any]:
     """Refit each chip's efficiencies without one source, predict that source."""
     out: dict[str, Any] = {}
     sources = sorted({c.source for c in all_cases})
+    pooled: list[float] = []
     for source in sources:
         held = [c for c in all_cases if c.source == source]
         errs = []
@@ -179,6 +180,9 @@ def loso(all_cases: list[Case]) -> dict[str, Any]:
             errs += [abs(tps(fixed_estimate(c, params)[0], c) / c.published_tps - 1) for c in test]
         out[source] = {"runs": len(held), "median_abs_error": statistics.median(errs), "within_15": sum(e <= 0.15 for e in errs) / len(errs),
                        "params": fitted}
+        pooled += errs
+    out["all"] = {"runs": len(pooled), "median_abs_error": statistics.median(pooled), "within_15": sum(e <= 0.15 for e in pooled) / len(pooled),
+                  "params": {}}
     return out
 
 

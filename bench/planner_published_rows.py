@@ -5,8 +5,9 @@ the published throughput in tokens/s per GPU (each source's own FLOP formula, as
 
 Everything here is read from the row's own fields and text (``gpu``, ``fsdp_or_zero``,
 ``recompute``, ``precision``, ``notes``), never from a table of runs: a held-out row of the same
-format maps the same way. A row that the cost model cannot represent (context parallelism, an
-unknown GPU, an unknown metric) maps to a ``Skip`` with the reason.
+format maps the same way. Context parallelism (``cp > 1``) is ``cp`` data-parallel ranks of
+sequence slices (:class:`~shardwise.plan.policy.RunPolicy` ``context_parallel``). A row that the
+cost model cannot represent (an unknown GPU, an unknown metric) maps to a ``Skip`` with the reason.
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def source_of(row: dict[str, Any]) -> str:
     return re.split(r"\s+[-(]|\s+Table\s|\s+Sec\.", text)[0].strip()
 
 
+def year_of(row: dict[str, Any]) -> int | None:
+    """The publication year the source text names (the earliest of its years), if any: software
+    features (FlashAttention, sequence parallelism, overlapped gradient reduction in Megatron-LM)
+    arrived in 2022-2023, so a run's year says which ones it could have used."""
+    text = " ".join(str(row.get(k) or "") for k in ("source", "source_path_or_url"))
+    years = [int(y) for y in re.findall(r"\b(20[12]\d)\b", text)]
+    return min(years) if years else None
+
+
 def _text(row: dict[str, Any]) -> str:
     return " ".join(str(row.get(k) or "") for k in ("source", "model", "precision", "fsdp_or_zero", "recompute", "notes", "gpu"))
 
@@ -91,7 +101,7 @@ def cluster_of(row: dict[str, Any]) -> ClusterSpec | str:
 
 
 # -- model ----------------------------------------------------------------------------------------
-def stats_of(row: dict[str, Any]) -> ModelStats:
+def stats_of(row: dict[str, Any], *, cp: int = 1) -> ModelStats:
     """The row's transformer, with the family's architecture read from its name and text: Llama
     (SwiGLU when ``ffn`` is not ``4 h``, rotary, no biases, separate q/k/v), MPT (no biases, tied,
     fused QKV), BLOOM (ALiBi, tied), Megatron's GPT (biases, learned positions, dropout). Attention
@@ -103,7 +113,9 @@ def stats_of(row: dict[str, Any]) -> ModelStats:
     name = str(row.get("model", "")).lower()
     gated = abs(ffn / h - 4.0) > 1e-6 and ffn < 4 * h
     llama_like = "llama" in name or kv < heads or gated
-    eager = ("flash" not in text) and any(k in text for k in ("megatron", "deepspeed", "bloom"))
+    year = year_of(row)
+    old = year is None or year < 2023
+    eager = ("flash" not in text) and any(k in text for k in ("megatron", "deepspeed", "bloom")) and old
     mpt = "mpt" in name
     bloom = "bloom" in name
     dropout = ("megatron" in text and "gpt" in name and eager) and not bloom
@@ -113,17 +125,24 @@ def stats_of(row: dict[str, Any]) -> ModelStats:
         bias=not (llama_like or mpt), learned_positions=not (llama_like or bloom), attention="eager" if eager else "fused",
         separate_qkv=llama_like, name=str(row.get("model", "")),
     )
+    s = int(row["seq"])
+    if cp > 1:  # a sample is a 1/cp slice of a sequence, attending to all of it
+        return transformer_stats(shape, seq=s // cp, context=s, gated_mlp=gated)
     return transformer_stats(shape, gated_mlp=gated)
 
 
 # -- layout and runtime ---------------------------------------------------------------------------
 def zero_of(row: dict[str, Any]) -> int:
+    """The ZeRO stage the text names (an explicit ZeRO-N first, then FSDP's sharding strategies)."""
     text = str(row.get("fsdp_or_zero") or "").lower()
-    if re.search(r"zero-?3|full_shard|fsdp2|fully_shard|hybrid_shard|hsdp", text) or (("fsdp" in text) and "shard_grad_op" not in text):
-        return 3
-    if re.search(r"zero-?2|shard_grad_op", text):
+    named = re.search(r"zero[- ]?(?:stage[- ]?)?([123])", text)
+    if named:
+        return int(named.group(1))
+    if re.search(r"shard_grad_op", text):
         return 2
-    if re.search(r"zero-?1|stage-1|distributed optimizer", text):
+    if re.search(r"full_shard|fsdp2|fully_shard|hybrid_shard|hsdp", text) or "fsdp" in text:
+        return 3
+    if re.search(r"stage-1|distributed optimizer", text):
         return 1
     return 0
 
@@ -185,27 +204,32 @@ def published_tokens_per_gpu(row: dict[str, Any], stats: ModelStats, peak: float
 def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
     source = source_of(row)
     label = f"{row.get('model')} {row.get('gpus')}x{row.get('gpu', '?')[:9]} dp{row.get('dp')} tp{row.get('tp')} pp{row.get('pp')}"
-    if int(row.get("cp") or 1) > 1:
-        return Skip(index, source, label, "context parallelism is not modelled")
+    cp = int(row.get("cp") or 1)
     cluster = cluster_of(row)
     if isinstance(cluster, str):
         return Skip(index, source, label, cluster)
     text = _text(row)
     low = text.lower()
-    stats = stats_of(row)
+    stats = stats_of(row, cp=cp)
     precision = "fp16" if re.search(r"\bfp16\b", str(row.get("precision"))) and "bf16" not in str(row.get("precision")) else "bf16"
     tps = published_tokens_per_gpu(row, stats, cluster.peak("bf16"))
     if isinstance(tps, str):
         return Skip(index, source, label, tps)
     tp, pp, dp = int(row.get("tp") or 1), int(row.get("pp") or 1), int(row.get("dp") or 1)
-    if tp * pp * dp != cluster.devices:
-        return Skip(index, source, label, f"dp*tp*pp={tp * pp * dp} is not the {cluster.devices} GPUs")
+    if tp * pp * dp * cp != cluster.devices:
+        return Skip(index, source, label, f"dp*tp*pp*cp={tp * pp * dp * cp} is not the {cluster.devices} GPUs")
+    if cp > 1 and int(row["seq"]) % cp:
+        return Skip(index, source, label, f"cp={cp} does not divide the sequence of {row['seq']}")
+    dp *= cp  # the context-parallel ranks are data-parallel ranks of sequence slices (FSDP and gradients over both)
     zero = zero_of(row)
     recompute, selective = recompute_of(row)
     # Sequence parallelism where the text says so, and with torchtitan's TP (its TP plan shards the
     # norms' sequence; async TP needs it); Megatron-LM before 2022 and Korthikanti's baselines have none.
-    says_sp = "sequence parallel" in low and not re.search(r"no sequence parallel|without sequence parallel", low)
-    sequence_parallel = tp > 1 and (says_sp or "torchtitan" in low or "async tp" in low)
+    denies_sp = bool(re.search(r"no sequence parallel|without sequence parallel", low))
+    says_sp = "sequence parallel" in low and not denies_sp
+    year = year_of(row)
+    recent = year is not None and year >= 2023  # Megatron-LM, NeMo and torchtitan turn it on with TP
+    sequence_parallel = tp > 1 and (says_sp or "torchtitan" in low or "async tp" in low or (recent and not denies_sp))
     keys: dict[str, Any] = {"tp": tp, "pp": pp, "zero": zero, "recompute": recompute, "sequence_parallel": sequence_parallel}
     if zero and re.search(r"hybrid|hsdp", low):
         keys["shard"], keys["dp"] = min(dp, cluster.devices_per_node // tp), dp // min(dp, cluster.devices_per_node // tp)
@@ -213,7 +237,7 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
         keys["shard"], keys["dp"] = dp, 1
     else:
         keys["dp"] = dp
-    gb = int(row["global_batch"])
+    gb = int(row["global_batch"]) * cp  # in slices of a sequence
     if pp > 1:
         keys.update(schedule_of(row))
     mb = row.get("micro_batch")
@@ -223,16 +247,18 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
         while per_replica % m:  # Composer splits a remainder into a smaller microbatch: the nearest even split
             m += 1
         keys["microbatches"] = m
-    framework_old = any(k in low for k in ("megatron", "deepspeed", "bloom")) and "fsdp" not in low
+    framework_old = (any(k in low for k in ("megatron", "deepspeed", "bloom")) and "fsdp" not in low
+                     and (year is None or year < 2023) and "overlap-grad-reduce" not in low)
     fields = " ".join(str(row.get(k) or "") for k in ("precision", "fsdp_or_zero", "recompute")).lower()
     notes = str(row.get("notes") or "").lower()
     fp8 = bool(re.search(r"float8|fp8", str(row.get("precision") or "").lower()))
     async_tp = "async tp" in fields or bool(re.search(r"optimizations?( column)?:[^.]*async tp", notes))
     run = RunPolicy.sixteen_bit(selective=selective, grad_reduce_overlap=not framework_old, linear_dtype="fp8" if fp8 else "",
-                                async_tp=async_tp, zero3_unit="linear" if "deepspeed" in low and zero == 3 else "block")
+                                async_tp=async_tp, zero3_unit="linear" if "deepspeed" in low and zero == 3 else "block",
+                                context_parallel=cp)
     policy = StatePolicy.torch("bf16", reduce_bytes=2.0 if "pure" in low else 4.0) if zero >= 2 or "fsdp" in low else StatePolicy.megatron()
     fixed = ",".join(f"{k}={str(v).lower()}" for k, v in keys.items())
-    setup = (stats.name, stats.seq, str(row.get("gpu")), cluster.devices, gb)
+    setup = (stats.name, int(row["seq"]), str(row.get("gpu")), cluster.devices, gb)
     label = f"{row.get('model')} s{row['seq']} {cluster.devices}x{cluster.name} {fixed}"
     return Case(index=index, source=source, label=label, stats=stats, cluster=cluster, global_batch=gb, fixed=fixed, run=run,
                 policy=policy, precision=precision, published_tps=tps[0], formula=tps[1], setup=setup)

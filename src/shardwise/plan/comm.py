@@ -90,6 +90,18 @@ def tp_time(cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, boundary: float
     return wire + m * layers * dispatch
 
 
+def cp_time(cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, kv_bytes: float, layers: int, attention: float) -> float:
+    """Exposed context-parallel traffic of one step: every layer all-gathers one microbatch's keys
+    and values (``kv_bytes``, the whole sequence) over the ``c`` ranks of a sequence in forward (and
+    in the replayed forward under full recomputation) and reduce-scatters their gradients in
+    backward, behind the step's attention time."""
+    c = run.context_parallel
+    if c <= 1:
+        return 0.0
+    per_layer = (2 + (1 if plan.recompute == "full" else 0)) * cluster.collective_time("all_gather", kv_bytes, c, stride=plan.tp)
+    return exposed(cluster, plan.microbatches * layers * per_layer, attention)
+
+
 def pp_time(cluster: ClusterSpec, plan: Plan, *, hop_bytes: float) -> float:
     """Pipeline sends on the critical path of one step (see the module doc)."""
     p, m, v = plan.pp, plan.microbatches, plan.virtual_stages
@@ -162,4 +174,4 @@ def dp_time(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, run: RunPolic
     return Comm(dp_total=fwd + bwd + fixed, dp_exposed=max(dp_exposed, first) + fixed, dp_fixed=fixed)
 
 
-__all__ = ["Comm", "DTENSOR_OPS_PER_LAYER", "FSDP_OPS_PER_UNIT", "dp_time", "exposed", "pp_time", "tp_time"]
+__all__ = ["Comm", "DTENSOR_OPS_PER_LAYER", "FSDP_OPS_PER_UNIT", "cp_time", "dp_time", "exposed", "pp_time", "tp_time"]

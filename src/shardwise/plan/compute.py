@@ -170,16 +170,17 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     # -- attention core --------------------------------------------------------------------------
     heads_local = max(stats.heads // t, 1) if stats.heads else 1
     head_dim = h / max(stats.heads, 1)
+    ctx = stats.context or s  # keys per query (context parallelism: the whole sequence)
     if stats.attention == "eager":
         batch = mbs * heads_local
-        attn_fwd = batch * (gemm_time(cluster, s, s, head_dim, peak=peak, elem=c) + gemm_time(cluster, s, head_dim, s, peak=peak, elem=c))
-        scores = mbs * heads_local * s * s * (c / 2)
+        attn_fwd = batch * (gemm_time(cluster, s, ctx, head_dim, peak=peak, elem=c) + gemm_time(cluster, s, head_dim, ctx, peak=peak, elem=c))
+        scores = mbs * heads_local * s * ctx * (c / 2)
         attn_fwd_traffic = scores * (13.0 if stats.dropout else 8.0) / bw
         attn_bwd = 2 * attn_fwd + scores * (15.0 if stats.dropout else 10.0) / bw
         attn_fwd += attn_fwd_traffic
     else:
-        causal = min(1.0, (1 + CAUSAL_BLOCK / s) / 2)
-        flops = 4 * tokens * s * h / t * causal
+        causal = min(1.0, (1 + CAUSAL_BLOCK / ctx) / 2)
+        flops = 4 * tokens * ctx * h / t * causal
         rate = peak * cluster.attention_efficiency_
         attn_fwd, attn_bwd = flops / rate, 2.5 * flops / rate
         attn_fwd_traffic = 0.0

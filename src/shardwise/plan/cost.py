@@ -35,7 +35,7 @@ from typing import Any
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
-from shardwise.plan.comm import dp_time, pp_time, tp_time
+from shardwise.plan.comm import cp_time, dp_time, pp_time, tp_time
 from shardwise.plan.compute import microbatch_time, optimizer_time
 from shardwise.plan.memory import (StatePolicy, buffer_bytes, layer_bytes, logits_bytes, model_state_bytes, stage_param_count,
                                    weight_copy_bytes)
@@ -168,17 +168,19 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         bubble = max(0.0, (m + (p - 1) / v) * mb.total / o - compute)
     tp_comm = tp_time(cluster, plan, run, boundary=mbs * stats.boundary_bytes * act_scale, layers=layers, compute=compute)
     pp_comm = pp_time(cluster, plan, hop_bytes=boundary / (t if plan.sequence_parallel or run.pp_scatter_gather else 1))
+    kv_bytes = mbs * (stats.context or stats.seq) * 2 * (stats.kv_hidden or stats.hidden) / t * (4.0 if fp32 else 2.0)
+    cp_comm = cp_time(cluster, plan, run, kv_bytes=kv_bytes, layers=layers, attention=m * mb.parts.get("attention", 0.0))
     stage_tensors = layers * stats.tensors_per_block + stats.tensors_outer
     dp = dp_time(cluster, plan, policy, run, stage_params=stage_params, layers=layers, t_fwd=mb.fwd, t_bwd=mb.bwd,
                  stage_tensors=stage_tensors)
     t_opt = optimizer_time(stats, cluster, plan, stage_params=stage_params, stage_tensors=stage_tensors)
 
-    communication = tp_comm + pp_comm + dp.dp_exposed
+    communication = tp_comm + pp_comm + cp_comm + dp.dp_exposed
     step = compute + bubble + communication + t_opt
     tokens = global_batch * stats.seq
     model_flops = 3 * stats.flops_per_sample * global_batch
     achieved = model_flops / step / plan.world_size
-    detail = {"tp_comm": tp_comm, "pp_comm": pp_comm, "dp_comm": dp.dp_total, "dp_comm_exposed": dp.dp_exposed,
+    detail = {"tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "dp_comm": dp.dp_total, "dp_comm_exposed": dp.dp_exposed,
               "optimizer": t_opt, "microbatch": mb.total}
     detail.update({f"compute_{k}": m * v_ for k, v_ in mb.parts.items()})
     return Estimate(

@@ -15,7 +15,7 @@ from shardwise.plan.cost import Estimate
 TERM_NAMES = {
     "gemm": "GEMMs", "attention": "attention", "pointwise": "pointwise work", "head": "LM head + loss",
     "recompute": "recomputation", "launch": "launch overhead", "layers": "layers (measured rate)",
-    "bubble": "pipeline bubble", "tp_comm": "tensor-parallel communication", "pp_comm": "pipeline sends",
+    "bubble": "pipeline bubble", "tp_comm": "tensor-parallel communication", "pp_comm": "pipeline sends", "cp_comm": "context-parallel keys and values",
     "dp_comm_exposed": "exposed data-parallel traffic", "optimizer": "optimizer step",
 }
 
@@ -28,6 +28,7 @@ def terms(est: Estimate) -> dict[str, float]:
     if abs(rest) > 1e-12 * max(1.0, est.step_time_s):
         out["launch"] = out.get("launch", 0.0) + rest
     out.update({"bubble": est.time["bubble"], "tp_comm": est.detail.get("tp_comm", 0.0), "pp_comm": est.detail.get("pp_comm", 0.0),
+                "cp_comm": est.detail.get("cp_comm", 0.0),
                 "dp_comm_exposed": est.detail.get("dp_comm_exposed", 0.0), "optimizer": est.detail.get("optimizer", 0.0)})
     return {k: v for k, v in out.items() if abs(v) > 0}
 
@@ -49,7 +50,8 @@ def dominant_terms(est: Estimate, k: int = 3) -> str:
 def explain_gap(fast: Estimate, ref: Estimate, k: int = 2) -> str:
     """Which terms make ``fast`` faster than ``ref`` (largest savings first), and any that are worse."""
     a, b = terms(fast), terms(ref)
-    diffs = {name: b.get(name, 0.0) - a.get(name, 0.0) for name in set(a) | set(b)}
+    noise = 1e-4 * ref.step_time_s  # rounding of terms that cancel
+    diffs = {name: d for name in set(a) | set(b) if abs(d := b.get(name, 0.0) - a.get(name, 0.0)) > noise}
     gains = sorted(((n, d) for n, d in diffs.items() if d > 0), key=lambda kv: -kv[1])[:k]
     losses = sorted(((n, -d) for n, d in diffs.items() if d < 0), key=lambda kv: -kv[1])[:1]
     ratio = ref.step_time_s / fast.step_time_s if fast.step_time_s else float("inf")

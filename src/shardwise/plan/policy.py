@@ -40,6 +40,12 @@ The same :class:`~shardwise.layout.Plan` costs different memory and time in diff
 - ``zero3_unit``: what ZeRO-3 gathers at a time. ``"block"``: FSDP's unit, one transformer block
   (FSDP1/FSDP2 wrapping each block, as shardwise, torchtitan and llm-foundry do), the next one
   prefetched; ``"linear"``: DeepSpeed's per-module fetch, the largest weight matrix and the next.
+- ``context_parallel``: ``c`` consecutive data-parallel ranks split each sequence (Liu et al.
+  2023's ring attention; Llama 3's all-gathered keys and values): a sample of the model
+  statistics is then a ``1/c`` slice attending to the whole sequence
+  (``transformer_stats(..., seq=S/c, context=S)``), FSDP and the gradient reduction run over all
+  data-parallel ranks, and every layer all-gathers the keys and values of its ``c`` slices in
+  forward (reduce-scatters their gradients in backward), behind the attention it feeds.
 - ``linear_dtype``: ``"fp8"`` runs the linear layers at the FP8 tensor-core rate (torchao float8
   training) plus the casts' memory traffic; ``""`` runs them in the plan's precision.
 """
@@ -66,6 +72,7 @@ class RunPolicy:
     async_tp: bool = False
     pp_scatter_gather: bool = False
     zero3_unit: str = "block"
+    context_parallel: int = 1
     linear_dtype: str = ""
 
     def __post_init__(self) -> None:
@@ -76,6 +83,8 @@ class RunPolicy:
             raise ConfigError(f"selective recompute mode {self.selective!r} is unknown", hint=f"use one of {', '.join(SELECTIVE_MODES)}")
         if self.zero3_unit not in ("block", "linear"):
             raise ConfigError(f"zero3_unit {self.zero3_unit!r} is unknown", hint="use block (FSDP) or linear (DeepSpeed)")
+        if isinstance(self.context_parallel, bool) or not isinstance(self.context_parallel, int) or self.context_parallel < 1:
+            raise ConfigError(f"context_parallel={self.context_parallel!r} must be a positive integer", hint="1 without context parallelism")
         if self.linear_dtype not in ("", "fp8"):
             raise ConfigError(f"linear_dtype {self.linear_dtype!r} is unknown", hint='use "" (the plan\'s precision) or "fp8"')
 
