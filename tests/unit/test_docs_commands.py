@@ -25,6 +25,8 @@ from shardwise.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "docs" / "planner.md", ROOT / "README.md"]
+# which commands of a page are checked: all of the planner's page, the planner's in the README
+CHECKED = {"planner.md": None, "README.md": ("plan", "calibrate")}
 FENCE = re.compile(r"^```(\w*)\s*$")
 
 
@@ -109,13 +111,14 @@ def _inline_commands(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
 def test_every_other_shardwise_command_on_the_page_parses(path: Path) -> None:
-    commands = _inline_commands(path)
+    subcommands = CHECKED[path.name]
+    commands = [c for c in _inline_commands(path) if subcommands is None or c.split()[1] in subcommands]
     assert commands
     parser = build_parser()
     for command in commands:
-        if "..." in command or "[" in command:  # a usage pattern, not an invocation
-            continue
         argv = shlex.split(command)[1:]
+        if "..." in command or "[" in command or len(argv) < 2:  # a usage pattern or a name, not an invocation
+            continue
         err = io.StringIO()
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             try:

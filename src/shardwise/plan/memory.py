@@ -223,10 +223,12 @@ def logits_bytes(stats: ModelStats, plan: Plan, run: RunPolicy) -> tuple[float, 
 
 def weight_copy_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, policy: StatePolicy) -> float:
     """Autocast saves its 16-bit copy of each weight for backward, once per microbatch in flight
-    (not under FSDP, whose gathered 16-bit parameters are freed or counted as buffers)."""
+    (not under FSDP, whose gathered 16-bit parameters are freed or counted as buffers, and not in a
+    recomputed block, which saves nothing or only what its policy names: the casts are replayed)."""
     if not run.autocast or plan.precision == "fp32" or policy.param < 4 or plan.zero >= 2:
         return 0.0
-    return stats.params_per_block / plan.tp * policy.compute_bytes
+    share = {"none": 1.0, "attention": 1.0, "layer": 0.5}.get(recompute_mode(plan, run), 0.0)
+    return share * stats.params_per_block / plan.tp * policy.compute_bytes
 
 
 def buffer_bytes(stats: ModelStats, plan: Plan, policy: StatePolicy, run: RunPolicy, *, layers: int, boundary: float,
