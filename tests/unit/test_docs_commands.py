@@ -138,3 +138,8 @@ def test_the_published_runs_table_is_the_committed_result() -> None:
     assert begin in page and end in page
     table = page.split(begin, 1)[1].split(end, 1)[0].strip()
     assert table == markdown(results)
+    overall = results["overall"]
+    readme = (ROOT / "README.md").read_text()
+    quoted = f"within {100 * overall['median_abs_error']:.1f}% median ({100 * overall['within_15']:.0f}% within +-15%"
+    assert quoted in readme, quoted
+    assert overall["fit_misses"] == 0 and "every run that ran predicted to fit" in readme

@@ -164,8 +164,9 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     elem = 1.0 if fp8 else c
     gemms = [gemm_time(cluster, tokens, n_, k_, peak=peak_lin, elem=elem) for k_, n_ in shapes]
     gemm_fwd = sum(gemms)
-    if fp8:  # casting every projection's input (and its gradient in backward) to fp8: read 2, write 1 byte
-        gemm_fwd += 3.0 * tokens * sum(k_ + n_ for k_, n_ in shapes) / 2 / bw
+    if fp8:  # each projection casts its input (forward) and its output's gradient (backward) to fp8:
+        # 3 bytes (read 2, write 1) per element of K and N; a third of it here, as gemm_fwd counts 3 x
+        gemm_fwd += tokens * sum(k_ + n_ for k_, n_ in shapes) / bw
 
     # -- attention core --------------------------------------------------------------------------
     heads_local = max(stats.heads // t, 1) if stats.heads else 1

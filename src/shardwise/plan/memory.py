@@ -165,8 +165,8 @@ def layer_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, *, mode: str | No
     t, sp = plan.tp, plan.sequence_parallel
     scale = 2.0 if plan.precision == "fp32" else 1.0
     autocast = run.autocast and plan.precision != "fp32"
-    if not stats.ffn:  # a measured nn.Module: the saved bytes as measured, the policies as fractions
-        return _measured_layer_bytes(stats, plan, mode, scale)
+    if not stats.ffn:  # a measured nn.Module: the saved bytes as measured (no per-tensor policies)
+        return _measured_layer_bytes(stats, plan, mode, scale, 2.0 if autocast or scale > 1 else 1.0)
     tensors = layer_tensors(stats, autocast=autocast)
     s = stats.seq
     scores = stats.attn_act_bytes_per_block * scale / t  # eager attention's s^2 tensors (per sample)
@@ -194,17 +194,24 @@ def layer_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, *, mode: str | No
     raise ConfigError(f"recompute mode {mode!r} is unknown", hint="use none, selective or full")
 
 
-def _measured_layer_bytes(stats: ModelStats, plan: Plan, mode: str, scale: float) -> tuple[float, float]:
-    total = stats.act_bytes_per_block * scale
+def _measured_layer_bytes(stats: ModelStats, plan: Plan, mode: str, scale: float, resid: float) -> tuple[float, float]:
+    """A measured module's saved bytes (16-bit figures scaled to the plan's precision): TP divides
+    all but the LayerNorm region (10 s h) unless sequence parallelism splits that too; full
+    recomputation keeps the block input (fp32 under autocast: ``resid``) and replays the rest."""
     t = plan.tp
+
+    def split(total: float) -> float:
+        if t == 1 or plan.sequence_parallel:
+            return total / t
+        replicated = min(total, 5 * stats.boundary_bytes * scale)  # 10 s h: LayerNorm inputs and dropout masks
+        return replicated + (total - replicated) / t
+
+    none = split(stats.act_bytes_per_block * scale)
     if mode == "full":
-        return stats.boundary_bytes * scale / (t if plan.sequence_parallel else 1), total / t
+        return stats.boundary_bytes * resid / (t if plan.sequence_parallel else 1), none
     if mode == "attention":
-        total -= stats.attn_act_bytes_per_block * scale
-    if t == 1 or plan.sequence_parallel:
-        return total / t, 0.0
-    replicated = min(total, 5 * stats.boundary_bytes * scale)  # 10 s h: LayerNorm inputs and dropout masks
-    return replicated + (total - replicated) / t, 0.0
+        return split((stats.act_bytes_per_block - stats.attn_act_bytes_per_block) * scale), 0.0
+    return none, 0.0
 
 
 def logits_bytes(stats: ModelStats, plan: Plan, run: RunPolicy) -> tuple[float, float]:
