@@ -80,3 +80,12 @@ def test_plan_fixed_that_never_fits_is_shown_with_its_memory(capsys: pytest.Capt
     assert out["plans"] and not out["plans"][0]["fits"] and "does NOT fit" in out["explanation"]
     assert main(["plan", "--model", "gpt", "--devices", "4", "--device-type", "cpu", "--fixed", "tp=3"]) == 2
     assert "names no valid plan" in capsys.readouterr().err
+
+
+def test_plan_fixed_prices_layouts_the_runtime_refuses_and_says_so(capsys: pytest.CaptureFixture) -> None:
+    """Megatron's distributed optimizer with TP and PP (ZeRO-1 x TP x PP) is priced, and flagged:
+    shardwise's parallel layer would refuse it, so the free search never offers it."""
+    out = _plan_json(capsys, "--model", "gpt3-13b", "--devices", "64", "--device-type", "a100-80gb", "--fixed", "zero=1,tp=2,pp=2")
+    (plan,) = out["plans"]
+    assert (plan["zero_stage"], plan["tp"], plan["pp"]) == (1, 2, 2)
+    assert "cannot run it" in out["explanation"] and "ZeroRedundancyOptimizer" in out["explanation"]

@@ -108,6 +108,7 @@ def _main(args: argparse.Namespace) -> int:
     from shardwise.plan.policy import RunPolicy
     from shardwise.plan.search import SearchOptions, candidates, fixed_options, search
     from shardwise.plan.stats import transformer_stats
+    from shardwise.plan.support import runtime_conflict
 
     cluster = cluster_of(args.device_type, world_size=args.devices, devices_per_node=args.devices_per_node)
     if args.model_spec:
@@ -149,6 +150,9 @@ def _main(args: argparse.Namespace) -> int:
             best = min(every, key=lambda e: e.memory_total)
             explanation = (f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them needs is "
                            f"{best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); the fastest is shown")
+        conflict = runtime_conflict(estimates[0].plan)
+        if conflict is not None:  # the cost model prices it (e.g. Megatron's ZeRO-1 x TP x PP); shardwise cannot run it
+            explanation += f"; note: shardwise's parallel layer cannot run it ({conflict})"
         if args.explain:
             found = search(stats, cluster, global_batch=global_batch, options=replace(options, top=1))
             free = found.plans[0] if found.plans else None
