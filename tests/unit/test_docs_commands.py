@@ -141,3 +141,27 @@ def test_the_published_runs_table_is_the_committed_result() -> None:
     overall = results["overall"]
     quoted = f"median absolute error **{100 * overall['median_abs_error']:.1f}%**, **{100 * overall['within_15']:.0f}%** of the"
     assert quoted in page, quoted
+
+
+def test_the_fill_in_table_is_what_the_rules_do() -> None:
+    """docs/planner.md's table of plan strings: each `you write` on `N` processes becomes the plan
+    it shows (or fails with the error it quotes; `...` stands for the part left out)."""
+    from shardwise.errors import ConfigError
+    from shardwise.layout import resolve_plan
+
+    page = (ROOT / "docs" / "planner.md").read_text()
+    section = page.split("## Plan strings", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]*)` \| (\d+) \| `([^`]*)`", section, flags=re.M)
+    assert len(rows) >= 9
+    for text, world, shown in rows:
+        if text.startswith("--"):
+            continue
+        try:
+            got = str(resolve_plan(text, int(world)))
+        except ConfigError as exc:
+            got = str(exc)
+        if "..." in shown or shown.startswith("plan "):  # an error, quoted in part
+            parts = [p.strip(" ;") for p in shown.split("...") if p.strip(" ;")]
+            assert all(p in got for p in parts), (text, world, shown, got)
+        else:
+            assert got == shown, (text, world, shown, got)
