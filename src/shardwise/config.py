@@ -18,6 +18,7 @@ metadata; :func:`describe_keys` turns that into the reference table printed by
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import typing
 from dataclasses import dataclass, field, fields
@@ -210,6 +211,34 @@ def override_keys(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return overrides, rest
 
 
+def check_input_file(path: str, *, option: str) -> None:
+    """Refuse an input path that is not a readable file before any work starts: the readers would
+    otherwise stop with a traceback (IsADirectoryError, PermissionError)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"{option} {path!r} does not exist", hint="check the path")
+    if os.path.isdir(path):
+        raise ConfigError(f"{option} {path!r} is a directory", hint="give the path of a file")
+    try:
+        with open(path, "rb") as fh:
+            fh.read(1)
+    except OSError as err:
+        raise ConfigError(f"{option} {path!r} cannot be read: {err.strerror or err}", hint="check its permissions") from None
+
+
+def check_output_file(path: str, *, option: str) -> None:
+    """Refuse an output path that cannot be written, before the work that produces it starts: a
+    measurement or an export should not fail at its last step, nor leave a partial file behind."""
+    if os.path.isdir(path):
+        raise ConfigError(f"{option} {path} is a directory", hint="give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{option} {path}: directory {parent} does not exist", hint="create it first, or choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option} {path}: directory {parent} is not writable", hint="choose another path")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(f"{option} {path} is not writable", hint="choose another path, or change its permissions")
+
+
 # -- helpers -------------------------------------------------------------------------------------
 def _sections(cls: type) -> dict[str, type]:
     hints = typing.get_type_hints(cls)
@@ -233,7 +262,11 @@ def _read_toml(path: str) -> dict[str, Any]:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist", hint="check the path given to --config") from None
-    except tomllib.TOMLDecodeError as exc:
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path!r} is a directory", hint="give the path of a TOML file to --config") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {path!r} cannot be read: {exc.strerror or exc}", hint="check its permissions") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # tomllib decodes the bytes as UTF-8 first
         raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
 
 
@@ -338,6 +371,8 @@ __all__ = [
     "SampleSection",
     "TrainJobConfig",
     "TrainSection",
+    "check_input_file",
+    "check_output_file",
     "describe_keys",
     "load_config",
     "override_keys",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardwise.errors import ConfigError
 from tests.distributed.test_checkpoint_workload import Job
 
 TOTAL, CUT = 40, 20
@@ -49,3 +50,32 @@ def test_resume_bitwise(dist2, tmp_path_factory, layout, async_save):
 
 def test_resume_bitwise_single_process(tmp_path):
     _assert_bitwise([straight_vs_resumed("single", str(tmp_path), True)])
+
+
+def save_dp2(directory: str) -> None:
+    job = Job("dp2", seed=0)
+    job.train_to(2)
+    job.manager(directory).save(job.components(), step=2)
+
+
+def load_dp2_error(directory: str) -> str:
+    job = Job("dp2", seed=1)
+    try:
+        job.manager(directory).load(job.components())
+    except ConfigError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_replaced_shard_of_another_rank_is_one_line_on_every_rank(dist2, tmp_path):
+    """DCP wraps a rank's read error into a CheckpointException on every rank (its text is each
+    rank's traceback); the user sees the refused file's one-line error instead."""
+    from tests.unit.test_checkpoint_safety import replace_with_pickle_bomb
+
+    dist2.run(save_dp2, str(tmp_path / "ckpt"))
+    step_dir = str(tmp_path / "ckpt" / "step_00000002")
+    replace_with_pickle_bomb(step_dir, "__1_0.distcp", str(tmp_path / "pwned"))
+    messages = dist2.run(load_dp2_error, str(tmp_path / "ckpt"))
+    for message in messages:
+        assert message.startswith(f"checkpoint file {step_dir}/__1_0.distcp ") and "\n" not in message, message
+    assert not (tmp_path / "pwned").exists()

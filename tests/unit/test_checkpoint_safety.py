@@ -184,3 +184,71 @@ def test_cli_inspect_and_consolidate(tmp_path, capsys):
     assert set(load_file(str(tmp_path / "m.safetensors"))) == {"0.weight", "0.bias", "3.weight", "3.bias"}
     assert cli_main(["checkpoint", "consolidate", str(tmp_path / "nothing"), str(tmp_path / "x.safetensors")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+class _Counter:
+    """A Stateful that is not a model: the only component of a model-less checkpoint."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+def test_components_without_a_model_save_and_load(tmp_path):
+    manager = CheckpointManager(str(tmp_path))
+    assert manager.save({"counter": _Counter(7)}, step=1)
+    restored = _Counter(0)
+    loaded = CheckpointManager(str(tmp_path)).load({"counter": restored})
+    assert loaded is not None and loaded.step == 1 and restored.value == 7
+    with pytest.raises(ConfigError, match="an optimizer is checkpointed without its model"):
+        manager.save({"optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)}, step=2)
+
+
+def replace_with_pickle_bomb(step_dir: str, rel: str, marker_file: str) -> None:
+    """Replace ``rel`` by a pickle whose loading would create ``marker_file``, and rewrite the commit
+    marker's size and checksum to match, as an attacker with write access would."""
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker_file}",))
+
+    target = os.path.join(step_dir, rel)
+    with open(target, "wb") as f:
+        pickle.dump(Evil(), f)
+    marker = cm.read_marker(step_dir)
+    files = {**marker.files, rel: {"size": os.path.getsize(target), "sha256": cm._sha256(target)}}
+    cm.atomic_write_text(os.path.join(step_dir, cm.MARKER), cm.Marker(**{**marker.__dict__, "files": files}).to_json())
+    assert cm.verify(step_dir)[0] is not None  # the checksums no longer help
+
+
+@pytest.mark.parametrize("rel", ["__0_0.distcp", "ranks/rank_00000.pt"])
+def test_replaced_file_with_matching_checksum_is_refused_in_one_line(tmp_path, rel):
+    _saved(tmp_path / "ckpt")
+    step_dir = cm.latest_complete(str(tmp_path / "ckpt")).path
+    pwned = str(tmp_path / "pwned")
+    replace_with_pickle_bomb(step_dir, rel, pwned)
+    fresh = Job("single", seed=5)
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    with pytest.raises(ConfigError) as err:
+        fresh.manager(str(tmp_path / "ckpt")).load(fresh.components())
+    message = str(err.value)
+    assert f"checkpoint file {os.path.join(step_dir, rel)} " in message and "it was not loaded" in message
+    assert "\n" not in message and "weights_only" not in message
+    assert not os.path.exists(pwned)
+    assert all(torch.equal(before[k], v) for k, v in fresh.model.state_dict().items())
+
+
+def test_inspect_lists_steps_despite_a_damaged_latest_pointer(tmp_path):
+    """``latest`` is a convenience (the markers are the truth): unreadable, it must not stop the listing."""
+    from shardwise.checkpoint.inspect import report
+
+    _saved(tmp_path, steps=(2,))
+    os.remove(tmp_path / cm.LATEST)
+    os.mkdir(tmp_path / cm.LATEST)
+    text = report(str(tmp_path))
+    assert "(latest -> ?)" in text and "complete" in text

@@ -86,6 +86,10 @@ def _payload_files(step_path: str) -> list[str]:
     return sorted(out)
 
 
+def _is_count(value: Any, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 @dataclass(frozen=True)
 class Marker:
     """The content of ``COMMITTED.json``."""
@@ -104,9 +108,23 @@ class Marker:
 
     @classmethod
     def from_json(cls, text: str) -> "Marker":
+        """Parse a marker; ``ValueError`` if it is not one (a hand-edited or damaged file must read
+        as "no valid marker", not crash a reader later on a wrong type)."""
         data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError("a commit marker is a JSON object")
         names = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        marker = cls(**{k: v for k, v in data.items() if k in names})
+        if not (_is_count(marker.step, 0) and _is_count(marker.world_size, 1) and _is_count(marker.dp_size, 1)):
+            raise ValueError("a commit marker has a step and positive world_size and dp_size")
+        if not isinstance(marker.files, dict) or not isinstance(marker.metrics, dict) or not isinstance(marker.plan, (str, type(None))):
+            raise ValueError("a commit marker has a files table, a metrics table and a plan")
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in marker.metrics.values()):
+            raise ValueError("the metrics of a commit marker are numbers")
+        for info in marker.files.values():
+            if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str):
+                raise ValueError("each file of a commit marker has an integer size and a sha256")
+        return marker
 
 
 def commit(step_path: str, *, step: int, world_size: int, dp_size: int, plan: str | None, metrics: dict[str, float]) -> Marker:
@@ -147,8 +165,11 @@ def verify(step_path: str, *, level: Verify = "checksum") -> tuple[Marker | None
             return None, f"file {rel} is missing"
         if size != info["size"]:
             return None, f"file {rel} has {size} bytes, the marker says {info['size']}"
-        if level == "checksum" and _sha256(full) != info["sha256"]:
-            return None, f"file {rel} does not match its checksum"
+        try:
+            if level == "checksum" and _sha256(full) != info["sha256"]:
+                return None, f"file {rel} does not match its checksum"
+        except OSError as err:
+            return None, f"file {rel} cannot be read ({err.strerror or err})"
     return marker, ""
 
 

@@ -41,16 +41,31 @@ def _size(nbytes: float) -> str:
     return ""
 
 
+def _pointer(directory: str) -> str:
+    """What the ``latest`` file names ("-" when absent, "?" when it is not a readable text file):
+    only a convenience, so a damaged one must not stop the listing."""
+    path = os.path.join(directory, cm.LATEST)
+    if not os.path.exists(path):
+        return "-"
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read(200).strip() or "?"
+    except (OSError, UnicodeDecodeError):
+        return "?"
+
+
 def report(directory: str, *, step: int | None = None, show_tensors: bool = True, verify: cm.Verify = "checksum") -> str:
     """A human-readable listing of ``directory`` (the text ``shardwise checkpoint inspect`` prints)."""
     if not os.path.isdir(directory):
         raise ConfigError(f"{directory} is not a directory", hint="pass the checkpoint directory (the one holding step_* directories)")
     infos = cm.list_checkpoints(directory, level=verify)
     if not infos:
-        return f"{directory}: no checkpoints"
-    latest = os.path.join(directory, cm.LATEST)
-    pointer = open(latest, encoding="utf-8").read().strip() if os.path.exists(latest) else "-"
-    lines = [f"{directory}  (latest -> {pointer})", f"{'step':>10}  {'status':<10} {'world':>5} {'dp':>3}  {'size':>10}  plan / metrics"]
+        raise ConfigError(f"no checkpoints in {directory} (no step_* directories)",
+                          hint="pass the checkpoint directory, e.g. runs/NAME/checkpoints")
+    if step is not None and step not in {c.step for c in infos}:
+        raise ConfigError(f"no step {step} in {directory} (steps: {', '.join(str(c.step) for c in infos)})")
+    lines = [f"{directory}  (latest -> {_pointer(directory)})",
+             f"{'step':>10}  {'status':<10} {'world':>5} {'dp':>3}  {'size':>10}  plan / metrics"]
     for c in infos:
         if c.complete:
             m = c.marker
@@ -60,7 +75,9 @@ def report(directory: str, *, step: int | None = None, show_tensors: bool = True
         else:
             lines.append(f"{c.step:>10}  {'INCOMPLETE':<10} {'':>5} {'':>3}  {'':>10}  {c.reason}")
     complete = [c for c in infos if c.complete]
-    chosen = next((c for c in infos if c.step == step), None) if step is not None else (complete[-1] if complete else None)
+    chosen = next(c for c in infos if c.step == step) if step is not None else (complete[-1] if complete else None)
+    if show_tensors and step is not None and not chosen.complete:
+        raise ConfigError(f"step {step} in {directory} is not complete: {chosen.reason}", hint="its tensors cannot be listed; omit --step")
     if show_tensors and chosen is not None and chosen.complete:
         entries = tensors(chosen.path)
         lines.append(f"\ntensors of step {chosen.step} ({len(entries)}, {_size(sum(e.nbytes for e in entries))}):")

@@ -36,8 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from shardwise.checkpoint import commit as cm
 from shardwise.checkpoint.faults import Fault
-from shardwise.checkpoint.reshard import convert_positions
-from shardwise.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, check_compatible, encode_for_weights_only, load_rank_file
+from shardwise.checkpoint.safe_io import SafeFileSystemReader, check_compatible, encode_for_weights_only, load_rank_file, safe_load
 from shardwise.errors import ConfigError
 
 RANK_DIR = "ranks"
@@ -243,11 +242,17 @@ class CheckpointManager:
         self.blocked_s += time.perf_counter() - started
         return True
 
-    def _tensor_state(self, model: nn.Module | None, optims: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    def _tensor_state(self, model: nn.Module | None,
+                      optims: list[torch.optim.Optimizer]) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+        """``(what DCP saves or loads, the optimizers' param groups for the per-rank file)``.
+
+        Without a model there are no tensors to shard: ``({}, None)``, and a checkpoint of only
+        small Statefuls (counters, a data position) still saves and loads.
+        """
         if model is None:
             if optims:
                 raise ConfigError("an optimizer is checkpointed without its model", hint="add the model to the components")
-            return {}
+            return {}, None
         msd, osd = get_state_dict(model, optims)
         if not optims:
             return {"model": msd}, None
@@ -346,14 +351,15 @@ class CheckpointManager:
                          saved_param_groups=rank_payload.get("param_groups"))
         state, groups_now = self._tensor_state(model, optims)
         if state:
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=self._pg(), no_dist=not self.distributed)
+            safe_load(state, reader, process_group=self._pg(), no_dist=not self.distributed)
             osd = {}
             if groups_now is not None:
                 osd = {"state": state["optim"]["state"], "param_groups": _merge_groups(groups_now, rank_payload["param_groups"], info.path)}
             set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=osd)
         resharded = marker.world_size != self.world_size or marker.dp_size != self.dp_size
+        # The data position is a count of global samples (ShardedSampler), the same under any
+        # data-parallel size: it loads unchanged (see shardwise.checkpoint.reshard).
         for name, obj in others.items():
-            state_of = rank_payload["components"][name]
-            obj.load_state_dict(convert_positions(state_of, old_dp=marker.dp_size) if resharded else state_of)
+            obj.load_state_dict(rank_payload["components"][name])
         self.last_committed = marker.step
         return Loaded(step=marker.step, path=info.path, marker=marker, resharded=resharded)

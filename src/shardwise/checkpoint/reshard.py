@@ -19,29 +19,6 @@ changes, never the set of samples already seen.
 
 from __future__ import annotations
 
-from typing import Any
-
-
-def convert_position(state: dict[str, Any], *, old_dp: int) -> dict[str, Any]:
-    """Convert a saved data position to this package's dp-independent convention.
-
-    Positions kept as ``consumed`` = global samples (``shardwise.data.sampler.ShardedSampler``) are
-    independent of the data-parallel size and returned unchanged. A per-rank count
-    (``{"per_rank": k}``, as kept by samplers that count their own draws) becomes ``k * old_dp``.
-    """
-    out = dict(state)
-    if "per_rank" in out:
-        out["consumed"] = int(out.pop("per_rank")) * old_dp
-    return out
-
-
-def convert_positions(state: Any, *, old_dp: int) -> Any:
-    """Apply :func:`convert_position` to every data-position dict inside a component's state."""
-    if isinstance(state, dict):
-        state = convert_position(state, old_dp=old_dp) if "per_rank" in state else state
-        return {k: convert_positions(v, old_dp=old_dp) for k, v in state.items()}
-    return state
-
 
 def source_rank(rank: int, saved_world: int) -> int:
     """Which saved rank's small state (counters, scheduler, data position, RNG) rank ``rank`` reads.

@@ -6,7 +6,12 @@ Three places could unpickle data from disk; each is restricted:
   unpickler that only resolves DCP's own metadata classes and torch's ``Size``/dtype/layout;
 - DCP's non-tensor values (optimizer hyper-parameters) go through ``torch.load``:
   :class:`SafeLoadPlanner` calls it with ``weights_only=True``;
-- the per-rank files are read with ``torch.load(..., weights_only=True)``.
+- the per-rank files are read with ``torch.load(..., weights_only=True)``;
+- DCP's tensor shards (``__<rank>_0.distcp``) are read by DCP with ``weights_only=True`` too;
+  :class:`SafeFileSystemReader` turns a refusal into one line naming the file.
+
+A file that passes its checksum can still have been replaced (the marker rewritten to match), so a
+refusal is reported as a bad file, never with torch's advice to retry with ``weights_only=False``.
 
 :func:`check_compatible` compares the checkpoint's tensor names and global shapes with the model
 being restored and raises one error listing every mismatch before any state is modified.
@@ -14,20 +19,28 @@ being restored and raises one error listing every mismatch before any state is m
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
-from typing import Any, Mapping
+import re
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 from torch.distributed.checkpoint._traverse import set_element  # the helper DefaultLoadPlanner itself uses
 
 from shardwise.checkpoint.reshard import source_rank
-from shardwise.errors import ConfigError
+from shardwise.errors import ConfigError, ShardwiseError
 
 _ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 _ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
@@ -45,19 +58,65 @@ class _RestrictedUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+@contextmanager
+def _untrusted_load() -> Iterator[None]:
+    """Silence torch's warning about an unusual pickle protocol: it is printed for exactly the
+    files about to be refused, as extra lines before the one-line error."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+        yield
+
+
+def refused_file(path: str, err: BaseException, *, kind: str = "tensor file") -> ConfigError:
+    """The one-line error for a checkpoint file that cannot be read or parsed safely (replaced,
+    truncated or random bytes). torch's own message for a refused pickle is several paragraphs
+    that suggest ``weights_only=False``, which would run whatever code the file carries."""
+    if isinstance(err, OSError):
+        return ConfigError(f"checkpoint file {path} cannot be read: {err.strerror or err}",
+                           hint="check the path and its permissions")
+    found = re.search(r"GLOBAL ([\w.]+)", str(err))
+    what = f"refers to {found.group(1)}, which no checkpoint contains" if found else f"is not a readable {kind}"
+    return ConfigError(f"checkpoint file {path} {what}; it was not loaded",
+                       hint="the file is corrupt or was replaced: restore it, or load another step")
+
+
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, with the ``.metadata`` pickle read by a restricted unpickler."""
+    """DCP's file reader, with the ``.metadata`` pickle read by a restricted unpickler and a shard
+    that is not plain tensor data refused in one line naming the file."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _RestrictedUnpickler(f).load()
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _RestrictedUnpickler(f).load()
+        except ShardwiseError:
+            raise
+        except Exception as err:  # noqa: BLE001 - truncated or random bytes: a bad file
+            raise refused_file(str(path), err, kind="checkpoint index") from None
         if not isinstance(metadata, Metadata):
-            raise ConfigError(f"{path} is not a DCP checkpoint index")
+            raise ConfigError(f"{path} is not a DCP checkpoint index",
+                              hint="the file is corrupt or was replaced: restore it, or load another step")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """DCP's read, one shard file at a time, so a refused file is named in the error."""
+        by_file: dict[str, list[Any]] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in by_file.items():
+            try:
+                with _untrusted_load():
+                    super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except ShardwiseError:
+                raise
+            except Exception as err:  # noqa: BLE001 - any failure to parse a shard means a bad file
+                raise refused_file(os.path.join(str(self.path), relative_path), err) from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -69,6 +128,24 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def safe_load(state: dict[str, Any], reader: SafeFileSystemReader, *, process_group: Any = None, no_dist: bool) -> None:
+    """``dcp.load`` with :class:`SafeLoadPlanner`, and its errors as the user should see them.
+
+    DCP wraps every rank's exception in a ``CheckpointException`` (even in one process), whose
+    text is each rank's traceback: a :class:`ShardwiseError` among them (a refused file) is raised
+    as itself. One process also skips DCP's warning that it assumes one process, which is the
+    intent here."""
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group, no_dist=no_dist)
+    except CheckpointException as err:
+        found = next((exc for exc, _trace in err.failures.values() if isinstance(exc, ShardwiseError)), None)
+        if found is None:
+            raise
+        raise found from None
 
 
 _NDARRAY = "__shardwise_ndarray__"
@@ -102,9 +179,15 @@ def load_rank_file(rank_dir: str, *, rank: int, saved_world: int) -> dict[str, A
     """This rank's small state (see :func:`shardwise.checkpoint.reshard.source_rank`)."""
     path = os.path.join(rank_dir, f"rank_{source_rank(rank, saved_world):05d}.pt")
     try:
-        return decode_weights_only(torch.load(path, weights_only=True, map_location="cpu"))
+        with _untrusted_load():
+            payload = torch.load(path, weights_only=True, map_location="cpu")
     except FileNotFoundError:
         raise ConfigError(f"checkpoint file {path} is missing") from None
+    except Exception as err:  # noqa: BLE001 - any failure to parse the file means a bad file
+        raise refused_file(path, err) from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("components"), dict):
+        raise refused_file(path, ValueError("not a per-rank state file"))
+    return decode_weights_only(payload)
 
 
 def check_compatible(metadata: Metadata, state: Mapping[str, Any], saved_components: Mapping[str, Any],

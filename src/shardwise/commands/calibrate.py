@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
+from shardwise.config import check_output_file
 from shardwise.errors import ConfigError
 
 EXAMPLES = """examples:
@@ -32,8 +34,11 @@ def _main(args: argparse.Namespace) -> int:
     nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() or 2)
     if nproc < 1:
         raise ConfigError(f"--nproc {nproc} must be at least 1", hint="e.g. --nproc 4")
-    if args.iters < 1 or args.max_size_mb <= 0:
-        raise ConfigError("--iters and --max-size-mb must be positive")
+    if args.iters < 1:
+        raise ConfigError(f"--iters {args.iters} must be a positive integer", hint="e.g. --iters 10")
+    if not (math.isfinite(args.max_size_mb) and args.max_size_mb > 0):
+        raise ConfigError(f"--max-size-mb {args.max_size_mb:g} must be a positive number", hint="e.g. --max-size-mb 16")
+    check_output_file(args.out, option="--out")  # before minutes of measuring, not after
     sizes = tuple(s for s in DEFAULT_SIZES if s <= args.max_size_mb * 2**20) or DEFAULT_SIZES[:2]
     if len(sizes) < 2:
         sizes = DEFAULT_SIZES[:2]

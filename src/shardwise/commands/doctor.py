@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
+from shardwise.config import check_output_file
 from shardwise.errors import ShardwiseError
 
 EXAMPLES = """examples:
@@ -24,7 +26,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Every flag is checked before the report is printed and before any process starts."""
+    if args.nproc is not None and args.nproc < 0:
+        raise ShardwiseError(f"--nproc {args.nproc} is negative", hint="use 0 to skip the collective test")
+    if args.iters < 1:
+        raise ShardwiseError(f"--iters {args.iters} must be a positive integer", hint="e.g. --iters 10")
+    if args.max_size_mb is not None and not (math.isfinite(args.max_size_mb) and args.max_size_mb > 0):
+        raise ShardwiseError(f"--max-size-mb {args.max_size_mb:g} must be a positive number", hint="e.g. --max-size-mb 64")
+    if args.plot:
+        check_output_file(args.plot, option="--plot")
+        from shardwise.observe.plots import check_plot_format
+
+        check_plot_format(args.plot, option="--plot")
+
+
 def _main(args: argparse.Namespace) -> int:
+    _check_args(args)
     import torch
 
     from shardwise.launch.inprocess import launch
@@ -35,8 +53,6 @@ def _main(args: argparse.Namespace) -> int:
     report = collect(os.environ)
     print(format_report(report))
     nproc = args.nproc if args.nproc is not None else (torch.cuda.device_count() or 2)
-    if nproc < 0:
-        raise ShardwiseError(f"--nproc {nproc} is negative", hint="use 0 to skip the collective test")
     if nproc == 0:
         return 0
     sizes = default_sizes(torch.cuda.is_available())

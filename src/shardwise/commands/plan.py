@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
+from shardwise.config import check_input_file
 from shardwise.errors import ConfigError
 
 EXAMPLES = """examples:
@@ -110,11 +112,14 @@ def _main(args: argparse.Namespace) -> int:
     from shardwise.plan.stats import transformer_stats
     from shardwise.plan.support import runtime_conflict
 
+    if _is_spec_file(args.device_type):
+        check_input_file(args.device_type, option="--device-type")
     cluster = cluster_of(args.device_type, world_size=args.devices, devices_per_node=args.devices_per_node)
     if args.model_spec:
-        shape, gated = spec_from_text(args.model_spec)
+        shape, gated = spec_from_text(_model_spec_text(args.model_spec))
         stats = transformer_stats(shape, seq=args.seq, gated_mlp=gated)
     elif args.script:
+        check_input_file(args.script, option="--script")
         from shardwise.models.measure import stats_from_script  # torch: only for a model given as code
 
         stats = stats_from_script(args.script, seq=args.seq)
@@ -188,6 +193,29 @@ def _main(args: argparse.Namespace) -> int:
             else:
                 print(f"free search: no plan is predicted faster than {estimates[0].plan}")
     return 0
+
+
+def _is_spec_file(device_type: str) -> bool:
+    """Whether ``--device-type`` names a file (a preset name wins, as in the planner's resolve)."""
+    from shardwise.plan.cluster import ALIASES, PRESETS
+
+    return ALIASES.get(device_type.lower(), device_type.lower()) not in PRESETS and os.path.exists(device_type)
+
+
+def _model_spec_text(value: str) -> str:
+    """``--model-spec`` as JSON text: the value itself when it is (or looks like) JSON, else the
+    content of the file it names; a name that is no file is said to be one, not "not JSON"."""
+    if value.lstrip()[:1] in ("{", "["):
+        return value
+    if not os.path.exists(value):
+        raise ConfigError(f"--model-spec {value!r} is neither a JSON object nor an existing file",
+                          hint='give inline JSON, e.g. \'{"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq": 32}\', or a JSON file')
+    check_input_file(value, option="--model-spec")
+    try:
+        with open(value, encoding="utf-8") as fh:
+            return fh.read()
+    except UnicodeDecodeError:
+        raise ConfigError(f"--model-spec {value!r} is not a text file", hint="give a JSON file") from None
 
 
 def format_table(estimates: list) -> str:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
+from shardwise.errors import LaunchError
 from shardwise.launch.options import DEFAULT_RDZV_TIMEOUT_S, RunOptions, hang_timeout_env, resolve
 
 EXAMPLES = """examples:
@@ -74,10 +76,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """What :func:`shardwise.launch.options.resolve` does not check, before it creates the log
+    directory or binds a port."""
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise LaunchError(f"--master-port {args.master_port} is not a port", hint="use 1-65535, e.g. --master-port 29500")
+    if not args.module and os.path.isdir(args.script):
+        raise LaunchError(f"script {args.script!r} is a directory", hint="give the training script's file, or -m for a module")
+    if args.log_dir and os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
+        raise LaunchError(f"--log-dir {args.log_dir!r} is not a directory", hint="give a directory (it is created if missing)")
+
+
 def _main(args: argparse.Namespace) -> int:
     from shardwise.launch.run import run_launch  # torch's elastic agent: only when launching
 
+    _check_flags(args)
+    hang_env = hang_timeout_env(args.hang_timeout)
     resolved = resolve(options_from_args(args, args.script, args.script_args, args.module))
-    resolved = dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args.hang_timeout)})
-    run_launch(resolved)
+    run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}))
     return 0

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 
-from shardwise.errors import ShardwiseError
+from shardwise.config import check_output_file
 from shardwise.launch.sbatch import SbatchSpec, render_sbatch
 
 EXAMPLES = """examples:
@@ -20,7 +19,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--cpus-per-task", type=int, default=None)
-    p.add_argument("--time", default="24:00:00", help="wall-clock limit, HH:MM:SS or D-HH:MM:SS")
+    p.add_argument("--time", default="24:00:00", help="wall-clock limit in any sbatch form: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
     p.add_argument("--job-name", default="shardwise")
     p.add_argument("--partition", default=None)
     p.add_argument("--account", default=None)
@@ -38,8 +37,7 @@ def _main(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
     ))
     if args.out:
-        if os.path.isdir(args.out):
-            raise ShardwiseError(f"--out {args.out!r} is a directory", hint="give a file name, e.g. job.sbatch")
+        check_output_file(args.out, option="--out")
         with open(args.out, "w") as fh:
             fh.write(text)
         print(f"wrote {args.out}; submit it with: sbatch {args.out}")

@@ -120,12 +120,15 @@ def _main(args: argparse.Namespace) -> int:
 
     from shardwise.jobs.train import JobSummary, check_run_dir, default_run_name, format_summary
 
+    from shardwise.launch.options import hang_timeout_env
+
     config = resolve_config(args)
     if args.print_config:
         print(to_toml(config), end="")
         return 0
     nproc = nproc_of(config)
-    plan = job_plan(config, nproc)
+    hang_env = hang_timeout_env(args.hang_timeout)  # checked before anything runs, with one process too
+    plan = job_plan(config, nproc)  # resolved here, once: the workers get the resolved plan ("auto": the Trainer plans)
     config = replace(config, run=replace(config.run, name=config.run.name or default_run_name()),
                      parallel=replace(config.parallel, plan="auto" if plan is None else str(plan)))
     run_dir = os.path.join(config.run.runs_dir, config.run.name)
@@ -148,7 +151,7 @@ def _main(args: argparse.Namespace) -> int:
     else:
         import dataclasses
 
-        from shardwise.launch.options import RunOptions, hang_timeout_env, resolve
+        from shardwise.launch.options import RunOptions, resolve
         from shardwise.launch.run import run_launch
 
         # The workers read the resolved configuration from a file of their own; the job writes
@@ -160,7 +163,7 @@ def _main(args: argparse.Namespace) -> int:
             options = RunOptions(script="shardwise.jobs.train", module=True, script_args=("--config", launch_config),
                                  nproc_per_node=str(nproc))
             resolved = resolve(options)
-            run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args.hang_timeout)}))
+            run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}))
 
     summary_path = os.path.join(run_dir, "summary.json")
     if not os.path.exists(summary_path):

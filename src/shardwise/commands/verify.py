@@ -18,7 +18,9 @@ before any process starts.
 from __future__ import annotations
 
 import argparse
+import math
 
+from shardwise.config import check_input_file
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 
@@ -51,6 +53,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """The numeric flags, before any process starts: a zero batch or accumulation would fail inside
+    the workers, a NaN tolerance would make every comparison fail."""
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps} must be at least 1", hint="for example --steps 20")
+    for flag, value in (("--global-batch", args.global_batch), ("--accumulation", args.accumulation)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer")
+    for flag, value in (("--rtol", args.rtol), ("--lr", args.lr)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{flag} {value:g} must be a non-negative number")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise ConfigError(f"--timeout {args.timeout:g} must be a positive number of seconds")
+
+
 def _main(args: argparse.Namespace) -> int:
     import torch
 
@@ -64,8 +81,9 @@ def _main(args: argparse.Namespace) -> int:
     plan = Plan.parse(args.plan, world_size=args.nproc)
     if args.nproc is not None:
         plan.check_world(args.nproc)
-    if args.steps < 1:
-        raise ConfigError(f"--steps {args.steps} must be at least 1", hint="for example --steps 20")
+    _check_numbers(args)
+    if args.script:
+        check_input_file(args.script, option="--script")
     per_step = plan.dp_size * args.accumulation * (plan.microbatches if plan.pp_enabled else 1)
     if args.global_batch % per_step:
         pipe = f" x {plan.microbatches} pipeline microbatches" if plan.pp_enabled else ""

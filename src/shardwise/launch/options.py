@@ -13,6 +13,7 @@ without starting a process. The rendezvous rules follow torchrun:
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import socket
 import sys
@@ -68,6 +69,8 @@ def hang_timeout_env(seconds: float | None) -> dict[str, str]:
     """``--hang-timeout`` as the variable the workers' :func:`shardwise.init` reads (empty when not given)."""
     if seconds is None:
         return {}
+    if not math.isfinite(seconds):
+        raise LaunchError(f"--hang-timeout {seconds:g} is not a number of seconds", hint="give seconds, or 0 to disable the watchdog")
     if seconds < 0:
         raise LaunchError(f"--hang-timeout {seconds:g} is negative", hint="give seconds, or 0 to disable the watchdog")
     return {"SHARDWISE_HANG_TIMEOUT": f"{seconds:g}"}

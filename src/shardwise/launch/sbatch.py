@@ -12,7 +12,18 @@ from dataclasses import dataclass
 
 from shardwise.errors import ShardwiseError
 
-_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
+# Every form `sbatch --time` accepts; the first field of each is unbounded, the others are clock fields.
+_TIME_FORMS = tuple(re.compile(form, re.ASCII) for form in (
+    r"(?P<m>[0-9]+)",
+    r"(?P<m>[0-9]+):(?P<s>[0-9]{1,2})",
+    r"(?P<h>[0-9]+):(?P<m>[0-9]{1,2}):(?P<s>[0-9]{1,2})",
+    r"(?P<d>[0-9]+)-(?P<h>[0-9]{1,2})",
+    r"(?P<d>[0-9]+)-(?P<h>[0-9]{1,2}):(?P<m>[0-9]{1,2})",
+    r"(?P<d>[0-9]+)-(?P<h>[0-9]{1,2}):(?P<m>[0-9]{1,2}):(?P<s>[0-9]{1,2})",
+))
+_CLOCK_LIMITS = {"h": 23, "m": 59, "s": 59}
+WARNING_S = 120  # SIGUSR1 this long before the limit: time to write a checkpoint
+_NAME = re.compile(r"\S+")
 
 
 @dataclass(frozen=True)
@@ -29,14 +40,51 @@ class SbatchSpec:
     max_restarts: int = 0
 
 
+def slurm_time_seconds(text: str) -> int:
+    """The limit of a ``--time`` value in seconds (0: Slurm's "no limit"), in any form sbatch
+    accepts: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+    days-hours:minutes:seconds. Raises :class:`ShardwiseError` for anything else."""
+    for form in _TIME_FORMS:
+        match = form.fullmatch(text)
+        if match is None:
+            continue
+        fields = {key: int(value) for key, value in match.groupdict().items()}
+        leading = next(iter(fields))
+        if all(value <= _CLOCK_LIMITS[key] for key, value in fields.items() if key not in ("d", leading)):
+            d, h, m, sec = (fields.get(key, 0) for key in "dhms")
+            return ((d * 24 + h) * 60 + m) * 60 + sec
+    raise ShardwiseError(f"--time {text!r} is not a Slurm time",
+                         hint="use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 120, 24:00:00 or 2-00:00:00")
+
+
+def warning_seconds(limit_s: int) -> int:
+    """How long before the limit Slurm sends SIGUSR1: two minutes, or half the limit when that is
+    shorter, so the warning always comes before the end (Slurm rounds a limit up to whole minutes)."""
+    if limit_s == 0:  # no limit
+        return WARNING_S
+    return min(WARNING_S, -(-limit_s // 60) * 60 // 2)
+
+
+def _check_names(spec: SbatchSpec) -> None:
+    """A name with whitespace or a newline would end its ``#SBATCH`` line early or start a new line
+    of the script."""
+    for flag, value in (("--job-name", spec.job_name), ("--partition", spec.partition), ("--account", spec.account)):
+        if value is not None and not _NAME.fullmatch(value):
+            raise ShardwiseError(f"{flag} {value!r} is empty or contains whitespace", hint="use letters, digits, '-' or '_'")
+
+
 def render_sbatch(spec: SbatchSpec) -> str:
     """The sbatch script text; raises :class:`ShardwiseError` on impossible values."""
     if spec.nodes < 1:
         raise ShardwiseError(f"--nodes {spec.nodes} must be at least 1", hint="for example --nodes 2")
     if spec.gpus_per_node < 0:
         raise ShardwiseError(f"--gpus-per-node {spec.gpus_per_node} is negative", hint="use 0 for CPU-only nodes")
-    if not _TIME.match(spec.time):
-        raise ShardwiseError(f"--time {spec.time!r} is not a Slurm time", hint="use HH:MM:SS or D-HH:MM:SS")
+    if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
+        raise ShardwiseError(f"--cpus-per-task {spec.cpus_per_task} must be at least 1", hint="omit it to use Slurm's default")
+    if spec.max_restarts < 0:
+        raise ShardwiseError(f"--max-restarts {spec.max_restarts} is negative", hint="use 0 or more")
+    warning = warning_seconds(slurm_time_seconds(spec.time))
+    _check_names(spec)
     if not spec.script:
         raise ShardwiseError("no script to run", hint="put it after '--': shardwise slurm --nodes 2 -- train.py")
     lines = [
@@ -58,7 +106,7 @@ def render_sbatch(spec: SbatchSpec) -> str:
     nproc = str(spec.gpus_per_node) if spec.gpus_per_node else "auto"
     target = " ".join(shlex.quote(part) for part in spec.script)
     lines += [
-        "#SBATCH --signal=B:USR1@120   # pre-emption warning: shardwise checkpoints on SIGUSR1",
+        f"#SBATCH --signal=B:USR1@{warning}   # pre-emption warning: shardwise checkpoints on SIGUSR1",
         "",
         "set -euo pipefail",
         "# shardwise run reads node count, node rank and the master host from Slurm.",

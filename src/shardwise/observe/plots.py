@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from shardwise.errors import ConfigError
 from shardwise.observe.profiler import StepTimes
 
 COLORS = {"data": "#9e9e9e", "forward": "#4c72b0", "backward": "#55a868", "optimizer": "#8172b2", "comm": "#c44e52",
@@ -31,6 +32,18 @@ def _pyplot() -> Any:
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def check_plot_format(path: str, *, option: str) -> None:
+    """Refuse a file name whose extension matplotlib cannot write, before the work to plot is done
+    (savefig would fail at the end, or write ``<path>.png`` where none was asked)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    extension = os.path.splitext(path)[1].lstrip(".").lower()
+    if extension not in formats:
+        raise ConfigError(f"{option} {path}: {'.' + extension if extension else 'no extension'} is not a plot format",
+                          hint=f"end the name with one of: {', '.join('.' + f for f in sorted(formats))}")
 
 
 def _save(fig: Any, path: str | os.PathLike) -> str:

@@ -1,0 +1,402 @@
+"""Bad input to every command: a non-zero exit, one line on stderr, no traceback, no file touched.
+
+Each table below is one command's adversarial inputs. A :class:`Case` is the command line, a
+pattern the error line must match, and the files to prepare. Every case runs ``python -m
+shardwise`` as a subprocess (hard timeout) in its own copy of a work directory that holds a real
+run: a tiny ``shardwise train`` of one process made once per module, with its checkpoints, and a
+checkpoint of a model-less job. Every file's bytes and every directory are snapshotted before and
+after, so a leftover ``.tmp``, a truncated log or a changed shard fails the case as surely as a
+traceback does.
+
+Each case is a fresh interpreter that imports torch (seconds of CPU), so the selected cases run
+concurrently, one per core. Cases marked ``unprivileged`` need a file the command cannot read or
+a directory it cannot write: as root they run without the capabilities that bypass permissions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+TIMEOUT_S = 60
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2  # <linux/prctl.h>, <linux/capability.h>
+RUN = "runs/base"
+CKPT = f"{RUN}/checkpoints"
+STEP = f"{CKPT}/step_00000002"
+TINY = ("--model.layers=1", "--model.hidden=32", "--model.heads=2", "--model.seq_len=16", "--data.max_chars=20000",
+        "--train.global_batch_size=4", "--train.eval_every=0", "--train.eval_windows=4", "--sample.chars=0")
+SPEC = {"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq": 32}
+
+Prepare = Callable[[Path], None]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One bad command line; ``expect`` is a regex the single stderr line must match."""
+
+    name: str
+    args: tuple[str, ...]
+    expect: str
+    prepare: tuple[Prepare, ...] = ()
+    unprivileged: bool = False
+
+
+def case(name: str, args: list[str], expect: str, *prepare: Prepare, unprivileged: bool = False) -> Case:
+    return Case(name, tuple(args), expect, tuple(prepare), unprivileged)
+
+
+# -- preparing files -----------------------------------------------------------------------------
+def mkdir(rel: str, mode: int = 0o755) -> Prepare:
+    def run(root: Path) -> None:
+        (root / rel).mkdir(parents=True, exist_ok=True)
+        (root / rel).chmod(mode)
+
+    return run
+
+
+def write(rel: str, content: str | bytes, mode: int = 0o644) -> Prepare:
+    def run(root: Path) -> None:
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+        path.chmod(mode)
+
+    return run
+
+
+def truncate(rel: str) -> Prepare:
+    """Cut a file to half its size (a shard whose write was interrupted)."""
+
+    def run(root: Path) -> None:
+        data = (root / rel).read_bytes()
+        (root / rel).write_bytes(data[: len(data) // 2])
+
+    return run
+
+
+class _Bomb:
+    """Unpickling this runs ``touch PWNED`` in the case directory (which the snapshot would see)."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def bomb(rel: str) -> Prepare:
+    """Replace a checkpoint file by a malicious pickle and rewrite the marker's checksum to match."""
+
+    def run(root: Path) -> None:
+        (root / rel).write_bytes(pickle.dumps(_Bomb(str(root / "PWNED"))))
+        reseal(rel)(root)
+
+    return run
+
+
+def reseal(rel: str) -> Prepare:
+    """Make the commit marker's size and sha256 of ``rel`` match its current bytes."""
+
+    def run(root: Path) -> None:
+        step_dir = next(p for p in (root / rel).parents if (p / "COMMITTED.json").exists())
+        marker = json.loads((step_dir / "COMMITTED.json").read_text())
+        data = (root / rel).read_bytes()
+        marker["files"][str((root / rel).relative_to(step_dir))] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        (step_dir / "COMMITTED.json").write_text(json.dumps(marker))
+
+    return run
+
+
+def edit_marker(step: str, **changes: object) -> Prepare:
+    def run(root: Path) -> None:
+        path = root / step / "COMMITTED.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+    return run
+
+
+# -- the tables ------------------------------------------------------------------------------------
+TRAIN_CASES = [
+    case("unknown-flag", ["train", "--bogus"], r"unrecognized arguments: --bogus"),
+    case("unknown-key", ["train", "--train.lrr=1"], r"--train\.lrr=1"),
+    case("nproc-zero", ["train", "--nproc", "0"], r"'parallel\.nproc'.*not a positive integer"),
+    case("tp3-on-2-processes", ["train", "--nproc", "2", "--plan", "tp=3"], r"tp\*pp=3 does not divide the world of 2 processes"),
+    case("unknown-plan-key", ["train", "--nproc", "2", "--plan", "dpp=2"], r"unknown plan key 'dpp'"),
+    case("config-is-a-directory", ["train", "--config", "conf"], r"config file 'conf' is a directory", mkdir("conf")),
+    case("config-unreadable", ["train", "--config", "secret.toml"], r"config file 'secret\.toml' cannot be read",
+         write("secret.toml", "[train]\nlr = 0.1\n", mode=0o000), unprivileged=True),
+    case("config-not-toml", ["train", "--config", "bad.toml"], r"config file 'bad\.toml' is not valid TOML", write("bad.toml", "[train\nlr = ")),
+    case("config-not-text", ["train", "--config", "bin.toml"], r"config file 'bin\.toml' is not valid TOML",
+         write("bin.toml", b"\xff\xfe\x00[train]")),
+    case("config-wrong-type", ["train", "--config", "c.toml"], r"'train\.lr' \(from c\.toml\): 'fast' is not a number",
+         write("c.toml", "[train]\nlr = 'fast'\n")),
+]
+
+# A refused resume or an unusable run directory: these used to truncate metrics.csv, rewrite
+# config.toml, start a tensorboard file and a progress bar, or print a traceback, before the error.
+TRAIN_CASES_RUN_DIR = [
+    case("resume-other-model-shape", ["train", "--nproc", "1", "--run.name=base", "--resume", "auto", *TINY, "--model.hidden=64"],
+         r"does not match this model"),
+    case("resume-replaced-shard", ["train", "--nproc", "1", "--run.name=base", "--resume", "auto", *TINY],
+         r"__0_0\.distcp .*it was not loaded", bomb(f"{STEP}/__0_0.distcp")),
+    case("runs-dir-not-writable", ["train", "--nproc", "1", "--run.runs_dir=ro", *TINY], r"(?i)\bro\b.*(writ|permission)",
+         mkdir("ro", 0o555), unprivileged=True),
+    case("runs-dir-is-a-file", ["train", "--nproc", "1", "--run.runs_dir=afile", *TINY], r"(?i)afile.*(directory|file)",
+         write("afile", "x")),
+]
+
+# --hang-timeout is checked before anything else, with one process too (it used to be checked only
+# when launching workers, after the run directory was written).
+TRAIN_CASES_HANG_TIMEOUT = [
+    case("hang-timeout-negative", ["train", "--nproc", "2", "--run.name=h", "--hang-timeout", "-5"], r"--hang-timeout -5 is negative"),
+    case("hang-timeout-negative-one-process", ["train", "--nproc", "1", "--run.name=h", "--hang-timeout", "-5"], r"--hang-timeout -5 is negative"),
+]
+
+RUN_CASES = [
+    case("unknown-flag", ["run", "--bogus", "ok.py"], r"unrecognized arguments: --bogus"),
+    case("missing-script", ["run", "missing.py"], r"script 'missing\.py' does not exist"),
+    case("script-is-a-directory", ["run", "adir"], r"script 'adir' is a directory", mkdir("adir")),
+    case("nproc-zero", ["run", "--nproc-per-node", "0", "ok.py"], r"--nproc-per-node 0 must be at least 1"),
+    case("master-port-out-of-range", ["run", "--master-port", "70000", "ok.py"], r"--master-port 70000 is not a port"),
+    case("hang-timeout-nan", ["run", "--hang-timeout", "nan", "ok.py"], r"--hang-timeout nan is not a number of seconds"),
+    case("log-dir-is-a-file", ["run", "--log-dir", "afile", "ok.py"], r"--log-dir 'afile' is not a directory", write("afile", "x")),
+]
+
+SLURM_CASES = [
+    case("time-word", ["slurm", "--time", "forever", "--", "t.py"], r"--time 'forever' is not a Slurm time"),
+    case("time-seconds-over-59", ["slurm", "--time", "10:75", "--", "t.py"], r"--time '10:75' is not a Slurm time"),
+    case("cpus-zero", ["slurm", "--cpus-per-task", "0", "--", "t.py"], r"--cpus-per-task 0 must be at least 1"),
+    case("job-name-with-newline", ["slurm", "--job-name", "a\nrm -rf ~", "--", "t.py"], r"--job-name .* contains whitespace"),
+    case("out-in-missing-directory", ["slurm", "--out", "nodir/job.sbatch", "--", "t.py"], r"--out nodir/job\.sbatch: directory .* does not exist"),
+    case("out-not-writable", ["slurm", "--out", "ro/job.sbatch", "--", "t.py"], r"--out ro/job\.sbatch: directory .* is not writable",
+         mkdir("ro", 0o555), unprivileged=True),
+]
+
+DOCTOR_CASES = [
+    case("iters-zero", ["doctor", "--iters", "0"], r"--iters 0 must be a positive integer"),
+    case("nproc-negative", ["doctor", "--nproc", "-1"], r"--nproc -1 is negative"),
+    case("max-size-nan", ["doctor", "--max-size-mb", "nan"], r"--max-size-mb nan must be a positive number"),
+    case("plot-is-a-directory", ["doctor", "--plot", "adir"], r"--plot adir is a directory", mkdir("adir")),
+    case("plot-unknown-format", ["doctor", "--plot", "bw.txt"], r"--plot bw\.txt: \.txt is not a plot format"),
+    case("plot-not-writable", ["doctor", "--plot", "ro/bw.png"], r"--plot ro/bw\.png: directory .* is not writable",
+         mkdir("ro", 0o555), unprivileged=True),
+]
+
+VERIFY_CASES = [
+    case("tp-does-not-divide-the-vocabulary", ["verify", "--plan", "tp=3"], r"tp=3 does not divide"),
+    case("global-batch-zero", ["verify", "--plan", "dp=2", "--global-batch", "0"], r"--global-batch 0 must be a positive integer"),
+    case("accumulation-zero", ["verify", "--plan", "dp=2", "--accumulation", "0"], r"--accumulation 0 must be a positive integer"),
+    case("rtol-nan", ["verify", "--plan", "dp=2", "--rtol", "nan"], r"--rtol nan must be a non-negative number"),
+    case("timeout-zero", ["verify", "--plan", "dp=2", "--timeout", "0"], r"--timeout 0 must be a positive number"),
+    case("script-is-a-directory", ["verify", "--plan", "dp=2", "--script", "adir"], r"--script 'adir' is a directory", mkdir("adir")),
+]
+
+PLAN_CASES = [
+    case("spec-not-json", ["plan", "--model-spec", '{"layers": 2,', "--devices", "4"], r"not JSON"),
+    case("spec-file-missing", ["plan", "--model-spec", "spec.json", "--devices", "4"],
+         r"--model-spec 'spec\.json' is neither a JSON object nor an existing file"),
+    case("spec-file-is-a-directory", ["plan", "--model-spec", "adir", "--devices", "4"], r"--model-spec 'adir' is a directory", mkdir("adir")),
+    case("spec-file-unreadable", ["plan", "--model-spec", "spec.json", "--devices", "4"], r"--model-spec 'spec\.json' cannot be read",
+         write("spec.json", json.dumps(SPEC), mode=0o000), unprivileged=True),
+    case("device-type-is-a-directory", ["plan", "--model", "gpt", "--devices", "4", "--device-type", "adir"],
+         r"--device-type 'adir' is a directory", mkdir("adir")),
+]
+
+CALIBRATE_CASES = [
+    case("iters-zero", ["calibrate", "--iters", "0"], r"--iters 0 must be a positive integer"),
+    case("max-size-nan", ["calibrate", "--max-size-mb", "nan"], r"--max-size-mb nan must be a positive number"),
+    case("out-is-a-directory", ["calibrate", "--out", "adir"], r"--out adir is a directory", mkdir("adir")),
+    case("out-not-writable", ["calibrate", "--out", "ro/c.json"], r"--out ro/c\.json: directory .* is not writable",
+         mkdir("ro", 0o555), unprivileged=True),
+]
+
+INSPECT_CASES = [
+    case("empty-directory", ["checkpoint", "inspect", "empty"], r"no checkpoints in empty", mkdir("empty")),
+    case("run-directory-not-checkpoints", ["checkpoint", "inspect", RUN], r"no checkpoints in runs/base"),
+    case("step-that-does-not-exist", ["checkpoint", "inspect", CKPT, "--step", "99"], r"no step 99 in .*\(steps: 1, 2\)"),
+    case("step-not-complete", ["checkpoint", "inspect", CKPT, "--step", "2"], r"step 2 .* is not complete",
+         write(f"{STEP}/COMMITTED.json", "{not json")),
+    case("metadata-not-a-pickle", ["checkpoint", "inspect", CKPT], r"\.metadata is not a readable checkpoint index",
+         write(f"{STEP}/.metadata", b"garbage"), reseal(f"{STEP}/.metadata")),
+    case("metadata-pickle-bomb", ["checkpoint", "inspect", CKPT], r"refers to (posix|os)\.system", bomb(f"{STEP}/.metadata")),
+]
+
+CONSOLIDATE_CASES = [
+    case("step-other-than-the-directory", ["checkpoint", "consolidate", STEP, "m.safetensors", "--step", "1"], r"step 2, not --step 1"),
+    case("step-directory-truncated-shard", ["checkpoint", "consolidate", STEP, "m.safetensors"], r"__0_0\.distcp has \d+ bytes",
+         truncate(f"{STEP}/__0_0.distcp")),
+    case("root-step-truncated-shard", ["checkpoint", "consolidate", CKPT, "m.safetensors", "--step", "2"], r"__0_0\.distcp has \d+ bytes",
+         truncate(f"{STEP}/__0_0.distcp")),
+    case("marker-wrong-types", ["checkpoint", "consolidate", STEP, "m.safetensors"], r"no complete checkpoint",
+         edit_marker(STEP, files=["__0_0.distcp"])),
+    case("shard-pickle-bomb", ["checkpoint", "consolidate", STEP, "m.safetensors"], r"__0_0\.distcp .*it was not loaded",
+         bomb(f"{STEP}/__0_0.distcp")),
+    case("no-model-tensors", ["checkpoint", "consolidate", "counters", "m.safetensors"], r"holds no model tensors"),
+    case("output-in-missing-directory", ["checkpoint", "consolidate", CKPT, "nodir/m.safetensors"],
+         r"output nodir/m\.safetensors: directory .* does not exist"),
+    case("output-not-writable", ["checkpoint", "consolidate", CKPT, "ro/m.safetensors"], r"output ro/m\.safetensors: directory .* is not writable",
+         mkdir("ro", 0o555), unprivileged=True),
+    case("output-is-a-directory", ["checkpoint", "consolidate", CKPT, "adir"], r"output adir is a directory", mkdir("adir")),
+    case("output-is-a-shard", ["checkpoint", "consolidate", CKPT, f"{STEP}/__0_0.distcp"], r"lies inside the checkpoint"),
+    case("output-inside-the-step", ["checkpoint", "consolidate", STEP, f"{STEP}/m.safetensors"], r"lies inside the checkpoint"),
+    case("output-is-the-latest-pointer", ["checkpoint", "consolidate", CKPT, f"{CKPT}/latest"], r"lies inside the checkpoint"),
+]
+
+TABLES = {
+    "train": TRAIN_CASES + TRAIN_CASES_RUN_DIR + TRAIN_CASES_HANG_TIMEOUT, "run": RUN_CASES, "slurm": SLURM_CASES,
+    "doctor": DOCTOR_CASES, "verify": VERIFY_CASES, "plan": PLAN_CASES, "calibrate": CALIBRATE_CASES, "inspect": INSPECT_CASES,
+    "consolidate": CONSOLIDATE_CASES,
+}
+ALL = [(command, c) for command, cases in TABLES.items() for c in cases]
+
+
+# -- the harness -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Outcome:
+    returncode: int | None  # None: killed at the timeout
+    stdout: str
+    stderr: str
+    changes: list[str]  # created, modified or deleted paths
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every directory and file under ``root`` with a digest of its bytes (or its size, if unreadable)."""
+    state = {}
+    for base, dirs, files in os.walk(root):
+        for name in dirs:
+            state[os.path.relpath(os.path.join(base, name), root) + "/"] = "dir"
+        for name in files:
+            path = os.path.join(base, name)
+            try:
+                with open(path, "rb") as fh:
+                    state[os.path.relpath(path, root)] = hashlib.sha256(fh.read()).hexdigest()
+            except PermissionError:
+                state[os.path.relpath(path, root)] = f"unreadable, {os.path.getsize(path)} bytes"
+    return state
+
+
+def _diff(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    return ([f"created {p}" for p in sorted(after.keys() - before.keys())] + [f"deleted {p}" for p in sorted(before.keys() - after.keys())]
+            + [f"modified {p}" for p in sorted(before.keys() & after.keys()) if before[p] != after[p]])
+
+
+def _environment(root: Path) -> dict[str, str]:
+    """Ours, without a launcher's variables (inside Slurm or mpirun `run` would behave differently)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_", "SHARDWISE_FAULT"))}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONWARNINGS"):
+        env.pop(key, None)
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "MPLCONFIGDIR": str(root / ".mpl")}
+
+
+def _without_permission_override() -> None:
+    """Run as root, but subject to file permissions: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH
+    from the bounding set before exec (root's capabilities after exec come from it)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed: cannot test permissions as root here")
+
+
+def shardwise(args: tuple[str, ...], cwd: Path, *, env: dict[str, str], unprivileged: bool = False) -> tuple[int | None, str, str]:
+    """``python -m shardwise ARGS`` in ``cwd``; the whole process group is killed at the timeout."""
+    as_root = unprivileged and os.geteuid() == 0
+    proc = subprocess.Popen([sys.executable, "-m", "shardwise", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, preexec_fn=_without_permission_override if as_root else None)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, out, err
+
+
+def run_case(c: Case, template: Path, scratch: Path) -> Outcome:
+    root = Path(tempfile.mkdtemp(dir=scratch))
+    shutil.copytree(template, root, dirs_exist_ok=True, symlinks=True)
+    for prepare in c.prepare:
+        prepare(root)
+    before = snapshot(root)
+    env = _environment(Path(tempfile.mkdtemp(dir=scratch)))
+    returncode, out, err = shardwise(c.args, root, env=env, unprivileged=c.unprivileged)
+    return Outcome(returncode, out, err, _diff(before, snapshot(root)))
+
+
+class _Counter:
+    """The one component of a checkpoint without a model."""
+
+    def state_dict(self) -> dict[str, int]:
+        return {"value": 3}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+def _make_template(root: Path) -> None:
+    """The files every case starts from: a real one-process run with two checkpoints, a checkpoint
+    without a model, and a trivial script."""
+    code, out, err = shardwise(("train", "--nproc", "1", "--run.name=base", "--max-steps", "2", *TINY, "--checkpoint.every_n_steps=1"),
+                               root, env=_environment(root))
+    assert code == 0, out + err
+    assert sorted(p.name for p in (root / CKPT).glob("step_*")) == ["step_00000001", "step_00000002"]
+    from shardwise.checkpoint import CheckpointManager
+
+    assert CheckpointManager(str(root / "counters")).save({"counter": _Counter()}, step=1)
+    (root / "ok.py").write_text("pass\n")
+    shutil.rmtree(root / ".mpl", ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def scratch() -> Iterator[Path]:
+    """Where the cases' directories go; removed at the end, read-only ones included."""
+    path = Path(tempfile.mkdtemp(prefix="shardwise-bad-input-"))
+    yield path
+    for base, dirs, _files in os.walk(path):  # the read-only and unreadable files of the cases
+        for name in dirs:
+            os.chmod(os.path.join(base, name), 0o755)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def outcomes(request: pytest.FixtureRequest, scratch: Path) -> Iterator[Callable[[Case], Outcome]]:
+    """Run the cases selected in this session concurrently; each test waits for its own."""
+    template = scratch / "template"
+    template.mkdir(mode=0o755)
+    _make_template(template)
+    selected = [item.callspec.params["case"] for item in request.session.items
+                if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})]
+    pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)))
+    futures: dict[Case, Future[Outcome]] = {c: pool.submit(run_case, c, template, scratch) for c in selected}
+    try:
+        yield lambda c: futures[c].result()
+    finally:
+        pool.shutdown(cancel_futures=True)  # after -x or ^C, the cases not started yet are dropped
+
+
+@pytest.mark.parametrize("case", [c for _, c in ALL], ids=[f"{command}-{c.name}" for command, c in ALL])
+def test_bad_input_is_one_line_and_touches_nothing(case: Case, outcomes: Callable[[Case], Outcome]) -> None:
+    result = outcomes(case)
+    shown = f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-3000:]}"
+    assert result.returncode is not None, f"no answer within {TIMEOUT_S} s\n{shown}"
+    assert result.returncode != 0, shown
+    assert "Traceback" not in result.stdout + result.stderr, shown
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, shown
+    assert re.match(r"shardwise( [a-z]+)*: error: ", lines[0]), shown
+    assert re.search(case.expect, lines[0]), f"{case.expect!r} not in {lines[0]!r}"
+    assert not result.changes, f"files changed: {result.changes}\n{shown}"
