@@ -167,14 +167,7 @@ class Plan:
         text = text.strip()
         if text in ("", "single", "none"):
             return cls(dp=world_size or 1)
-        values: dict[str, Any] = {}
-        for item in text.split(","):
-            key, sep, raw = item.strip().partition("=")
-            key = _ALIASES.get(key.strip().lower(), key.strip().lower())
-            if not sep:
-                raw = "true"
-            values[key] = raw.strip()
-        return cls.from_dict(values, world_size=world_size)
+        return cls.from_dict(named_keys(text), world_size=world_size)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, world_size: int | None = None) -> Plan:
@@ -184,18 +177,10 @@ class Plan:
         - ``zero=N`` with neither: shard over all data-parallel ranks, the rest of the world after tp and pp;
         - ``zero=N`` with ``shard`` but no ``dp``: ``dp`` replicas of the shard group (HSDP) fill the rest;
         - no ZeRO and no ``dp``: ``dp`` takes the rest of the world;
-        - ``pp`` without ``microbatches``: one microbatch per stage and virtual stage.
+        - ``pp`` without ``microbatches``: one microbatch per stage and virtual stage (the planner
+          chooses instead where it has the model: ``shardwise plan --fixed``).
         """
-        known = {f.name: f for f in fields(cls)}
-        out: dict[str, Any] = {}
-        for key, raw in values.items():
-            key = _ALIASES.get(key, key)
-            if key not in known:
-                raise ConfigError(f"unknown plan key {key!r}", hint=f"valid keys: {', '.join(known)}")
-            out[key] = _coerce(key, raw, known[key].type)
-        # "zero=3,dp=4" means: shard over the data-parallel ranks (the common case).
-        if out.get("zero", 0) > 0 and "shard" not in out and "dp" in out:
-            out["shard"], out["dp"] = out["dp"], 1
+        out = _normalized(values)
         if world_size is not None:
             out = _fill_degrees(out, world_size)
         return cls(**out)
@@ -255,6 +240,34 @@ class Plan:
             rows.append(("torch.compile", "on"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def named_keys(text: str) -> dict[str, Any]:
+    """The keys a plan string names, with their aliases resolved and values typed, and
+    ``"zero=N,dp=D"`` read as ``shard=D`` (the fill-in rules of :meth:`Plan.from_dict`; what
+    ``shardwise plan --fixed`` fixes while it searches the rest)."""
+    values: dict[str, Any] = {}
+    for item in text.strip().split(","):
+        if not item.strip():
+            continue
+        key, sep, raw = item.strip().partition("=")
+        key = _ALIASES.get(key.strip().lower(), key.strip().lower())
+        values[key] = raw.strip() if sep else "true"
+    return _normalized(values)
+
+
+def _normalized(values: dict[str, Any]) -> dict[str, Any]:
+    known = {f.name: f for f in fields(Plan)}
+    out: dict[str, Any] = {}
+    for key, raw in values.items():
+        key = _ALIASES.get(key, key)
+        if key not in known:
+            raise ConfigError(f"unknown plan key {key!r}", hint=f"valid keys: {', '.join(known)}")
+        out[key] = _coerce(key, raw, known[key].type)
+    # "zero=3,dp=4" means: shard over the data-parallel ranks (the common case).
+    if isinstance(out.get("zero", 0), int) and out.get("zero", 0) > 0 and "shard" not in out and "dp" in out:
+        out["shard"], out["dp"] = out["dp"], 1
+    return out
 
 
 def default_microbatches(pp: int, virtual_stages: int = 1) -> int:
