@@ -33,6 +33,7 @@ class PreemptionSignal:
         self._event = threading.Event()
         self._previous: dict[int, Any] = {}
         self._depth = 0
+        self._held: list[bool] = []  # one entry per open ``with`` block: whether its install took effect
         self.received: int | None = None
 
     @property
@@ -73,11 +74,12 @@ class PreemptionSignal:
         self.received = None
 
     def __enter__(self) -> "PreemptionSignal":
-        self.install()
+        self._held.append(self.install())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.uninstall()
+        if self._held.pop():
+            self.uninstall()
 
 
 _PROCESS = PreemptionSignal()
