@@ -136,6 +136,9 @@ class CheckpointCallback:
             if self.save_on_fit_end and not self.preempted and self.manager.last_saved != trainer_step(trainer):
                 self._save(trainer, block=True)
             self.manager.wait()
+            # Rank 0 seals the step after the others' writes returned: meet once more, so that when
+            # fit returns on any rank its last checkpoint is committed.
+            self.manager.agree_max(0)
         finally:
             if self._installed:
                 self.signal.uninstall()

@@ -1,7 +1,9 @@
 """Write an sbatch script that starts a job with ``shardwise run`` on every node of an allocation.
 
 One Slurm task per node runs ``shardwise run``; it reads the node count, node rank and master
-(the first host of the node list) from Slurm and starts one process per GPU itself.
+(the first host of the node list) from Slurm and starts one process per GPU itself. The
+time-limit warning reaches the workers and a job stopped by it is requeued
+(:mod:`shardwise.launch.sbatch_step`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import shlex
 from dataclasses import dataclass
 
 from shardwise.errors import ShardwiseError
+from shardwise.launch.sbatch_step import header_lines, step_lines
 
 _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$")
 
@@ -27,6 +30,8 @@ class SbatchSpec:
     account: str | None = None
     output: str = "slurm-%j.out"
     max_restarts: int = 0
+    warning_s: int = 120  # seconds before the time limit that SIGUSR1 is sent
+    requeue: bool = True
 
 
 def render_sbatch(spec: SbatchSpec) -> str:
@@ -57,13 +62,10 @@ def render_sbatch(spec: SbatchSpec) -> str:
         lines.append(f"#SBATCH --account={spec.account}")
     nproc = str(spec.gpus_per_node) if spec.gpus_per_node else "auto"
     target = " ".join(shlex.quote(part) for part in spec.script)
-    lines += [
-        "#SBATCH --signal=B:USR1@120   # pre-emption warning: shardwise checkpoints on SIGUSR1",
-        "",
-        "set -euo pipefail",
-        "# shardwise run reads node count, node rank and the master host from Slurm.",
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node {nproc} "
-        f"--max-restarts {spec.max_restarts} {target}",
-        "",
-    ]
+    if spec.warning_s < 1:
+        raise ShardwiseError(f"--warning {spec.warning_s} must be at least 1 second", hint="e.g. --warning 120")
+    command = (f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node {nproc} "
+               f"--max-restarts {spec.max_restarts} {target}")
+    lines += header_lines(warning_s=spec.warning_s, requeue=spec.requeue) + [""]
+    lines += step_lines(command, requeue=spec.requeue) + [""]
     return "\n".join(lines)
