@@ -161,6 +161,7 @@ class Watchdog:
         self._all_finished = threading.Event()
         self._stop = threading.Event()
         self._store_lost: str | None = None  # why the store stopped answering (then: local checks only)
+        self._marked = False  # counted in the store's "finished" counter
         self.report: str | None = None  # the verdict, once one was reached
         self._thread = threading.Thread(target=self._loop, name=f"shardwise-watchdog-rank{rank}", daemon=True)
 
@@ -194,10 +195,13 @@ class Watchdog:
             self._state, self._finish_t = "finished", time.monotonic()
             try:
                 self._publish()
+                self._mark_finished()
+                self._wait_for_peers(time.monotonic() + self.timeout_s + 2 * self.interval_s + self.grace_s + 15)
             except Exception as exc:  # noqa: BLE001 - the launcher (and its store) is gone: nobody to wait for
                 self._lose_store(exc)
-            else:
-                self._all_finished.wait(self.timeout_s + 2 * self.interval_s + self.grace_s + 15)
+        elif self._store_lost is None:
+            with contextlib.suppress(Exception):
+                self._mark_finished()  # leaving early (an error): the others need not wait for this rank
         self._state = "exited"
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
@@ -207,6 +211,19 @@ class Watchdog:
                 self._publish()
         with contextlib.suppress(Exception):
             faulthandler.cancel_dump_traceback_later()
+
+    def _mark_finished(self) -> None:
+        """Count this rank as finished, once (one O(1) counter, so waiting for it is cheap to poll)."""
+        if not self._marked:
+            self._marked = True
+            self.store.add("finished", 1)
+
+    def _wait_for_peers(self, deadline: float) -> None:
+        """Until every rank counted itself finished (polled every 0.1 s: a job's exit should not wait
+        for the watchdog's next interval), the thread gave up, or the deadline passed."""
+        while not self._all_finished.wait(0.1) and time.monotonic() < deadline:
+            if self.store.add("finished", 0) >= self.world_size:
+                return
 
     # -- the watchdog thread -----------------------------------------------------------------
     def _publish(self) -> None:
