@@ -101,7 +101,15 @@ def run_launch(launch: ResolvedLaunch) -> dict[int, Any]:
     os.environ.update(worker_env)  # the agent copies this process's environment to workers
     try:
         with forward_signals() as forwarded:
-            results = run_elastic(launch.config, launch.entrypoint, launch.args)
+            try:
+                results = run_elastic(launch.config, launch.entrypoint, launch.args)
+            except LaunchError as err:
+                if forwarded.received is None:
+                    raise
+                # e.g. a worker still starting up had no handler yet and died of it: still a stop from outside
+                name = signal.Signals(forwarded.received).name
+                raise StoppedBySignal(f"stopped by {name}: it was passed to the workers, which did not all exit cleanly "
+                                      f"({err.message})", signum=forwarded.received) from None
         if forwarded.received is not None:
             name = signal.Signals(forwarded.received).name
             raise StoppedBySignal(f"stopped by {name}: it was passed to the workers, which exited cleanly"
