@@ -12,8 +12,8 @@ before it seals the step), on rank 0, on rank 1 and on neither, several times ov
 collective the other rank never joins (or, if the other rank's next collective happens to pair
 with it, they exchange the wrong messages), so the test counts each rank's saves as well as the
 outcome: every rank enters exactly the saves of steps 3 and 6, every fit ends, the last step is
-committed when ``fit`` returns and ``last_saved`` is the same on both ranks. (The same loop through ``shardwise train`` as separate processes:
-tests/integration/test_preemption.py.)
+committed when ``fit`` returns and ``last_saved`` is the same on both ranks. The issue's own
+configuration through ``shardwise train``, many runs in a row: bench/async_end_stress.py.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@
   launcher survives, the workers save, exit 138, no process left behind;
 - the launcher SIGKILLed: its workers save and exit within seconds instead of living on;
 - ``--max-restarts 1`` with a worker SIGKILLed: the restart resumes (no flag needed) and metrics.csv
-  and TensorBoard hold every step exactly once, equal to the uninterrupted run;
-- the issue's async configuration (12 steps, an async save every 3, the last step a save) ends.
+  and TensorBoard hold every step exactly once, equal to the uninterrupted run.
+
+The async-save race at the end of training: tests/distributed/test_checkpoint_async_end.py.
 """
 
 from __future__ import annotations
@@ -136,14 +137,3 @@ def test_max_restarts_resumes_and_the_logs_keep_every_step_once(tmp_path, refere
     assert done.proc.returncode == 0, done.stderr[-3000:]
     assert "checkpoint: resumed from step 40" in done.stdout and "validation loss" in done.stdout
     _assert_same_history(run_dir, reference)
-
-
-@pytest.mark.timeout(300)
-def test_async_save_on_the_last_step_ends(tmp_path):
-    """The issue's configuration: 12 steps, an async save every 3 (the last step is one)."""
-    args = train_args("async", "--checkpoint.async_save=true", "--checkpoint.every_n_steps=3", steps=12)
-    done = run(args, tmp_path, "async", timeout=200)
-    assert done.proc.returncode == 0, done.stderr[-3000:]
-    assert "HANG" not in done.stderr
-    ckpts = str(tmp_path / RUNS / "async" / "checkpoints")
-    assert [c.step for c in cm.list_checkpoints(ckpts) if c.complete] == [6, 9, 12]  # keep_last_n=3

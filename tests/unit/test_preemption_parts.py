@@ -121,3 +121,26 @@ def test_sbatch_script_passes_the_warning_on_and_requeues():
     with pytest.raises(ShardwiseError, match="--warning 0"):
         render_sbatch(SbatchSpec(script=("train.py",), warning_s=0))
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)  # the script parses
+
+
+def test_negative_max_restarts_is_one_line(tmp_path, monkeypatch, capsys):
+    from shardwise.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--max-restarts", "-1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--max-restarts -1 is negative" in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_fresh_run_refuses_a_directory_with_checkpoints(tmp_path, monkeypatch, capsys):
+    from shardwise.checkpoint import commit as cm
+    from shardwise.cli import main
+
+    step = tmp_path / "runs" / "x" / "checkpoints" / cm.step_dirname(7)
+    step.mkdir(parents=True)
+    cm.commit(str(step), step=7, world_size=1, dp_size=1, plan=None, metrics={})
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--nproc", "1", "--run.name=x"]) == 2
+    err = capsys.readouterr().err
+    assert "already holds checkpoints (newest: step 7)" in err and "--resume auto" in err

@@ -16,8 +16,8 @@ whether a rank enters a collective: a rank that decided alone would wait in it f
 from __future__ import annotations
 
 import os
-from signal import Signals
 from dataclasses import dataclass
+from signal import Signals
 from typing import Any, Mapping
 
 from shardwise.checkpoint import commit as cm

@@ -112,6 +112,8 @@ def _main(args: argparse.Namespace) -> int:
     from shardwise.jobs.train import check_fresh_start, check_run_dir, default_run_name, format_summary, precision_override
     from shardwise.layout import resolve_plan
 
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} is negative", hint="use 0 (no restarts) or more")
     config = resolve_config(args)
     if args.print_config:
         print(to_toml(config), end="")

@@ -56,9 +56,9 @@ def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         raise LaunchError(describe_failures(err, config.max_restarts)) from None
     except SignalException as err:  # the agent has already passed the signal on and stopped the workers
         name = signal.Signals(err.sigval).name
-        raise StoppedBySignal(
-            f"stopped by {name}: the workers were sent {name} and given {config.shutdown_timeout} s to save and exit"
-            " (a shardwise Trainer saves a checkpoint at its next step and returns)", signum=int(err.sigval)) from None
+        saves = " (a shardwise Trainer saves a checkpoint at its next step and returns)" if err.sigval == signal.SIGTERM else ""
+        raise StoppedBySignal(f"stopped by {name}: the workers were sent {name} and given {config.shutdown_timeout} s "
+                              f"to exit{saves}", signum=int(err.sigval)) from None
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as err:  # rendezvous errors: timeout, connection refused, closed
