@@ -51,7 +51,8 @@ def child_pids(pid: int | None = None) -> list[int]:
 
 @dataclass
 class Forwarded:
-    """What the launcher received during the launch (the first forwarded signal, if any)."""
+    """What the launcher received during the launch (the first forwarded signal, if any). Mutable,
+    unlike shardwise's other records: the signal handler fills it in while the launch runs."""
 
     received: int | None = None
     sent_to: list[int] = field(default_factory=list)
