@@ -55,6 +55,9 @@ def trial(cwd: str, index: int, kind: str, delay: float) -> dict:
         seen.update(child_pids(proc.pid))
         time.sleep(0.05)
     workers = child_pids(proc.pid)
+    while kind == "term-worker" and len(workers) < 2 and proc.poll() is None:  # a worker must be there to signal
+        time.sleep(0.05)
+        workers = child_pids(proc.pid)
     seen.update(workers)
     if kind == "term-launcher":
         proc.send_signal(signal.SIGTERM)
@@ -117,10 +120,13 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--keep", default=None, metavar="DIR", help="run in DIR and keep every trial's output there")
     args = p.parse_args()
     rng = random.Random(args.seed)
     results = []
-    with tempfile.TemporaryDirectory(prefix="preempt-trials-") as cwd:
+    with tempfile.TemporaryDirectory(prefix="preempt-trials-") as tmp:
+        cwd = args.keep or tmp
+        os.makedirs(cwd, exist_ok=True)
         for i in range(args.trials):
             kind = KINDS[i % len(KINDS)]
             r = trial(cwd, i, kind, rng.uniform(2.0, 25.0))

@@ -75,9 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    from shardwise.launch.forward import forward_for_this_process
     from shardwise.launch.run import run_launch  # torch's elastic agent: only when launching
 
+    forwarded = forward_for_this_process()  # SIGUSR1 (Slurm's warning) never kills the launcher
     resolved = resolve(options_from_args(args, args.script, args.script_args, args.module))
     resolved = dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args.hang_timeout)})
-    run_launch(resolved)
+    run_launch(resolved, forwarded=forwarded)
     return 0

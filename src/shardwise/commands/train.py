@@ -141,6 +141,10 @@ def _main(args: argparse.Namespace) -> int:
         print("  " + plan.describe().replace("\n", "\n  "), flush=True)
     print(f"run directory: {run_dir}", flush=True)
 
+    from shardwise.launch.forward import forward_for_this_process
+
+    # From here to the exit, SIGUSR1 (Slurm's warning) is recorded and passed on, never fatal.
+    forwarded = forward_for_this_process()
     started, stopped = time.time(), None
     if nproc == 1 and not args.max_restarts:  # a restart needs the elastic agent, even for one process
         from shardwise.jobs.train import run_job
@@ -166,7 +170,8 @@ def _main(args: argparse.Namespace) -> int:
                                  nproc_per_node=str(nproc), max_restarts=args.max_restarts)
             resolved = resolve(options)
             try:
-                run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args.hang_timeout)}))
+                run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_timeout_env(args.hang_timeout)}),
+                           forwarded=forwarded)
             except StoppedBySignal as err:  # the workers' summary (below) says where they stopped
                 stopped = err
 

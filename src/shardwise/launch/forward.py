@@ -66,6 +66,18 @@ class Forwarded:
                 self.sent_to.append(pid)
 
 
+def forward_for_this_process(signals: tuple[int, ...] = FORWARDED) -> Forwarded:
+    """Forward ``signals`` to this process's children from now until the process exits (main thread
+    only). For a command's process (``shardwise run``, ``shardwise train``): a warning that arrives
+    while it resolves its flags, or after its workers have exited and it is printing its summary,
+    must not kill it either (it is recorded, and reaches whatever children there are)."""
+    state = Forwarded()
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals:
+            signal.signal(sig, state._handle)
+    return state
+
+
 @contextlib.contextmanager
 def forward_signals(signals: tuple[int, ...] = FORWARDED) -> Iterator[Forwarded]:
     """Forward ``signals`` to this process's children while the block runs (main thread only;

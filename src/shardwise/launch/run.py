@@ -15,6 +15,7 @@ signals as what they are (:class:`~shardwise.errors.StoppedBySignal`, exit ``128
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from shardwise.errors import LaunchError, StoppedBySignal
-from shardwise.launch.forward import forward_signals
+from shardwise.launch.forward import Forwarded, forward_signals
 from shardwise.launch.options import ResolvedLaunch
 
 LAUNCHER_PID_VAR = "SHARDWISE_LAUNCHER_PID"  # read by shardwise.runtime.settings in the workers
@@ -91,8 +92,12 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-def run_launch(launch: ResolvedLaunch) -> dict[int, Any]:
-    """Start the workers of a resolved ``shardwise run`` with the extra worker environment."""
+def run_launch(launch: ResolvedLaunch, *, forwarded: Forwarded | None = None) -> dict[int, Any]:
+    """Start the workers of a resolved ``shardwise run`` with the extra worker environment.
+
+    SIGUSR1 is passed on to the workers while they run (``forwarded``: the command's own
+    :func:`~shardwise.launch.forward.forward_for_this_process`, else one for the launch only); a
+    launch that received it ends with :class:`~shardwise.errors.StoppedBySignal`."""
     config = launch.config
     if config.rdzv_backend == "static" and config.rdzv_configs.get("rank", 0) != 0:
         wait_for_endpoint(config.rdzv_endpoint, float(config.rdzv_configs.get("timeout", 300)))
@@ -100,7 +105,7 @@ def run_launch(launch: ResolvedLaunch) -> dict[int, Any]:
     saved = {k: os.environ.get(k) for k in worker_env}
     os.environ.update(worker_env)  # the agent copies this process's environment to workers
     try:
-        with forward_signals() as forwarded:
+        with contextlib.nullcontext(forwarded) if forwarded is not None else forward_signals() as forwarded:
             try:
                 results = run_elastic(launch.config, launch.entrypoint, launch.args)
             except LaunchError as err:
