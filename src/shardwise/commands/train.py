@@ -179,7 +179,7 @@ def _main(args: argparse.Namespace) -> int:
     summary = read_summary(run_dir, since=started)
     if summary is None:
         if stopped is not None:  # the workers were ended before they could report
-            raise StoppedBySignal(f"{stopped.message} before they reported; {newest_checkpoint(run_dir)}; resume with: {resume}",
+            raise StoppedBySignal(f"{stopped.message}; no summary from the workers; {newest_checkpoint(run_dir)}; resume with: {resume}",
                                   signum=stopped.signum)
         raise ShardwiseError(f"the run finished without writing {os.path.join(run_dir, 'summary.json')}",
                              hint="see the workers' output above")

@@ -16,11 +16,14 @@ What one process does, top to bottom:
 5. every rank samples the same text from the same generator (so a layout whose forward
    communicates works too); rank 0 writes ``summary.json`` and ``sample.txt`` into the run dir.
 
-Pre-emption: the process holds the pre-emption handlers (SIGTERM, SIGUSR1) from before it joins
-the group until it exits, so a signal during start-up is honoured at the first step (a save, then
-a clean stop) and one after ``fit`` cannot kill a worker that is writing its last files. The
-launcher's grace period (SIGKILL after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) or, when the launcher is
-gone, the worker's own deadline (:mod:`shardwise.runtime.parent`) bounds how long that may take. A pre-empted run saves, skips the
+Pre-emption: the process holds the pre-emption handlers (SIGTERM, SIGUSR1) from the moment it has
+joined the group until it exits, so a signal while it builds the model is honoured at the first
+step (a save, then a clean stop) and one after ``fit`` cannot kill a worker that is writing its
+last files. Before that (importing torch, joining the group) a signal ends the worker at once:
+nothing is lost yet, and joining needs the launcher's store, so a worker whose launcher died then
+must not wait. The launcher's grace period (SIGKILL after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) or,
+when the launcher is gone, the worker's own deadline (:mod:`shardwise.runtime.parent`) bounds how
+long a stop may take. A pre-empted run saves, skips the
 sample and records in ``summary.json`` how it stopped; the process exits 0 either way (a non-zero
 exit would make the elastic agent restart it), and the launcher reports the signal. A restarted
 attempt (``TORCHELASTIC_RESTART_COUNT`` > 0) always resumes from the newest complete checkpoint.
@@ -106,8 +109,8 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     """
     from shardwise.checkpoint.signals import process_signal
 
-    with process_signal():  # held from before the group forms until the job ends (see the module doc)
-        env = init()
+    env = init()
+    with process_signal():  # held from here until the job ends (see the module doc)
         return _train(config, env)
 
 

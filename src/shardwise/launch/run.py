@@ -106,6 +106,9 @@ def run_launch(launch: ResolvedLaunch, *, forwarded: Forwarded | None = None) ->
     os.environ.update(worker_env)  # the agent copies this process's environment to workers
     try:
         with contextlib.nullcontext(forwarded) if forwarded is not None else forward_signals() as forwarded:
+            if forwarded.received is not None:  # warned before anything started: do not start it
+                name = signal.Signals(forwarded.received).name
+                raise StoppedBySignal(f"stopped by {name} before the workers were started", signum=forwarded.received)
             try:
                 results = run_elastic(launch.config, launch.entrypoint, launch.args)
             except LaunchError as err:
