@@ -12,7 +12,7 @@ import argparse
 import importlib
 import sys
 
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ShardwiseError, StoppedBySignal
 
 # Order here is the order in `shardwise --help`.
 COMMANDS = (
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except StoppedBySignal as err:  # pre-empted or interrupted: say what happened, exit 128 + signal
+        print(f"shardwise {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
     except ShardwiseError as err:
         print(f"shardwise {args.command}: error: {err}", file=sys.stderr)
         return 2 if not isinstance(err, _launch_error()) else 1

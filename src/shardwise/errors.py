@@ -25,3 +25,19 @@ class ConfigError(ShardwiseError):
 
 class LaunchError(ShardwiseError):
     """Processes could not be started, could not meet, or failed."""
+
+
+class StoppedBySignal(ShardwiseError):
+    """A command received a signal (a scheduler's pre-emption or time-limit warning, Ctrl-C) and
+    stopped its workers. Not a failure of the job: the CLI prints the message without "error" and
+    exits with :attr:`exit_code`, ``128 + signal`` (143 for SIGTERM, 138 for SIGUSR1, 130 for SIGINT),
+    the status a shell reports for a process ended by that signal, which schedulers and wrapper
+    scripts read as "stopped from outside; run it again" rather than "broken"."""
+
+    def __init__(self, message: str, *, signum: int, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

@@ -17,6 +17,11 @@ thread never interleaves with the training collectives on the default group.
 Async saves (``async_save=True``) stage a CPU copy synchronously (the only time training is
 blocked), then write in a background thread; at most one save is in flight (the next one waits),
 which bounds staging memory to one copy of the local shards.
+
+Decisions that lead into a collective are taken from values every rank holds identically
+(:attr:`CheckpointManager.last_saved`, set by the training thread when all ranks entered a save)
+or agreed with :meth:`CheckpointManager.agree`; never from :attr:`~CheckpointManager.last_committed`,
+which the writer thread sets at a different moment on each rank.
 """
 
 from __future__ import annotations
@@ -133,7 +138,12 @@ class CheckpointManager:
         self._pending: threading.Event | None = None  # set when the save in flight is committed (or failed)
         self._pending_error: BaseException | None = None
         self._lock = threading.Lock()
+        # Set by whichever thread commits (the writer thread of an async save), at a different
+        # moment on each rank: for reports only, never for a decision that leads into a collective.
         self.last_committed: int | None = None
+        # The newest step every rank entered save() for (or loaded), set by the training thread
+        # after the ranks agreed on it: the same value on every rank at every step boundary.
+        self.last_saved: int | None = None
         self._last_save_time = time.monotonic()
         self.blocked_s = 0.0  # time save() held the caller, summed (the benchmark reads it)
 
@@ -191,12 +201,17 @@ class CheckpointManager:
     def agree(self, flag: bool) -> bool:
         """True on every rank if it is true on any rank (one tiny all-reduce): clocks and signals
         differ between ranks, and a save that only some ranks enter would hang the others."""
+        return bool(self.agree_max(1 if flag else 0))
+
+    def agree_max(self, value: int) -> int:
+        """The largest of every rank's ``value`` (one tiny all-reduce on the control group), e.g. the
+        number of a pre-emption signal that only some ranks received yet (0 where none)."""
         if not self.distributed:
-            return flag
+            return value
         self._make_groups()
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
-        return bool(t.item())
+        return int(t.item())
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, components: Mapping[str, Any], *, step: int, metrics: Mapping[str, float] | None = None,
@@ -217,7 +232,9 @@ class CheckpointManager:
             decision = "skip" if done else "go"
         else:
             decision = None
-        if self._broadcast(decision) == "skip":
+        decision = self._broadcast(decision)
+        self.last_saved = step  # every rank got here, with the same step: the collectives below are joined by all
+        if decision == "skip":
             self.blocked_s += time.perf_counter() - started
             return False
         model, optims, others = _split(components)
@@ -361,5 +378,5 @@ class CheckpointManager:
         # data-parallel size: it loads unchanged (see shardwise.checkpoint.reshard).
         for name, obj in others.items():
             obj.load_state_dict(rank_payload["components"][name])
-        self.last_committed = marker.step
+        self.last_committed = self.last_saved = marker.step
         return Loaded(step=marker.step, path=info.path, marker=marker, resharded=resharded)

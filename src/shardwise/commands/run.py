@@ -110,10 +110,12 @@ def _main(args: argparse.Namespace) -> int:
         from shardwise.launch.lifeline import stop_with_stdin
 
         stop_with_stdin()
+    from shardwise.launch.forward import forward_for_this_process
     from shardwise.launch.run import run_launch  # torch's elastic agent: only when launching
 
     _check_flags(args)
     hang_env = hang_timeout_env(args.hang_timeout)
+    forwarded = forward_for_this_process()  # SIGUSR1 (Slurm's warning) never kills the launcher
     resolved = resolve(options_from_args(args, args.script, args.script_args, args.module))
-    run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}))
+    run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}), forwarded=forwarded)
     return 0

@@ -10,6 +10,10 @@ from shardwise.launch.sbatch import SbatchSpec, render_sbatch
 EXAMPLES = """examples:
   shardwise slurm --nodes 2 --gpus-per-node 8 --time 24:00:00 -- train.py --lr 3e-4
   shardwise slurm --nodes 4 --partition gpu --out job.sbatch -- train.py && sbatch job.sbatch
+  shardwise slurm --nodes 2 --warning 300 -- -m shardwise.jobs.train --config run.toml --checkpoint.resume=auto
+
+The script asks Slurm for SIGUSR1 --warning seconds before the time limit and passes it to the
+workers, which save a checkpoint and stop; then it requeues the job, which resumes when it runs again.
 """
 
 
@@ -24,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--partition", default=None)
     p.add_argument("--account", default=None)
     p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--warning", type=int, default=120, metavar="SECONDS",
+                   help="send SIGUSR1 this long before the time limit: the workers checkpoint and stop (default 120)")
+    p.add_argument("--no-requeue", action="store_true",
+                   help="do not requeue the job when the warning stopped it (default: requeue, and #SBATCH --requeue)")
     p.add_argument("--out", default=None, help="write the script here instead of printing it")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the script and its arguments")
     p.set_defaults(func=_main)
@@ -34,7 +42,7 @@ def _main(args: argparse.Namespace) -> int:
     text = render_sbatch(SbatchSpec(
         script=tuple(script), nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
         time=args.time, job_name=args.job_name, partition=args.partition, account=args.account,
-        max_restarts=args.max_restarts,
+        max_restarts=args.max_restarts, warning_s=args.warning, requeue=not args.no_requeue,
     ))
     if args.out:
         check_output_file(args.out, option="--out")

@@ -6,12 +6,16 @@ is one line and exit code 2), prints the plan, writes the resolved configuration
 ``<runs_dir>/<name>/config.toml`` and starts the workers (:mod:`shardwise.jobs.train`) with
 shardwise's elastic launcher — or runs the job in this process with ``--nproc 1``. At the end it
 prints the validation loss next to the corpus's unigram entropy, and a generated sample.
+
+A run cut short says so instead: pre-empted (SIGTERM or SIGUSR1, to this command or to a worker:
+the workers saved a checkpoint) at step N, where the checkpoint is, the command that resumes it,
+and the exit status ``128 + signal`` (:mod:`shardwise.jobs.outcome`). ``--max-restarts N``
+restarts the workers after a failure; a restarted attempt resumes from the newest checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import typing
 from dataclasses import fields
@@ -27,11 +31,14 @@ EXAMPLES = """examples:
   shardwise train --config run.toml --train.precision=bf16
   shardwise train --plan auto                       the planner picks the layout
   shardwise train --print-config > run.toml         write the resolved configuration, start nothing
+  shardwise train --max-restarts 2                  restart after a crash, resuming from the newest checkpoint
 
 precedence: defaults < the --config TOML file < the command line (the shortcut flags --nproc,
 --max-steps, --plan and --resume are the same as parallel.nproc, train.max_steps, parallel.plan and
 checkpoint.resume and are applied last). In TOML each section is a table:  [train]  lr = 2e-3
 logs: <run.runs_dir>/<run.name>/ holds metrics.csv, curves.png, config.toml, summary.json, sample.txt
+pre-emption: SIGTERM or SIGUSR1 saves a checkpoint at the next step and exits 128 + signal (143, 138),
+printing the command that resumes the run
 multi-node: shardwise run --nnodes 2 ... -m shardwise.jobs.train --config run.toml
 """
 
@@ -57,6 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="'auto': continue from the newest complete checkpoint of --run.name (= checkpoint.resume)")
     p.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
                    help="hang watchdog: a collective stuck this long stops every rank with a report (default 300; 0 disables)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart the processes up to N times after a failure; a restart resumes from the newest complete checkpoint")
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     _add_config_keys(p)
     p.set_defaults(func=_main)
@@ -116,12 +125,17 @@ def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
 
 def _main(args: argparse.Namespace) -> int:
     import tempfile
+    import time
     from dataclasses import replace
 
-    from shardwise.jobs.train import JobSummary, check_run_dir, default_run_name, format_summary
+    from shardwise.errors import StoppedBySignal
+    from shardwise.jobs.outcome import exit_status, newest_checkpoint, read_summary, resume_command
+    from shardwise.jobs.train import check_fresh_start, check_run_dir, default_run_name, format_summary
 
     from shardwise.launch.options import hang_timeout_env
 
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts {args.max_restarts} is negative", hint="use 0 (no restarts) or more")
     config = resolve_config(args)
     if args.print_config:
         print(to_toml(config), end="")
@@ -133,6 +147,8 @@ def _main(args: argparse.Namespace) -> int:
                      parallel=replace(config.parallel, plan="auto" if plan is None else str(plan)))
     run_dir = os.path.join(config.run.runs_dir, config.run.name)
     check_run_dir(run_dir)
+    if config.checkpoint.resume != "auto":
+        check_fresh_start(run_dir)
     if plan is None:
         print(f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed below)", flush=True)
     else:
@@ -140,7 +156,12 @@ def _main(args: argparse.Namespace) -> int:
         print("  " + plan.describe().replace("\n", "\n  "), flush=True)
     print(f"run directory: {run_dir}", flush=True)
 
-    if nproc == 1:
+    from shardwise.launch.forward import forward_for_this_process
+
+    # From here to the exit, SIGUSR1 (Slurm's warning) is recorded and passed on, never fatal.
+    forwarded = forward_for_this_process()
+    started, stopped = time.time(), None
+    if nproc == 1 and not args.max_restarts:  # a restart needs the elastic agent, even for one process
         from shardwise.jobs.train import run_job
         from shardwise.runtime.env import shutdown
 
@@ -161,14 +182,20 @@ def _main(args: argparse.Namespace) -> int:
             with open(launch_config, "w") as fh:
                 fh.write(to_toml(config))
             options = RunOptions(script="shardwise.jobs.train", module=True, script_args=("--config", launch_config),
-                                 nproc_per_node=str(nproc))
+                                 nproc_per_node=str(nproc), max_restarts=args.max_restarts)
             resolved = resolve(options)
-            run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}))
+            try:
+                run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}), forwarded=forwarded)
+            except StoppedBySignal as err:  # the workers' summary (below) says where they stopped
+                stopped = err
 
-    summary_path = os.path.join(run_dir, "summary.json")
-    if not os.path.exists(summary_path):
-        raise ShardwiseError(f"the run finished without writing {summary_path}", hint="see the workers' output above")
-    with open(summary_path) as fh:
-        summary = JobSummary(**json.load(fh))
-    print(format_summary(summary))
-    return 0
+    resume = resume_command(run_dir, max_restarts=args.max_restarts, hang_timeout=args.hang_timeout)
+    summary = read_summary(run_dir, since=started)
+    if summary is None:
+        if stopped is not None:  # the workers were ended before they could report
+            raise StoppedBySignal(f"{stopped.message}; no summary from the workers; {newest_checkpoint(run_dir)}; resume with: {resume}",
+                                  signum=stopped.signum)
+        raise ShardwiseError(f"the run finished without writing {os.path.join(run_dir, 'summary.json')}",
+                             hint="see the workers' output above")
+    print(format_summary(summary, resume))
+    return exit_status(summary)

@@ -15,6 +15,18 @@ What one process does, top to bottom:
 4. ``Trainer.fit`` on the training windows, evaluating on the validation windows;
 5. every rank samples the same text from the same generator (so a layout whose forward
    communicates works too); rank 0 writes ``summary.json`` and ``sample.txt`` into the run dir.
+
+Pre-emption: the process holds the pre-emption handlers (SIGTERM, SIGUSR1) from the moment it has
+joined the group until it exits, so a signal while it builds the model is honoured at the first
+step (a save, then a clean stop) and one after ``fit`` cannot kill a worker that is writing its
+last files. Before that (importing torch, joining the group) a signal ends the worker at once:
+nothing is lost yet, and joining needs the launcher's store, so a worker whose launcher died then
+must not wait. The launcher's grace period (SIGKILL after ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``) or,
+when the launcher is gone, the worker's own deadline (:mod:`shardwise.runtime.parent`) bounds how
+long a stop may take. A pre-empted run saves, skips the
+sample and records in ``summary.json`` how it stopped; the process exits 0 either way (a non-zero
+exit would make the elastic agent restart it), and the launcher reports the signal. A restarted
+attempt (``TORCHELASTIC_RESTART_COUNT`` > 0) always resumes from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ from shardwise.config import TrainJobConfig, load_config, override_keys, to_toml
 from shardwise.data.corpus import CharWindows, load_stdlib_corpus
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.runtime.detect import RuntimeEnv
 from shardwise.runtime.env import init, shutdown
 
 
@@ -57,6 +70,10 @@ class JobSummary:
     elapsed_s: float
     params: int
     sample: str
+    total_steps: int | None = None  # the steps the run was to train
+    stopped: str | None = None  # None: ran to the end; "preempted" (by a signal) or "stopped" (by a callback)
+    stop_signal: str | None = None  # "SIGTERM", "SIGUSR1" when pre-empted
+    checkpoint: str | None = None  # the checkpoint saved when pre-empted
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -90,11 +107,18 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     starts (after a resume was accepted, so a refused resume changes nothing), ``metrics.csv`` and
     ``auto_plan.json`` by the Trainer, ``curves.png``, then ``summary.json`` and ``sample.txt``.
     """
+    from shardwise.checkpoint.signals import process_signal
+
+    env = init()
+    with process_signal():  # held from here until the job ends (see the module doc)
+        return _train(config, env)
+
+
+def _train(config: TrainJobConfig, env: RuntimeEnv) -> JobSummary | None:
     from shardwise.checkpoint import CheckpointManager
     from shardwise.checkpoint.faults import Fault
     from shardwise.train import PlotCurves, Trainer, warmup_cosine
 
-    env = init()
     name = _agree_on_name(config.run.name or default_run_name())
     run_dir = os.path.join(config.run.runs_dir, name)
     check_run_dir(run_dir)
@@ -109,6 +133,10 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     if t.eval_windows and t.eval_windows < len(val_set):
         val_set = Subset(val_set, range(t.eval_windows))
     fault = Fault.for_attempt(env.settings.fault, env.settings.restart_count)  # recovery tests only
+    # A restarted attempt continues the run it replaces, whatever checkpoint.resume says.
+    resume = "auto" if config.checkpoint.resume == "auto" or env.settings.restart_count > 0 else None
+    if resume is None:
+        check_fresh_start(run_dir)
     trainer = Trainer(
         model,
         loss_fn=lm_loss,
@@ -144,15 +172,20 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
               f"{shape.param_count():,} parameters, {shape.flops_per_token() / 1e6:.2f} MFLOP/token; "
               f"lr {trainer.optimizer.param_groups[0]['lr']:g}, {trainer.total_steps_for(train_set)} steps of "
               f"{t.global_batch_size} sequences", flush=True)
-    result = trainer.fit(train_set, val_set, resume="auto" if config.checkpoint.resume == "auto" else None)
-    # A pipeline stage holds only some layers, so it cannot generate text on its own.
-    sample = "" if trainer.plan.pp_enabled else _sample(trainer.model.module, corpus, config)
+    result = trainer.fit(train_set, val_set, resume=resume)
+    stop = result.stop
+    # A pipeline stage holds only some layers, so it cannot generate text on its own; a pre-empted
+    # run spends the scheduler's grace period on leaving, not on sampling.
+    preempted = stop is not None and stop.reason == "preempted"
+    sample = "" if trainer.plan.pp_enabled or preempted else _sample(trainer.model.module, corpus, config)
     if not env.is_main:
         return None
     summary = JobSummary(
         run_dir=run_dir, steps=result.step, world_size=env.world_size, plan=str(trainer.plan),
         val_loss=result.val_metrics.get("val_loss"), train_loss=result.train_loss,
         unigram_entropy=corpus.unigram_entropy, elapsed_s=result.elapsed_s, params=shape.param_count(), sample=sample,
+        total_steps=trainer.total_steps, stopped=stop.reason if stop else None, stop_signal=stop.signal if stop else None,
+        checkpoint=stop.checkpoint if stop else None,
     )
     with open(os.path.join(run_dir, "summary.json"), "w") as fh:
         json.dump(asdict(summary), fh, indent=2)
@@ -190,10 +223,36 @@ def check_run_dir(run_dir: str) -> None:
                           hint="choose a writable --run.runs_dir")
 
 
-def format_summary(summary: JobSummary) -> str:
-    """The closing lines of ``shardwise train``: validation loss against the unigram entropy, a sample."""
+def check_fresh_start(run_dir: str) -> None:
+    """A run that does not resume must not start over the checkpoints of another: its own saves
+    would mix with them, and a restart (which resumes) could pick up the other run's newer step."""
+    from shardwise.checkpoint import commit as cm
+
+    newest = cm.latest_complete(os.path.join(run_dir, "checkpoints"), level="none")
+    if newest is not None:
+        raise ConfigError(f"run directory {run_dir!r} already holds checkpoints (newest: step {newest.step})",
+                          hint="add --resume auto to continue that run, or choose another --run.name")
+
+
+def cut_short_line(summary: JobSummary, resume_command: str) -> str | None:
+    """The summary line of a run that ended before its last step (None when it ran to the end)."""
+    of = f" of {summary.total_steps}" if summary.total_steps else ""
+    if summary.stopped == "preempted":
+        return (f"pre-empted by {summary.stop_signal} at step {summary.steps}{of}: checkpoint saved at "
+                f"{summary.checkpoint}; resume with: {resume_command}")
+    if summary.stopped == "stopped":
+        return f"stopped early at step {summary.steps}{of} (a callback ended training)"
+    return None
+
+
+def format_summary(summary: JobSummary, resume_command: str = "shardwise train --resume auto") -> str:
+    """The closing lines of ``shardwise train``: validation loss against the unigram entropy, a sample.
+    A run cut short says so first, and a pre-empted one says how to continue instead of a loss."""
     lines = []
-    if summary.val_loss is not None:
+    short = cut_short_line(summary, resume_command)
+    if short is not None:
+        lines.append(short)
+    if summary.val_loss is not None and summary.stopped != "preempted":
         ratio = summary.val_loss / summary.unigram_entropy
         lines.append(f"validation loss {summary.val_loss:.4f} nats/char ({summary.val_loss / math.log(2):.3f} bits/char) after "
                      f"{summary.steps} steps in {summary.elapsed_s:.0f} s; the corpus's unigram entropy is "

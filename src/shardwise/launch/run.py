@@ -2,21 +2,35 @@
 
 The agent (the engine behind torchrun) starts ``nproc_per_node`` workers, joins the rendezvous,
 watches the workers and restarts the whole local group up to ``max_restarts`` times when one fails.
-shardwise adds no process management of its own: it only reports failures as readable lines.
+shardwise adds little process management of its own: it reports failures as readable lines, and
+signals as what they are (:class:`~shardwise.errors.StoppedBySignal`, exit ``128 + signal``):
+
+- SIGTERM, SIGINT, SIGHUP, SIGQUIT: the agent sends the signal to every worker, waits up to
+  ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30) and SIGKILLs what is left; no restart.
+- SIGUSR1 (a time-limit warning): passed on to the workers (:mod:`shardwise.launch.forward`),
+  which save and exit 0; the agent keeps supervising until they have.
+- The launcher itself killed (SIGKILL, OOM): each worker gets SIGTERM from the kernel
+  (:mod:`shardwise.runtime.parent`, armed with ``SHARDWISE_LAUNCHER_PID``), saves and exits.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import time
 from typing import Any, Callable
 
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from shardwise.errors import LaunchError
+from shardwise.errors import LaunchError, StoppedBySignal
+from shardwise.launch.forward import Forwarded, forward_signals
 from shardwise.launch.options import ResolvedLaunch
+
+LAUNCHER_PID_VAR = "SHARDWISE_LAUNCHER_PID"  # read by shardwise.runtime.settings in the workers
 
 
 def describe_failures(err: ChildFailedError, max_restarts: int) -> str:
@@ -41,6 +55,11 @@ def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         return elastic_launch(config=config, entrypoint=entrypoint)(*args)
     except ChildFailedError as err:
         raise LaunchError(describe_failures(err, config.max_restarts)) from None
+    except SignalException as err:  # the agent has already passed the signal on and stopped the workers
+        name = signal.Signals(err.sigval).name
+        saves = " (a shardwise Trainer saves a checkpoint at its next step and returns)" if err.sigval == signal.SIGTERM else ""
+        raise StoppedBySignal(f"stopped by {name}: the workers were sent {name} and given {config.shutdown_timeout} s "
+                              f"to exit{saves}", signum=int(err.sigval)) from None
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as err:  # rendezvous errors: timeout, connection refused, closed
@@ -73,15 +92,38 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
             time.sleep(0.5)
 
 
-def run_launch(launch: ResolvedLaunch) -> dict[int, Any]:
-    """Start the workers of a resolved ``shardwise run`` with the extra worker environment."""
+def run_launch(launch: ResolvedLaunch, *, forwarded: Forwarded | None = None) -> dict[int, Any]:
+    """Start the workers of a resolved ``shardwise run`` with the extra worker environment.
+
+    SIGUSR1 is passed on to the workers while they run (``forwarded``: the command's own
+    :func:`~shardwise.launch.forward.forward_for_this_process`, else one for the launch only); a
+    launch that received it ends with :class:`~shardwise.errors.StoppedBySignal`."""
     config = launch.config
     if config.rdzv_backend == "static" and config.rdzv_configs.get("rank", 0) != 0:
         wait_for_endpoint(config.rdzv_endpoint, float(config.rdzv_configs.get("timeout", 300)))
-    saved = {k: os.environ.get(k) for k in launch.worker_env}
-    os.environ.update(launch.worker_env)  # the agent copies this process's environment to workers
+    worker_env = {**launch.worker_env, LAUNCHER_PID_VAR: str(os.getpid())}
+    saved = {k: os.environ.get(k) for k in worker_env}
+    os.environ.update(worker_env)  # the agent copies this process's environment to workers
     try:
-        return run_elastic(launch.config, launch.entrypoint, launch.args)
+        with contextlib.nullcontext(forwarded) if forwarded is not None else forward_signals() as forwarded:
+            if forwarded.received is not None:  # warned before anything started: do not start it
+                name = signal.Signals(forwarded.received).name
+                raise StoppedBySignal(f"stopped by {name} before the workers were started", signum=forwarded.received)
+            try:
+                results = run_elastic(launch.config, launch.entrypoint, launch.args)
+            except LaunchError as err:
+                if forwarded.received is None:
+                    raise
+                # e.g. a worker still starting up had no handler yet and died of it: still a stop from outside
+                name = signal.Signals(forwarded.received).name
+                raise StoppedBySignal(f"stopped by {name}: it was passed to the workers, which did not all exit cleanly "
+                                      f"({err.message})", signum=forwarded.received) from None
+        if forwarded.received is not None:
+            name = signal.Signals(forwarded.received).name
+            raise StoppedBySignal(f"stopped by {name}: it was passed to the workers, which exited cleanly"
+                                  " (a shardwise Trainer saves a checkpoint at its next step and returns)",
+                                  signum=forwarded.received)
+        return results
     finally:
         for key, value in saved.items():
             if value is None:

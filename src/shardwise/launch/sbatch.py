@@ -1,7 +1,9 @@
 """Write an sbatch script that starts a job with ``shardwise run`` on every node of an allocation.
 
 One Slurm task per node runs ``shardwise run``; it reads the node count, node rank and master
-(the first host of the node list) from Slurm and starts one process per GPU itself.
+(the first host of the node list) from Slurm and starts one process per GPU itself. The
+time-limit warning reaches the workers and a job stopped by it is requeued
+(:mod:`shardwise.launch.sbatch_step`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import shlex
 from dataclasses import dataclass
 
 from shardwise.errors import ShardwiseError
+from shardwise.launch.sbatch_step import header_lines, step_lines
 
 # Every form `sbatch --time` accepts; the first field of each is unbounded, the others are clock fields.
 _TIME_FORMS = tuple(re.compile(form, re.ASCII) for form in (
@@ -38,6 +41,8 @@ class SbatchSpec:
     account: str | None = None
     output: str = "slurm-%j.out"
     max_restarts: int = 0
+    warning_s: int = WARNING_S  # seconds before the time limit that SIGUSR1 is sent
+    requeue: bool = True
 
 
 def slurm_time_seconds(text: str) -> int:
@@ -57,12 +62,13 @@ def slurm_time_seconds(text: str) -> int:
                          hint="use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 120, 24:00:00 or 2-00:00:00")
 
 
-def warning_seconds(limit_s: int) -> int:
-    """How long before the limit Slurm sends SIGUSR1: two minutes, or half the limit when that is
-    shorter, so the warning always comes before the end (Slurm rounds a limit up to whole minutes)."""
+def warning_seconds(limit_s: int, wanted_s: int = WARNING_S) -> int:
+    """How long before the limit Slurm sends SIGUSR1: ``wanted_s`` (``--warning``, two minutes by
+    default), or half the limit when that is shorter, so the warning always comes before the end
+    (Slurm rounds a limit up to whole minutes)."""
     if limit_s == 0:  # no limit
-        return WARNING_S
-    return min(WARNING_S, -(-limit_s // 60) * 60 // 2)
+        return wanted_s
+    return min(wanted_s, -(-limit_s // 60) * 60 // 2)
 
 
 def _check_names(spec: SbatchSpec) -> None:
@@ -83,7 +89,9 @@ def render_sbatch(spec: SbatchSpec) -> str:
         raise ShardwiseError(f"--cpus-per-task {spec.cpus_per_task} must be at least 1", hint="omit it to use Slurm's default")
     if spec.max_restarts < 0:
         raise ShardwiseError(f"--max-restarts {spec.max_restarts} is negative", hint="use 0 or more")
-    warning = warning_seconds(slurm_time_seconds(spec.time))
+    if spec.warning_s < 1:
+        raise ShardwiseError(f"--warning {spec.warning_s} must be at least 1 second", hint="e.g. --warning 120")
+    warning = warning_seconds(slurm_time_seconds(spec.time), spec.warning_s)
     _check_names(spec)
     if not spec.script:
         raise ShardwiseError("no script to run", hint="put it after '--': shardwise slurm --nodes 2 -- train.py")
@@ -105,13 +113,8 @@ def render_sbatch(spec: SbatchSpec) -> str:
         lines.append(f"#SBATCH --account={spec.account}")
     nproc = str(spec.gpus_per_node) if spec.gpus_per_node else "auto"
     target = " ".join(shlex.quote(part) for part in spec.script)
-    lines += [
-        f"#SBATCH --signal=B:USR1@{warning}   # pre-emption warning: shardwise checkpoints on SIGUSR1",
-        "",
-        "set -euo pipefail",
-        "# shardwise run reads node count, node rank and the master host from Slurm.",
-        f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node {nproc} "
-        f"--max-restarts {spec.max_restarts} {target}",
-        "",
-    ]
+    command = (f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node {nproc} "
+               f"--max-restarts {spec.max_restarts} {target}")
+    lines += header_lines(warning_s=warning, requeue=spec.requeue) + [""]
+    lines += step_lines(command, requeue=spec.requeue) + [""]
     return "\n".join(lines)

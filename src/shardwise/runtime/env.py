@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import threading
 from dataclasses import replace
 from datetime import timedelta
 from typing import Iterator, Mapping
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from shardwise.errors import LaunchError, ShardwiseError
 from shardwise.runtime.detect import DEFAULT_TIMEOUT_S, RuntimeEnv, detect_process
 from shardwise.runtime.logging import setup_logging
+from shardwise.runtime.parent import watch_launcher
 from shardwise.runtime.watchdog import enable_flight_recorder, start_watchdog, stop_watchdog
 
 
@@ -82,6 +84,9 @@ def init(
     if dist.is_initialized():
         backend = dist.get_backend()
         return replace(info, device=_device_for(backend, info.local_rank), backend=backend, timeout_s=timeout_s)
+    if info.settings.launcher_pid is not None:
+        # Started by ``shardwise run``: leave (after a pre-emption save) if the launcher dies.
+        _watch_launcher_once(info.settings.launcher_pid, info.settings.stop_grace_s)
     chosen = choose_backend(backend)
     hang_s = info.settings.hang_timeout_s if hang_timeout_s is None else hang_timeout_s
     if hang_s > 0:
@@ -120,6 +125,11 @@ def init(
     if hang_s > 0 and info.world_size > 1:
         start_watchdog(rank=info.rank, world_size=info.world_size, timeout_s=hang_s, namespace=info.settings.attempt_namespace)
     return replace(info, device=device, backend=chosen, timeout_s=timeout_s)
+
+
+def _watch_launcher_once(launcher_pid: int, grace_s: float) -> None:
+    if not any(t.name == "shardwise-launcher-watch" and t.is_alive() for t in threading.enumerate()):
+        watch_launcher(launcher_pid, grace_s=grace_s)
 
 
 def shutdown() -> None:

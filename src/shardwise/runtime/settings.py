@@ -16,7 +16,11 @@ environment again. The variables:
   worker (export it yourself under plain torchrun): the world may change between launch attempts,
   so the Trainer re-plans instead of refusing a plan written for another world size;
 - torch's elastic agent's ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT`` and
-  ``TORCHELASTIC_USE_AGENT_STORE``: which job and which launch attempt this is.
+  ``TORCHELASTIC_USE_AGENT_STORE``: which job and which launch attempt this is;
+- ``SHARDWISE_LAUNCHER_PID``: the process id of the ``shardwise run`` launcher that started this
+  worker (set by the launcher), so the worker can leave when the launcher is gone
+  (:mod:`shardwise.runtime.parent`), within torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds
+  (default 30: what the launcher itself gives its workers after a SIGTERM).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class Settings:
     restart_count: int = 0
     use_agent_store: bool = False
     elastic: tuple[int, int] | None = None  # (min, max) nodes of an elastic job, else None
+    launcher_pid: int | None = None
+    stop_grace_s: float = 30.0
 
     @property
     def attempt_namespace(self) -> str:
@@ -99,6 +105,8 @@ def read_settings(environ: Mapping[str, str]) -> Settings:
     restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
     if not restart.isdigit():
         raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restart!r} is not a count", hint="unset it; the elastic agent sets it")
+    launcher = environ.get("SHARDWISE_LAUNCHER_PID", "").strip()
+    grace = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip()
     return Settings(
         hang_timeout_s=hang_timeout(environ),
         cluster=environ.get("SHARDWISE_CLUSTER") or None,
@@ -108,4 +116,6 @@ def read_settings(environ: Mapping[str, str]) -> Settings:
         restart_count=int(restart),
         use_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         elastic=elastic_nodes(environ),
+        launcher_pid=int(launcher) if launcher.isdigit() else None,
+        stop_grace_s=float(grace) if grace.isdigit() else 30.0,
     )

@@ -160,6 +160,8 @@ class Watchdog:
         self._finish_t: float | None = None
         self._all_finished = threading.Event()
         self._stop = threading.Event()
+        self._store_lost: str | None = None  # why the store stopped answering (then: local checks only)
+        self._marked = False  # counted in the store's "finished" counter
         self.report: str | None = None  # the verdict, once one was reached
         self._thread = threading.Thread(target=self._loop, name=f"shardwise-watchdog-rank{rank}", daemon=True)
 
@@ -189,18 +191,39 @@ class Watchdog:
         if self._stop.is_set():
             return
         self._steps_running = False
-        if wait_for_peers and self.world_size > 1 and self._thread.is_alive():
+        if wait_for_peers and self.world_size > 1 and self._thread.is_alive() and self._store_lost is None:
             self._state, self._finish_t = "finished", time.monotonic()
-            self._publish()
-            self._all_finished.wait(self.timeout_s + 2 * self.interval_s + self.grace_s + 15)
+            try:
+                self._publish()
+                self._mark_finished()
+                self._wait_for_peers(time.monotonic() + self.timeout_s + 2 * self.interval_s + self.grace_s + 15)
+            except Exception as exc:  # noqa: BLE001 - the launcher (and its store) is gone: nobody to wait for
+                self._lose_store(exc)
+        elif self._store_lost is None:
+            with contextlib.suppress(Exception):
+                self._mark_finished()  # leaving early (an error): the others need not wait for this rank
         self._state = "exited"
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=self.interval_s + 11)
-        with contextlib.suppress(Exception):
-            self._publish()
+        if self._store_lost is None:
+            with contextlib.suppress(Exception):
+                self._publish()
         with contextlib.suppress(Exception):
             faulthandler.cancel_dump_traceback_later()
+
+    def _mark_finished(self) -> None:
+        """Count this rank as finished, once (one O(1) counter, so waiting for it is cheap to poll)."""
+        if not self._marked:
+            self._marked = True
+            self.store.add("finished", 1)
+
+    def _wait_for_peers(self, deadline: float) -> None:
+        """Until every rank counted itself finished (polled every 0.1 s: a job's exit should not wait
+        for the watchdog's next interval), the thread gave up, or the deadline passed."""
+        while not self._all_finished.wait(0.1) and time.monotonic() < deadline:
+            if self.store.add("finished", 0) >= self.world_size:
+                return
 
     # -- the watchdog thread -----------------------------------------------------------------
     def _publish(self) -> None:
@@ -208,8 +231,26 @@ class Watchdog:
                          step=self._step, issued=issued_counts(), in_flight=tuple(in_flight_collectives()[:3]))
         self.store.set(f"hb/{self.rank}", beat.to_json())
 
+    def _lose_store(self, exc: BaseException) -> None:
+        """The store stopped answering. It lives in the launcher (or in rank 0), which is gone and
+        does not come back: stop calling it (each failed call logs a broken pipe) and stop waiting
+        for heartbeats nobody can read; collectives of this rank are still watched."""
+        if self._store_lost is None:
+            self._store_lost = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            print(f"[shardwise watchdog] rank {self.rank}: the rendezvous store does not answer ({self._store_lost}); "
+                  "the launcher is probably gone; watching this rank's collectives only", file=self._stream or sys.stderr, flush=True)
+        self._all_finished.set()
+
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if self._store_lost is not None:
+                faulthandler.dump_traceback_later(self.timeout_s + _FAULTHANDLER_MARGIN_S, exit=True)
+                stall = self._local_stall()
+                if stall is not None and stall.kind != "finish":
+                    self._abort(f"HANG: rank {self.rank} {stall.describe()}; the rendezvous store does not answer "
+                                f"({self._store_lost}), so the other ranks could not be asked.", detected_here=True)
+                    return
+                continue
             try:
                 faulthandler.dump_traceback_later(self.timeout_s + _FAULTHANDLER_MARGIN_S, exit=True)
                 self._publish()
@@ -222,12 +263,8 @@ class Watchdog:
                     return
                 if self._finish_t is not None and self._peers_finished():
                     self._all_finished.set()
-            except Exception as exc:  # noqa: BLE001 - the store may be gone; keep watching locally
-                stall = self._local_stall()
-                if stall is not None:
-                    self._abort(f"HANG: rank {self.rank} {stall.describe()}; the rendezvous store does not answer "
-                                f"({type(exc).__name__}), so the other ranks could not be asked.", detected_here=True)
-                    return
+            except Exception as exc:  # noqa: BLE001 - the store is gone; keep watching locally
+                self._lose_store(exc)
         self._all_finished.set()
 
     def _local_stall(self) -> Stall | None:
@@ -306,7 +343,7 @@ def _at_exit(dog: Watchdog) -> None:
     # transport error a peer's exit caused: finish the report here (daemon threads die with the
     # interpreter) and exit with the hang code. Otherwise tell the others we left, without waiting.
     with contextlib.suppress(Exception):
-        if dog.report is None and dog.store.check(["abort"]):
+        if dog.report is None and dog._store_lost is None and dog.store.check(["abort"]):
             dog.report = dog.store.get("abort").decode()
             dog._abort(dog.report, detected_here=False)
     if dog.report is not None:

@@ -50,7 +50,7 @@ from shardwise.train.elastic import elastic_callbacks
 from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics
 from shardwise.train.precision import LossScaler, autocast, check_precision
-from shardwise.train.result import FitResult
+from shardwise.train.result import FitResult, stop_of
 from shardwise.train.state import ModelState, OptimizerState, TrainState
 from shardwise.train.window import LogWindow
 
@@ -284,13 +284,16 @@ class Trainer:
                     val_metrics, last_eval_step = self._eval_during_fit(val_data), self.state.step
         if self._window.steps:  # stopped by a callback between logging steps
             train_loss = self._window.flush()["loss"]
-        if val_data is not None and last_eval_step != self.state.step:
+        preemption = self.checkpoint.preemption if self.checkpoint is not None else None
+        # After a pre-emption the scheduler's grace period is for leaving, not for a final evaluation.
+        if val_data is not None and last_eval_step != self.state.step and preemption is None:
             val_metrics = self._eval_during_fit(val_data)
         self._call("on_fit_end")
         for logger in self.loggers:
             logger.close()
         val_only = {k: v for k, v in val_metrics.items() if k.startswith("val_")}
-        return FitResult(self.state.step, self.state.epoch, train_loss, val_only, time.perf_counter() - start, list(self.history))
+        stop = stop_of(should_stop=self.should_stop, limit_reached=self._limit_reached(), step=self.state.step, preemption=preemption)
+        return FitResult(self.state.step, self.state.epoch, train_loss, val_only, time.perf_counter() - start, list(self.history), stop)
 
     def _train_step(self, micro_batches: list[Any]) -> dict[str, Any]:
         """One optimizer step over k micro-batches (the math is in the module doc)."""
@@ -376,8 +379,9 @@ class Trainer:
         return loader
 
     def _finished(self) -> bool:
-        if self.should_stop:
-            return True
+        return self.should_stop or self._limit_reached()
+
+    def _limit_reached(self) -> bool:
         if self.max_steps is not None and self.state.step >= self.max_steps:
             return True
         return self.max_epochs is not None and self.state.epoch >= self.max_epochs
