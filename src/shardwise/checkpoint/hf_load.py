@@ -10,8 +10,8 @@ listed in ``model.safetensors.index.json``) is loaded in four steps:
 3. **allocate** this rank's shards (``to_empty``; with module parameters swapped in place, so a
    weight tied between the embedding and the head stays one parameter) and put the buffers back;
 4. **read** each local shard straight from the safetensors files: the shard's region of the global
-   tensor (from its DTensor placements: ``Shard``/``Replicate``, or the pieces of a fused
-   ``_StridedShard``) is read with ``safe_open(...).get_slice(key)[region]``, which reads only
+   tensor (from its DTensor placements; a TP-fused q|k|v weight held as (in, 3, H) is read as its
+   3 pieces of the stored (in, 3H)) is read with ``safe_open(...).get_slice(key)[region]``, which reads only
    those bytes. A tied weight missing from the files (``lm_head.weight``) is read under the name
    it is stored as. Checkpoints that ``transformers`` converts on load (Mixtral's per-expert
    ``w1/w2/w3`` into fused ``gate_up_proj``/``down_proj``) are assembled from the same
@@ -36,7 +36,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
 
 from shardwise.errors import ConfigError
 from shardwise.models.hf import read_config, require_transformers
@@ -188,6 +187,15 @@ def _conversions(model_type: str, keys: Sequence[str]) -> tuple[dict[str, str], 
     return {new: old for new, old in renamed.items()}, merged
 
 
+def _merged_shape(files: SafetensorsFiles, spec: _Merged) -> tuple[int, ...]:
+    """One expert's shape after concatenating its pieces."""
+    shapes = [files.shape(piece[0]) for piece in spec.pieces]
+    if spec.cat_dim is None:
+        return shapes[0]
+    d = spec.cat_dim - 1
+    return (*shapes[0][:d], sum(s[d] for s in shapes), *shapes[0][d + 1:])
+
+
 def _read_merged(files: SafetensorsFiles, spec: _Merged, region: Region) -> torch.Tensor:
     """``region`` of stack(experts) / cat(pieces) without reading anything outside it."""
     experts = range(*region[0].indices(len(spec.pieces[0])))
@@ -215,26 +223,44 @@ def _read_merged(files: SafetensorsFiles, spec: _Merged, region: Region) -> torc
 # -- regions of a local shard --------------------------------------------------------------------
 def _regions(param: torch.Tensor) -> list[tuple[Region, Region]] | None:
     """[(region of the global tensor, region of the local tensor)] covering this rank's shard, or
-    None when the placements are no union of regions we can name (read whole, then slice)."""
+    None when the placements are no single region (read whole, then slice)."""
     shape = tuple(param.shape)
+    whole = lambda dims: tuple(slice(0, n) for n in dims)  # noqa: E731
     if not isinstance(param, DTensor):
-        return [(tuple(slice(0, n) for n in shape), tuple(slice(0, n) for n in shape))]
-    placements = tuple(param.placements)
-    if all(isinstance(p, (Shard, Replicate)) and not isinstance(p, _StridedShard) for p in placements):
-        local, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, placements)
-        return [(tuple(slice(o, o + n) for o, n in zip(offset, local)), tuple(slice(0, n) for n in local))]
-    if param.device_mesh.ndim == 1 and isinstance(placements[0], _StridedShard):
-        dim, pieces = placements[0].dim, placements[0].split_factor
-        ranks, rank = param.device_mesh.size(), param.device_mesh.get_local_rank()
-        width = shape[dim] // pieces // ranks
-        out = []
-        for j in range(pieces):
-            start = j * (shape[dim] // pieces) + rank * width
-            glob = tuple(slice(start, start + width) if d == dim else slice(0, n) for d, n in enumerate(shape))
-            loc = tuple(slice(j * width, (j + 1) * width) if d == dim else slice(0, n) for d, n in enumerate(shape))
-            out.append((glob, loc))
-        return out
+        return [(whole(shape), whole(shape))]
+    local_shape = tuple(param.to_local().shape)
+    try:
+        local, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, tuple(param.placements))
+    except (NotImplementedError, ValueError, AssertionError):
+        return None
+    if tuple(local) != local_shape:
+        return None
+    return [(tuple(slice(o, o + n) for o, n in zip(offset, local)), whole(local))]
+
+
+def _split_dim(stored: tuple[int, ...], held: tuple[int, ...]) -> int | None:
+    """The dim of ``stored`` that ``held`` splits in two (a TP-fused weight: (in, 3H) held as (in, 3, H))."""
+    for d in range(len(stored)):
+        if len(held) == len(stored) + 1 and held[:d] == stored[:d] and held[d + 2:] == stored[d + 1:] and held[d] * held[d + 1] == stored[d]:
+            return d
     return None
+
+
+def _read_viewed(read: Any, stored: tuple[int, ...], held: tuple[int, ...], region: Region) -> torch.Tensor:
+    """``region`` of the stored tensor viewed with ``held``'s shape (one read per piece)."""
+    if stored == held:
+        return read(region)
+    d = _split_dim(stored, held)
+    if d is None:
+        raise ConfigError(f"a checkpoint tensor of shape {list(stored)} does not fit a parameter of shape {list(held)}",
+                          hint="load a checkpoint of the same model config")
+    width = held[d + 1]
+    lo, hi, _ = region[d + 1].indices(width)
+    parts = []
+    for j in range(*region[d].indices(held[d])):
+        sub = (*region[:d], slice(j * width + lo, j * width + hi), *region[d + 2:])
+        parts.append(read(sub))
+    return torch.stack(parts, dim=d)
 
 
 def _tensors(modules: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
@@ -270,14 +296,21 @@ def load_into(modules: Sequence[nn.Module], directory: str, *, model_type: str, 
                 continue
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             local_total += local.numel()
+            held = tuple(tensor.shape)
+            if key is not None:
+                stored = files.shape(key)
+                reader = lambda region, key=key: files.read(key, region)  # noqa: E731
+            else:
+                stored = (len(spec.pieces[0]), *_merged_shape(files, spec))
+                reader = lambda region, spec=spec: _read_merged(files, spec, region)  # noqa: E731
             regions = _regions(tensor)
             if regions is None:  # read whole, keep the local part (no communication)
-                full = files.read(key) if key is not None else _read_merged(files, spec, tuple(slice(0, n) for n in tensor.shape))
+                full = _read_viewed(reader, stored, held, tuple(slice(0, n) for n in held))
                 read, largest, whole = read + full.numel(), max(largest, full.numel()), whole + 1
                 local.copy_(distribute_tensor(full.to(local.device), tensor.device_mesh, tensor.placements, src_data_rank=None).to_local())
                 continue
             for glob, loc in regions:
-                part = files.read(key, glob) if key is not None else _read_merged(files, spec, glob)
+                part = _read_viewed(reader, stored, held, glob)
                 read, largest = read + part.numel(), max(largest, part.numel())
                 local[loc].copy_(part)
         if missing:

@@ -229,6 +229,12 @@ class PipelineSchedule:
         The whole batch goes through as one microbatch (no backward, so there is no bubble to
         hide), which makes any batch size work, the last partial batch of a split included.
         """
+        return self.eval_outputs(inputs, targets)[0]
+
+    @torch.no_grad()
+    def eval_outputs(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward only (as :meth:`eval_loss`): the mean loss on every rank, and the last stage's
+        output (the logits) on the ranks that hold the last stage (None elsewhere)."""
         if self._eval_schedule is None:
             if len(self.stages) == 1:
                 self._eval_schedule = ScheduleGPipe(self.stages[0], 1, loss_fn=self._stage_loss, scale_grads=False)
@@ -238,10 +244,10 @@ class PipelineSchedule:
         self._losses, self._scale = [], 1.0
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
-        self._eval_schedule.eval(*args, target=target, **self._stage_kwargs(inputs))
+        output = self._eval_schedule.eval(*args, target=target, **self._stage_kwargs(inputs))
         loss = _plain(self._losses[-1]).float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
         dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
-        return loss
+        return loss, (output if self.has_last else None)
 
     def _stage_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"stage_inputs": inputs.to(self._device)} if self._pass_inputs else {}

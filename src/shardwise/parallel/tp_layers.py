@@ -13,12 +13,17 @@ model has them) and computes on the local shards (Megatron-LM's column/row split
 - **row split** ``y = sum_r x_r W_r (+ b)``: the local partial product is all-reduced
   (``Partial -> Replicate``), then the replicated bias is added;
 - **fused** column split with ``k`` equal pieces (GPT-2's ``c_attn`` = [q | k | v], ``k = 3``):
-  ``_StridedShard(dim, split_factor=k)`` gives rank ``r`` the ``r``-th 1/tp of *each* piece,
-  ``[q_r | k_r | v_r]``: whole heads of q, k and v, so the attention's own ``split`` (its
-  ``split_size`` is divided by tp) and head reshapes see a consistent local layout;
+  the fused dimension ``k * w`` of the parameter is viewed as ``(k, w)`` and ``w`` is sharded, so
+  rank ``r`` holds the ``r``-th 1/tp of *each* piece, ``[q_r | k_r | v_r]``: whole heads of q, k
+  and v, and the attention's own ``split`` (its ``split_size`` is divided by tp) and head reshapes
+  see a consistent local layout. The parameter's global shape is then ``(in, k, w)`` instead of
+  ``(in, k w)`` — the same elements in the same order (a ``reshape`` restores it), and a plain
+  ``Shard`` that DCP checkpoints, reshards and ``full_tensor()`` handle (``_StridedShard``, which
+  would keep the shape, is not one contiguous chunk per rank, which DCP requires);
 - **experts** (``gate_up_proj`` of shape (E, 2I, H), ``down_proj`` (E, H, I), applied with
   ``F.linear`` per expert): every expert's MLP is split like a dense MLP — gate and up by rows of
-  I (fused, ``k = 2``), down by its I columns — and the experts' summed output is all-reduced once
+  I (fused, ``k = 2``: ``gate_up_proj`` becomes (E, 2, I, H)), down by its I columns — and the
+  experts' summed output is all-reduced once
   per layer. The router stays replicated (E x H, small).
 
 Communication per layer and step: one all-reduce of the activations forward (after the row split)
@@ -37,14 +42,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
 
 def is_conv1d(module: nn.Module) -> bool:
     """GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear with a transposed (in, out) weight),
     recognized by its name and shape so this module never imports transformers."""
     weight = getattr(module, "weight", None)
-    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2 and hasattr(module, "nf")
+    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() >= 2 and hasattr(module, "nf")
 
 
 def in_out(module: nn.Module) -> tuple[int, int] | None:
@@ -126,25 +131,36 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 class _LocalStyle(ParallelStyle):
     """Distribute some parameters with given placements and compute on their local shards."""
 
-    def placements(self, module: nn.Module) -> dict[str, Placement]:  # pragma: no cover - abstract
+    def placements(self, module: nn.Module) -> dict[str, tuple[Placement, tuple[int, int] | None]]:  # pragma: no cover
+        """``{name: (placement, fused)}``; ``fused = (dim, pieces)`` views that dim as (pieces, width)
+        before sharding (the placement then names a dim of the viewed shape)."""
         raise NotImplementedError
 
     def forward(self, mesh: DeviceMesh) -> Callable[..., Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        for name, placement in self.placements(module).items():
+        for name, (placement, fused) in self.placements(module).items():
             p = module._parameters[name]
             if p is None or isinstance(p, DTensor):
                 continue
-            dt = distribute_tensor(p.detach(), device_mesh, [placement], src_data_rank=self.src_data_rank)
+            full = p.detach()
+            if fused is not None:
+                dim, pieces = fused
+                full = full.reshape(*full.shape[:dim], pieces, full.shape[dim] // pieces, *full.shape[dim + 1:])
+            dt = distribute_tensor(full, device_mesh, [placement], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(dt, requires_grad=p.requires_grad))
         module.forward = types.MethodType(self.forward(device_mesh), module)
         return module
 
 
-def _column(dim: int, pieces: int) -> Placement:
-    return Shard(dim) if pieces == 1 else _StridedShard(dim, split_factor=pieces)
+def _column(dim: int, pieces: int) -> tuple[Placement, tuple[int, int] | None]:
+    return (Shard(dim), None) if pieces == 1 else (Shard(dim + 1), (dim, pieces))
+
+
+def _unfused(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """A local (..., pieces, w/tp, ...) shard as (..., pieces * w/tp, ...): [q_r | k_r | v_r]."""
+    return t if t is None else t.reshape(*t.shape[:dim], -1, *t.shape[dim + 2:])
 
 
 class ColumnSplit(_LocalStyle):
@@ -154,14 +170,18 @@ class ColumnSplit(_LocalStyle):
         super().__init__()
         self.pieces = pieces
 
-    def placements(self, module: nn.Module) -> dict[str, Placement]:
+    def placements(self, module: nn.Module) -> dict[str, tuple[Placement, tuple[int, int] | None]]:
         out_dim = 1 if is_conv1d(module) else 0
         return {"weight": _column(out_dim, self.pieces), **({"bias": _column(0, self.pieces)} if module.bias is not None else {})}
 
     def forward(self, mesh: DeviceMesh) -> Callable[..., Any]:
+        fused = self.pieces > 1
+
         def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
             x = copy_in(x, mesh)
             w, b = _local(module.weight), _local(module.bias)
+            if fused:
+                w, b = _unfused(w, 1 if is_conv1d(module) else 0), _unfused(b, 0)
             if is_conv1d(module):
                 y = x.reshape(-1, x.shape[-1]) @ w
                 return (y if b is None else y + b).view(*x.shape[:-1], -1)
@@ -173,8 +193,8 @@ class ColumnSplit(_LocalStyle):
 class RowSplit(_LocalStyle):
     """Row split of a Conv1D (torch's RowwiseParallel covers Linear): partial products all-reduced."""
 
-    def placements(self, module: nn.Module) -> dict[str, Placement]:
-        return {"weight": Shard(0), **({"bias": Replicate()} if module.bias is not None else {})}
+    def placements(self, module: nn.Module) -> dict[str, tuple[Placement, tuple[int, int] | None]]:
+        return {"weight": (Shard(0), None), **({"bias": (Replicate(), None)} if module.bias is not None else {})}
 
     def forward(self, mesh: DeviceMesh) -> Callable[..., Any]:
         def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -185,26 +205,34 @@ class RowSplit(_LocalStyle):
         return run
 
 
+def expert_weights_sharded(module: nn.Module) -> dict[str, str]:
+    """The roles of an :class:`ExpertSplit` module's tensors once sharded (a fused one is 4-D)."""
+    roles = {}
+    for name, p in module.named_parameters(recurse=False):
+        if isinstance(p, DTensor):
+            low = name.lower()
+            roles[name] = "fused" if p.dim() == 4 else "row" if ("down" in low or low.startswith("w2")) else "col"
+    return roles
+
+
 class ExpertSplit(_LocalStyle):
     """Every expert's MLP split over tp (module doc); the module's own forward runs on a view of it
     whose expert tensors are the local shards."""
 
-    def placements(self, module: nn.Module) -> dict[str, Placement]:
+    def placements(self, module: nn.Module) -> dict[str, tuple[Placement, tuple[int, int] | None]]:
         roles = expert_weights(module) or {}
-        return {n: (_StridedShard(1, split_factor=2) if role == "fused" else Shard(dim)) for n, (role, dim) in roles.items()}
+        return {n: (_column(1, 2) if role == "fused" else (Shard(dim), None)) for n, (role, dim) in roles.items()}
 
     def forward(self, mesh: DeviceMesh) -> Callable[..., Any]:
-        original = None
-
         def run(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            nonlocal original
-            original = original or type(module).forward
-            names = list(expert_weights(module) or {})
+            original = type(module).forward
+            roles = expert_weights_sharded(module)
             view = copy.copy(module)
             view.__dict__ = dict(module.__dict__)
-            view.__dict__["_parameters"] = {n: p for n, p in module._parameters.items() if n not in names}
-            for n in names:
-                view.__dict__[n] = _local(module._parameters[n])
+            view.__dict__["_parameters"] = {n: p for n, p in module._parameters.items() if n not in roles}
+            for n, role in roles.items():
+                local = _local(module._parameters[n])
+                view.__dict__[n] = _unfused(local, 1) if role == "fused" else local
             floating = lambda a: copy_in(a, mesh) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
             out = original(view, *[floating(a) for a in args], **{k: floating(v) for k, v in kwargs.items()})
             return reduce_out(out, mesh)

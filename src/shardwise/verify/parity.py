@@ -316,6 +316,7 @@ def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.Proc
     for module in modules:
         for name, p in module.named_parameters():
             full, want = _full(p), ref.weights[_clean(name)]
+            full = full.reshape(want.shape)  # a TP-fused weight is held as (in, pieces, width)
             diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(floor))
     if pp_group is None:
         return diffs
