@@ -57,6 +57,7 @@ class JobSummary:
     elapsed_s: float
     params: int
     sample: str
+    unit: str = "char"  # what the loss is per: a character (the built-in job) or a token (model.hf)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -94,6 +95,12 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     from shardwise.checkpoint.faults import Fault
     from shardwise.train import PlotCurves, Trainer, warmup_cosine
 
+    if config.model.hf:
+        from shardwise.jobs.hf_train import run_hf_job
+
+        return run_hf_job(config)
+    if config.data.files:
+        raise ConfigError("data.files is for fine-tuning a Hugging Face model", hint="pass --model.hf DIR too, or drop --data.files")
     env = init()
     name = _agree_on_name(config.run.name or default_run_name())
     run_dir = os.path.join(config.run.runs_dir, name)
@@ -102,7 +109,7 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     t = config.train
     # The vocabulary is padded to a multiple of 8 so that tensor parallelism can split the
     # embedding and the output layer evenly; the padded ids never occur and are never decoded.
-    shape = GPTConfig(**{**config.model.to_dict(), "vocab_size": -(-corpus.vocab_size // 8) * 8, "name": "gpt"})
+    shape = GPTConfig(**{**config.model.shape().to_dict(), "vocab_size": -(-corpus.vocab_size // 8) * 8, "name": "gpt"})
     model = GPT(shape, seed=config.run.seed)
     train_set = CharWindows(corpus.train, shape.seq_len)
     val_set = CharWindows(corpus.val, shape.seq_len)
@@ -193,14 +200,17 @@ def check_run_dir(run_dir: str) -> None:
 def format_summary(summary: JobSummary) -> str:
     """The closing lines of ``shardwise train``: validation loss against the unigram entropy, a sample."""
     lines = []
+    unit = summary.unit
     if summary.val_loss is not None:
         ratio = summary.val_loss / summary.unigram_entropy
-        lines.append(f"validation loss {summary.val_loss:.4f} nats/char ({summary.val_loss / math.log(2):.3f} bits/char) after "
+        lines.append(f"validation loss {summary.val_loss:.4f} nats/{unit} ({summary.val_loss / math.log(2):.3f} bits/{unit}) after "
                      f"{summary.steps} steps in {summary.elapsed_s:.0f} s; the corpus's unigram entropy is "
-                     f"{summary.unigram_entropy:.4f} nats/char (the loss is {ratio:.0%} of it)")
+                     f"{summary.unigram_entropy:.4f} nats/{unit} (the loss is {ratio:.0%} of it)")
     if summary.sample:
         lines.append("sample:\n" + "\n".join("  | " + line for line in summary.sample.splitlines()))
-    lines.append(f"logs: {summary.run_dir}/ (metrics.csv, curves.png, config.toml, summary.json, sample.txt, checkpoints/)")
+    files = "metrics.csv, curves.png, config.toml, summary.json, " + ("sample.txt, checkpoints/" if unit == "char" else "checkpoints/ (export: "
+             f"shardwise checkpoint export --format hf {summary.run_dir}/checkpoints OUT)")
+    lines.append(f"logs: {summary.run_dir}/ ({files})")
     return "\n".join(lines)
 
 

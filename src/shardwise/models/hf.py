@@ -127,3 +127,37 @@ def shape_of(config: Any, *, seq_len: int | None = None) -> TransformerShape:
         raise ConfigError(f"the model config has no {missing[0]} (hidden_size, num_attention_heads, num_hidden_layers, vocab_size, "
                           "max_position_embeddings)", hint="pass a decoder-only language model's config")
     return TransformerShape(**values)
+
+
+def load_tokenizer(directory: str) -> Any:
+    """The tokenizer saved in a model directory (``AutoTokenizer``, local files only)."""
+    tf = require_transformers()
+    read_config(directory)
+    try:
+        return tf.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{directory!r} holds no tokenizer ({str(exc).splitlines()[0][:120]})",
+                          hint="save one into the model directory (tokenizer.save_pretrained(dir))") from None
+
+
+def save_tiny(directory: str, *, family: str = "llama", texts: list[str], vocab: int = 256, seed: int = 0, **config: Any) -> Any:
+    """Write a small model of ``family`` with a byte-level BPE tokenizer trained on ``texts`` to
+    ``directory`` (``config.json``, ``model.safetensors``, tokenizer files): a Hugging Face model
+    directory made locally, for examples and tests. Returns the model's config."""
+    tf = require_transformers()
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<unk>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    size = -(-len(fast) // 8) * 8  # a multiple of 8, so tensor parallelism can split the vocabulary
+    cfg = tiny_config(family, vocab=size, **config)
+    cfg.eos_token_id = fast.eos_token_id
+    cfg.bos_token_id = fast.eos_token_id
+    build_causal_lm(cfg, seed=seed).save_pretrained(directory)
+    fast.save_pretrained(directory)
+    return cfg
