@@ -30,7 +30,8 @@ _OWN = ("colwise_fused2", "colwise_fused3", "experts")  # always shardwise's sty
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 
 _COL = {"q", "k", "v", "wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "qkv", "c_attn", "query", "key", "value",
-        "w1", "w3", "fc1", "c_fc", "up", "up_proj", "gate", "gate_proj", "fc_in", "w_in", "in_proj"}
+        "w1", "w3", "fc1", "c_fc", "up", "up_proj", "gate", "gate_proj", "fc_in", "w_in", "in_proj", "qkv_proj", "query_key_value",
+        "Wqkv", "gate_up_proj"}
 _ROW = {"o", "wo", "o_proj", "out_proj", "proj", "c_proj", "out", "dense", "w2", "fc2", "down", "down_proj",
         "fc_out", "w_out"}
 _HEAD = {"lm_head", "head", "output", "out_head", "unembed", "logits"}
@@ -140,16 +141,23 @@ def derive_tp_plan(model: nn.Module, *, tp: int) -> TPPlan:
     return TPPlan.of(_generalize(plan))
 
 
+_FUSED_QKV = ("qkv", "c_attn", "query_key_value", "wqkv")
+
+
 def _fused_pieces(sizes: dict[str, nn.Module], cols: list[str], rows: list[str], prefix: str, *, tp: int) -> int:
-    """How many equal projections one column layer fuses (1: none): a lone column layer whose
-    width is 2 or 3 times its row partner's input (GPT-2's c_attn = [q | k | v])."""
+    """How many equal projections one column layer fuses (1: none): a lone column layer whose width
+    differs from its row partner's input is q|k|v (named like ``c_attn``/``qkv_proj``: 3 equal
+    pieces) or gate|up (``gate_up_proj``: 2 equal pieces); anything else (grouped-query q|k|v,
+    whose pieces differ) cannot be split head-aligned and is named in the error."""
     if len(cols) != 1 or len(rows) != 1:
         return 1
     out, inner = in_out(sizes[cols[0]])[1], in_out(sizes[rows[0]])[0]  # type: ignore[index]
     if out == inner:
         return 1
-    if out % inner == 0 and out // inner in (2, 3):
-        return out // inner
+    name = cols[0].lower()
+    pieces = 3 if any(k in name for k in _FUSED_QKV) else 2 if "gate_up" in name else 0
+    if pieces and out == pieces * inner:
+        return pieces
     raise ConfigError(f"tp={tp} cannot shard {prefix}{cols[0]}: it fuses projections of unequal widths ({out} outputs "
                       f"feed {prefix}{rows[0]}'s {inner} inputs)",
                       hint="pass a TP plan that marks it 'replicate' (and its partner 'replicate'), or use dp/zero/pp instead of tp")
