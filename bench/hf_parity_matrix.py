@@ -46,10 +46,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--extra", action="store_true")
+    parser.add_argument("--worlds", default="2,4", help="process counts to run (2: the 2-process plans, 4: the 4-process ones)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for world in (2, 4):
+        for world in (int(w) for w in args.worlds.split(",")):
             plans = PLANS[world] + (EXTRA[world] if args.extra else [])
             pool = WorkerPool(world, timeout_s=900)
             try:
@@ -68,7 +69,12 @@ def main() -> int:
             finally:
                 pool.close()
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "bench", "results", "hf_parity_matrix.json"), "w") as fh:
+    out = os.path.join(ROOT, "bench", "results", "hf_parity_matrix.json")
+    if os.path.exists(out):  # keep the pairs of other runs (families or worlds not run now)
+        with open(out) as fh:
+            done = {(r["family"], r["plan"]) for r in rows}
+            rows = [r for r in json.load(fh)["rows"] if (r["family"], r["plan"]) not in done] + rows
+    with open(out, "w") as fh:
         json.dump({"steps": args.steps, "rows": rows}, fh, indent=2)
     return 0 if all(r["passed"] for r in rows) else 1
 
