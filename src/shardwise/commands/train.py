@@ -25,6 +25,7 @@ EXAMPLES = """examples:
   shardwise train --model.layers=6 --model.hidden=192 --train.lr=2e-3
   shardwise train --config run.toml --train.precision=bf16
   shardwise train --plan auto                       the planner picks the layout
+  shardwise train --model.hf DIR --data.files 'data/**/*.txt'   fine-tune a Hugging Face model on local text
   shardwise train --print-config > run.toml         write the resolved configuration, start nothing
 
 precedence: defaults < the --config TOML file < the command line (the shortcut flags --nproc,
