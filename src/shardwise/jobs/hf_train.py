@@ -56,7 +56,7 @@ def run_hf_job(config: TrainJobConfig) -> Any:
     from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.data.corpus import CharWindows
     from shardwise.data.text import load_text_corpus
-    from shardwise.jobs.train import JobSummary, WriteConfig, _agree_on_name, _with_name, adamw, check_run_dir, default_run_name, precision_override
+    from shardwise.jobs.common import JobSummary, WriteConfig, _agree_on_name, _with_name, adamw, check_run_dir, default_run_name, precision_override
     from shardwise.models.hf import lm_loss, load_tokenizer, read_config, shape_of
     from shardwise.runtime.env import init
     from shardwise.train import PlotCurves, Trainer, warmup_cosine

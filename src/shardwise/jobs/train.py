@@ -21,67 +21,29 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from functools import partial
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Subset
 
-from shardwise.callback import Callback
-from shardwise.config import TrainJobConfig, load_config, override_keys, to_toml
+from shardwise.config import TrainJobConfig, load_config, override_keys
+from shardwise.jobs.common import (  # noqa: F401 - the command imports these from here
+    JobSummary, WriteConfig, _agree_on_name, _with_name, adamw, check_run_dir, default_run_name, format_summary, precision_override)
 from shardwise.data.corpus import CharWindows, load_stdlib_corpus
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.runtime.env import init, shutdown
 
 
-@dataclass(frozen=True)
-class JobSummary:
-    """What rank 0 writes to ``<run_dir>/summary.json`` and the command prints at the end."""
-
-    run_dir: str
-    steps: int
-    world_size: int
-    plan: str
-    val_loss: float | None
-    train_loss: float | None
-    unigram_entropy: float
-    elapsed_s: float
-    params: int
-    sample: str
-    unit: str = "char"  # what the loss is per: a character (the built-in job) or a token (model.hf)
-
-
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-character cross-entropy in nats over all positions of the batch."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW (betas 0.9, 0.95) with weight decay on matrices (linear weights, embeddings), not on biases or LayerNorm gains."""
-    params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-
-
-def precision_override(precision: str) -> str | None:
-    """``train.precision`` as an override of the plan's: the default fp32 leaves a plan's own
-    ``precision=bf16`` alone instead of contradicting it."""
-    return None if precision == "fp32" else precision
-
-
-def default_run_name() -> str:
-    return time.strftime("gpt-stdlib-%Y%m%d-%H%M%S")
 
 
 def run_job(config: TrainJobConfig) -> JobSummary | None:
@@ -168,52 +130,6 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     return summary
 
 
-class WriteConfig(Callback):
-    """Rank 0 writes the run's resolved configuration to ``<run_dir>/config.toml`` when training
-    starts: after the checkpoint callback restored (or refused) a resume, so a refused resume
-    leaves the run directory as it was."""
-
-    def __init__(self, config: TrainJobConfig, run_dir: str) -> None:
-        self.config, self.run_dir = config, run_dir
-
-    def on_fit_start(self, trainer: Any) -> None:
-        if trainer.env.is_main:
-            os.makedirs(self.run_dir, exist_ok=True)
-            with open(os.path.join(self.run_dir, "config.toml"), "w") as fh:
-                fh.write(to_toml(self.config))
-
-
-def check_run_dir(run_dir: str) -> None:
-    """One line, before anything is written, when the run directory cannot be created or written."""
-    probe = run_dir
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    probe = probe or "."
-    if not os.path.isdir(probe):
-        raise ConfigError(f"run directory {run_dir!r}: {probe!r} is a file, not a directory",
-                          hint="choose another --run.runs_dir or --run.name")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"run directory {run_dir!r} is not writable ({probe!r} is read-only for this user)",
-                          hint="choose a writable --run.runs_dir")
-
-
-def format_summary(summary: JobSummary) -> str:
-    """The closing lines of ``shardwise train``: validation loss against the unigram entropy, a sample."""
-    lines = []
-    unit = summary.unit
-    if summary.val_loss is not None:
-        ratio = summary.val_loss / summary.unigram_entropy
-        lines.append(f"validation loss {summary.val_loss:.4f} nats/{unit} ({summary.val_loss / math.log(2):.3f} bits/{unit}) after "
-                     f"{summary.steps} steps in {summary.elapsed_s:.0f} s; the corpus's unigram entropy is "
-                     f"{summary.unigram_entropy:.4f} nats/{unit} (the loss is {ratio:.0%} of it)")
-    if summary.sample:
-        lines.append("sample:\n" + "\n".join("  | " + line for line in summary.sample.splitlines()))
-    files = "metrics.csv, curves.png, config.toml, summary.json, " + ("sample.txt, checkpoints/" if unit == "char" else "checkpoints/ (export: "
-             f"shardwise checkpoint export --format hf {summary.run_dir}/checkpoints OUT)")
-    lines.append(f"logs: {summary.run_dir}/ ({files})")
-    return "\n".join(lines)
-
-
 def _sample(module: nn.Module, corpus: Any, config: TrainJobConfig) -> str:
     if config.sample.chars == 0:
         return ""
@@ -224,19 +140,6 @@ def _sample(module: nn.Module, corpus: Any, config: TrainJobConfig) -> str:
     ids = gpt.generate(prompt, config.sample.chars, temperature=config.sample.temperature,
                        top_k=config.sample.top_k or None, generator=gen, vocab_limit=corpus.vocab_size)
     return corpus.decode(ids[0].tolist())
-
-
-def _agree_on_name(name: str) -> str:
-    """Rank 0's run name on every rank (the default name holds a timestamp that may differ)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return name
-    box = [name]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _with_name(config: TrainJobConfig, name: str) -> TrainJobConfig:
-    return replace(config, run=replace(config.run, name=name))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

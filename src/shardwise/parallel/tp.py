@@ -65,7 +65,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.tp_layers import ColumnSplit, ExpertSplit, RowSplit, fused_pieces, is_conv1d
-from shardwise.parallel.tp_plan import (_OWN, HEAD_ATTRS, STYLES, TPOptions, TPPlan, derive_tp_plan, tp_share,  # noqa: F401 - re-exported
+from shardwise.parallel.tp_plan import (HEAD_ATTRS, STYLES, TPOptions, TPPlan, derive_tp_plan, tp_share,  # noqa: F401 - re-exported
                                         validate_tp)
 from shardwise.runtime.logging import get_logger
 
