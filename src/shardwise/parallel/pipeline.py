@@ -17,7 +17,11 @@ GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` for interleaved 1F1B.
 
 Communication: per microbatch, one point-to-point send/recv of the activation forward and of its
 gradient backward across each stage boundary (``2 (S - 1) m`` messages per step); plus one
-broadcast of the scalar loss over the ``pp`` group so every rank reports it.
+broadcast of the scalar loss over the ``pp`` group so every rank reports it. Trunk stages also get
+the microbatch's inputs as a keyword argument (torch's schedules split keyword arguments into
+microbatches and hand them to every stage; no communication), from which the model's own forward
+recomputes what its blocks need. A weight held by two stages (tied embeddings) costs one more
+all-reduce of its gradient between their ranks per step.
 
 Loss and gradient scale. The schedule computes ``loss_fn(output_mb, target_mb)`` on the last
 stage for each microbatch ``mb``; backward runs on ``loss_fn(...) * loss_scale / m`` (we tell the
@@ -72,7 +76,7 @@ def check_microbatches(batch_size: int, microbatches: int) -> None:
 
 
 def check_pipeline(model: nn.Module, plan: Plan, *, options: PipelineOptions | None = None) -> None:
-    """Raise the split's ConfigErrors (too many stages, tied weights, bad split points) with no
+    """Raise the split's ConfigErrors (too many stages, tied holders on one rank, bad split points) with no
     communication, so they surface before any process-group work."""
     if plan.pp_enabled:
         options = options or PipelineOptions()
