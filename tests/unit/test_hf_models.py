@@ -103,3 +103,20 @@ def test_text_files_are_packed_in_a_fixed_order(tmp_path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ConfigError, match=r"bad\.jsonl:1 has no string field 'text'.*text_key"):
         load_text_corpus(str(tmp_path / "bad.jsonl"), tokenize=list, eos_id=None, vocab_size=4)
+
+
+def test_the_train_command_checks_the_model_directory_and_data_first(tmp_path) -> None:
+    from shardwise.config import load_config
+    from shardwise.jobs.hf_train import check_hf_job
+
+    def config(**keys: str):
+        return load_config(overrides=[f"{k}={v}" for k, v in keys.items()])
+
+    with pytest.raises(ConfigError, match="does not exist; pass a directory written by save_pretrained"):
+        check_hf_job(config(**{"model.hf": str(tmp_path / "nope"), "data.files": "x"}))
+    hf.build_causal_lm(hf.tiny_config("llama")).save_pretrained(str(tmp_path / "m"))
+    with pytest.raises(ConfigError, match="holds no tokenizer"):
+        check_hf_job(config(**{"model.hf": str(tmp_path / "m"), "data.files": "x"}))
+    (tmp_path / "m" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match="match no file"):
+        check_hf_job(config(**{"model.hf": str(tmp_path / "m"), "data.files": str(tmp_path / "*.txt")}))

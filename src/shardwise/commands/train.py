@@ -105,6 +105,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(config), end="")
         return 0
+    if config.model.hf:  # a missing directory, tokenizer or data file: one line, before any process starts
+        from shardwise.jobs.hf_train import check_hf_job
+
+        check_hf_job(config)
     nproc = nproc_of(config)
     # The plan is resolved here, once: the workers get the resolved plan ("auto": the Trainer plans).
     auto = config.parallel.plan.strip().lower() == "auto"

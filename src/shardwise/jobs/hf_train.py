@@ -43,6 +43,23 @@ class KeepModelFiles(Callback):
             keep_model_files(self.model_dir, self.checkpoint_dir)
 
 
+def check_hf_job(config: TrainJobConfig) -> None:
+    """The command's checks before any process starts: the model directory (its config.json and a
+    tokenizer file) and at least one data file (one line naming what is missing)."""
+    import os.path
+
+    from shardwise.data.text import find_files
+    from shardwise.models.hf import read_config, require_transformers
+
+    require_transformers()
+    read_config(config.model.hf)
+    if not any(os.path.exists(os.path.join(config.model.hf, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ConfigError(f"model directory {config.model.hf!r} holds no tokenizer", hint="save one there with tokenizer.save_pretrained(dir)")
+    if not config.data.files:
+        raise ConfigError("model.hf needs data to fine-tune on", hint="pass --data.files 'path/**/*.txt' (text or JSONL files)")
+    find_files(config.data.files)
+
+
 def window_length(requested: int, config: dict[str, Any]) -> int:
     """``model.seq_len``, capped at the positions the model has."""
     limit = config.get("max_position_embeddings") or config.get("n_positions")
