@@ -109,16 +109,21 @@ def read_config(directory: str) -> dict[str, Any]:
 
 
 def shape_of(config: Any, *, seq_len: int | None = None) -> TransformerShape:
-    """The planner's shape of a Hugging Face config (an object or a ``config.json`` dict)."""
+    """The planner's shape of a Hugging Face config (an object or a ``config.json`` dict).
+
+    A mixture of experts (``num_local_experts``) counts all experts' MLP parameters (``ffn`` =
+    intermediate size x experts), so memory is right; its compute is then over-counted by
+    experts / experts-per-token (the shape has no field for routing)."""
     data = config if isinstance(config, dict) else config.to_dict()
     get = data.get
     hidden = get("hidden_size") or get("n_embd")
+    experts = int(get("num_local_experts") or get("num_experts") or 1)
     heads = get("num_attention_heads") or get("n_head")
     gpt2 = get("model_type") == "gpt2"
     values = {
         "layers": get("num_hidden_layers") or get("n_layer"), "hidden": hidden, "heads": heads,
         "vocab_size": get("vocab_size"), "seq_len": seq_len or get("max_position_embeddings") or get("n_positions"),
-        "ffn": get("intermediate_size") or get("n_inner") or 0, "kv_heads": get("num_key_value_heads") or 0,
+        "ffn": (get("intermediate_size") or get("n_inner") or 0) * experts, "kv_heads": get("num_key_value_heads") or 0,
         "tied_embeddings": bool(get("tie_word_embeddings", gpt2)), "bias": gpt2 or bool(get("attention_bias", False)),
         "learned_positions": gpt2, "separate_qkv": not gpt2, "name": str(get("model_type") or "hf"),
     }
