@@ -8,6 +8,8 @@ Public API (everything else is an implementation detail):
 - :class:`ShardwiseError`: the exception every user-facing check raises
 - :func:`shard`: MindSpore-style tensor-parallel annotation of a Linear/Embedding layer
 - :class:`PipelineStages`, :class:`PipelineOptions`: explicit pipeline stages / where to cut the model
+- :func:`from_pretrained`, :class:`Pretrained`: a Hugging Face model directory under any plan, each
+  rank reading only its slices (``Trainer(Pretrained(dir), ...)``; needs ``shardwise[hf]``)
 
 The names are imported on first use (PEP 562), so ``import shardwise.plan`` and ``shardwise plan``
 stay free of torch: the planner is pure Python, and only these entry points need the engine.
@@ -25,6 +27,8 @@ from shardwise.version import __version__
 # public name -> (module, attribute); attribute None: the module itself
 _LAZY: dict[str, tuple[str, str | None]] = {
     "PipelineOptions": ("shardwise.parallel.pipeline", "PipelineOptions"),
+    "Pretrained": ("shardwise.checkpoint.hf_load", "Pretrained"),
+    "from_pretrained": ("shardwise.train.pretrained", "from_pretrained"),
     "PipelineStages": ("shardwise.parallel.pipeline_split", "PipelineStages"),
     "RuntimeEnv": ("shardwise.runtime.detect", "RuntimeEnv"),
     "Trainer": ("shardwise.train.trainer", "Trainer"),
@@ -41,6 +45,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 __all__ = ["ShardwiseError", "__version__", "launch", *sorted(_LAZY)]
 
 if TYPE_CHECKING:
+    from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.parallel.annotate import shard
     from shardwise.parallel.pipeline import PipelineOptions
     from shardwise.parallel.pipeline_split import PipelineStages
@@ -49,6 +54,7 @@ if TYPE_CHECKING:
     from shardwise.runtime.logging import get_logger
     from shardwise.train import callbacks
     from shardwise.train.prepare import prepare
+    from shardwise.train.pretrained import from_pretrained
     from shardwise.train.trainer import Trainer
 
 

@@ -54,8 +54,20 @@ class _Section:
 
 # -- the sections of `shardwise train` -------------------------------------------------------
 # The [model] table is the one transformer shape (shardwise.shape), limited to the keys the
-# built-in GPT implements and the job does not set itself.
-MODEL_KEYS = ("layers", "hidden", "heads", "ffn", "seq_len", "dropout")
+# built-in GPT implements and the job does not set itself, plus `hf`: a Hugging Face model
+# directory to fine-tune instead (its config.json gives the shape; seq_len is the window length).
+MODEL_KEYS = ("hf", "layers", "hidden", "heads", "ffn", "seq_len", "dropout")
+
+
+@dataclass(frozen=True)
+class ModelSection(TransformerShape):
+    """The ``[model]`` table: the built-in GPT's shape, or ``hf``: a Hugging Face model directory."""
+
+    hf: str = opt("", "a Hugging Face model directory (config.json, safetensors, tokenizer) to fine-tune instead of the built-in GPT")
+
+    def shape(self) -> TransformerShape:
+        """The shape without the ``hf`` key."""
+        return TransformerShape(**{k: v for k, v in self.to_dict().items() if k != "hf"})
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,9 @@ class RunSection(_Section):
 @dataclass(frozen=True)
 class DataSection(_Section):
     section: ClassVar[str] = "data"
+    files: str = opt("", "text or JSONL files to train on: comma-separated globs, e.g. 'data/**/*.txt' (needs model.hf; "
+                         "empty: the standard library's source)")
+    text_key: str = opt("text", "the field of each JSONL line that holds the text")
     max_chars: int = opt(1_000_000, "characters of standard-library source to read", min=1000)
     val_fraction: float = opt(0.1, "last fraction of the text kept for validation", min=0.001, max=0.49)
     num_workers: int = opt(0, "DataLoader worker processes per rank", min=0)
@@ -124,7 +139,7 @@ class TrainJobConfig:
 
     run: RunSection = field(default_factory=RunSection)
     # The built-in GPT's shape; the job fills in the vocabulary from the corpus.
-    model: TransformerShape = field(default_factory=TransformerShape, metadata={"keys": MODEL_KEYS})
+    model: ModelSection = field(default_factory=ModelSection, metadata={"keys": MODEL_KEYS})
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
@@ -366,6 +381,7 @@ __all__ = [
     "ConfigError",
     "DataSection",
     "MODEL_KEYS",
+    "ModelSection",
     "ParallelSection",
     "RunSection",
     "SampleSection",

@@ -9,7 +9,8 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.pipeline import check_microbatches, local_stage_indices
-from shardwise.parallel.pipeline_split import PipelineStages, TrunkStage, balanced_cuts, find_trunk, split_model, stage_summary
+from shardwise.parallel.pipeline_split import (PipelineStages, TrunkStage, balanced_cuts, check_ties, find_trunk, split_model, stage_summary,
+                                              stage_ties)
 
 
 def small_gpt(layers: int = 4) -> GPT:
@@ -17,8 +18,10 @@ def small_gpt(layers: int = 4) -> GPT:
 
 
 def run_stages(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
-    for stage in stages:
-        x = stage(x)
+    inputs = x
+    for i, stage in enumerate(stages):
+        # a trunk stage after the first gets the batch's inputs too (the schedule passes them)
+        x = stage(x, stage_inputs=inputs) if i and isinstance(stage, TrunkStage) else stage(x)
     return x
 
 
@@ -107,11 +110,15 @@ def test_batch_not_divisible_into_microbatches() -> None:
         check_microbatches(2, 4)
 
 
-def test_tied_weights_across_stages_are_refused() -> None:
+def test_tied_weights_across_stages_are_listed() -> None:
     model = small_gpt()
     model.lm_head.weight = model.tok_emb.weight
-    with pytest.raises(ConfigError, match="tied weights cannot cross pipeline stages"):
-        split_model(model, 2)
+    stages = split_model(model, 2)
+    assert [t.holders for t in stage_ties(stages)] == [((0, "tok_emb.weight"), (1, "lm_head.weight"))]
+    check_ties(stage_ties(stages), pp=2)
+    # interleaved with pp=1 x 2 virtual stages would put both holders on one rank
+    with pytest.raises(ConfigError, match="both stages run on pipeline rank 0"):
+        check_ties(stage_ties(split_model(model, 2)), pp=1)
 
 
 def test_model_without_trunk() -> None:

@@ -1,4 +1,5 @@
-"""``shardwise checkpoint``: inspect a checkpoint directory, consolidate one into safetensors."""
+"""``shardwise checkpoint``: inspect a checkpoint directory, consolidate one into safetensors, export one
+as a Hugging Face model directory."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ EXAMPLES = """examples:
   shardwise checkpoint inspect runs/ckpt                  steps, complete or not, plan, tensors
   shardwise checkpoint inspect runs/ckpt --step 400 --no-tensors
   shardwise checkpoint consolidate runs/ckpt model.safetensors   full weights of the newest step
+  shardwise checkpoint export --format hf runs/ckpt out/         config.json + safetensors shards for transformers
 """
 
 
@@ -27,6 +29,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     con.add_argument("out", help="output .safetensors path")
     con.add_argument("--step", type=int, default=None, help="step to consolidate (default: newest complete)")
     con.set_defaults(func=_consolidate)
+    exp = actions.add_parser("export", help="write a checkpoint's model in another format (hf: a transformers model directory)")
+    exp.add_argument("dir", help="checkpoint directory, or one step_* directory")
+    exp.add_argument("out", help="output directory")
+    exp.add_argument("--format", choices=["hf"], default="hf", help="hf: config.json and safetensors shards (default)")
+    exp.add_argument("--step", type=int, default=None, help="step to export (default: newest complete)")
+    exp.add_argument("--model", default=None, metavar="DIR",
+                     help="the model directory the run started from (default: the copy kept in the checkpoint's hf/)")
+    exp.add_argument("--max-shard-size", type=float, default=2.0, metavar="GB", help="largest safetensors file (default 2 GB)")
+    exp.set_defaults(func=_export)
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -41,4 +52,12 @@ def _consolidate(args: argparse.Namespace) -> int:
 
     shapes = consolidate(args.dir, args.out, step=args.step)
     print(f"wrote {len(shapes)} tensors to {args.out}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint.hf_export import export_hf
+
+    shapes = export_hf(args.dir, args.out, step=args.step, model_dir=args.model, max_shard_bytes=int(args.max_shard_size * 1024**3))
+    print(f"wrote {len(shapes)} tensors and config.json to {args.out} (load it with transformers' from_pretrained)")
     return 0

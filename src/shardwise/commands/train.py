@@ -30,6 +30,7 @@ EXAMPLES = """examples:
   shardwise train --model.layers=6 --model.hidden=192 --train.lr=2e-3
   shardwise train --config run.toml --train.precision=bf16
   shardwise train --plan auto                       the planner picks the layout
+  shardwise train --model.hf DIR --data.files 'data/**/*.txt'   fine-tune a Hugging Face model on local text
   shardwise train --print-config > run.toml         write the resolved configuration, start nothing
   shardwise train --max-restarts 2                  restart after a crash, resuming from the newest checkpoint
 
@@ -108,7 +109,7 @@ def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
     ``auto``: the Trainer plans): the degrees the plan leaves out are filled in
     (:func:`shardwise.layout.resolve_plan`), and the global batch must split over its data-parallel
     ranks and accumulation steps. Bad input is one line naming the fix."""
-    from shardwise.jobs.train import precision_override
+    from shardwise.jobs.common import precision_override
     from shardwise.layout import resolve_plan
 
     if config.parallel.plan.strip().lower() == "auto":
@@ -130,7 +131,7 @@ def _main(args: argparse.Namespace) -> int:
 
     from shardwise.errors import StoppedBySignal
     from shardwise.jobs.outcome import exit_status, newest_checkpoint, read_summary, resume_command
-    from shardwise.jobs.train import check_fresh_start, check_run_dir, default_run_name, format_summary
+    from shardwise.jobs.common import check_fresh_start, check_run_dir, default_run_name, format_summary
 
     from shardwise.launch.options import hang_timeout_env
 
@@ -140,10 +141,15 @@ def _main(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(config), end="")
         return 0
+    if config.model.hf:  # a missing directory, tokenizer or data file: one line, before any process starts
+        from shardwise.jobs.hf_train import check_hf_job
+
+        check_hf_job(config)
     nproc = nproc_of(config)
     hang_env = hang_timeout_env(args.hang_timeout)  # checked before anything runs, with one process too
     plan = job_plan(config, nproc)  # resolved here, once: the workers get the resolved plan ("auto": the Trainer plans)
-    config = replace(config, run=replace(config.run, name=config.run.name or default_run_name()),
+    default_name = default_run_name().replace("gpt-stdlib", "hf") if config.model.hf else default_run_name()
+    config = replace(config, run=replace(config.run, name=config.run.name or default_name),
                      parallel=replace(config.parallel, plan="auto" if plan is None else str(plan)))
     run_dir = os.path.join(config.run.runs_dir, config.run.name)
     check_run_dir(run_dir)

@@ -7,7 +7,8 @@ repeated blocks are the longest ``nn.ModuleList``/``nn.Sequential`` whose childr
 type; the parameters before them count as the embedding part, those after as the head.
 
 A model that carries its :class:`~shardwise.shape.TransformerShape` as ``model.config`` (the
-built-in GPT) gets the planner's closed forms instead (:func:`shardwise.plan.stats.transformer_stats`).
+built-in GPT), or a Hugging Face config (read by :func:`shardwise.models.hf.shape_of`), gets the
+planner's closed forms instead (:func:`shardwise.plan.stats.transformer_stats`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,11 @@ def module_stats(model: nn.Module, *, seq: int | None = None) -> ModelStats:
     config = getattr(model, "config", None)
     if isinstance(config, TransformerShape):
         return transformer_stats(config, seq=seq)
+    if hasattr(config, "model_type") and callable(getattr(config, "to_dict", None)):
+        # A Hugging Face model: its config.json says the shape (no meta forward through its masks)
+        from shardwise.models.hf import shape_of
+
+        return transformer_stats(shape_of(config, seq_len=seq), seq=seq)
     if seq is None:
         raise ConfigError(f"planning a {type(model).__name__} needs its input length per sample",
                           hint="pass the length of one sample (1 for non-sequence inputs)")

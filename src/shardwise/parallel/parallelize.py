@@ -62,6 +62,12 @@ class ParallelModel:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    def tied_copies(self) -> list[nn.Parameter]:
+        """Parameters that are this rank's second copy of a weight another pipeline stage also
+        holds (tied embeddings): trained like the others, but left out of the gradient norm."""
+        copies = getattr(self.pipeline, "tied_copies", None)
+        return copies() if copies is not None else []
+
     def build_optimizer(self, factory: Callable[..., torch.optim.Optimizer], **defaults: Any) -> torch.optim.Optimizer:
         """``factory(self.parameters(), **defaults)``; ``factory`` is an optimizer class or a
         callable taking the parameters (``lambda p: AdamW(p, lr=1e-3)``). With ZeRO-1 it is wrapped

@@ -17,7 +17,11 @@ GPipe and 1F1B, ``(p - 1) / (v m + p - 1)`` for interleaved 1F1B.
 
 Communication: per microbatch, one point-to-point send/recv of the activation forward and of its
 gradient backward across each stage boundary (``2 (S - 1) m`` messages per step); plus one
-broadcast of the scalar loss over the ``pp`` group so every rank reports it.
+broadcast of the scalar loss over the ``pp`` group so every rank reports it. Trunk stages also get
+the microbatch's inputs as a keyword argument (torch's schedules split keyword arguments into
+microbatches and hand them to every stage; no communication), from which the model's own forward
+recomputes what its blocks need. A weight held by two stages (tied embeddings) costs one more
+all-reduce of its gradient between their ranks per step.
 
 Loss and gradient scale. The schedule computes ``loss_fn(output_mb, target_mb)`` on the last
 stage for each microbatch ``mb``; backward runs on ``loss_fn(...) * loss_scale / m`` (we tell the
@@ -40,7 +44,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.pipeline_split import Balance, split_model
+from shardwise.parallel.pipeline_split import Balance, Tie, check_ties, split_model, stage_ties
+from shardwise.parallel.pipeline_stage import TrunkStage
 from shardwise.layout import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -71,12 +76,13 @@ def check_microbatches(batch_size: int, microbatches: int) -> None:
 
 
 def check_pipeline(model: nn.Module, plan: Plan, *, options: PipelineOptions | None = None) -> None:
-    """Raise the split's ConfigErrors (too many stages, tied weights, bad split points) with no
+    """Raise the split's ConfigErrors (too many stages, tied holders on one rank, bad split points) with no
     communication, so they surface before any process-group work."""
     if plan.pp_enabled:
         options = options or PipelineOptions()
-        split_model(model, plan.pp * plan.virtual_stages, balance=options.balance, split_points=options.split_points,
-                    example_inputs=options.example_inputs)
+        stages = split_model(model, plan.pp * plan.virtual_stages, balance=options.balance, split_points=options.split_points,
+                             example_inputs=options.example_inputs)
+        check_ties(stage_ties(stages), pp=plan.pp)
 
 
 def stage_device(pp_mesh: DeviceMesh) -> torch.device:
@@ -86,8 +92,10 @@ def stage_device(pp_mesh: DeviceMesh) -> torch.device:
     return torch.device(pp_mesh.device_type)
 
 
-def split_for_rank(model: nn.Module, pp_mesh: DeviceMesh, *, plan: Plan, options: PipelineOptions | None = None) -> list[tuple[int, nn.Module]]:
-    """This rank's ``(stage index, stage module)`` pairs, cut from ``model`` per ``plan``."""
+def split_for_rank(model: nn.Module, pp_mesh: DeviceMesh, *, plan: Plan, options: PipelineOptions | None = None
+                   ) -> tuple[list[tuple[int, nn.Module]], tuple[Tie, ...]]:
+    """This rank's ``(stage index, stage module)`` pairs, cut from ``model`` per ``plan``, and the
+    weights that several stages hold (tied embeddings)."""
     options = options or PipelineOptions()
     stages = split_model(
         model,
@@ -96,7 +104,50 @@ def split_for_rank(model: nn.Module, pp_mesh: DeviceMesh, *, plan: Plan, options
         split_points=options.split_points,
         example_inputs=options.example_inputs,
     )
-    return [(i, stages[i]) for i in local_stage_indices(pp_mesh.get_local_rank(), plan.pp, plan.virtual_stages)]
+    ties = stage_ties(stages)
+    check_ties(ties, pp=plan.pp)
+    return [(i, stages[i]) for i in local_stage_indices(pp_mesh.get_local_rank(), plan.pp, plan.virtual_stages)], ties
+
+
+@dataclass(frozen=True)
+class TieSlot:
+    """This rank's copy of a tied weight: its stage module, its name there, the group of the ranks
+    holding the other copies, and whether it is the copy the gradient norm counts."""
+
+    module: nn.Module
+    name: str
+    group: dist.ProcessGroup
+    counted: bool
+
+
+def tie_slots(ties: Sequence[Tie], pairs: Sequence[tuple[int, nn.Module]], pp_mesh: DeviceMesh, *, plan: Plan) -> list[TieSlot]:
+    """Process groups for the tied weights (collective: every rank calls it with the same ties).
+
+    The mesh puts ``pp`` outermost, so the rank of pipeline stage-rank ``k`` at inner position
+    ``j`` is ``k * inner + j`` (``inner`` = world / pp); a tie between pipeline ranks ``K`` gets
+    one group per ``j``, or the pp group itself when it spans every pipeline rank.
+    """
+    if not ties:
+        return []
+    world, rank = dist.get_world_size(), dist.get_rank()
+    inner = world // plan.pp
+    if dist.get_process_group_ranks(pp_mesh.get_group()) != [k * inner + rank % inner for k in range(plan.pp)]:
+        raise ConfigError("tied weights across pipeline stages need the default mesh layout (pp outermost)",
+                          hint="untie the weights or use pp=1")
+    local = dict(pairs)
+    slots = []
+    for tie in ties:
+        holders = sorted({s % plan.pp for s, _ in tie.holders})
+        group = pp_mesh.get_group() if len(holders) == plan.pp else None
+        if group is None:
+            for j in range(inner):
+                made = dist.new_group([k * inner + j for k in holders])
+                if j == rank % inner:
+                    group = made
+        for index, (s, name) in enumerate(tie.holders):
+            if s in local:
+                slots.append(TieSlot(local[s], name, group, counted=index == 0))
+    return slots
 
 
 class PipelineSchedule:
@@ -114,8 +165,13 @@ class PipelineSchedule:
         plan: Plan,
         loss_fn: LossFn | None = None,
         device: torch.device | str = "cpu",
+        ties: Sequence[TieSlot] = (),
     ) -> None:
         self.plan = plan
+        self.ties = tuple(ties)
+        # Trunk stages recompute what their blocks need (rotary embeddings, masks) from the
+        # batch's inputs: torch's schedules pass keyword arguments to every stage.
+        self._pass_inputs = any(isinstance(module, TrunkStage) for _, module in modules)
         self.loss_fn = loss_fn
         self._group = pp_mesh.get_group()
         self._device = torch.device(device)
@@ -155,7 +211,10 @@ class PipelineSchedule:
         self._losses, self._scale = [], float(loss_scale)
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
-        self._schedule.step(*args, target=target, return_outputs=False)
+        before = [_grad_copy(slot) for slot in self.ties]
+        self._schedule.step(*args, target=target, return_outputs=False, **self._stage_kwargs(inputs))
+        for slot, grad in zip(self.ties, before):
+            _sum_tied_grad(slot, grad)
         if self.has_last:
             # The last m calls are the microbatches; on the first step the schedule also calls the
             # loss once before them, on a metadata-inference output.
@@ -174,6 +233,12 @@ class PipelineSchedule:
         The whole batch goes through as one microbatch (no backward, so there is no bubble to
         hide), which makes any batch size work, the last partial batch of a split included.
         """
+        return self.eval_outputs(inputs, targets)[0]
+
+    @torch.no_grad()
+    def eval_outputs(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Forward only (as :meth:`eval_loss`): the mean loss on every rank, and the last stage's
+        output (the logits) on the ranks that hold the last stage (None elsewhere)."""
         if self._eval_schedule is None:
             if len(self.stages) == 1:
                 self._eval_schedule = ScheduleGPipe(self.stages[0], 1, loss_fn=self._stage_loss, scale_grads=False)
@@ -183,10 +248,17 @@ class PipelineSchedule:
         self._losses, self._scale = [], 1.0
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
-        self._eval_schedule.eval(*args, target=target)
+        output = self._eval_schedule.eval(*args, target=target, **self._stage_kwargs(inputs))
         loss = _plain(self._losses[-1]).float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
         dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
-        return loss
+        return loss, (output if self.has_last else None)
+
+    def _stage_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"stage_inputs": inputs.to(self._device)} if self._pass_inputs else {}
+
+    def tied_copies(self) -> list[nn.Parameter]:
+        """This rank's copies of tied weights that the gradient norm must not count again."""
+        return [slot.module.get_parameter(slot.name) for slot in self.ties if not slot.counted]
 
     def _prepare(self, schedule: Any, inputs: torch.Tensor) -> None:
         """Make ``schedule`` re-infer the stages' send/receive shapes when they change.
@@ -203,6 +275,37 @@ class PipelineSchedule:
                 if hasattr(schedule, flag):
                     setattr(schedule, flag, False)
             self._shapes_key = key
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _grad_copy(slot: TieSlot) -> torch.Tensor | None:
+    grad = _local(slot.module.get_parameter(slot.name).grad)
+    return None if grad is None else grad.detach().clone()
+
+
+@torch.no_grad()
+def _sum_tied_grad(slot: TieSlot, before: torch.Tensor | None) -> None:
+    """Add the other holders' gradient contributions of this step to this copy's gradient.
+
+    Only this step's increment ``g - g_before`` is all-reduced (SUM over the holders), so
+    gradients accumulated over several steps are not summed twice; every holder ends with the
+    same gradient, the one of the single-process model where the weight is used twice.
+    """
+    param = slot.module.get_parameter(slot.name)
+    grad = _local(param.grad)
+    current = grad if grad is not None else torch.zeros_like(_local(param))
+    delta = current - before if before is not None else current.clone()
+    dist.all_reduce(delta, group=slot.group)
+    total = delta if before is None else before + delta
+    if grad is not None:
+        grad.copy_(total)
+    elif isinstance(param, DTensor):
+        param.grad = DTensor.from_local(total, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    else:
+        param.grad = total
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
@@ -231,8 +334,10 @@ def build_pipeline(
     Returns the module the optimizer takes its parameters from (the stage, or a ModuleList of the
     ``virtual_stages`` local stages) and the runner.
     """
-    pairs = [(index, wrap_stage(module)) for index, module in split_for_rank(model, pp_mesh, plan=plan, options=options)]
-    runner = PipelineSchedule(pairs, pp_mesh, plan=plan, loss_fn=loss_fn, device=device or stage_device(pp_mesh))
+    split, ties = split_for_rank(model, pp_mesh, plan=plan, options=options)
+    pairs = [(index, wrap_stage(module)) for index, module in split]
+    runner = PipelineSchedule(pairs, pp_mesh, plan=plan, loss_fn=loss_fn, device=device or stage_device(pp_mesh),
+                              ties=tie_slots(ties, pairs, pp_mesh, plan=plan))
     module = pairs[0][1] if len(pairs) == 1 else LocalStages(m for _, m in pairs)
     return module, runner
 

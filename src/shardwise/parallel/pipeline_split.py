@@ -10,14 +10,19 @@ Three ways to say where the cuts go:
   the most expensive stage (cost = parameter count, or forward FLOPs measured on an example batch).
 
 The trunk is either the whole model when it is an ``nn.Sequential`` (each child is a unit), or the
-largest ``nn.ModuleList``/``nn.Sequential`` child holding >= 2 modules of one type (the repeated
-blocks). Children registered before the trunk form the *input section* (embeddings; they run on
-the first stage), children registered after it the *output section* (final norm, head; they run,
-in registration order, on the last stage). The input section runs through the model's own
-``forward``: the stage calls ``type(model).forward`` on a view of the model whose trunk raises as
-soon as its first block is reached, and takes the tensor handed to that block as the stage's
-hidden state. So ``x = drop(tok_emb(idx) + pos_emb(arange(T)))`` needs no declaration — but every
-trunk block must take and return one tensor.
+largest (by parameters) ``nn.ModuleList``/``nn.Sequential`` *anywhere inside the model* holding
+>= 2 modules of one type: a GPT's ``blocks``, a Hugging Face ``model.layers`` or ``transformer.h``
+(the shallowest wins a tie). On each level of the path down to it, the modules with parameters
+registered before it form the *input section* (embeddings: the first stage owns them), those after
+it the *output section* (final norm, head: the last stage owns them); modules without parameters
+(rotary embeddings, dropout) are shared by all stages. Each stage runs the model's own ``forward``
+on a view of the model (:mod:`shardwise.parallel.pipeline_stage`), so whatever the blocks receive
+besides the hidden state (rotary embeddings, position ids, masks) is recomputed by the model's code
+on every stage from the batch's inputs, and only the hidden state crosses a stage boundary.
+
+A weight shared between stages (tied input and output embeddings: GPT-2, Gemma) is held by each of
+them; :func:`stage_ties` lists such ties, and the pipeline sums their gradients over the stages
+that hold them after each step (:mod:`shardwise.parallel.pipeline`).
 
 Stage modules keep the original parameter names (``blocks.3.attn.qkv.weight`` stays that), so a
 tensor-parallel plan written for the whole model applies to a stage unchanged, and the union of the
@@ -31,7 +36,6 @@ dynamic programme, O(S n^2) — with ties broken by the smaller sum of squared s
 
 from __future__ import annotations
 
-import copy
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence
@@ -40,7 +44,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.replay import replay_reset_parameters
+from shardwise.parallel.pipeline_stage import SequentialStage, TrunkStage
 
 Balance = Literal["params", "flops"]
 
@@ -57,37 +61,45 @@ class PipelineStages(nn.Sequential):
 class Trunk:
     """Where the repeated part of a model is, and what surrounds it."""
 
-    name: str | None  # attribute of the trunk container; None: the model itself is the trunk
+    name: str | None  # dotted path of the trunk container ("blocks", "model.layers"); None: the model itself
     units: tuple[tuple[str, nn.Module], ...]  # (name inside the trunk, module), in order
-    inputs: tuple[str, ...]  # children before the trunk (run on the first stage)
-    outputs: tuple[str, ...]  # children after the trunk (run on the last stage, in order)
+    inputs: tuple[str, ...]  # modules registered before the trunk, on each level of the path to it
+    outputs: tuple[str, ...]  # modules registered after it (innermost level first)
+
+
+def _repeated(module: nn.Module) -> bool:
+    children = list(module.children())
+    return isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2 and len({type(m) for m in children}) == 1
 
 
 def find_trunk(model: nn.Module) -> Trunk:
     """Locate the sequential trunk of ``model`` (see the module doc) or raise a ConfigError."""
     if isinstance(model, nn.Sequential):
         return Trunk(name=None, units=tuple(model.named_children()), inputs=(), outputs=())
-    children = list(model.named_children())
-    best: tuple[int, int] | None = None  # (numel, index)
-    for i, (_, child) in enumerate(children):
-        if isinstance(child, (nn.ModuleList, nn.Sequential)) and len(child) >= 2:
-            if len({type(m) for m in child}) == 1:
-                numel = sum(p.numel() for p in child.parameters())
-                if best is None or numel > best[0]:
-                    best = (numel, i)
+    best: tuple[int, int, str] | None = None  # (numel, -depth, name)
+    for name, module in model.named_modules():
+        if name and _repeated(module):
+            key = (sum(p.numel() for p in module.parameters()), -name.count("."), name)
+            if best is None or key[:2] > best[:2]:
+                best = key
     if best is None:
         raise ConfigError(
-            f"cannot find a sequential trunk in {type(model).__name__} (no nn.Sequential, and no ModuleList of repeated blocks)",
+            f"cannot find a sequential trunk in {type(model).__name__} (no nn.Sequential, and no ModuleList of repeated blocks inside it)",
             hint="wrap the stages in shardwise.PipelineStages(stage1, stage2, ...) or use pp=1",
         )
-    index = best[1]
-    name, container = children[index]
-    return Trunk(
-        name=name,
-        units=tuple(container.named_children()),
-        inputs=tuple(n for n, _ in children[:index]),
-        outputs=tuple(n for n, _ in children[index + 1 :]),
-    )
+    name = best[2]
+    parts = name.split(".")
+    inputs: list[str] = []
+    outputs: list[str] = []
+    for depth in range(len(parts)):  # innermost level first in the output order (norm before head)
+        prefix = ".".join(parts[:depth])
+        parent = model.get_submodule(prefix) if prefix else model
+        names = [n for n, m in parent._modules.items() if m is not None]
+        here = names.index(parts[depth])
+        dotted = [f"{prefix}.{n}" if prefix else n for n in names]
+        inputs += dotted[:here]
+        outputs[:0] = dotted[here + 1 :]
+    return Trunk(name=name, units=tuple(model.get_submodule(name).named_children()), inputs=tuple(inputs), outputs=tuple(outputs))
 
 
 # -- costs and cut points ------------------------------------------------------------------------
@@ -166,118 +178,34 @@ def _parse_split_points(points: Sequence[int | str], trunk: Trunk, num_stages: i
     return starts
 
 
-# -- stage modules --------------------------------------------------------------------------------
-class _TrunkReached(Exception):
-    def __init__(self, hidden: torch.Tensor) -> None:
-        super().__init__("trunk reached")
-        self.hidden = hidden
+@dataclass(frozen=True)
+class Tie:
+    """One weight held by several stages (tied embeddings): ``(stage, parameter name)`` of each
+    holder, lowest stage first. The first holder's copy counts in the gradient norm."""
+
+    holders: tuple[tuple[int, str], ...]
 
 
-class _Catch(nn.Module):
-    def forward(self, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        raise _TrunkReached(hidden)
-
-
-class _StageInit:
-    """``init_weights(seed)`` for a stage cut from a model built on the meta device.
-
-    The stage keeps a reference to the whole (meta) model, which costs no memory: its parameters
-    are this stage's materialized ones plus shapes without storage for the other stages'. Running
-    the whole model's initialization then draws every tensor in the single-process order and
-    writes only the local ones (a copy into a meta tensor does nothing), so each stage gets exactly
-    the values one process would have. Models split off the meta device are already initialized.
-    """
-
-    def _keep_full_model(self, model: nn.Module) -> None:
-        if any(p.is_meta for p in model.parameters()):
-            object.__setattr__(self, "_full_model", model)  # not a submodule
-
-    def init_weights(self, seed: int = 0) -> None:
-        model = self.__dict__.get("_full_model")
-        if model is None:
-            raise ConfigError(
-                "this pipeline stage was cut from an initialized model; there is nothing to re-initialize",
-                hint="build the model on the meta device (shardwise.parallel.init.parallelize_on_meta) to initialize stages",
-            )
-        if callable(getattr(model, "init_weights", None)):
-            model.init_weights(seed)
-        else:
-            replay_reset_parameters(model, seed=seed)
-
-
-class SequentialStage(_StageInit, nn.Sequential):
-    """A stage of an ``nn.Sequential`` (or :class:`PipelineStages`) model: its units, names kept."""
-
-
-class TrunkStage(_StageInit, nn.Module):
-    """One stage of a model with an input section, a trunk and an output section.
-
-    Forward: (first stage) the model's own forward up to the trunk -> the owned trunk units in order
-    -> (last stage) the output-section modules in registration order.
-    """
-
-    def __init__(self, model: nn.Module, trunk: Trunk, start: int, stop: int, *, is_first: bool, is_last: bool) -> None:
-        super().__init__()
-        self.is_first, self.is_last = is_first, is_last
-        self._trunk_name = trunk.name or "trunk"
-        self._input_names = trunk.inputs if is_first else ()
-        self._output_names = trunk.outputs if is_last else ()
-        self._root_param_names: tuple[str, ...] = ()
-        if is_first:
-            for name in trunk.inputs:
-                self.add_module(name, getattr(model, name))
-            # Parameters and buffers held directly by the root belong to the input section.
-            self._root_param_names = tuple(model._parameters)
-            for name, p in model._parameters.items():
-                self.register_parameter(name, p)
-            for name, b in model._buffers.items():
-                self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
-            # A shell of the model: its class and plain attributes, none of its modules or tensors
-            # (so it keeps no other stage's parameters alive).
-            template = copy.copy(model)
-            template.__dict__ = dict(model.__dict__, _modules={}, _parameters={}, _buffers={})
-            template._forward_hooks, template._forward_pre_hooks = OrderedDict(), OrderedDict()
-            object.__setattr__(self, "_template", template)  # not a submodule: holds no parameters
-        self.add_module(self._trunk_name, nn.Sequential(OrderedDict(trunk.units[start:stop])))
-        for name in self._output_names:
-            self.add_module(name, getattr(model, name))
-        self._keep_full_model(model)
-
-    def _run_input_section(self, *inputs: Any) -> torch.Tensor:
-        view = copy.copy(self._template)
-        view._modules = {name: self._modules[name] for name in self._input_names}
-        view._modules[self._trunk_name] = nn.ModuleList([_Catch()])
-        view._parameters = {name: self._parameters[name] for name in self._root_param_names}
-        view._buffers = dict(self._buffers)
-        try:
-            type(self._template).forward(view, *inputs)
-        except _TrunkReached as reached:
-            return reached.hidden
-        raise ConfigError(
-            f"{type(self._template).__name__}.forward returned without calling the trunk {self._trunk_name!r}",
-            hint="pass explicit stages with shardwise.PipelineStages(...)",
-        )
-
-    def forward(self, *inputs: Any) -> torch.Tensor:
-        hidden = self._run_input_section(*inputs) if self.is_first else inputs[0]
-        for unit in self._modules[self._trunk_name]:
-            hidden = unit(hidden)
-        for name in self._output_names:
-            hidden = self._modules[name](hidden)
-        return hidden
-
-
-def _check_no_shared_params(stages: Sequence[nn.Module]) -> None:
-    owner: dict[int, tuple[int, str]] = {}
+def stage_ties(stages: Sequence[nn.Module]) -> tuple[Tie, ...]:
+    """The weights that more than one stage holds (the same ``nn.Parameter`` object)."""
+    seen: dict[int, list[tuple[int, str]]] = {}
     for s, stage in enumerate(stages):
         for name, p in stage.named_parameters(remove_duplicate=False):
-            if id(p) in owner and owner[id(p)][0] != s:
-                other, other_name = owner[id(p)]
-                raise ConfigError(
-                    f"parameter {other_name!r} (stage {other}) is shared with {name!r} (stage {s}); tied weights cannot cross pipeline stages",
-                    hint="untie them (e.g. a separate lm_head weight) or use pp=1",
-                )
-            owner[id(p)] = (s, name)
+            holders = seen.setdefault(id(p), [])
+            if not any(h[0] == s for h in holders):
+                holders.append((s, name))
+    return tuple(Tie(tuple(h)) for h in seen.values() if len(h) > 1)
+
+
+def check_ties(ties: Sequence[Tie], *, pp: int) -> None:
+    """Every stage holding a tied weight must be on a different pipeline rank (stage ``s`` runs on
+    rank ``s % pp``): two stages on one rank would hold the weight twice in one process."""
+    for tie in ties:
+        ranks = [s % pp for s, _ in tie.holders]
+        if len(set(ranks)) < len(ranks):
+            (a, name_a), (b, name_b) = tie.holders[0], tie.holders[1]
+            raise ConfigError(f"parameter {name_a!r} (stage {a}) is tied to {name_b!r} (stage {b}), and both stages run on pipeline rank {a % pp}",
+                              hint="use virtual_stages=1, untie the weights, or another pp")
 
 
 def split_model(
@@ -298,7 +226,6 @@ def split_model(
         stages: list[nn.Module] = [SequentialStage(OrderedDict([(name, child)])) for name, child in model.named_children()]
         for stage in stages:
             stage._keep_full_model(model)
-        _check_no_shared_params(stages)
         return stages
     trunk = find_trunk(model)
     n = len(trunk.units)
@@ -317,8 +244,11 @@ def split_model(
             costs, first, last = _flop_costs(model, trunk, example_inputs)
         elif balance == "params":
             costs = [float(_numel([m])) for _, m in trunk.units]
-            first = float(_numel([getattr(model, n) for n in trunk.inputs])) + sum(p.numel() for p in model._parameters.values())
-            last = float(_numel([getattr(model, n) for n in trunk.outputs]))
+            dotted = trunk.name or ""
+            path = [""] + [".".join(dotted.split(".")[:i]) for i in range(1, dotted.count(".") + 1)]
+            own = sum(p.numel() for prefix in path for p in model.get_submodule(prefix)._parameters.values() if p is not None)
+            first = float(_numel([model.get_submodule(n) for n in trunk.inputs]) + own)
+            last = float(_numel([model.get_submodule(n) for n in trunk.outputs]))
         else:
             raise ConfigError(f"pipeline balance={balance!r} is unknown", hint="use 'params' or 'flops'")
         starts = balanced_cuts(costs, num_stages, first_extra=first, last_extra=last)
@@ -329,7 +259,6 @@ def split_model(
             stage._keep_full_model(model)
     else:
         stages = [TrunkStage(model, trunk, a, b, is_first=s == 0, is_last=s == num_stages - 1) for s, (a, b) in enumerate(bounds)]
-    _check_no_shared_params(stages)
     return stages
 
 
@@ -337,12 +266,11 @@ def stage_summary(stages: Sequence[nn.Module]) -> list[str]:
     """One line per stage: what it holds and its parameter count (for logs and examples)."""
     lines = []
     for s, stage in enumerate(stages):
-        parts = []
-        for name, child in stage.named_children():
-            if isinstance(stage, TrunkStage) and name == stage._trunk_name:
-                keys = list(child._modules)
-                parts.append(f"{name}[{keys[0]}..{keys[-1]}]")
-            else:
-                parts.append(name)
-        lines.append(f"stage {s}: {', '.join(parts)} ({sum(p.numel() for p in stage.parameters()):,} params)")
+        if isinstance(stage, TrunkStage):
+            keys = list(stage.get_submodule(stage._trunk_name)._modules)
+            trunk = f"{stage._trunk_name}[{keys[0]}..{keys[-1]}]"
+            names = [n for n in stage._owned if n in stage._owned_inputs] + [trunk] + [n for n in stage._owned if n not in stage._owned_inputs]
+        else:
+            names = [name for name, _ in stage.named_children()]
+        lines.append(f"stage {s}: {', '.join(names)} ({sum(p.numel() for p in stage.parameters()):,} params)")
     return lines

@@ -20,7 +20,17 @@ attention_input     (SP only) all-gather the sequence before a colwise group (at
 lm_head             colwise output projection; output all-gathered, or with ``loss_parallel``
                     left sharded over the vocabulary for torch's ``loss_parallel()``
 replicate           leave the module replicated (its math is repeated on every TP rank)
+colwise_fused2/3    colwise for a projection fused from 2 or 3 equal pieces (gate|up, q|k|v): each
+                    rank holds its share of every piece (whole heads of q, k and v)
+experts             MoE experts held as 3-D tensors: every expert's MLP split like a dense one
 ==================  ==============================================================================
+
+``colwise``/``rowwise`` on GPT-2's ``Conv1D`` (transposed weight), the fused styles and ``experts``
+are shardwise's own styles (:mod:`shardwise.parallel.tp_layers`); the rest are torch's. Tied
+weights (an LM head sharing the token embedding's matrix) stay one parameter: both layers are
+split by vocabulary rows (``Shard(0)``), and after sharding the head is given the embedding's
+DTensor again. Parameters no style covers are replicated; :func:`tp_share` says how much of the
+model each rank keeps and :func:`apply_tp` logs the replicated layers by name.
 
 Per block and step, without SP: 2 all-reduces of the activations forward (after attention's
 output projection and the MLP's down projection) and 2 backward. With SP each all-reduce
@@ -39,10 +49,7 @@ its head count in an attribute named ``n_head``/``n_heads``/``num_heads``/``n_kv
 
 from __future__ import annotations
 
-import fnmatch
-import re
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -57,185 +64,13 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.tp_layers import ColumnSplit, ExpertSplit, RowSplit, fused_pieces, is_conv1d
+from shardwise.parallel.tp_plan import (HEAD_ATTRS, STYLES, TPOptions, TPPlan, derive_tp_plan, tp_share,  # noqa: F401 - re-exported
+                                        validate_tp)
+from shardwise.runtime.logging import get_logger
 
-STYLES = (
-    "colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise",
-    "pos_embedding", "sequence_parallel", "attention_input", "lm_head", "replicate",
-)
-HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
-
-_COL = {"q", "k", "v", "wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "qkv", "c_attn", "query", "key", "value",
-        "w1", "w3", "fc1", "c_fc", "up", "up_proj", "gate", "gate_proj", "fc_in", "w_in", "in_proj"}
-_ROW = {"o", "wo", "o_proj", "out_proj", "proj", "c_proj", "out", "dense", "w2", "fc2", "down", "down_proj",
-        "fc_out", "w_out"}
-_HEAD = {"lm_head", "head", "output", "out_head", "unembed", "logits"}
-_POS = {"wpe", "pos", "pos_emb", "pos_embedding", "position_embeddings", "pos_embed"}
-_NORMS = (nn.LayerNorm, nn.RMSNorm)
-_UNSHARDABLE = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase)
-
-
-@dataclass(frozen=True)
-class TPOptions:
-    """``plan``: explicit pattern -> style mapping (else annotations, else derived);
-    ``loss_parallel``: keep the LM head's logits vocabulary-sharded (the loss must then be
-    computed inside ``ParallelModel.loss_context()``)."""
-
-    plan: Mapping[str, str] | None = None
-    loss_parallel: bool = False
-
-
-@dataclass(frozen=True)
-class TPPlan:
-    """Ordered (pattern, style) pairs; module paths are dotted names as in ``named_modules``."""
-
-    entries: tuple[tuple[str, str], ...]
-
-    @classmethod
-    def of(cls, mapping: Mapping[str, str]) -> TPPlan:
-        for pattern, style in mapping.items():
-            if style not in STYLES:
-                raise ConfigError(f"TP plan style {style!r} for {pattern!r} is unknown", hint=f"use one of {', '.join(STYLES)}")
-        return cls(tuple(mapping.items()))
-
-    def as_dict(self) -> dict[str, str]:
-        return dict(self.entries)
-
-    def matches(self, model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
-        """Module path -> (module, style) for every module a pattern names."""
-        out: dict[str, tuple[nn.Module, str]] = {}
-        for name, module in model.named_modules():
-            for pattern, style in self.entries:
-                if name and _match(name, pattern):
-                    out[name] = (module, style)
-        return out
-
-
-def _match(name: str, pattern: str) -> bool:
-    atoms, pats = name.split("."), pattern.split(".")
-    return len(atoms) == len(pats) and all(fnmatch.fnmatchcase(a, p) for a, p in zip(atoms, pats))
-
-
-# -- derivation --------------------------------------------------------------------------------
-def derive_tp_plan(model: nn.Module, *, tp: int) -> TPPlan:
-    """The standard plan for a transformer-like model (module doc); raises ConfigError for a
-    layer type TP cannot shard, or when nothing shardable is found."""
-    for name, module in model.named_modules():
-        if isinstance(module, _UNSHARDABLE):
-            raise ConfigError(
-                f"tp={tp} cannot shard {name or 'the model'} ({type(module).__module__}.{type(module).__name__}: "
-                "its projections are fused inside one module)",
-                hint="build the layer from separate nn.Linear projections (as shardwise's GPT does), or use dp/zero/pp instead of tp",
-            )
-    plan: dict[str, str] = {}
-    paired: set[str] = set()
-    for parent_name, parent in model.named_modules():
-        linears = [(n, m) for n, m in parent.named_children() if isinstance(m, nn.Linear)]
-        cols = [n for n, _ in linears if n in _COL]
-        rows = [n for n, _ in linears if n in _ROW]
-        if not (cols and rows):
-            # Structural fallback: exactly two Linear siblings where the first feeds the second.
-            if len(linears) == 2 and linears[0][1].out_features == linears[1][1].in_features and not (
-                {linears[0][0], linears[1][0]} & _HEAD
-            ):
-                cols, rows = [linears[0][0]], [linears[1][0]]
-            else:
-                continue
-        prefix = f"{parent_name}." if parent_name else ""
-        for n in cols:
-            plan[prefix + n] = "colwise"
-        for n in rows:
-            plan[prefix + n] = "rowwise"
-        paired.update(prefix + n for n in cols + rows)
-        if parent_name:
-            plan[parent_name] = "attention_input"
-    if not paired:
-        raise ConfigError(
-            f"tp={tp} found no colwise/rowwise Linear pair in {type(model).__name__}",
-            hint="annotate layers with shardwise.shard(layer, 'colwise'/'rowwise') or pass a TP plan; or use dp/zero instead of tp",
-        )
-    head = _find_head(model, paired)
-    vocab = head[1].out_features if head else None
-    if head:
-        plan[head[0]] = "lm_head"
-    for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Embedding):
-            if leaf in _POS:
-                plan[name] = "pos_embedding"
-            elif vocab is None or module.num_embeddings == vocab:
-                plan[name] = "vocab_embedding"
-        elif isinstance(module, _NORMS):
-            plan[name] = "sequence_parallel"
-    return TPPlan.of(_generalize(plan))
-
-
-_BLOCK_INDEX = re.compile(r"\.\d+\.")  # a block index between two names
-
-
-def _generalize(plan: dict[str, str]) -> dict[str, str]:
-    """``blocks.0.attn.q``, ``blocks.1.attn.q`` -> ``blocks.*.attn.q`` when every block agrees."""
-    groups: dict[str, set[str]] = {}
-    for name, style in plan.items():
-        groups.setdefault(_BLOCK_INDEX.sub(".*.", name), set()).add(style)
-    out: dict[str, str] = {}
-    for name, style in plan.items():
-        key = _BLOCK_INDEX.sub(".*.", name)
-        out[key if len(groups[key]) == 1 else name] = style
-    return out
-
-
-def _find_head(model: nn.Module, paired: set[str]) -> tuple[str, nn.Linear] | None:
-    candidates = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in paired]
-    named = [(n, m) for n, m in candidates if n.rsplit(".", 1)[-1] in _HEAD]
-    if named:
-        return named[-1]
-    embeddings = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
-    by_vocab = [(n, m) for n, m in candidates if m.out_features in embeddings]
-    return by_vocab[-1] if by_vocab else None
-
-
-# -- validation ---------------------------------------------------------------------------------
-def _sharded_sizes(module: nn.Module, style: str) -> dict[str, int]:
-    if isinstance(module, nn.Linear):
-        if style in ("colwise", "colwise_rep", "lm_head"):
-            return {"out_features": module.out_features}
-        if style in ("rowwise", "rowwise_rep"):
-            return {"in_features": module.in_features}
-    if isinstance(module, nn.Embedding):
-        if style == "vocab_embedding":
-            return {"num_embeddings": module.num_embeddings}
-        if style == "embedding_colwise":
-            return {"embedding_dim": module.embedding_dim}
-    if style == "attention_input":
-        heads = {a: getattr(module, a) for a in HEAD_ATTRS if isinstance(getattr(module, a, None), int)}
-        head_dim = getattr(module, "head_dim", None)
-        if not heads and isinstance(head_dim, int) and head_dim > 0:
-            # Heads implied by the width: q's output features / head_dim (``view(B, T, -1, head_dim)``).
-            first = next((m for m in module.children() if isinstance(m, nn.Linear)), None)
-            if first is not None and first.out_features % head_dim == 0:
-                heads = {"heads": first.out_features // head_dim}
-        return heads
-    return {}
-
-
-def validate_tp(model: nn.Module, plan: TPPlan, *, tp: int) -> None:
-    """Raise ConfigError unless tp divides every dimension the plan shards (and the head counts)."""
-    sizes: list[tuple[str, int]] = []
-    for name, (module, style) in plan.matches(model).items():
-        if style in ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "lm_head") and not isinstance(module, nn.Linear):
-            raise ConfigError(f"TP style {style!r} on {name} needs an nn.Linear, not {type(module).__name__}",
-                              hint="shard nn.Linear/nn.Embedding layers only, or mark this module 'replicate'")
-        if style in ("vocab_embedding", "embedding_colwise", "pos_embedding") and not isinstance(module, nn.Embedding):
-            raise ConfigError(f"TP style {style!r} on {name} needs an nn.Embedding, not {type(module).__name__}",
-                              hint="shard nn.Linear/nn.Embedding layers only, or mark this module 'replicate'")
-        sizes += [(f"{name}.{attr}", size) for attr, size in _sharded_sizes(module, style).items()]
-    bad = [(what, size) for what, size in sizes if size % tp]
-    if bad:
-        what, size = bad[0]
-        good = [d for d in range(2, 65) if all(s % d == 0 for _, s in sizes)][:4]
-        raise ConfigError(f"tp={tp} does not divide {what}={size}",
-                          hint=f"use tp={' or tp='.join(map(str, good))}" if good else "this model cannot be split by tp; use dp/zero instead")
-
+log = get_logger("parallel")
+_WIDTH_ATTRS = ("split_size",)  # widths of a fused projection's pieces, divided by tp like the head counts
 
 # -- application --------------------------------------------------------------------------------
 class _GatherSequence(ParallelStyle):
@@ -303,7 +138,7 @@ def _style(style: str, *, sp: bool, loss_parallel: bool) -> ParallelStyle | None
 
 
 def to_torch_plan(plan: TPPlan, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` plan for ``plan``."""
+    """The ``parallelize_module`` plan for ``plan`` (torch's styles, for nn.Linear/nn.Embedding)."""
     out: dict[str, ParallelStyle] = {}
     for pattern, name in plan.entries:
         style = _style(name, sp=sequence_parallel, loss_parallel=loss_parallel)
@@ -312,19 +147,81 @@ def to_torch_plan(plan: TPPlan, *, sequence_parallel: bool, loss_parallel: bool)
     return out
 
 
+def _own_style(module: nn.Module, style: str) -> ParallelStyle | None:
+    """shardwise's style for a Conv1D, a fused projection or MoE experts (None: torch's)."""
+    if style == "experts":
+        return ExpertSplit()
+    if style.startswith("colwise_fused"):
+        return ColumnSplit(fused_pieces(style))
+    if is_conv1d(module):
+        return ColumnSplit() if style == "colwise" else RowSplit() if style == "rowwise" else None
+    return None
+
+
+def _ties(model: nn.Module) -> list[list[tuple[str, str]]]:
+    """Groups of (module name, parameter name) that hold one shared parameter."""
+    holders: dict[int, list[tuple[str, str]]] = {}
+    for name, module in model.named_modules():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                holders.setdefault(id(p), []).append((name, pname))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
+    """Give every holder of a tied weight the first holder's (sharded) parameter again."""
+    for group in groups:
+        first_module, first_name = group[0]
+        keep = model.get_submodule(first_module)._parameters[first_name]
+        for module_name, pname in group[1:]:
+            module = model.get_submodule(module_name)
+            other = module._parameters[pname]
+            if other is keep:
+                continue
+            if isinstance(keep, DTensor) != isinstance(other, DTensor) or (
+                    isinstance(keep, DTensor) and tuple(keep.placements) != tuple(other.placements)):
+                where = lambda m, n: f"{m}.{n}" if m else n  # noqa: E731
+                raise ConfigError(f"tied weight {where(first_module, first_name)} and {where(module_name, pname)} get different TP layouts "
+                                  f"({getattr(keep, 'placements', 'replicated')} vs {getattr(other, 'placements', 'replicated')})",
+                                  hint="give both the vocabulary split ('vocab_embedding' and 'lm_head'), or untie them")
+            module.register_parameter(pname, keep)
+
+
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: TPPlan, sequence_parallel: bool = False,
              loss_parallel: bool = False) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` in place (module doc); then divide head-count attributes
-    of each attention module by tp so its reshapes see the local head count."""
+    of each attention module by tp so its reshapes see the local head count, give tied weights
+    one parameter again, and log the matrices left replicated."""
     tp = tp_mesh.size()
     validate_tp(model, plan, tp=tp)
     matched = plan.matches(model)
-    parallelize_module(model, tp_mesh, to_torch_plan(plan, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel))
+    own = {name: _own_style(module, style) for name, (module, style) in matched.items()}
+    own = {name: style for name, style in own.items() if style is not None}
+    if own and sequence_parallel:
+        first = next(iter(own))
+        raise ConfigError(f"sequence parallel is not available with {first} ({type(matched[first][0]).__name__}, style "
+                          f"{matched[first][1]!r})", hint="drop sp from the plan")
+    share, replicated = tp_share(model, plan, tp=tp)
+    ties = _ties(model)
+    torch_plan = {name: style for name, (module, style_name) in matched.items() if name not in own
+                  for style in [_style(style_name, sp=sequence_parallel, loss_parallel=loss_parallel)] if style is not None}
+    parallelize_module(model, tp_mesh, {**torch_plan, **own})
+    _retie(model, ties)
     for module, style in matched.values():
         if style == "vocab_embedding":
             module.register_forward_pre_hook(_GradLikeWeight())
         if style == "attention_input":
-            for attr in HEAD_ATTRS:
+            fused = any(s.startswith("colwise_fused") for n, (_, s) in matched.items() if n.startswith(_name_of(model, module) + "."))
+            for attr in HEAD_ATTRS + (_WIDTH_ATTRS if fused else ()):
                 if isinstance(getattr(module, attr, None), int):
                     setattr(module, attr, getattr(module, attr) // tp)
+    big = [(n, c) for n, c in replicated if c >= 0.01 * sum(p.numel() for p in model.parameters())]
+    if big and tp_mesh.get_local_rank() == 0:
+        names = ", ".join(f"{n or type(model).__name__} ({c:,})" for n, c in big[:4]) + (f" and {len(big) - 4} more" if len(big) > 4 else "")
+        log.warning("tp=%d keeps %.1f%% of the parameters on every rank; replicated (no TP style covers them): %s",
+                    tp, 100 * share, names)
     return model
+
+
+def _name_of(model: nn.Module, target: nn.Module) -> str:
+    return next((n for n, m in model.named_modules() if m is target), "")

@@ -10,6 +10,11 @@ What happens, in this order (each step needs the one before)::
     model = parallelize(model.to(device), plan)    # pipeline split -> TP -> recompute -> FSDP/DDP
     opt   = model.build_optimizer(factory)         # on the final (possibly sharded) parameters
 
+``model`` may also be a :class:`~shardwise.checkpoint.hf_load.Pretrained` Hugging Face directory:
+then it is built on meta, parallelized, and each rank reads only its own slices of the weights
+(:func:`~shardwise.checkpoint.hf_load.load_parallel`); ``plan="auto"`` reads its shape from the
+directory's ``config.json``.
+
 ``plan="auto"`` is the planner's fastest plan that the parallel layer accepts (checked with
 :func:`shardwise.parallel.parallelize.validate`, no communication), for the model's statistics
 and a cluster: ``cluster=`` if given, else ``SHARDWISE_CLUSTER`` (read once into the runtime's
@@ -28,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.checkpoint.hf_load import Pretrained, load_parallel
 from shardwise.runtime import env as runtime
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan, resolve_plan
@@ -70,7 +76,7 @@ class Built:
         return self.meshes.dp.size()
 
 
-def build(model: nn.Module, optimizer: OptimizerFactory, *, plan: Plan | str, global_batch_size: int, seed: int,
+def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: Plan | str, global_batch_size: int, seed: int,
           precision: str | None = None, pipelines_allowed: bool = True, cluster: ClusterArg = None,
           tokens_per_sample: int | None = None, ddp: DDPOptions | None = None, tp: TPOptions | None = None,
           fsdp: FSDPOptions | None = None, pipeline: PipelineOptions | None = None,
@@ -95,12 +101,16 @@ def build(model: nn.Module, optimizer: OptimizerFactory, *, plan: Plan | str, gl
     # Same seed within one replica (TP/PP ranks hold parts of one model), different across
     # replicas (dropout masks differ per batch).
     seed_everything(seed + meshes.dp.get_local_rank())
-    pm = parallelize(model.to(env.device), resolved, meshes, ddp=ddp, tp=tp, fsdp=fsdp, loss_fn=loss_fn, pipeline=pipeline)
+    options = dict(ddp=ddp, tp=tp, fsdp=fsdp, loss_fn=loss_fn, pipeline=pipeline)
+    if isinstance(model, Pretrained):
+        pm = load_parallel(model, resolved, meshes, device=env.device, **options)
+    else:
+        pm = parallelize(model.to(env.device), resolved, meshes, **options)
     opt = pm.build_optimizer(optimizer)  # ZeRO-1 wraps it to shard its state
     return Built(env=env, plan=resolved, auto_choice=choice, meshes=meshes, model=pm, optimizer=opt)
 
 
-def choose_plan(model: nn.Module, env: RuntimeEnv, *, global_batch_size: int, precision: str | None,
+def choose_plan(model: nn.Module | Pretrained, env: RuntimeEnv, *, global_batch_size: int, precision: str | None,
                 pipelines_allowed: bool, cluster: ClusterArg = None, tokens_per_sample: int | None = None) -> tuple[Plan, AutoPlan | None]:
     """``plan="auto"`` (see the module doc): the plan on every rank and, on rank 0, the planner's
     choice with its predictions (logged). The model's statistics are taken first, so a model the
@@ -115,6 +125,8 @@ def choose_plan(model: nn.Module, env: RuntimeEnv, *, global_batch_size: int, pr
         raise ConfigError(f"plan='auto' found no plan: {exc.message}",
                           hint="pass tokens_per_sample= (the input length of one sample; 1 for non-sequence inputs), "
                                "or an explicit plan, e.g. plan='dp'") from None
+    if isinstance(model, Pretrained):
+        model = model.build_meta()  # validating plans against it costs no memory
     spec = cluster_spec(env, cluster)
     chosen: list[Plan | str | None] = [None]
     choice = None
@@ -134,10 +146,17 @@ def choose_plan(model: nn.Module, env: RuntimeEnv, *, global_batch_size: int, pr
     return chosen[0], choice
 
 
-def model_stats(model: nn.Module, *, tokens_per_sample: int | None) -> ModelStats:
+def model_stats(model: nn.Module | Pretrained, *, tokens_per_sample: int | None) -> ModelStats:
     """The planner's statistics of ``model``: closed forms for a model carrying its shape as
-    ``model.config`` (the built-in GPT), else measured on the meta device."""
+    ``model.config`` (the built-in GPT) or a Hugging Face directory (its ``config.json``), else
+    measured on the meta device."""
     from shardwise.models.measure import module_stats
+
+    if isinstance(model, Pretrained):
+        from shardwise.models.hf import read_config, shape_of
+        from shardwise.plan.stats import transformer_stats
+
+        return transformer_stats(shape_of(read_config(model.path), seq_len=tokens_per_sample), seq=tokens_per_sample)
 
     return module_stats(model, seq=tokens_per_sample)
 

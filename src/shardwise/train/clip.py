@@ -52,15 +52,18 @@ def _sharded_groups(grad: DTensor) -> tuple[tuple[str, dist.ProcessGroup], ...]:
 
 
 def global_grad_norm(
-    parameters: Iterable[torch.nn.Parameter], *, norm_type: float = 2.0, pp_group: dist.ProcessGroup | None = None
+    parameters: Iterable[torch.nn.Parameter], *, norm_type: float = 2.0, pp_group: dist.ProcessGroup | None = None,
+    skip: Iterable[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
-    """The norm of all gradients of the model as a 0-d fp32 tensor, equal on every rank (see module doc)."""
+    """The norm of all gradients of the model as a 0-d fp32 tensor, equal on every rank (see module
+    doc). ``skip``: second copies of a weight held by two pipeline stages (counted once)."""
     inf = math.isinf(norm_type)
     partials: dict[str, tuple[tuple[dist.ProcessGroup, ...], torch.Tensor]] = {}
     device = None
+    skipped = {id(p) for p in skip}
     for p in parameters:
         g = p.grad
-        if g is None:
+        if g is None or id(p) in skipped:
             continue
         groups: tuple[tuple[str, dist.ProcessGroup], ...] = ()
         if isinstance(g, DTensor):
@@ -97,11 +100,13 @@ def clip_grad_norm_(
     *,
     norm_type: float = 2.0,
     pp_group: dist.ProcessGroup | None = None,
+    skip: Iterable[torch.nn.Parameter] = (),
 ) -> torch.Tensor:
     """Scale all gradients in place so their global norm is at most ``max_norm``; return the norm
-    before clipping (a 0-d tensor, the same on every rank)."""
+    before clipping (a 0-d tensor, the same on every rank). ``skip`` as in :func:`global_grad_norm`
+    (those gradients are scaled too, by the same coefficient)."""
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params, norm_type=norm_type, pp_group=pp_group)
+    norm = global_grad_norm(params, norm_type=norm_type, pp_group=pp_group, skip=skip)
     # No host sync (no `if isfinite`): like torch.nn.utils.clip_grad_norm_, a non-finite norm
     # propagates into the gradients; fp16 steps with inf/nan are skipped by the loss scaler before.
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -318,7 +318,8 @@ class Trainer:
         metrics: dict[str, Any] = {}
         if self.clip_grad_norm is not None and take_step:
             pp_group = self.meshes.pp.get_group() if self.plan.pp_enabled else None
-            metrics["grad_norm"] = clip_grad_norm_(params, self.clip_grad_norm, pp_group=pp_group)  # a tensor: no sync yet
+            metrics["grad_norm"] = clip_grad_norm_(params, self.clip_grad_norm, pp_group=pp_group,  # a tensor: no sync yet
+                                                   skip=pm.tied_copies())
         if take_step:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -20,12 +20,15 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def reference_grad_norm(parameters: Iterable[torch.nn.Parameter], *, pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """The 2-norm of all gradients (0-d fp32, the same on every rank); see the module doc."""
+def reference_grad_norm(parameters: Iterable[torch.nn.Parameter], *, pp_group: dist.ProcessGroup | None = None,
+                        skip: Iterable[torch.nn.Parameter] = ()) -> torch.Tensor:
+    """The 2-norm of all gradients (0-d fp32, the same on every rank); see the module doc.
+    ``skip``: second copies of a weight that two pipeline stages hold (tied embeddings)."""
     total = torch.zeros((), dtype=torch.float64)
+    skipped = {id(p) for p in skip}
     for p in parameters:
         g = p.grad
-        if g is None:
+        if g is None or id(p) in skipped:
             continue
         square = g.detach().float().pow(2).sum()
         if isinstance(square, DTensor):

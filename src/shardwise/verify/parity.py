@@ -212,8 +212,9 @@ class Run:
 class _Reference:
     losses: tuple[float, ...]
     grad_norms: tuple[float, ...]
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]  # every name, tied aliases included
     memory: dict[str, int]
+    aliases: dict[str, tuple[str, ...]]  # each parameter's first name -> all its names
 
 
 def parity_worker(workload: Any, runs: Sequence[Run | str], training: Training = Training()) -> list[ParityReport]:
@@ -244,7 +245,13 @@ def _reference(workload: Any, batches: list[Any], training: Training) -> _Refere
             memory = memory_bytes(list(model.parameters()), opt)
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-    return _Reference(tuple(losses), tuple(norms), {n: p.detach() for n, p in model.named_parameters()}, memory)
+    # Every name of a tied weight (lm_head.weight and the embedding's): a pipeline stage holds it
+    # under the name its own module uses.
+    aliases: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    return _Reference(tuple(losses), tuple(norms), {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
+                      memory, {names[0]: tuple(names) for names in aliases.values()})
 
 
 def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, training: Training) -> ParityReport:
@@ -282,7 +289,7 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
         dist.all_reduce(total, group=meshes.dp.get_group())
         losses.append(float(total) / dp_size)
-        norms.append(float(reference_grad_norm(params, pp_group=pp_group)))
+        norms.append(float(reference_grad_norm(params, pp_group=pp_group, skip=pm.tied_copies())))
         opt.step()
         if step == len(batches) - 1:
             memory = memory_bytes(params, opt)
@@ -309,13 +316,22 @@ def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.Proc
     for module in modules:
         for name, p in module.named_parameters():
             full, want = _full(p), ref.weights[_clean(name)]
+            full = full.reshape(want.shape)  # a TP-fused weight is held as (in, pieces, width)
             diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(floor))
     if pp_group is None:
         return diffs
     per_stage: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(pp_group))]
     dist.all_gather_object(per_stage, diffs, group=pp_group)
-    merged = {name: value for stage in per_stage for name, value in stage.items()}
-    return {name: merged.get(name, float("inf")) for name in ref.weights}
+    merged: dict[str, float] = {}
+    for stage in per_stage:
+        for name, value in stage.items():
+            merged[name] = max(value, merged.get(name, 0.0))
+    # A tied weight that a later stage holds under another name (lm_head.weight) counts for both.
+    out = {}
+    for name, aliases in ref.aliases.items():
+        found = [merged[a] for a in aliases if a in merged]
+        out[name] = max(found) if found else float("inf")
+    return out
 
 
 def _optimizer(name: str) -> Callable[..., torch.optim.Optimizer]:
