@@ -55,7 +55,7 @@ class _Section:
 # -- the sections of `shardwise train` -------------------------------------------------------
 # The [model] table is the one transformer shape (shardwise.shape), limited to the keys the
 # built-in GPT implements and the job does not set itself.
-MODEL_KEYS = ("layers", "hidden", "heads", "ffn", "seq_len", "dropout")
+MODEL_KEYS = ("layers", "hidden", "heads", "ffn", "seq_len", "dropout", "experts", "top_k", "expert_ffn", "aux_loss")
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ attends its queries to every key at or before each query's global position::
     out_r = softmax(q_r K^T * scale + mask(pos_q_r >= pos_K)) V      with K, V = all_gather(k), all_gather(v)
 
 This is exactly the single-process attention for those queries, on any backend (Gloo/CPU
-included, where torch's ring-attention ``context_parallel`` has no kernel), at the cost of holding
-the whole sequence's K and V (``2 S h/tp`` elements per layer) while a layer runs; activations
-kept for backward stay per chunk. Ring attention would overlap the transfer with compute and
+included, where torch's ring-attention ``context_parallel`` has no kernel). The whole sequence's K
+and V (``2 S h/tp`` elements) exist only while one layer's attention runs: the gather and the
+attention are recomputed in backward (one more all-gather and attention forward per layer), so
+what a layer keeps for backward is its own chunk's. Ring attention would overlap the transfer with compute and
 never hold all of K/V; torch's ``context_parallel`` provides it on GPUs (flash / efficient
 attention kernels).
 
@@ -91,25 +92,36 @@ class _GatherSequence(torch.autograd.Function):
         return out.movedim(0, ctx.dim), None, None
 
 
-def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
-                       k_positions: torch.Tensor, group: dist.ProcessGroup, **sdpa: Any) -> torch.Tensor:
+def causal_bias(q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask ``[Sl, S]``: 0 where a key's position is at or before the query's, -inf after."""
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=q_positions.device).masked_fill_(~allowed, float("-inf"))
+
+
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor,
+                       group: dist.ProcessGroup, **sdpa: Any) -> torch.Tensor:
     """Causal attention of the local queries ``q[..., Sl, d]`` over the whole sequence (module doc).
 
-    ``q_positions`` are the local tokens' global positions, ``k_positions`` those of the gathered
-    keys in rank order. Other keyword arguments (``scale``, ``dropout_p``, ``enable_gqa``) go to SDPA.
+    ``bias`` is :func:`causal_bias` of the local and the gathered positions (one tensor shared by
+    every layer of a step, so autograd keeps one copy). Other keyword arguments (``scale``,
+    ``dropout_p``, ``enable_gqa``) go to SDPA.
     """
-    keys = _GatherSequence.apply(k, k.dim() - 2, group)
-    values = _GatherSequence.apply(v, v.dim() - 2, group)
-    allowed = k_positions.to(q.device)[None, :] <= q_positions.to(q.device)[:, None]  # [Sl, S]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, **sdpa)
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys = _GatherSequence.apply(k, k.dim() - 2, group)
+        values = _GatherSequence.apply(v, v.dim() - 2, group)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, **sdpa)
+
+    # Recomputed in backward (gather included), so a layer keeps only its local q, k, v: holding the
+    # whole sequence's K and V for every layer would undo much of what cp saves.
+    return torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
 
 
 class _SplitAttention(TorchFunctionMode):
     """Replaces causal, mask-free SDPA calls by :func:`gathered_attention` while active."""
 
-    def __init__(self, cp: ContextParallel, q_positions: torch.Tensor, k_positions: torch.Tensor) -> None:
+    def __init__(self, cp: ContextParallel) -> None:
         super().__init__()
-        self.cp, self.q_positions, self.k_positions = cp, q_positions, k_positions
+        self.cp = cp
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
@@ -122,8 +134,8 @@ class _SplitAttention(TorchFunctionMode):
                               hint="use causal scaled_dot_product_attention(is_causal=True) without a mask, or drop cp")
         self.cp.attention_calls += 1
         sdpa = {k: bound[k] for k in ("dropout_p", "scale", "enable_gqa") if k in bound}
-        return gathered_attention(bound["query"], bound["key"], bound["value"], q_positions=self.q_positions,
-                                  k_positions=self.k_positions, group=self.cp.group, **sdpa)
+        query = bound["query"]
+        return gathered_attention(query, bound["key"], bound["value"], bias=self.cp.bias(query.dtype), group=self.cp.group, **sdpa)
 
 
 @dataclass
@@ -134,6 +146,7 @@ class ContextParallel:
     mesh: DeviceMesh
     attention_calls: int = 0
     _positions: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (local, gathered keys)
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)  # of the current batch
 
     @property
     def size(self) -> int:
@@ -160,17 +173,26 @@ class ContextParallel:
                               hint="context parallel splits the sequence dimension (dim 1) of the inputs")
         positions = zigzag_positions(ids.shape[1], self.size, self.rank).to(ids.device)
         self._positions = (positions, self.key_positions(ids.shape[1]).to(ids.device))
+        self._bias = {}
         take = _take(positions)
         local = {k: take(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == ids.shape[1] else v
                  for k, v in inputs.items()} if isinstance(inputs, Mapping) else take(inputs)
         local_targets = take(targets) if isinstance(targets, torch.Tensor) and targets.dim() >= 2 else targets
         return local, local_targets, {"position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1)}
 
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The current batch's causal bias in ``dtype``, built once and shared by every layer."""
+        if self._positions is None:
+            raise ConfigError("context parallel: shard_batch must run before the forward", hint="call pm.shard_batch(inputs, targets)")
+        if dtype not in self._bias:
+            self._bias[dtype] = causal_bias(*self._positions, dtype)
+        return self._bias[dtype]
+
     def recompute_context(self) -> ContextManager[Any]:
         """The split attention for a block's recomputation in backward (activation checkpointing):
         a function mode is switched off while it handles ``backward`` itself, so the checkpoint
         re-enters it around the recomputed forward."""
-        return _SplitAttention(self, *self._positions) if self._positions is not None else contextlib.nullcontext()
+        return _SplitAttention(self) if self._positions is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def split_attention(self) -> Iterator[None]:
@@ -178,7 +200,7 @@ class ContextParallel:
         if self._positions is None:
             raise ConfigError("context parallel: shard_batch must run before the forward", hint="call pm.shard_batch(inputs, targets)")
         before = self.attention_calls
-        with _SplitAttention(self, *self._positions):
+        with _SplitAttention(self):
             yield
         if self.attention_calls == before:
             raise ConfigError(f"cp={self.size}: the model's forward called no scaled_dot_product_attention(is_causal=True), "
@@ -200,6 +222,11 @@ def check_context_parallel(model: nn.Module, cp: int) -> None:
             raise ConfigError(f"cp={cp}: {name or 'the model'} ({type(module).__name__}) computes attention inside torch, "
                               "where context parallel cannot split it",
                               hint="use separate q/k/v Linear layers with F.scaled_dot_product_attention(is_causal=True), or drop cp")
+    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+    if isinstance(seq_len, int) and seq_len % (2 * cp):
+        raise ConfigError(f"cp={cp} needs a sequence length that is a multiple of 2*cp={2 * cp} (zig-zag chunks), "
+                          f"but {type(model).__name__} has seq_len={seq_len}",
+                          hint=f"use a seq_len that is a multiple of {2 * cp}, or another cp")
     forward = inspect.signature(model.forward).parameters
     if "position_ids" not in forward and not any(p.kind is p.VAR_KEYWORD for p in forward.values()):
         raise ConfigError(f"cp={cp}: {type(model).__name__}.forward takes no position_ids, so its chunks cannot know their positions",

@@ -144,18 +144,21 @@ class PipelineSchedule:
         self._losses.append(loss.detach())
         return loss * (self._scale / self.plan.microbatches)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0, **model_kwargs: Any) -> torch.Tensor:
         """Forward + backward of the batch through the pipeline; the mean unscaled loss on every rank.
 
         Every rank passes the same ``inputs``/``targets`` (those of its data-parallel group); only
-        the first stage reads the inputs and only the last the targets.
+        the first stage reads the inputs (and ``model_kwargs``, e.g. context parallel's
+        ``position_ids``, split into microbatches along dim 0 like the inputs) and only the last the
+        targets.
         """
         check_microbatches(int(inputs.shape[0]), self.plan.microbatches)
         self._prepare(self._schedule, inputs)
         self._losses, self._scale = [], float(loss_scale)
         args = (inputs.to(self._device),) if self.has_first else ()
+        kwargs = {k: v.to(self._device) for k, v in model_kwargs.items()} if self.has_first else {}
         target = targets.to(self._device) if self.has_last else None
-        self._schedule.step(*args, target=target, return_outputs=False)
+        self._schedule.step(*args, target=target, return_outputs=False, **kwargs)
         if self.has_last:
             # The last m calls are the microbatches; on the first step the schedule also calls the
             # loss once before them, on a metadata-inference output.
@@ -168,7 +171,7 @@ class PipelineSchedule:
 
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs: Any) -> torch.Tensor:
         """Forward only: the batch's mean loss on every rank (for evaluation).
 
         The whole batch goes through as one microbatch (no backward, so there is no bubble to
@@ -182,8 +185,9 @@ class PipelineSchedule:
         self._prepare(self._eval_schedule, inputs)
         self._losses, self._scale = [], 1.0
         args = (inputs.to(self._device),) if self.has_first else ()
+        kwargs = {k: v.to(self._device) for k, v in model_kwargs.items()} if self.has_first else {}
         target = targets.to(self._device) if self.has_last else None
-        self._eval_schedule.eval(*args, target=target)
+        self._eval_schedule.eval(*args, target=target, **kwargs)
         loss = _plain(self._losses[-1]).float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
         dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
         return loss

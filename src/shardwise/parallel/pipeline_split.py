@@ -243,14 +243,14 @@ class TrunkStage(_StageInit, nn.Module):
             self.add_module(name, getattr(model, name))
         self._keep_full_model(model)
 
-    def _run_input_section(self, *inputs: Any) -> torch.Tensor:
+    def _run_input_section(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
         view = copy.copy(self._template)
         view._modules = {name: self._modules[name] for name in self._input_names}
         view._modules[self._trunk_name] = nn.ModuleList([_Catch()])
         view._parameters = {name: self._parameters[name] for name in self._root_param_names}
         view._buffers = dict(self._buffers)
         try:
-            type(self._template).forward(view, *inputs)
+            type(self._template).forward(view, *inputs, **kwargs)
         except _TrunkReached as reached:
             return reached.hidden
         raise ConfigError(
@@ -258,8 +258,9 @@ class TrunkStage(_StageInit, nn.Module):
             hint="pass explicit stages with shardwise.PipelineStages(...)",
         )
 
-    def forward(self, *inputs: Any) -> torch.Tensor:
-        hidden = self._run_input_section(*inputs) if self.is_first else inputs[0]
+    def forward(self, *inputs: Any, **kwargs: Any) -> torch.Tensor:
+        """``kwargs`` (e.g. ``position_ids``) reach the model's own forward on the first stage."""
+        hidden = self._run_input_section(*inputs, **kwargs) if self.is_first else inputs[0]
         for unit in self._modules[self._trunk_name]:
             hidden = unit(hidden)
         for name in self._output_names:

@@ -75,7 +75,7 @@ def evaluate(
             inputs, targets, extra = pm.shard_batch(*split_batch(last))
             with autocast(precision, device.type), pm.step_context():
                 if pipeline_eval is not None:
-                    loss, outputs = pipeline_eval(inputs, targets), None
+                    loss, outputs = pipeline_eval(inputs, targets, **extra), None
                 else:
                     outputs = module(inputs, **extra)
                     loss = loss_fn(outputs, targets)

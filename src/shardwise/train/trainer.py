@@ -298,15 +298,15 @@ class Trainer:
             inputs, targets = split_batch(move_batch(batch, device, self.loader_options.pin_memory))
             inputs, targets, extra = pm.shard_batch(inputs, targets)  # cp: this rank's sequence chunks
             pm.set_loss_scale(scale / k)  # for auxiliary losses that reach backward on their own (MoE)
-            with pm.gradient_sync(i == k - 1):
+            # TP loss-parallel and CP's split attention need the forward and backward inside
+            with pm.gradient_sync(i == k - 1), pm.step_context():
                 if pm.pipeline is not None:  # forward and backward of all pipeline microbatches
                     with autocast(self.precision, device.type):
-                        loss = pm.pipeline.step(inputs, targets, loss_scale=scale / k)
+                        loss = pm.pipeline.step(inputs, targets, loss_scale=scale / k, **extra)
                 else:
-                    with pm.step_context():  # TP loss-parallel and CP attention: forward and backward inside
-                        with autocast(self.precision, device.type):
-                            loss = self.loss_fn(pm.module(inputs, **extra), targets)
-                        (loss * (scale / k)).backward()
+                    with autocast(self.precision, device.type):
+                        loss = self.loss_fn(pm.module(inputs, **extra), targets)
+                    (loss * (scale / k)).backward()
             loss_sum += loss.detach().float()
         self._call("on_after_backward")
         params = [p for p in pm.parameters() if p.grad is not None]

@@ -277,7 +277,7 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
             with pm.gradient_sync(i == run.accumulation - 1), pm.step_context():
                 if pm.pipeline is not None:
                     # All microbatches' forward and backward; the unscaled mean loss on every rank.
-                    loss = pm.pipeline.step(xm, ym, loss_scale=1.0 / run.accumulation) / run.accumulation
+                    loss = pm.pipeline.step(xm, ym, loss_scale=1.0 / run.accumulation, **extra) / run.accumulation
                 else:
                     loss = workload.loss(pm.module(xm, **extra), ym) / run.accumulation
                     loss.backward()
