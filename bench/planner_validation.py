@@ -198,8 +198,9 @@ def main() -> int:
         with open(args.reuse) as fh:
             previous = json.load(fh)
         measured_memory = {r["plan"]: r.get("measured") or {"error": r.get("error")} for r in previous["memory"]}
-        times = {r["plan"]: r.get("times") or [r["measured_s"]] for r in previous["time"]}
-        errors = dict(previous["not_measured"])
+        # keyed by the plan as it prints today (a default microbatch count is no longer spelled out)
+        times = {str(Plan.parse(r["plan"])): r.get("times") or [r["measured_s"]] for r in previous["time"]}
+        errors = {str(Plan.parse(k)): v for k, v in previous["not_measured"].items()}
         plans = [Plan.parse(t) for t in times] + [Plan.parse(t) for t in errors]
         print(f"re-predicting {len(times)} stored measurements from {args.reuse} with {cluster.name}")
     else:

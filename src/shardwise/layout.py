@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -194,14 +195,7 @@ class Plan:
         text = text.strip()
         if text in ("", "single", "none"):
             return cls(dp=world_size or 1)
-        values: dict[str, Any] = {}
-        for item in text.split(","):
-            key, sep, raw = item.strip().partition("=")
-            key = _ALIASES.get(key.strip().lower(), key.strip().lower())
-            if not sep:
-                raw = "true"
-            values[key] = raw.strip()
-        return cls.from_dict(values, world_size=world_size)
+        return cls.from_dict(named_keys(text), world_size=world_size)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], *, world_size: int | None = None) -> Plan:
@@ -211,18 +205,10 @@ class Plan:
         - ``zero=N`` with neither: shard over all data-parallel ranks, the rest of the world after tp and pp;
         - ``zero=N`` with ``shard`` but no ``dp``: ``dp`` replicas of the shard group (HSDP) fill the rest;
         - no ZeRO and no ``dp``: ``dp`` takes the rest of the world;
-        - ``pp`` without ``microbatches``: one microbatch per stage and virtual stage.
+        - ``pp`` without ``microbatches``: one microbatch per stage and virtual stage (the planner
+          chooses instead where it has the model: ``shardwise plan --fixed``).
         """
-        known = {f.name: f for f in fields(cls)}
-        out: dict[str, Any] = {}
-        for key, raw in values.items():
-            key = _ALIASES.get(key, key)
-            if key not in known:
-                raise ConfigError(f"unknown plan key {key!r}", hint=f"valid keys: {', '.join(known)}")
-            out[key] = _coerce(key, raw, known[key].type)
-        # "zero=3,dp=4" means: shard over the data-parallel ranks (the common case).
-        if out.get("zero", 0) > 0 and "shard" not in out and "dp" in out:
-            out["shard"], out["dp"] = out["dp"], 1
+        out = _normalized(values)
         if world_size is not None:
             out = _fill_degrees(out, world_size)
         return cls(**out)
@@ -286,6 +272,34 @@ class Plan:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def named_keys(text: str) -> dict[str, Any]:
+    """The keys a plan string names, with their aliases resolved and values typed, and
+    ``"zero=N,dp=D"`` read as ``shard=D`` (the fill-in rules of :meth:`Plan.from_dict`; what
+    ``shardwise plan --fixed`` fixes while it searches the rest)."""
+    values: dict[str, Any] = {}
+    for item in text.strip().split(","):
+        if not item.strip():
+            continue
+        key, sep, raw = item.strip().partition("=")
+        key = _ALIASES.get(key.strip().lower(), key.strip().lower())
+        values[key] = raw.strip() if sep else "true"
+    return _normalized(values)
+
+
+def _normalized(values: dict[str, Any]) -> dict[str, Any]:
+    known = {f.name: f for f in fields(Plan)}
+    out: dict[str, Any] = {}
+    for key, raw in values.items():
+        key = _ALIASES.get(key, key)
+        if key not in known:
+            raise ConfigError(f"unknown plan key {key!r}", hint=f"valid keys: {', '.join(known)}")
+        out[key] = _coerce(key, raw, known[key].type)
+    # "zero=3,dp=4" means: shard over the data-parallel ranks (the common case).
+    if isinstance(out.get("zero", 0), int) and out.get("zero", 0) > 0 and "shard" not in out and "dp" in out:
+        out["shard"], out["dp"] = out["dp"], 1
+    return out
+
+
 def default_microbatches(pp: int, virtual_stages: int = 1) -> int:
     """Microbatches when a plan names none: one per stage and virtual stage (the fewest that keep
     every stage of a 1F1B or interleaved schedule busy); 1 without a pipeline."""
@@ -319,15 +333,29 @@ def _fill_degrees(values: dict[str, Any], world_size: int) -> dict[str, Any]:
     return out
 
 
-def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = None) -> Plan:
+def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = None, elastic: bool = False) -> Plan:
     """The plan a job runs: ``"dp"`` -> all processes data parallel, a string parsed with the
     degrees it leaves out filled in for ``world_size``; the result must use the whole world.
 
     ``precision`` (a trainer's) is written into the plan, so FSDP's mixed-precision policy and the
     printed plan agree with the autocast the loop uses; it may not contradict a plan that sets one.
+
+    ``elastic``: the world may have shrunk or grown since the plan was written (a node lost or
+    regained under ``--nnodes MIN:MAX``), so a plan that no longer fits is re-planned with
+    :func:`replan` instead of refused.
     """
     if isinstance(plan, str):
-        plan = Plan(dp=world_size) if plan.strip().lower() in ("dp", "ddp") else Plan.parse(plan, world_size=world_size)
+        if plan.strip().lower() in ("dp", "ddp"):
+            plan = Plan(dp=world_size)
+        elif elastic:
+            try:
+                plan = Plan.parse(plan, world_size=world_size)
+            except ConfigError:  # the named degrees no longer divide this world: re-plan them
+                plan = Plan.parse(plan)
+        else:
+            plan = Plan.parse(plan, world_size=world_size)
+    if elastic and isinstance(plan, Plan) and plan.world_size != world_size:
+        plan = replan(plan, world_size)
     if not isinstance(plan, Plan):
         raise ConfigError(f"plan must be a Plan or a string, got {type(plan).__name__}", hint='for example plan="dp" or plan="dp=2,tp=2"')
     if precision is not None and precision != plan.precision:
@@ -338,6 +366,42 @@ def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = N
             )
         plan = dataclasses.replace(plan, precision=precision)  # validated by Plan.__post_init__
     return plan.check_world(world_size)
+
+
+def replan(plan: Plan, world_size: int) -> Plan:
+    """``plan`` for a world of ``world_size`` processes (an elastic job after it lost or regained
+    a node): keep every degree that still divides the world, fill data parallelism with the rest.
+
+    In this order (inner mesh dimensions first, since they carry the most traffic and the memory
+    split the plan was chosen for):
+
+    1. ``tp``: its largest part that divides the world (``gcd(tp, world)``; tp=4 on 2 processes
+       keeps tp=2, which still divides the heads), sequence parallel only while tp > 1;
+    2. ``pp``: likewise within what tp leaves (no pipeline left: one microbatch, no virtual stages);
+    3. the rest is data parallel: without ZeRO all of it is ``dp``; with ZeRO the shard group keeps
+       its size if it divides the rest and ``dp`` replicas (HSDP) fill up, else everything is
+       sharded (``shard`` = rest, so ZeRO-3 shards are re-split over the new world).
+
+    ``dp=2,tp=2`` on 2 processes becomes ``tp=2``; ``zero=3,shard=4`` on 2 becomes ``zero=3,shard=2``;
+    ``dp=2,tp=2`` regrown to 8 becomes ``dp=4,tp=2``. Precision, recompute and the rest are kept.
+    Pure, so the Trainer's build step and the tests call the same function.
+    """
+    if world_size < 1:
+        raise ConfigError(f"cannot re-plan {plan} for a world of {world_size} processes", hint="the world needs at least one process")
+    if plan.world_size == world_size:
+        return plan
+    tp = math.gcd(plan.tp, world_size)
+    pp = math.gcd(plan.pp, world_size // tp)
+    rest = world_size // (tp * pp)
+    if plan.zero == 0 or (plan.shard == 1 and plan.dp > 1):
+        dp, shard = rest, 1
+    elif plan.dp > 1 and rest % plan.shard == 0:
+        dp, shard = rest // plan.shard, plan.shard
+    else:
+        dp, shard = 1, rest
+    pipeline = {"microbatches": 1, "virtual_stages": 1, "schedule": "1f1b"} if plan.pp > 1 and pp == 1 else {}
+    return dataclasses.replace(plan, dp=dp, shard=shard, tp=tp, pp=pp,
+                               sequence_parallel=plan.sequence_parallel and tp > 1, **pipeline).check_world(world_size)
 
 
 def _coerce(key: str, raw: Any, annotation: Any) -> Any:

@@ -16,7 +16,8 @@ from shardwise.plan.stats import TransformerSpec, preset, transformer_stats
 
 # ZeRO (Rajbhandari et al. 2020), table 1: per-device model-state memory in GB (1e9 bytes) with
 # mixed-precision Adam (K = 12), by model size Ψ and data-parallel degree N_d, for the baseline and
-# the stages P_os, P_os+g, P_os+g+p. The paper rounds to 3 significant figures.
+# the stages P_os, P_os+g, P_os+g+p (the table's 54 cells: 3 models x 6 degrees x 3 stages; the
+# baseline is 16 Ψ everywhere). The paper rounds to 3 significant figures.
 ZERO_TABLE = {
     (7.5e9, 1): (120, 120, 120, 120),
     (7.5e9, 4): (120, 52.5, 41.3, 30),
@@ -24,12 +25,17 @@ ZERO_TABLE = {
     (7.5e9, 64): (120, 31.4, 16.6, 1.88),
     (7.5e9, 256): (120, 30.4, 15.4, 0.47),
     (7.5e9, 1024): (120, 30.1, 15.1, 0.12),
+    (128e9, 1): (2048, 2048, 2048, 2048),
     (128e9, 4): (2048, 896, 704, 512),
     (128e9, 16): (2048, 608, 368, 128),
     (128e9, 64): (2048, 536, 284, 32),
     (128e9, 256): (2048, 518, 263, 8),
     (128e9, 1024): (2048, 513, 257, 2),
+    (1e12, 1): (16000, 16000, 16000, 16000),
+    (1e12, 4): (16000, 7000, 5500, 4000),
+    (1e12, 16): (16000, 4750, 2875, 1000),
     (1e12, 64): (16000, 4187.5, 2218.75, 250),
+    (1e12, 256): (16000, 4046.9, 2054.7, 62.5),
     (1e12, 1024): (16000, 4011.7, 2013.7, 15.6),
 }
 
@@ -41,6 +47,24 @@ def test_zero_paper_table_1(psi: float, n: int) -> None:
         got = sum(model_state_bytes(psi, policy, zero=stage, shard=n).values()) / 1e9
         # the paper prints 3 significant figures (and 2 decimals below 1 GB)
         assert got == pytest.approx(published, rel=6e-3, abs=6e-3), (psi, n, stage, got, published)
+
+
+def test_zero_paper_table_1_from_the_command_line(capsys: pytest.CaptureFixture) -> None:
+    """`shardwise plan --params PSI --devices N_d --memory-convention zero-paper` prints the table's
+    cells: all 54 (and the baseline column) within the paper's rounding."""
+    from shardwise.cli import main
+
+    cells = 0
+    for (psi, n), published in sorted(ZERO_TABLE.items()):
+        assert main(["plan", "--params", f"{psi:g}", "--devices", str(n), "--memory-convention", "zero-paper", "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)["model_states_gb"]
+        for stage, want in enumerate(published):
+            assert got[f"zero={stage}"] == pytest.approx(want, rel=6e-3, abs=6e-3), (psi, n, stage)
+            cells += stage > 0
+    assert cells == 54
+    assert main(["plan", "--params", "7.5e9", "--devices", "64", "--memory-convention", "zero-paper"]) == 0
+    text = capsys.readouterr().out
+    assert "2 + 2 + 12 bytes per parameter" in text and "31.41 GB" in text and "1.875 GB" in text
 
 
 def test_zero_paper_headline_example() -> None:

@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 
+from shardwise.commands.host_flags import add_host_flags, host_launch_from_args
 from shardwise.config import check_output_file
 from shardwise.errors import ShardwiseError
 
@@ -13,6 +14,7 @@ EXAMPLES = """examples:
   shardwise doctor                 environment report and a 2-process collective test
   shardwise doctor --nproc 4 --max-size-mb 64
   shardwise doctor --nproc 0       environment report only
+  shardwise doctor --hostfile hosts.txt     pre-flight of every host over ssh, then collectives across them
 """
 
 
@@ -23,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-size-mb", type=float, default=None, help="largest message in the bandwidth table")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per size (the median is reported)")
     p.add_argument("--plot", default=None, metavar="PNG", help="also draw the bandwidth table as a plot into this PNG file")
+    add_host_flags(p)
     p.set_defaults(func=_main)
 
 
@@ -43,6 +46,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def _main(args: argparse.Namespace) -> int:
     _check_args(args)
+    if args.hostfile or args.hosts:  # every host over ssh: pre-flight, then collectives across them
+        from shardwise.launch.multihost import doctor_on_hosts
+
+        return doctor_on_hosts(host_launch_from_args(args), nproc=args.nproc, max_size_mb=args.max_size_mb, iters=args.iters)
     import torch
 
     from shardwise.launch.inprocess import launch

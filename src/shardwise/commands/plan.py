@@ -1,4 +1,11 @@
-"""``shardwise plan``: rank the parallel layouts of a model on a cluster (a dry run: no devices used)."""
+"""``shardwise plan``: rank the parallel layouts of a model on a cluster (a dry run: no devices used).
+
+``--fixed KEYS`` fixes only the plan keys it names and searches the others (``--fixed
+dp=24,tp=8,pp=8`` chooses the ZeRO layout, microbatches, schedule and recomputation);
+``--explain`` names the dominant terms of each plan's step and, with ``--fixed``, how the free
+search compares; ``--params N`` with ``--memory-convention zero-paper`` prints the model-state
+memory of every ZeRO stage as the ZeRO paper counts it (its table 1).
+"""
 
 from __future__ import annotations
 
@@ -14,8 +21,11 @@ EXAMPLES = """examples:
   shardwise plan --model-spec '{"layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq": 2048}' \\
                  --devices 1024 --devices-per-node 8 --device-type h100 --global-batch 1536
   shardwise plan --model gpt3-13b --devices 64 --device-type a100-80gb --fixed dp=8,tp=8 --json
+  shardwise plan --model gpt3-175b --devices 1536 --device-type a100-80gb --global-batch 2304 --fixed dp=24,tp=8,pp=8 --explain
+  shardwise plan --params 7.5e9 --devices 64 --memory-convention zero-paper
   shardwise plan --script my_model.py --devices 8 --device-type calibrated.json
 """
+GAP = 1.3  # a free-search gain above this over a --fixed layout is explained term by term
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -24,44 +34,90 @@ def register(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="built-in model: gpt (shardwise's GPT), gpt2, gpt3-1.3b, gpt3-13b, gpt3-175b")
     src.add_argument("--model-spec", help='transformer shape as JSON (or a JSON file): {"layers", "hidden", "heads", "vocab", "seq"}'
-                                          ' and optional "ffn", "kv_heads", "tied_embeddings"')
+                                          ' and optional "ffn", "kv_heads", "tied_embeddings", "gated_mlp"')
     src.add_argument("--script", help="Python file defining MODEL_SPEC, or build_model() and example_input(device)")
+    src.add_argument("--params", type=float, help="a model given by its parameter count alone: print the model-state memory of each ZeRO stage")
     p.add_argument("--devices", type=int, required=True, help="number of devices (processes)")
     p.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default: the preset's, at most --devices)")
     p.add_argument("--device-type", default="h100", help="a100-40gb, a100-80gb, h100, h200, cpu, or a spec file from `shardwise calibrate`")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: 4 x devices)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None, help="compute precision (default: bf16 on GPUs, fp32 on CPUs)")
+    p.add_argument("--precision-policy", choices=("autocast", "16bit"), default="autocast",
+                   help="how mixed precision runs: autocast over fp32 parameters (shardwise's Trainer, the default) or "
+                        "16-bit parameters and activations (Megatron-LM, torchtitan, llm-foundry)")
+    p.add_argument("--selective", choices=("matmuls", "op", "attention", "layer"), default=None,
+                   help="what recompute=selective keeps: matmuls (shardwise's policy; default with autocast), op (torchtitan's "
+                        "per-op SAC), attention (Korthikanti et al.: all but the attention core; default with 16bit), layer (every "
+                        "second block recomputed)")
+    p.add_argument("--memory-convention", choices=("torch", "zero-paper", "megatron"), default="torch",
+                   help="bytes per parameter of the model states: torch (fp32 master = parameter, 4+4+8 with Adam; the default), "
+                        "zero-paper (2+2+12, the ZeRO paper's table 1), megatron (2+4+12)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd", "sgd_nomomentum"))
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free (default 0.1)")
-    p.add_argument("--top", type=int, default=5, help="how many plans to show")
-    p.add_argument("--fixed", default=None, help="evaluate this plan instead of searching, e.g. dp=8,tp=8,pp=2,zero=1")
+    p.add_argument("--top", type=int, default=None, help="how many plans to show (default 5; 1 with --fixed)")
+    p.add_argument("--fixed", default=None, help="fix these plan keys and search the rest, e.g. dp=24,tp=8,pp=8 (a complete plan: evaluate it)")
+    p.add_argument("--explain", action="store_true", help="name the dominant terms of each plan's step (with --fixed: compare with the free search)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_main)
 
 
-def _main(args: argparse.Namespace) -> int:
-    from shardwise.layout import Plan
-    from shardwise.plan.cost import StatePolicy
-    from shardwise.plan.planner import cluster_of, spec_from_text, stats_of
-    from shardwise.plan.search import SearchOptions, evaluate, search
-    from shardwise.plan.stats import transformer_stats
-
+def _check(args: argparse.Namespace) -> None:
     if args.devices is None or args.devices < 1:
         raise ConfigError(f"--devices {args.devices} must be a positive integer", hint="e.g. --devices 8")
     if args.devices_per_node is not None and args.devices_per_node < 1:
         raise ConfigError(f"--devices-per-node {args.devices_per_node} must be a positive integer", hint="e.g. --devices-per-node 8")
-    if args.top < 1:
+    if args.top is not None and args.top < 1:
         raise ConfigError(f"--top {args.top} must be at least 1")
     if args.seq is not None and args.seq < 1:
         raise ConfigError(f"--seq {args.seq} must be a positive integer")
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom} must lie in [0, 1)", hint="e.g. --headroom 0.1")
+
+
+def _states_table(args: argparse.Namespace) -> int:
+    """``--params N``: model states per device for each ZeRO stage (Rajbhandari et al. 2020, table 1)."""
+    from shardwise.plan.memory import StatePolicy, model_state_bytes
+    from shardwise.plan.stats import human_count
+
+    if args.params <= 0:
+        raise ConfigError(f"--params {args.params:g} must be positive", hint="e.g. --params 7.5e9")
+    policy = StatePolicy.named(args.memory_convention, precision=args.precision or "bf16", optimizer=args.optimizer)
+    n = args.devices
+    rows = [("baseline (DDP)", 0), ("P_os (zero=1)", 1), ("P_os+g (zero=2)", 2), ("P_os+g+p (zero=3)", 3)]
+    states = {z: sum(model_state_bytes(args.params, policy, zero=z, shard=n).values()) for _, z in rows}
+    if args.json:
+        print(json.dumps({"params": args.params, "devices": n, "memory_convention": args.memory_convention,
+                          "bytes_per_param": {"param": policy.param, "grad": policy.grad, "optimizer": policy.optimizer},
+                          "model_states_gb": {f"zero={z}": states[z] / 1e9 for _, z in rows}}, indent=2))
+        return 0
+    print(f"{human_count(args.params)} parameters on {n} data-parallel devices, model states per device "
+          f"({args.memory_convention}: {policy.param:g} + {policy.grad:g} + {policy.optimizer:g} bytes per parameter):")
+    for name, z in rows:
+        print(f"  {name:<18} {states[z] / 1e9:>10.4g} GB")
+    return 0
+
+
+def _main(args: argparse.Namespace) -> int:
+    _check(args)
+    if args.params is not None:
+        return _states_table(args)
+    from dataclasses import replace
+
+    from shardwise.plan.explain import dominant_terms, explain_gap
+    from shardwise.plan.memory import StatePolicy
+    from shardwise.plan.planner import cluster_of, spec_from_text, stats_of
+    from shardwise.plan.policy import RunPolicy
+    from shardwise.plan.search import SearchOptions, candidates, fixed_options, search
+    from shardwise.plan.stats import transformer_stats
+    from shardwise.plan.support import runtime_conflict
+
     if _is_spec_file(args.device_type):
         check_input_file(args.device_type, option="--device-type")
     cluster = cluster_of(args.device_type, world_size=args.devices, devices_per_node=args.devices_per_node)
     if args.model_spec:
-        stats = transformer_stats(spec_from_text(_model_spec_text(args.model_spec)), seq=args.seq)
+        shape, gated = spec_from_text(_model_spec_text(args.model_spec))
+        stats = transformer_stats(shape, seq=args.seq, gated_mlp=gated)
     elif args.script:
         check_input_file(args.script, option="--script")
         from shardwise.models.measure import stats_from_script  # torch: only for a model given as code
@@ -73,29 +129,69 @@ def _main(args: argparse.Namespace) -> int:
     if global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch} must be a positive integer")
     precision = args.precision or ("fp32" if cluster.device_type == "cpu" else "bf16")
-    options = SearchOptions(precision=precision, headroom=args.headroom, top=args.top,
-                            policy=StatePolicy.torch(precision, args.optimizer))
+    run = RunPolicy.named(args.precision_policy)
+    if args.selective:
+        run = replace(run, selective=args.selective)
+    top = args.top or (1 if args.fixed else 5)
+    options = SearchOptions(precision=precision, headroom=args.headroom, top=top, run=run,
+                            policy=StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer))
+    free = None
     if args.fixed:
-        fixed = Plan.parse(args.fixed)
-        if fixed.precision != precision and "precision" not in args.fixed:
-            fixed = Plan.from_dict({**fixed.to_dict(), "precision": precision})
-        estimates = [evaluate(stats, cluster, fixed, global_batch=global_batch, options=options)]
-        explanation = "fixed plan" + ("" if estimates[0].fits else " (does NOT fit in memory)")
+        constrained = fixed_options(args.fixed, options)
+        if constrained.precision != precision:  # precision=... named in --fixed
+            constrained = replace(constrained, policy=StatePolicy.named(args.memory_convention, precision=constrained.precision,
+                                                                        optimizer=args.optimizer))
+        result = search(stats, cluster, global_batch=global_batch, options=constrained)
+        if result.plans:
+            estimates = result.plans
+            explanation = f"--fixed {args.fixed}: the best of the plans that keep these keys" + (
+                f"; {result.explanation}" if len(estimates) > 1 else "")
+        else:
+            every = candidates(stats, cluster, global_batch=global_batch, options=constrained)
+            if not every:
+                raise ConfigError(f"--fixed {args.fixed} names no valid plan for {cluster.devices} devices and global batch {global_batch}",
+                                  hint="the named degrees must multiply to a divisor of --devices, and dp must divide the global batch")
+            estimates = every[:top]
+            best = min(every, key=lambda e: e.memory_total)
+            explanation = (f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them needs is "
+                           f"{best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); the fastest is shown")
+        conflict = runtime_conflict(estimates[0].plan)
+        if conflict is not None:  # the cost model prices it (e.g. Megatron's ZeRO-1 x TP x PP); shardwise cannot run it
+            explanation += f"; note: shardwise's parallel layer cannot run it ({conflict})"
+        if args.explain:
+            found = search(stats, cluster, global_batch=global_batch, options=replace(options, top=1))
+            free = found.plans[0] if found.plans else None
     else:
         result = search(stats, cluster, global_batch=global_batch, options=options)
         if not result.plans:
             raise result.no_fit_error()
         estimates, explanation = result.plans, result.explanation
     if args.json:
-        print(json.dumps({"model": stats.name, "params": stats.params_total, "devices": cluster.devices,
-                          "device_type": cluster.name, "global_batch": global_batch, "seq": stats.seq,
-                          "plans": [e.to_json() for e in estimates], "explanation": explanation}, indent=2))
+        out = {"model": stats.name, "params": stats.params_total, "devices": cluster.devices, "device_type": cluster.name,
+               "global_batch": global_batch, "seq": stats.seq, "precision_policy": run.precision,
+               "memory_convention": args.memory_convention, "plans": [e.to_json() for e in estimates], "explanation": explanation}
+        if args.explain:
+            out["terms"] = [dominant_terms(e, k=4) for e in estimates]
+            if free is not None:
+                out["free_search"] = {"plan": str(free.plan), "speedup": estimates[0].step_time_s / free.step_time_s,
+                                      "why": explain_gap(free, estimates[0])}
+        print(json.dumps(out, indent=2))
         return 0
     print(f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {global_batch}, "
           f"{cluster.devices} x {cluster.name} ({cluster.devices_per_node} per node, {cluster.memory_bytes / 1e9:.0f} GB, "
-          f"{100 * (1 - args.headroom):.0f}% usable), {precision}")
+          f"{100 * (1 - args.headroom):.0f}% usable), {precision} ({run.precision})")
     print(format_table(estimates))
     print(explanation)
+    if args.explain:
+        for i, e in enumerate(estimates, 1):
+            print(f"#{i} {dominant_terms(e, k=4)}")
+        if free is not None:
+            gain = estimates[0].step_time_s / free.step_time_s
+            if gain > 1.0 + 1e-9:
+                flag = f" (more than {GAP}x: judge the terms)" if gain > GAP else ""
+                print(f"free search{flag}: {explain_gap(free, estimates[0])}")
+            else:
+                print(f"free search: no plan is predicted faster than {estimates[0].plan}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``shardwise run``: start N processes of a script on this node (and others), torchrun-compatible."""
+"""``shardwise run``: start N processes of a script on this node, or on every node of a hostfile over ssh (torchrun-compatible)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import dataclasses
 import os
 
 from shardwise.errors import LaunchError
+from shardwise.commands.host_flags import add_host_flags, host_launch_from_args
 from shardwise.launch.options import DEFAULT_RDZV_TIMEOUT_S, RunOptions, hang_timeout_env, resolve
+
 
 EXAMPLES = """examples:
   shardwise run --nproc-per-node 4 train.py --lr 3e-4
@@ -18,6 +20,10 @@ EXAMPLES = """examples:
   shardwise run --nnodes 1:4 --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job7 --max-restarts 3 train.py
   # inside a Slurm allocation (one task per node; nodes, rank and master come from Slurm):
   srun --ntasks-per-node=1 shardwise run train.py
+  # every node from here over ssh (hostfile lines 'node1 slots=8'; pre-flight checks each host first):
+  shardwise run --hostfile hosts.txt train.py --lr 3e-4
+  shardwise run --hosts node1:8,node2:8 --env WANDB_API_KEY --chdir /shared/proj train.py
+  shardwise run --hostfile hosts.txt --nnodes 1:2 --max-restarts 3 train.py   # keeps training if a node is lost
 """
 
 
@@ -35,6 +41,8 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by all nodes of an elastic job")
     g.add_argument("--rdzv-timeout", type=int, default=DEFAULT_RDZV_TIMEOUT_S, metavar="SECONDS",
                    help="give up if the nodes have not met within this time (default %(default)s)")
+    g.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="KEY=VALUE,...",
+                   help="more rendezvous settings, e.g. last_call_timeout=5,keep_alive_interval=2,is_host=1")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the group this many times on failure")
     g.add_argument("--log-dir", "--log_dir", default=None, help="write each rank's stdout/stderr under this directory")
     g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
@@ -56,6 +64,7 @@ def options_from_args(args: argparse.Namespace, script: str, script_args: list[s
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_id=args.rdzv_id,
         rdzv_timeout_s=args.rdzv_timeout,
+        rdzv_conf=args.rdzv_conf,
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
     )
@@ -70,6 +79,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_launch_flags(p)
+    add_host_flags(p)
+    p.add_argument("--stop-with-stdin", action="store_true",
+                   help="stop every process of this node when stdin closes (what --hostfile runs on each host)")
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -88,6 +100,16 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.hostfile or args.hosts:  # every node from here, over ssh
+        from shardwise.launch.multihost import launch_on_hosts
+
+        hang_timeout_env(args.hang_timeout)  # refuses a negative one here, before any host is asked
+        options = options_from_args(args, args.script, args.script_args, args.module)
+        return launch_on_hosts(options, host_launch_from_args(args, args.hang_timeout))
+    if args.stop_with_stdin:  # the remote half: this node stops when its ssh session ends
+        from shardwise.launch.lifeline import stop_with_stdin
+
+        stop_with_stdin()
     from shardwise.launch.run import run_launch  # torch's elastic agent: only when launching
 
     _check_flags(args)

@@ -18,6 +18,7 @@ from dataclasses import fields
 
 from shardwise.config import TrainJobConfig, load_config, section_fields, to_toml
 from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.layout import Plan
 
 EXAMPLES = """examples:
   shardwise train                                   defaults: GPT on the stdlib source, all local cores
@@ -93,12 +94,31 @@ def nproc_of(config: TrainJobConfig) -> int:
     return int(value)
 
 
+def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
+    """The plan the job runs on ``nproc`` processes, resolved once before anything starts (None for
+    ``auto``: the Trainer plans): the degrees the plan leaves out are filled in
+    (:func:`shardwise.layout.resolve_plan`), and the global batch must split over its data-parallel
+    ranks and accumulation steps. Bad input is one line naming the fix."""
+    from shardwise.jobs.train import precision_override
+    from shardwise.layout import resolve_plan
+
+    if config.parallel.plan.strip().lower() == "auto":
+        return None
+    plan = resolve_plan(config.parallel.plan, nproc, precision=precision_override(config.train.precision))
+    if config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
+        raise ConfigError(
+            f"config key 'train.global_batch_size': {config.train.global_batch_size} does not split into "
+            f"{plan.dp_size} data-parallel ranks x {config.train.grad_accum_steps} accumulation steps",
+            hint=f"use a multiple of {plan.dp_size * config.train.grad_accum_steps}",
+        )
+    return plan
+
+
 def _main(args: argparse.Namespace) -> int:
     import tempfile
     from dataclasses import replace
 
-    from shardwise.jobs.train import JobSummary, check_run_dir, default_run_name, format_summary, precision_override
-    from shardwise.layout import resolve_plan
+    from shardwise.jobs.train import JobSummary, check_run_dir, default_run_name, format_summary
 
     from shardwise.launch.options import hang_timeout_env
 
@@ -108,15 +128,7 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     nproc = nproc_of(config)
     hang_env = hang_timeout_env(args.hang_timeout)  # checked before anything runs, with one process too
-    # The plan is resolved here, once: the workers get the resolved plan ("auto": the Trainer plans).
-    auto = config.parallel.plan.strip().lower() == "auto"
-    plan = None if auto else resolve_plan(config.parallel.plan, nproc, precision=precision_override(config.train.precision))
-    if plan is not None and config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
-        raise ConfigError(
-            f"config key 'train.global_batch_size': {config.train.global_batch_size} does not split into "
-            f"{plan.dp_size} data-parallel ranks x {config.train.grad_accum_steps} accumulation steps",
-            hint=f"use a multiple of {plan.dp_size * config.train.grad_accum_steps}",
-        )
+    plan = job_plan(config, nproc)  # resolved here, once: the workers get the resolved plan ("auto": the Trainer plans)
     config = replace(config, run=replace(config.run, name=config.run.name or default_run_name()),
                      parallel=replace(config.parallel, plan="auto" if plan is None else str(plan)))
     run_dir = os.path.join(config.run.runs_dir, config.run.name)

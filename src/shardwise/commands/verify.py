@@ -6,6 +6,11 @@ global batches, and prints the largest divergence of the loss, the global gradie
 weights with a pass/fail verdict at ``--rtol`` (float32 tolerance by default). The engine is
 :mod:`shardwise.verify.parity`.
 
+``--nproc N`` fills in what the plan leaves out for a world of ``N`` processes, with the same rules as
+``shardwise train`` and the Trainer (:meth:`shardwise.layout.Plan.parse`: the unnamed data-parallel
+degree takes the rest, ``zero=N`` without ``shard`` shards over all data-parallel ranks, a pipeline
+gets one microbatch per stage); without it the plan's own degrees set the world size.
+
 Bad input (a plan that does not fit the model, a batch that does not split) fails as one line
 before any process starts.
 """
@@ -21,6 +26,7 @@ from shardwise.layout import Plan
 
 EXAMPLES = """examples:
   shardwise verify --plan dp=2,tp=2
+  shardwise verify --plan zero=3 --nproc 4                  # = zero=3,shard=4
   shardwise verify --plan zero=3,shard=4 --steps 20
   shardwise verify --plan dp=2,pp=2,microbatches=2           # pipeline stages: norm and weights gathered over pp
   shardwise verify --plan tp=2,sp --script my_model.py     # defines build_model(seed), make_batch(step, size)
@@ -33,6 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check that a parallel plan trains exactly like one process", epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", required=True, help='the layout, e.g. "dp=2,tp=2" or "zero=3,shard=4"')
+    p.add_argument("--nproc", type=int, default=None, help="processes: fill in the degrees the plan leaves out for this world size")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default %(default)s)")
     p.add_argument("--script", default=None, help="a Python file with build_model(seed) and make_batch(step, size) [and loss_fn]")
     p.add_argument("--experts", type=int, default=0, help="the built-in GPT with this many experts per MoE layer (0: dense)")
@@ -75,7 +82,11 @@ def _main(args: argparse.Namespace) -> int:
     from shardwise.parallel.tp import TPOptions
     from shardwise.verify.parity import GPTWorkload, Run, ScriptWorkload, Training, parity_worker
 
-    plan = Plan.parse(args.plan)
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc} must be a positive integer", hint="e.g. --nproc 4")
+    plan = Plan.parse(args.plan, world_size=args.nproc)
+    if args.nproc is not None:
+        plan.check_world(args.nproc)
     _check_numbers(args)
     if args.script:
         check_input_file(args.script, option="--script")
@@ -96,7 +107,7 @@ def _main(args: argparse.Namespace) -> int:
         validate(workload.build(args.seed), plan, tp=TPOptions(loss_parallel=args.loss_parallel))
     training = Training(steps=args.steps, global_batch=args.global_batch, seed=args.seed, optimizer=args.optimizer,
                         lr=args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3))
-    run = Run(args.plan, accumulation=args.accumulation, meta_init=args.meta_init, loss_parallel=args.loss_parallel)
+    run = Run(str(plan), accumulation=args.accumulation, meta_init=args.meta_init, loss_parallel=args.loss_parallel)
     print(f"verify: {plan.world_size} process(es), plan {plan}, {args.steps} steps, global batch {args.global_batch}, "
           f"{args.optimizer} lr {training.lr:g}", flush=True)
     reports = launch(parity_worker, nprocs=plan.world_size, args=(workload, [run], training), backend="gloo", timeout_s=args.timeout)

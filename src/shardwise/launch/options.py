@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from shardwise.errors import LaunchError
 from shardwise.runtime.detect import slurm_nodelist, slurm_port
+from shardwise.runtime.settings import ELASTIC_VAR
 from shardwise.runtime.slurm import first_host
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class RunOptions:
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_timeout_s: int = DEFAULT_RDZV_TIMEOUT_S
+    rdzv_conf: str | None = None  # torchrun's --rdzv-conf "key=value,key=value"
     max_restarts: int = 0
     log_dir: str | None = None
     monitor_interval_s: float = 0.1
@@ -140,6 +142,17 @@ def check_resolvable(host: str, flag: str) -> None:
         ) from None
 
 
+def parse_rdzv_conf(text: str | None) -> dict[str, str]:
+    """torchrun's ``--rdzv-conf key=value,key=value`` (e.g. ``last_call_timeout=5,is_host=1``)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise LaunchError(f"--rdzv-conf item {item!r} is not key=value", hint="for example --rdzv-conf last_call_timeout=5,is_host=1")
+        out[key.strip()] = value.strip()
+    return out
+
+
 def _check_target(options: RunOptions) -> None:
     if options.module:
         if importlib.util.find_spec(options.script.split(".")[0]) is None:
@@ -197,7 +210,8 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
         raise LaunchError(
             f"--node-rank {topo.node_rank} is outside 0..{topo.max_nodes - 1}", hint=f"give each of the {topo.max_nodes} nodes a rank from 0 to {topo.max_nodes - 1}"
         )
-    rdzv_configs: dict[str, object] = {"timeout": options.rdzv_timeout_s, "join_timeout": options.rdzv_timeout_s}
+    rdzv_configs: dict[str, object] = {"timeout": options.rdzv_timeout_s, "join_timeout": options.rdzv_timeout_s,
+                                       **parse_rdzv_conf(options.rdzv_conf)}
     local_addr = None
     backend = options.rdzv_backend
     if topo.min_nodes != topo.max_nodes:
@@ -254,6 +268,13 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
     )
     args = ["-u"] + (["-m"] if options.module else []) + [options.script, *options.script_args]
     worker_env = {}
+    if topo.min_nodes != topo.max_nodes:  # the workers' Trainer re-plans when the world changed
+        worker_env[ELASTIC_VAR] = f"{topo.min_nodes}:{topo.max_nodes}"
+    if backend != "static" and topo.max_nodes > 1:
+        # A fresh worker store for every rendezvous round (hosted by rank 0). torch's agent
+        # otherwise shares one store across rounds, keyed by its own restart count, which differs
+        # between nodes once one of them joined or restarted for a membership change.
+        worker_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if "OMP_NUM_THREADS" not in environ:
         # Share the cores between the local processes instead of oversubscribing them.
         worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))

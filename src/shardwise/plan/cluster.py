@@ -1,17 +1,26 @@
 """What the planner knows about the hardware: :class:`ClusterSpec`, presets, JSON spec files.
 
-Communication follows the alpha-beta model. A collective over ``n`` ranks moving ``B`` bytes takes::
+Communication follows the alpha-beta model with the volume each link really carries. A collective
+over ``n`` ranks moving ``B`` bytes (the full buffer) puts ``f(op, n) B`` on every rank's links, with
+the nccl-tests bus factors ``f`` (all-reduce ``2(n-1)/n``, all-gather and reduce-scatter ``(n-1)/n``,
+point-to-point ``1``; a ring and, for large messages, NCCL's double binary tree move the same). When
+the group spans nodes, each ring (NCCL runs one per NIC) enters and leaves every node once, so a
+node's ``g`` ranks of the group share ``g`` NICs for the node's ``f B``: the inter-node time is
+``f B / (g inter_bw)`` beside the intra-node ``f B / intra_bw``, and the slower one sets the pace::
 
-    t = alpha * ceil(log2 n) + f(op, n) * B / busbw
+    t = alpha * ceil(log2 n) + f(op, n) * B * max(1 / intra_bw, 1 / (g * inter_bw))
 
-with the nccl-tests bus factors ``f`` (all-reduce ``2(n-1)/n``, all-gather and reduce-scatter
-``(n-1)/n``, point-to-point ``1``), so ``busbw`` is one number per link type whatever ``n``. A group
-whose ranks all sit in one node uses the intra-node figures, any other group the inter-node ones
-(the slowest link of a ring sets its speed).
+(``g = 1``: a group with one rank per node, e.g. data parallelism across tensor-parallel nodes,
+is limited by one NIC per rank). HSDP's two levels are two such collectives (a reduce-scatter
+inside the shard group, an all-reduce of the shard across replicas).
 
-Presets come from the vendors' published figures (dense, no sparsity); the achievable fractions
-are typical measured values (large-GEMM efficiency, nccl-tests bus bandwidth over link peak).
-``shardwise calibrate`` replaces them by this machine's measurements.
+Presets come from the vendors' published figures (dense, no sparsity). The achievable fractions
+are physical properties, each with its source: the bus bandwidth nccl-tests reach over the link
+peak (0.8), a large GEMM's fraction of the tensor-core peak (``gemm_efficiency``), FlashAttention's
+(``attention_efficiency``), a streaming kernel's fraction of HBM bandwidth (``memory_efficiency``)
+and how much data-parallel traffic hides behind compute (``overlap``: a collective that overlaps
+still slows the kernels it shares the SMs and HBM with). ``shardwise calibrate`` replaces them by
+this machine's measurements.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ class ClusterSpec:
     inter_bw: float = 25 * GB
     inter_latency_s: float = 20e-6
     memory_bw: float = 1e12  # device memory bandwidth (the optimizer step is bound by it)
-    overlap: float = 1.0  # fraction of data-parallel communication that can hide behind backward
+    overlap: float = 1.0  # fraction of overlappable (data-parallel, prefetched) communication that hides behind compute
     kernel_overhead_s: float = 5e-6  # fixed cost of one operator launch (eager PyTorch: Python + dispatch)
     dtensor_overhead_s: float = 20e-6  # extra cost of one DTensor operator (sharding propagation)
     # Measured fixed costs of parallel layers (``shardwise calibrate``; 0: estimate them from the
@@ -61,6 +70,10 @@ class ClusterSpec:
     optimizer_dtensor_tensor_s: float = 0.0
     optimizer_param_s: float = 0.0
     oversubscription: float = 1.0  # processes per compute unit: a lone busy process runs this much faster
+    # Physical efficiencies of a preset's compute model (shardwise.plan.compute); 0: achievable_fraction.
+    gemm_efficiency: float = 0.0  # a large GEMM's fraction of the tensor-core peak
+    attention_efficiency: float = 0.0  # fused (Flash) attention's fraction of the peak, forward + backward
+    memory_efficiency: float = 1.0  # a streaming kernel's fraction of memory_bw
     device_type: str = "cuda"
     measurements: dict[str, Any] = field(default_factory=dict)  # raw calibration tables, if any
 
@@ -83,10 +96,23 @@ class ClusterSpec:
             raise ConfigError(f"cluster oversubscription={self.oversubscription} must be >= 1", hint="1 when every process has its own device")
         if not 0 < self.achievable_fraction <= 1 or not 0 <= self.overlap <= 1:
             raise ConfigError(f"cluster achievable_fraction={self.achievable_fraction} and overlap={self.overlap} must lie in (0, 1]")
+        for key in ("gemm_efficiency", "attention_efficiency"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"cluster {key}={getattr(self, key)} must lie in [0, 1]", hint="0 means: use achievable_fraction")
+        if not 0 < self.memory_efficiency <= 1:
+            raise ConfigError(f"cluster memory_efficiency={self.memory_efficiency} must lie in (0, 1]")
 
     @property
     def nodes(self) -> int:
         return max(1, self.devices // self.devices_per_node)
+
+    @property
+    def gemm_efficiency_(self) -> float:
+        return self.gemm_efficiency or self.achievable_fraction
+
+    @property
+    def attention_efficiency_(self) -> float:
+        return self.attention_efficiency or self.gemm_efficiency_
 
     def flops(self, precision: str) -> float:
         """Achievable FLOP/s of one device for a compute dtype (fp32 falls back if one is missing)."""
@@ -125,17 +151,35 @@ class ClusterSpec:
         per_node = devices_per_node or min(self.devices_per_node, devices)
         return replace(self, devices=devices, devices_per_node=per_node)
 
+    def ranks_per_node(self, group: int, stride: int) -> int:
+        """How many ranks of a group of ``group`` ranks spaced ``stride`` apart share a node."""
+        return max(1, min(group, self.devices_per_node // max(1, stride)))
+
     def collective_time(self, op: str, nbytes: float, group: int, *, stride: int = 1, latency: bool = True) -> float:
         """Seconds for one collective of ``nbytes`` (the full buffer) over ``group`` ranks spaced
-        ``stride`` apart in rank order (intra-node iff the group's span fits in one node);
-        ``latency=False``: the bandwidth term alone (when a measured fixed cost covers the latency)."""
+        ``stride`` apart in rank order (see the module doc: the busier of the intra-node links and
+        the node's NICs sets the pace); ``latency=False``: the bandwidth term alone (when a measured
+        fixed cost covers the latency)."""
         if group <= 1 or nbytes <= 0:
             return 0.0
-        intra = group * stride <= self.devices_per_node
-        bw, lat = (self.intra_bw, self.intra_latency_s) if intra else (self.inter_bw, self.inter_latency_s)
         factor = {"all_reduce": 2 * (group - 1) / group, "all_gather": (group - 1) / group,
                   "reduce_scatter": (group - 1) / group}.get(op, 1.0)
-        return (lat * math.ceil(math.log2(group)) if latency else 0.0) + factor * nbytes / bw
+        volume = factor * nbytes
+        if group * stride <= self.devices_per_node:
+            return (self._latency(op, group, self.intra_latency_s, self.intra_latency_s) if latency else 0.0) + volume / self.intra_bw
+        g = self.ranks_per_node(group, stride)
+        seconds = volume * max(1.0 / self.intra_bw if g > 1 else 0.0, 1.0 / (g * self.inter_bw))
+        return (self._latency(op, group, self.intra_latency_s, self.inter_latency_s, nodes=max(1, group // g)) if latency else 0.0) + seconds
+
+    @staticmethod
+    def _latency(op: str, group: int, intra: float, inter: float, *, nodes: int = 1) -> float:
+        """Latency of one collective: a ring all-gather or reduce-scatter takes ``n - 1`` steps (of
+        which one per node crosses a NIC); an all-reduce (NCCL's tree for latency-bound sizes) and
+        the others ``ceil(log2 n)``."""
+        if op in ("all_gather", "reduce_scatter"):
+            hops_inter = nodes if nodes > 1 else 0
+            return (group - 1 - hops_inter) * intra + hops_inter * inter
+        return math.ceil(math.log2(group)) * (inter if nodes > 1 else intra)
 
     def collective_latency(self, op: str, group: int, *, stride: int = 1) -> float:
         """Seconds of one tiny collective: the calibrated fit's intercept for ``op`` when the spec
@@ -199,13 +243,33 @@ def _interpolate(table: dict[str, float], dim: float) -> float | None:
     return pts[-1][1]
 
 
-def _gpu(name: str, *, memory_gb: float, fp32: float, bf16: float, tf32: float, nvlink: float, ib: float, hbm: float) -> ClusterSpec:
+MEMORY_EFFICIENCY = 0.85  # STREAM-like copy kernels: ~1.3 of 1.555 TB/s on an A100-40GB, ~2.9 of 3.35 on an H100 SXM
+# Per-chip efficiencies of the compute model (shardwise.plan.compute) and the overlap fraction
+# (shardwise.plan.comm). A100: fitted on 107 published A100 runs of four sources, each source
+# weighted once (`bench/planner_published.py --fit`; leave-one-source-out in docs/planner.md).
+A100 = {"gemm": 0.725, "attention": 0.30, "overlap": 0.7}
+# H100 / H200 (same compute die): no published H100 runs to fit here but three on a lower-power
+# variant, so each figure is carried over from the A100 by a measured or published ratio:
+# - gemm: the A100's training GEMM efficiency times the ratio of the two chips' best-GEMM fractions,
+#   0.715 of 989 TFLOP/s measured here on an H200 (bench/results/gpu/calibrated_1gpu.json) over
+#   ~0.85 of 312 on an A100 (cuBLAS, NVIDIA's published bf16 GEMM throughput): 0.70 x 0.84;
+# - attention: FlashAttention-2 on an H100 (Shah et al. 2024, FlashAttention-3, sec. 1 and fig. 5-7:
+#   ~35% of peak forward, ~25-29% backward): causal forward + backward ~0.25;
+# - overlap: a property of the software (NCCL beside the compute kernels), the A100's.
+H100 = {"gemm": round(A100["gemm"] * 0.715 / 0.85, 3), "attention": 0.25, "overlap": A100["overlap"]}
+
+
+def _gpu(name: str, *, memory_gb: float, fp32: float, bf16: float, tf32: float, nvlink: float, ib: float, hbm: float,
+         gemm: float, attention: float, overlap: float, fp8: float = 0.0) -> ClusterSpec:
     # nvlink/ib in GB/s per direction per GPU; nccl-tests reach ~80% of it as bus bandwidth.
+    peaks = {"fp32": fp32 * 1e12, "tf32": tf32 * 1e12, "bf16": bf16 * 1e12, "fp16": bf16 * 1e12}
+    if fp8:
+        peaks["fp8"] = fp8 * 1e12
     return ClusterSpec(
-        name=name, devices=8, devices_per_node=8, memory_bytes=memory_gb * GB,
-        peak_flops={"fp32": fp32 * 1e12, "tf32": tf32 * 1e12, "bf16": bf16 * 1e12, "fp16": bf16 * 1e12},
-        achievable_fraction=0.55, intra_bw=0.8 * nvlink * GB, intra_latency_s=8e-6, inter_bw=0.8 * ib * GB,
-        inter_latency_s=15e-6, memory_bw=hbm * GB, overlap=1.0, device_type="cuda",
+        name=name, devices=8, devices_per_node=8, memory_bytes=memory_gb * GB, peak_flops=peaks,
+        achievable_fraction=gemm, intra_bw=0.8 * nvlink * GB, intra_latency_s=8e-6, inter_bw=0.8 * ib * GB,
+        inter_latency_s=15e-6, memory_bw=hbm * GB, overlap=overlap, device_type="cuda", kernel_overhead_s=8e-6,
+        gemm_efficiency=gemm, attention_efficiency=attention, memory_efficiency=MEMORY_EFFICIENCY,
     )
 
 
@@ -215,11 +279,18 @@ def _gpu(name: str, *, memory_gb: float, fp32: float, bf16: float, tf32: float, 
 # NVIDIA H100 Tensor Core GPU datasheet (SXM5): 67 TFLOPS FP32, 495 TF32, 989 BF16/FP16 dense;
 # 3.35 TB/s HBM3; NVLink 900 GB/s bidirectional = 450 per direction. DGX H100: 8x 400 Gb/s NDR = 50 GB/s per GPU.
 # NVIDIA H200 Tensor Core GPU datasheet (SXM): same compute as H100, 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s.
+# H800 / A800 (export variants): H100 / A100 compute with NVLink 400 GB/s bidirectional = 200 per direction.
+# NVIDIA V100 datasheet (SXM2 32 GB): 15.7 TFLOPS FP32, 125 FP16 tensor (no BF16), 900 GB/s HBM2,
+# NVLink 300 GB/s bidirectional = 150 per direction; DGX-1: 4x 100 Gb/s EDR for 8 GPUs = 6.25 GB/s per GPU.
+# The A100's fitted efficiencies stand in for the V100 (no published V100 runs here; no FlashAttention there).
 PRESETS: dict[str, ClusterSpec] = {
-    "a100-40gb": _gpu("a100-40gb", memory_gb=40, fp32=19.5, tf32=156, bf16=312, nvlink=300, ib=25, hbm=1555),
-    "a100-80gb": _gpu("a100-80gb", memory_gb=80, fp32=19.5, tf32=156, bf16=312, nvlink=300, ib=25, hbm=2039),
-    "h100": _gpu("h100", memory_gb=80, fp32=67, tf32=495, bf16=989, nvlink=450, ib=50, hbm=3350),
-    "h200": _gpu("h200", memory_gb=141, fp32=67, tf32=495, bf16=989, nvlink=450, ib=50, hbm=4800),
+    "a100-40gb": _gpu("a100-40gb", memory_gb=40, fp32=19.5, tf32=156, bf16=312, nvlink=300, ib=25, hbm=1555, **A100),
+    "a100-80gb": _gpu("a100-80gb", memory_gb=80, fp32=19.5, tf32=156, bf16=312, nvlink=300, ib=25, hbm=2039, **A100),
+    "h100": _gpu("h100", memory_gb=80, fp32=67, tf32=495, bf16=989, fp8=1979, nvlink=450, ib=50, hbm=3350, **H100),
+    "h200": _gpu("h200", memory_gb=141, fp32=67, tf32=495, bf16=989, fp8=1979, nvlink=450, ib=50, hbm=4800, **H100),
+    "h800": _gpu("h800", memory_gb=80, fp32=67, tf32=495, bf16=989, fp8=1979, nvlink=200, ib=50, hbm=3350, **H100),
+    "a800": _gpu("a800", memory_gb=80, fp32=19.5, tf32=156, bf16=312, nvlink=200, ib=25, hbm=2039, **A100),
+    "v100": _gpu("v100", memory_gb=32, fp32=15.7, tf32=15.7, bf16=125, nvlink=150, ib=6.25, hbm=900, **A100),
     # A generic CPU process (one core of a current x86 server, Gloo on loopback): order-of-magnitude
     # figures, the fixed costs of parallel layers and Adam from `shardwise calibrate` on a 2-core VM
     # (4 processes, 2 per core), halved to one process per core. `Trainer(plan="auto")` measures the
@@ -231,7 +302,7 @@ PRESETS: dict[str, ClusterSpec] = {
                        tp_layer_overhead_s=20e-3, zero3_unit_overhead_s=6e-3, zero2_unit_overhead_s=5e-3, pp_microbatch_overhead_s=3.5e-3,
                        optimizer_tensor_s=25e-6, optimizer_dtensor_tensor_s=150e-6, optimizer_param_s=6e-9, device_type="cpu"),
 }
-ALIASES = {"h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb"}
+ALIASES = {"h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb", "v100-32gb": "v100", "a800-80gb": "a800", "h800-80gb": "h800"}
 
 
 def resolve(device_type: str, *, devices: int | None = None, devices_per_node: int | None = None) -> ClusterSpec:

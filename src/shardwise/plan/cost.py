@@ -8,58 +8,42 @@ included) and ``N`` ranks in the sharding group::
     stage 2:  P Ψ + (G + K) Ψ / N  stage 3:  (P + G + K) Ψ / N
 
 :meth:`StatePolicy.zero_paper` is the paper's convention (fp16 ``P = G = 2``, ``K = 12``: fp32 master
-weights, momentum and variance). :meth:`StatePolicy.torch` is what shardwise trains with: the fp32
-parameter *is* the master copy and 16-bit compute copies are transient (autocast, or FSDP2's
-``MixedPrecisionPolicy`` gathering bf16), so ``P = G = 4`` and Adam adds ``K = 8``.
+weights, momentum and variance), :meth:`StatePolicy.megatron` Megatron-LM's (16-bit parameters,
+fp32 gradients, ``K = 12``), :meth:`StatePolicy.torch` shardwise's and FSDP's (the fp32 parameter
+*is* the master copy, 16-bit compute copies are transient: ``P = G = 4``, Adam ``K = 8``).
 
-**Activations** (Korthikanti et al. 2022, table 2): per layer, ``A/t`` with tensor + sequence
-parallelism, ``10 s h + (A - 10 s h)/t`` with tensor parallelism alone, the attention-score part
-dropped by selective recomputation, only the layer input kept by full recomputation. ``A`` is
-16-bit (:mod:`shardwise.plan.stats`); fp32 training doubles it. Mixed precision as torch runs it
-(autocast over fp32 parameters, :meth:`StatePolicy.torch`) keeps more than the 16-bit figure: the
-residual stream stays fp32 (the LayerNorm inputs and a pipeline stage's input/output: 2 extra bytes
-per element), separate q/k/v projections each save their own 16-bit copy of the normalized input,
-and every microbatch's forward saves the 16-bit copy autocast made of each weight (not under
-FSDP, whose gathered 16-bit parameters are freed or counted as buffers). Buffers: communication
-buffers of the busiest moment plus the gradient of the logits at the start of backward (as large as
-the logits and the loss's fp32 copy). Measured on one H200
-(``bench/planner_gpu.py``): the built-in GPT keeps 44.9 bytes per token and hidden unit and layer
-in bf16 (predicted 43) and 65 in fp32 (predicted 64). In-flight
-microbatches on the first stage: GPipe ``m``; 1F1B ``min(m, p)``; interleaved 1F1B
-``p + (p - 1)/v`` (Narayanan et al. 2021); without pipelining ``1`` (accumulation is sequential).
+**Activations** per stage (:mod:`shardwise.plan.memory`): what one layer keeps under the
+recompute mode and precision policy (:mod:`shardwise.plan.policy`), times the stage's layers and
+the microbatches in flight — on the first stage GPipe ``m``, 1F1B ``min(m, p)``, interleaved 1F1B
+``min(m, p) + (p - 1)/v`` (Narayanan et al. 2021), without pipelining 1 (accumulation is
+sequential); on the last stage one (GPipe ``m``) plus the logits — plus one replayed layer under
+recomputation, the stage's input and communication buffers. The busiest stage is reported.
 
-**Step time**: ``compute + bubble + exposed communication + optimizer``. Compute is
-``3 x`` forward FLOPs (+1 forward under full recomputation, + the attention part under selective)
-divided by the achievable FLOP/s. Bubble: ``(p-1)/v`` microbatch times, i.e. the fraction
-``(p-1)/(v m + p - 1)`` of the pipelined time. Tensor parallel: two all-reduces per layer forward and
-two backward on the layer's activation (all-gather + reduce-scatter with sequence parallelism,
-same volume). Pipeline: one send forward and one backward per microbatch and hop (with a calibrated spec, a
-measured fixed cost per slot of the critical path replaces the per-send latency). Data parallel:
-DDP all-reduces the gradients; ZeRO-1 (ZeroRedundancyOptimizer over DDP) all-reduces them and then
-broadcasts each rank's updated partition; ZeRO-2 (FSDP2 keeping gathered parameters until backward)
-all-gathers parameters once per microbatch and reduce-scatters gradients; ZeRO-3 all-gathers
-parameters for forward and again for backward every microbatch and reduce-scatters gradients; HSDP
-adds an all-reduce of the shard over the replicas. Gradient
-communication overlaps with backward by the cluster's ``overlap`` fraction.
+**Step time** = ``compute + bubble + exposed communication + optimizer``: compute is ``m``
+microbatches of :func:`shardwise.plan.compute.microbatch_time`; the bubble is ``(p-1)/v``
+microbatch times, i.e. the fraction ``(p-1)/(v m + p - 1)`` of the pipelined step (on an
+oversubscribed host ``max(m t, (m + (p-1)/v) t / o)``); communication is
+:mod:`shardwise.plan.comm`'s tensor-parallel, pipeline and data-parallel terms.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardwise.errors import ConfigError
-from shardwise.plan.cluster import ClusterSpec
-from shardwise.plan.memory import StatePolicy, autocast_extra, buffer_bytes, layer_activation, model_state_bytes, stage_param_count
 from shardwise.layout import Plan
+from shardwise.plan.cluster import ClusterSpec
+from shardwise.plan.comm import cp_time, dp_time, pp_time, tp_time
+from shardwise.plan.compute import microbatch_time, optimizer_time
+from shardwise.plan.memory import (StatePolicy, buffer_bytes, layer_bytes, logits_bytes, model_state_bytes, stage_param_count,
+                                   weight_copy_bytes)
+from shardwise.plan.policy import RunPolicy
 from shardwise.plan.stats import ModelStats
 
-__all__ = ["Estimate", "StatePolicy", "bubble_fraction", "estimate", "micro_batch_size", "model_state_bytes", "stage_param_count"]
-
-KERNELS_PER_LAYER = 20  # operators of one transformer layer's forward (matmuls, norms, adds, attention)
-DTENSOR_OPS_PER_LAYER = 12  # tensor-parallel DTensor dispatches of one layer's forward (6 linears + hooks)
-FSDP_OPS_PER_UNIT = 4  # DTensor-level operations of FSDP2's pre/post hooks per unit and collective
+__all__ = ["Estimate", "RunPolicy", "StatePolicy", "bubble_fraction", "estimate", "micro_batch_size", "model_state_bytes",
+           "stage_param_count"]
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -78,12 +62,13 @@ class Estimate:
     micro_batch_size: int
     memory: dict[str, float]  # params, grads, optimizer, activations, buffers
     time: dict[str, float]  # compute, communication, bubble
-    detail: dict[str, float] = field(default_factory=dict)  # tp, pp, dp communication, optimizer step
+    detail: dict[str, float] = field(default_factory=dict)  # tp, pp, dp communication, optimizer step, compute parts
     step_time_s: float = 0.0
     memory_limit: float = 0.0
     tokens_per_s: float = 0.0
     tflops_per_device: float = 0.0
     mfu: float = 0.0
+    run: RunPolicy = field(default_factory=RunPolicy)
 
     @property
     def memory_total(self) -> float:
@@ -105,6 +90,7 @@ class Estimate:
             "micro_batch_size": self.micro_batch_size, "num_microbatches": p.microbatches,
             "schedule": p.schedule if p.pp > 1 else "none", "virtual_stages": p.virtual_stages,
             "sequence_parallel": p.sequence_parallel, "recompute": p.recompute, "precision": p.precision, "plan": str(p),
+            "precision_policy": self.run.precision, "selective_mode": self.run.selective,
             "memory_per_device_bytes": int(self.memory_total),
             "memory_breakdown": {k: int(v) for k, v in self.memory.items()},
             "step_time_s": self.step_time_s, "time_breakdown": dict(self.time), "time_detail": dict(self.detail),
@@ -125,90 +111,52 @@ def micro_batch_size(plan: Plan, global_batch: int) -> int:
     return mbs
 
 
+def _in_flight(plan: Plan) -> tuple[float, float]:
+    """Microbatches whose activations the first and the last stage hold at once."""
+    p, m, v = plan.pp, plan.microbatches, plan.virtual_stages
+    if p == 1:
+        return 1.0, 1.0
+    if plan.schedule == "gpipe":
+        return float(m), float(m)
+    if plan.schedule == "interleaved_1f1b":
+        return min(m, p) + (p - 1) / v, 1.0
+    return float(min(m, p)), 1.0
+
+
 def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, policy: StatePolicy | None = None,
-             headroom: float = 0.1) -> Estimate:
+             headroom: float = 0.1, run: RunPolicy | None = None) -> Estimate:
     """Memory and time of one training step of ``plan`` (see the module doc for every term)."""
+    run = run or RunPolicy()
     policy = policy or StatePolicy.torch(plan.precision)
     mbs = micro_batch_size(plan, global_batch)
     t, p, m, v = plan.tp, plan.pp, plan.microbatches, plan.virtual_stages
     if p > stats.blocks:
         raise ConfigError(f"plan pp={p} exceeds the model's {stats.blocks} blocks", hint=f"use pp <= {stats.blocks}")
-    act_scale = 2.0 if plan.precision == "fp32" else 1.0  # stats are 16-bit
-    autocast = plan.precision != "fp32" and policy.param >= 4  # 16-bit compute over fp32 parameters
-    resid_scale = 2.0 if autocast else act_scale  # the residual stream stays fp32 under autocast
+    fp32 = plan.precision == "fp32"
+    act_scale = 2.0 if fp32 else 1.0  # stats are 16-bit
+    resid_scale = 2.0 if (fp32 or run.autocast) else 1.0  # autocast keeps the residual stream in fp32
     layers = math.ceil(stats.blocks / p)  # the busiest stage
     stage_params = stage_param_count(stats, tp=t, pp=p)
 
     # -- memory ---------------------------------------------------------------------------
     states = model_state_bytes(stage_params, policy, zero=plan.zero, shard=plan.shard)
     boundary = mbs * stats.boundary_bytes * resid_scale  # one block input of one microbatch
-    def kept(p: Plan) -> float:  # bytes one layer keeps per sample without full recomputation
-        return layer_activation(stats, p) * act_scale + (autocast_extra(stats, p) if autocast else 0.0)
-
-    if plan.recompute == "full":  # only the layer input (the residual stream) is kept
-        per_layer = layer_activation(stats, plan) * resid_scale * mbs
-    else:
-        per_layer = kept(plan) * mbs
-        if autocast and plan.zero <= 1:  # autocast's 16-bit weight copies, saved by each microbatch's forward
-            per_layer += stats.params_per_block / t * policy.compute_bytes
-    if p == 1:
-        in_flight = 1.0
-    elif plan.schedule == "gpipe":
-        in_flight = float(m)
-    elif plan.schedule == "interleaved_1f1b":
-        in_flight = min(m, p) + (p - 1) / v
-    else:
-        in_flight = float(min(m, p))
-    logits = mbs * stats.logits_bytes / t * (act_scale + 2.0)  # the logits plus the loss's fp32 softmax
-    stage_acts = in_flight * layers * per_layer
-    if plan.recompute == "full":  # one layer replayed at a time
-        stage_acts += kept(replace(plan, recompute="none")) * mbs
-    last_in_flight = in_flight if plan.schedule == "gpipe" or p == 1 else 1.0
-    activations = stage_acts + boundary + last_in_flight * logits
-    buffers = buffer_bytes(stats, plan, policy, layers=layers, boundary=boundary) + logits  # + the loss's gradient
+    kept, replay = layer_bytes(stats, plan, run)
+    per_layer = kept * mbs + weight_copy_bytes(stats, plan, run, policy)
+    first_in_flight, last_in_flight = _in_flight(plan)
+    logits_kept, logits_grad = logits_bytes(stats, plan, run)
+    transient = replay * mbs  # one layer replayed at a time during backward
+    first = first_in_flight * layers * per_layer + transient + boundary + (logits_kept * mbs if p == 1 else 0.0)
+    last = last_in_flight * layers * per_layer + transient + boundary + logits_kept * mbs * last_in_flight
+    activations = max(first, last)
+    grad_of_logits = logits_grad * mbs if (p == 1 or last >= first) else 0.0  # at the start of the last stage's backward
+    buffers = buffer_bytes(stats, plan, policy, run, layers=layers, boundary=boundary, stage_params=stage_params) + grad_of_logits
     memory = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
               "activations": activations, "buffers": buffers}
 
     # -- time -------------------------------------------------------------------------------
-    # Matmul efficiency depends on size: the typical GEMM of a layer is (tokens x hidden) @ (hidden x hidden/t).
-    tokens_mb = mbs * stats.seq
-    dim = (tokens_mb * max(stats.hidden, 1) * max(stats.hidden / t, 1)) ** (1 / 3) if stats.hidden else 1024.0
-    flops = cluster.matmul_flops(plan.precision, dim)
-    # The last stage is the busiest: its share of the blocks plus the LM head.
-    fwd = mbs * (layers * stats.flops_per_block + stats.flops_head) / t
-    extra = 0.0
-    if plan.recompute == "full":
-        extra = mbs * layers * stats.flops_per_block / t
-    elif plan.recompute == "selective":
-        extra = mbs * layers * stats.attn_flops_per_block / t
-    block_rate = cluster.block_flops(plan.precision, dim) if stats.hidden else None
-    if block_rate:
-        # Calibrated: a real transformer layer's measured forward + backward throughput covers its
-        # kernels, memory traffic and autograd work; the LM head runs at the matmul rate and its
-        # softmax / loss are memory-bound (the logits written and read once each way).
-        layer_fwd = mbs * layers * stats.flops_per_block / t
-        head_fwd = mbs * stats.flops_head / t
-        loss_traffic = mbs * stats.logits_bytes / t * (act_scale + 2.0) / cluster.memory_bw
-        replay_rate = cluster.block_flops(plan.precision, dim, recompute=True) if plan.recompute == "full" else None
-        # Layers' forward + backward: at the rate measured under full recomputation when there is
-        # one (model FLOPs: the replay shows as a lower rate), else the replayed FLOPs at the plain rate.
-        layers_s = 3 * layer_fwd / replay_rate if replay_rate else (3 * layer_fwd + extra) / block_rate
-        t_fwd = layer_fwd / block_rate + head_fwd / flops + loss_traffic
-        t_bwd = layers_s - layer_fwd / block_rate + 2 * head_fwd / flops + loss_traffic
-    else:
-        # Eager execution launches ~KERNELS_PER_LAYER operators per layer forward, twice that backward.
-        launches = layers * KERNELS_PER_LAYER * cluster.kernel_overhead_s
-        # Activation traffic: each activation is written in forward and read in backward, whether it
-        # is kept or recomputed (recomputation writes it again: the replayed share of it).
-        produced = layer_activation(stats, plan, recompute="none") * mbs * act_scale * layers
-        replayed = {"full": produced, "selective": produced * stats.attn_act_bytes_per_block / max(stats.act_bytes_per_block, 1.0)}
-        traffic = produced / cluster.memory_bw
-        t_fwd = fwd / flops + traffic + launches
-        t_bwd = (2 * fwd + extra) / flops + traffic + replayed.get(plan.recompute, 0.0) / cluster.memory_bw + 2 * launches
-        if plan.recompute == "full":
-            t_bwd += launches
-    t_mb = t_fwd + t_bwd
-    compute = m * t_mb
+    mb = microbatch_time(stats, cluster, plan, run, mbs=mbs, layers=layers)
+    compute = m * mb.total
     bubble = 0.0
     if p > 1:
         # Critical path: m microbatches plus (p-1)/v fill-and-drain slots. On a host with more
@@ -217,110 +165,27 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         # max(work-conserving bound m t_mb, critical path at solo speed); on GPUs (o = 1) this is
         # the textbook (m + (p-1)/v) t_mb.
         o = max(1.0, cluster.oversubscription)
-        bubble = max(0.0, (m + (p - 1) / v) * t_mb / o - compute)
-
-    tp_comm = 0.0
-    if t > 1:
-        collectives = 4 + (2 if plan.recompute == "full" else 0)  # 2 fwd + 2 bwd (+2 replayed)
-        measured = cluster.tp_layer_overhead_s > 0
-        # With a calibrated fixed cost per TP layer (dispatch + collective latency, measured on a
-        # tiny model) only the bytes are added; otherwise latency per collective and ~DTENSOR_OPS_PER_LAYER
-        # DTensor dispatches (sharding propagation, redistribution) forward, twice that backward.
-        per_layer_tp = collectives * cluster.collective_time("all_reduce", boundary, t, latency=not measured)
-        edge = 2 * cluster.collective_time("all_reduce", boundary, t, latency=not measured)  # vocab-parallel embedding / loss
-        replay = 4 / 3 if plan.recompute == "full" else 1.0  # a replayed forward: a third more of fwd + bwd
-        dispatch = replay * cluster.tp_layer_overhead_s if measured else 3 * DTENSOR_OPS_PER_LAYER * cluster.dtensor_overhead_s
-        tp_comm = m * (layers * (per_layer_tp + dispatch) + edge)
-
-    pp_comm = 0.0
-    if p > 1:
-        hop_bytes = boundary / (t if plan.sequence_parallel else 1)
-        intra = plan.dp_size * t * 2 <= cluster.devices_per_node
-        if cluster.pp_microbatch_overhead_s > 0:
-            # Calibrated: a fixed cost per slot of the critical path (v m + p - 1 of them: the
-            # schedule's runtime work and the send/receive latency), plus the bytes of each hop.
-            pp_comm = ((v * m + p - 1) * cluster.pp_microbatch_overhead_s
-                       + 2 * v * (m + p - 1) * (cluster.p2p_time(hop_bytes, intra=intra) - cluster.p2p_time(0.0, intra=intra)))
-        else:
-            pp_comm = 2 * v * (m + p - 1) * cluster.p2p_time(hop_bytes, intra=intra)
-
+        bubble = max(0.0, (m + (p - 1) / v) * mb.total / o - compute)
+    tp_comm = tp_time(cluster, plan, run, boundary=mbs * stats.boundary_bytes * act_scale, layers=layers, compute=compute)
+    pp_comm = pp_time(cluster, plan, hop_bytes=boundary / (t if plan.sequence_parallel or run.pp_scatter_gather else 1))
+    kv_bytes = mbs * (stats.context or stats.seq) * 2 * (stats.kv_hidden or stats.hidden) / t * (4.0 if fp32 else 2.0)
+    cp_comm = cp_time(cluster, plan, run, kv_bytes=kv_bytes, layers=layers, attention=m * mb.parts.get("attention", 0.0))
     stage_tensors = layers * stats.tensors_per_block + stats.tensors_outer
-    dp_comm, dp_exposed = _dp_comm(cluster, plan, policy, stage_params=stage_params, layers=layers,
-                                   params_per_block=stats.params_per_block / t, t_fwd=t_fwd, t_bwd=t_bwd,
-                                   stage_tensors=stage_tensors)
-    optimizer_params = stage_params / (plan.shard if plan.zero >= 1 else 1)
-    if cluster.optimizer_param_s > 0:
-        # Calibrated Adam: per tensor (DTensor parameters under FSDP2 / TP / a pipeline's replicate
-        # pay DTensor dispatch on every operator) plus per element. ZeRO-1 steps its partition only.
-        dtensor = plan.zero >= 2 or t > 1 or (p > 1 and plan.dp_size > 1)
-        per_tensor = cluster.optimizer_dtensor_tensor_s if dtensor and cluster.optimizer_dtensor_tensor_s > 0 else cluster.optimizer_tensor_s
-        tensors = stage_tensors / (plan.shard if plan.zero == 1 else 1)
-        t_opt = tensors * per_tensor + optimizer_params * cluster.optimizer_param_s
-    else:
-        # Adam reads param, grad, m, v and writes param, m, v: about 7 x 4 bytes per parameter.
-        t_opt = optimizer_params * 28.0 / cluster.memory_bw
+    dp = dp_time(cluster, plan, policy, run, stage_params=stage_params, layers=layers, t_fwd=mb.fwd, t_bwd=mb.bwd,
+                 stage_tensors=stage_tensors)
+    t_opt = optimizer_time(stats, cluster, plan, stage_params=stage_params, stage_tensors=stage_tensors)
 
-    communication = tp_comm + pp_comm + dp_exposed
+    communication = tp_comm + pp_comm + cp_comm + dp.dp_exposed
     step = compute + bubble + communication + t_opt
     tokens = global_batch * stats.seq
     model_flops = 3 * stats.flops_per_sample * global_batch
-    world = plan.world_size
-    achieved = model_flops / step / world
+    achieved = model_flops / step / plan.world_size
+    detail = {"tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "dp_comm": dp.dp_total, "dp_comm_exposed": dp.dp_exposed,
+              "optimizer": t_opt, "microbatch": mb.total}
+    detail.update({f"compute_{k}": m * v_ for k, v_ in mb.parts.items()})
     return Estimate(
         plan=plan, global_batch=global_batch, micro_batch_size=mbs, memory=memory,
         time={"compute": compute + t_opt, "communication": communication, "bubble": bubble},
-        detail={"tp_comm": tp_comm, "pp_comm": pp_comm, "dp_comm": dp_comm, "dp_comm_exposed": dp_exposed,
-                "optimizer": t_opt, "microbatch": t_mb},
-        step_time_s=step, memory_limit=cluster.memory_bytes * (1 - headroom), tokens_per_s=tokens / step,
-        tflops_per_device=achieved / 1e12, mfu=achieved / cluster.peak(plan.precision),
+        detail=detail, step_time_s=step, memory_limit=cluster.memory_bytes * (1 - headroom), tokens_per_s=tokens / step,
+        tflops_per_device=achieved / 1e12, mfu=achieved / cluster.peak(plan.precision), run=run,
     )
-
-
-def _dp_comm(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, *, stage_params: float, layers: int,
-             params_per_block: float, t_fwd: float, t_bwd: float, stage_tensors: int = 0) -> tuple[float, float]:
-    """(total, exposed) data-parallel communication seconds of one step."""
-    if plan.dp_size == 1:
-        return 0.0, 0.0
-    grads = stage_params * policy.reduce_bytes
-    params = stage_params * policy.compute_bytes
-    stride = plan.tp
-    m = plan.microbatches
-    if plan.zero == 0:
-        total = cluster.collective_time("all_reduce", grads, plan.dp, stride=stride)
-        return total, max(0.0, total - cluster.overlap * t_bwd)
-    shard, rep = plan.shard, plan.dp
-    # FSDP2 communicates per unit (each block, plus the root's remaining parameters): a collective
-    # latency and FSDP's hook work per unit, the bytes split over the units. A calibrated spec has
-    # measured that fixed cost per unit and microbatch (hooks + latency of the gathers and the
-    # reduce-scatter together); then only the bytes are charged per collective and the fixed cost
-    # once per unit and microbatch, exposed (it is CPU work on the critical path).
-    units = layers + 1
-    unit_fixed = {3: cluster.zero3_unit_overhead_s, 2: cluster.zero2_unit_overhead_s}.get(plan.zero, 0.0) if shard > 1 else 0.0
-    measured = unit_fixed > 0
-    hooks = units * FSDP_OPS_PER_UNIT * cluster.dtensor_overhead_s if shard > 1 and not measured else 0.0
-    rs = units * cluster.collective_time("reduce_scatter", grads / units, shard, stride=stride, latency=not measured) + hooks
-    ag = units * cluster.collective_time("all_gather", params / units, shard, stride=stride, latency=not measured) + hooks
-    replicas = units * cluster.collective_time("all_reduce", grads / shard / units, rep, stride=stride * shard)
-    fixed = m * units * unit_fixed
-    if plan.zero == 1:
-        # ZeroRedundancyOptimizer over DDP: the gradient all-reduce overlaps backward; each rank
-        # then broadcasts its updated fp32 partition (an all-gather's volume) with nothing to hide
-        # behind, one broadcast per parameter tensor (torch's default, parameters_as_bucket_view=False),
-        # so every tensor of the stage pays a broadcast latency.
-        ar = cluster.collective_time("all_reduce", grads, plan.dp_size, stride=stride)
-        gather = cluster.collective_time("all_gather", stage_params * policy.param, plan.shard, stride=stride, latency=False)
-        gather += stage_tensors * cluster.collective_latency("broadcast", plan.shard, stride=stride)
-        return ar + gather, max(0.0, ar - cluster.overlap * t_bwd) + gather
-    if plan.zero == 2:
-        # Gather once per microbatch before forward (kept for backward), reduce-scatter once.
-        fwd, bwd = m * ag, rs + replicas
-        exposed = max(0.0, fwd - cluster.overlap * m * t_fwd) + max(0.0, bwd - cluster.overlap * t_bwd)
-        return fwd + bwd + fixed, exposed + fixed
-    # ZeRO-3 gathers each block before its forward and again before its backward, every microbatch,
-    # and reduce-scatters gradients once (accumulation keeps unsharded grads local until the boundary).
-    fwd = m * ag
-    bwd = m * ag + rs + replicas
-    exposed = max(0.0, fwd - cluster.overlap * m * t_fwd) + max(0.0, bwd - cluster.overlap * m * t_bwd)
-    # The first block's gather can never hide behind compute.
-    first = 2 * m * ag / max(1, layers)
-    return fwd + bwd + fixed, max(exposed, first) + fixed

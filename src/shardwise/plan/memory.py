@@ -1,7 +1,25 @@
-"""The memory terms of the cost model: model states by ZeRO stage and precision policy, the busiest
-rank's parameter count, activations per layer and communication buffers. The formulas and their
-sources are in :mod:`shardwise.plan.cost`'s module doc; :func:`shardwise.plan.cost.estimate`
-combines these into an :class:`~shardwise.plan.cost.Estimate`.
+"""The memory terms of the cost model: model states by ZeRO stage and state policy, the busiest
+rank's parameter count, what one layer keeps for backward under each recompute mode and precision
+policy (:mod:`shardwise.plan.policy`), the logits, and communication buffers.
+:func:`shardwise.plan.cost.estimate` combines them per pipeline stage (the first stage holds the
+most microbatches in flight, the last one the logits) and takes the busiest.
+
+**What a layer keeps** (per token, Korthikanti et al. 2022 eq. 1 term by term, 16-bit): the block
+input ``x`` and the second residual ``x2`` (the LayerNorm inputs), the normalized inputs ``n1``,
+``n2`` of the q/k/v and first MLP projections, ``q, k, v``, the attention output ``o`` (the output
+projection's input), the MLP's inner activations (GELU: its input and output, ``2 f``; SwiGLU: gate,
+up, ``silu(gate)`` and the product, ``4 f``), 1-byte dropout masks and, with eager attention, the
+``s^2`` softmax (+ its dropout mask and output). Without tensor parallelism that is the paper's
+``s h (34 + 5 a s / h)`` (eager attention with dropout) or ``32 s h`` (fused attention, no dropout).
+Tensor parallelism divides the sharded tensors (``q, k, v, o``, the MLP's inner activations, the
+scores) by ``t``; the LayerNorm region (``x, n1, x2, n2`` and the masks) is divided only with
+sequence parallelism (paper, table 2).
+
+Recompute modes (``plan.recompute`` with the policy's ``selective``): ``full`` keeps only ``x``;
+``attention`` (Korthikanti's selective) drops the ``s^2`` part; ``matmuls`` (shardwise's policy) keeps
+``x`` and the outputs of every matmul and attention op; ``op`` (torchtitan's per-op SAC) keeps ``x``,
+the attention output and every *other* matmul's output; ``layer`` recomputes every second block
+fully. A recomputing mode also holds one replayed layer's activations during backward.
 """
 
 from __future__ import annotations
@@ -11,6 +29,7 @@ from dataclasses import dataclass
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
+from shardwise.plan.policy import RunPolicy
 from shardwise.plan.stats import ModelStats
 
 
@@ -28,17 +47,39 @@ class StatePolicy:
     zero2_shards_params: bool = False
 
     @classmethod
-    def torch(cls, precision: str = "fp32", optimizer: str = "adam") -> StatePolicy:
+    def torch(cls, precision: str = "fp32", optimizer: str = "adam", *, reduce_bytes: float = 4.0) -> StatePolicy:
+        """shardwise / FSDP: the fp32 parameter is the master copy (autocast or FSDP's 16-bit
+        all-gather make transient compute copies): ``P = G = 4``, Adam ``K = 8``. ``reduce_bytes``:
+        2 for a 16-bit gradient reduction (llm-foundry's FSDP ``mixed_precision=PURE``)."""
         states = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0, "sgd_nomomentum": 0.0}.get(optimizer)
         if states is None:
             raise ConfigError(f"optimizer {optimizer!r} is unknown to the cost model", hint="use adam, adamw, sgd or sgd_nomomentum")
         compute = 4.0 if precision == "fp32" else 2.0
-        return cls(param=4.0, grad=4.0, optimizer=states, compute_bytes=compute, reduce_bytes=4.0, zero2_shards_params=True)
+        return cls(param=4.0, grad=4.0, optimizer=states, compute_bytes=compute, reduce_bytes=reduce_bytes, zero2_shards_params=True)
 
     @classmethod
     def zero_paper(cls, k: float = 12.0) -> StatePolicy:
-        """ZeRO's mixed-precision Adam: fp16 params and grads (2 + 2), K = 12 (fp32 master, m, v)."""
+        """ZeRO's mixed-precision Adam (Rajbhandari et al. 2020, sec. 3.1): fp16 params and grads
+        (2 + 2), K = 12 (fp32 master weights, momentum and variance)."""
         return cls(param=2.0, grad=2.0, optimizer=k, compute_bytes=2.0, reduce_bytes=2.0)
+
+    @classmethod
+    def megatron(cls) -> StatePolicy:
+        """Megatron-LM / DeepSpeed's BF16 optimizer: 16-bit model parameters (2), fp32 gradient
+        accumulation buffers (4, all-reduced in fp32), fp32 master weights + Adam moments (12);
+        its distributed optimizer is ZeRO-1 (the 12 bytes sharded)."""
+        return cls(param=2.0, grad=4.0, optimizer=12.0, compute_bytes=2.0, reduce_bytes=4.0)
+
+    @classmethod
+    def named(cls, name: str, *, precision: str, optimizer: str) -> StatePolicy:
+        """``--memory-convention``: ``torch`` (shardwise's FSDP/autocast), ``zero-paper``, ``megatron``."""
+        if name == "torch":
+            return cls.torch(precision, optimizer)
+        if name == "zero-paper":
+            return cls.zero_paper()
+        if name == "megatron":
+            return cls.megatron()
+        raise ConfigError(f"--memory-convention {name!r} is unknown", hint="use torch, zero-paper or megatron")
 
 
 def model_state_bytes(params: float, policy: StatePolicy, *, zero: int, shard: int) -> dict[str, float]:
@@ -67,46 +108,165 @@ def stage_param_count(stats: ModelStats, *, tp: int, pp: int) -> float:
     return max(first, last)
 
 
-def layer_activation(stats: ModelStats, plan: Plan, *, recompute: str | None = None) -> float:
-    """Saved bytes of one layer and one sample at 16-bit (Korthikanti et al. 2022, table 2)."""
-    recompute = recompute or plan.recompute
+@dataclass(frozen=True)
+class Saved:
+    """One tensor a layer may keep for backward: elements per token, how tensor parallelism
+    splits it, and which matmul (in forward order) or op produces it."""
+
+    name: str
+    elems: float
+    kind: str  # "residual" (fp32 under autocast), "norm" (LayerNorm region), "sharded", "mask" (1 byte)
+    matmul: int = 0  # 1-based position among the block's matmuls (0: not a matmul output)
+    in_none: bool = True  # kept without recomputation
+    attention: bool = False  # produced by the attention op (SDPA output)
+
+
+def layer_tensors(stats: ModelStats, *, autocast: bool = False) -> list[Saved]:
+    """The tensors of one block, per token (see the module doc); ``autocast``: separate q/k/v
+    projections each keep their own 16-bit copy of the normalized input."""
+    h, kv, f = stats.hidden, stats.kv_hidden or stats.hidden, stats.ffn or 4 * stats.hidden
+    copies = stats.qkv_input_copies if autocast else 1
+    out = [Saved("x", h, "residual"), Saved("n1", h * copies, "norm")]
+    if stats.qkv_input_copies > 1:  # separate q, k, v projections
+        out += [Saved("q", h, "sharded", 1), Saved("k", kv, "sharded", 2), Saved("v", kv, "sharded", 3)]
+        nxt = 4
+    else:
+        out += [Saved("qkv", h + 2 * kv, "sharded", 1)]
+        nxt = 2
+    out += [Saved("o", h, "sharded", attention=True), Saved("attn_out", h, "norm", nxt, in_none=False),
+            Saved("x2", h, "residual"), Saved("n2", h, "norm")]
+    nxt += 1
+    if stats.gated_mlp:
+        out += [Saved("gate", f, "sharded", nxt), Saved("up", f, "sharded", nxt + 1), Saved("act", f, "sharded"),
+                Saved("prod", f, "sharded"), Saved("mlp_out", h, "norm", nxt + 2, in_none=False)]
+    else:
+        out += [Saved("fc1", f, "sharded", nxt), Saved("act", f, "sharded"), Saved("mlp_out", h, "norm", nxt + 1, in_none=False)]
+    if stats.dropout:
+        out += [Saved("masks", 2 * h, "mask")]  # residual dropouts after attention and MLP: 1 byte each
+    return out
+
+
+def _bytes(t: Saved, *, scale: float, autocast: bool, tp: int, sp: bool) -> float:
+    size = 4.0 if autocast and t.kind == "residual" else 2.0 * scale
+    if t.kind == "mask":
+        size = 1.0
+    return t.elems * size / (tp if t.kind == "sharded" or sp else 1)
+
+
+def recompute_mode(plan: Plan, run: RunPolicy) -> str:
+    """The cost model's recompute mode: none, full, or the policy's meaning of ``selective``."""
+    return run.selective if plan.recompute == "selective" else plan.recompute
+
+
+def layer_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, *, mode: str | None = None) -> tuple[float, float]:
+    """(kept, replayed): bytes one layer keeps per sample from forward to backward under ``mode``,
+    and the transient bytes of one layer replayed during backward (0 without recomputation)."""
+    mode = mode or recompute_mode(plan, run)
+    t, sp = plan.tp, plan.sequence_parallel
+    scale = 2.0 if plan.precision == "fp32" else 1.0
+    autocast = run.autocast and plan.precision != "fp32"
+    if not stats.ffn:  # a measured nn.Module: the saved bytes as measured (no per-tensor policies)
+        return _measured_layer_bytes(stats, plan, mode, scale, 2.0 if autocast or scale > 1 else 1.0)
+    tensors = layer_tensors(stats, autocast=autocast)
+    s = stats.seq
+    scores = stats.attn_act_bytes_per_block * scale / t  # eager attention's s^2 tensors (per sample)
+
+    def total(keep: list[Saved]) -> float:
+        return s * sum(_bytes(x, scale=scale, autocast=autocast, tp=t, sp=sp) for x in keep)
+
+    none = total([x for x in tensors if x.in_none]) + scores
+    if mode == "none":
+        return none, 0.0
+    if mode == "layer":  # every second block fully recomputed: the average block
+        full, replay = layer_bytes(stats, plan, run, mode="full")
+        return (none + full) / 2, replay
+    if mode == "full":
+        return total([tensors[0]]), none
+    if mode == "attention":
+        return none - scores, scores
+    if mode == "matmuls":  # every matmul output (eager attention: the bmm scores too) and attention's
+        keep = [x for x in tensors if x.matmul or x.attention or x.name == "x"]
+        bmm = stats.attn_act_bytes_per_block * (2 / 5 if stats.dropout else 1.0) * scale / t
+        return total(keep) + bmm, none - total(keep)
+    if mode == "op":  # torchtitan: every other matmul's output, attention's output, the block input
+        keep = [x for x in tensors if (x.matmul % 2 == 1) or x.attention or x.name == "x"]
+        return total(keep), none - total(keep)
+    raise ConfigError(f"recompute mode {mode!r} is unknown", hint="use none, selective or full")
+
+
+def _measured_layer_bytes(stats: ModelStats, plan: Plan, mode: str, scale: float, resid: float) -> tuple[float, float]:
+    """A measured module's saved bytes (16-bit figures scaled to the plan's precision): TP divides
+    all but the LayerNorm region (10 s h) unless sequence parallelism splits that too; full
+    recomputation keeps the block input (fp32 under autocast: ``resid``) and replays the rest."""
     t = plan.tp
-    if recompute == "full":
-        return stats.boundary_bytes / (t if plan.sequence_parallel else 1)
-    total = stats.act_bytes_per_block - (stats.attn_act_bytes_per_block if recompute == "selective" else 0.0)
-    if t == 1 or plan.sequence_parallel:
-        return total / t
-    replicated = min(total, 5 * stats.boundary_bytes)  # 10 s h: LayerNorm inputs and dropout masks
-    return replicated + (total - replicated) / t
+
+    def split(total: float) -> float:
+        if t == 1 or plan.sequence_parallel:
+            return total / t
+        replicated = min(total, 5 * stats.boundary_bytes * scale)  # 10 s h: LayerNorm inputs and dropout masks
+        return replicated + (total - replicated) / t
+
+    none = split(stats.act_bytes_per_block * scale)
+    if mode == "full":
+        return stats.boundary_bytes * resid / (t if plan.sequence_parallel else 1), none
+    if mode == "attention":
+        return split((stats.act_bytes_per_block - stats.attn_act_bytes_per_block) * scale), 0.0
+    return none, 0.0
 
 
-def autocast_extra(stats: ModelStats, plan: Plan) -> float:
-    """Bytes per layer and sample that autocast keeps beyond the 16-bit figure: the fp32 residual
-    stream the LayerNorms save (2 more bytes per element) and the extra 16-bit copies of the
-    normalized input that separate q/k/v projections save. Divided by ``t`` under sequence
-    parallelism, replicated under plain tensor parallelism (like the LayerNorm part in
-    :func:`layer_activation`)."""
-    elems = stats.residual_elems_per_block + (stats.qkv_input_copies - 1) * stats.boundary_bytes / 2
-    extra = 2.0 * elems
-    return extra / plan.tp if plan.sequence_parallel else extra
+def logits_bytes(stats: ModelStats, plan: Plan, run: RunPolicy) -> tuple[float, float]:
+    """(kept, gradient) bytes per sample of the logits on the last stage: a fused loss keeps one
+    copy whose gradient it computes in place (Megatron's vocabulary-parallel cross-entropy keeps
+    the fp32 softmax, the 16-bit logits freed once cast; flash-attn's fused cross-entropy keeps
+    the 16-bit logits and a per-token log-sum-exp): 4 bytes per element; unfused (autocast's
+    ``F.cross_entropy``) the 16-bit logits and the fp32 log-softmax are kept and their gradients
+    (as large again) are allocated at the start of backward."""
+    elems = stats.logits_bytes / 2 / plan.tp
+    if run.fused_loss:
+        return elems * 4.0, 0.0
+    kept = elems * ((2.0 if plan.precision != "fp32" else 4.0) + 4.0)
+    return kept, kept
 
 
-def buffer_bytes(stats: ModelStats, plan: Plan, policy: StatePolicy, *, layers: int, boundary: float) -> float:
-    """Temporary communication buffers of the busiest moment."""
+def weight_copy_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, policy: StatePolicy) -> float:
+    """Autocast saves its 16-bit copy of each weight for backward, once per microbatch in flight
+    (not under FSDP, whose gathered 16-bit parameters are freed or counted as buffers, and not in a
+    recomputed block, which saves nothing or only what its policy names: the casts are replayed)."""
+    if not run.autocast or plan.precision == "fp32" or policy.param < 4 or plan.zero >= 2:
+        return 0.0
+    share = {"none": 1.0, "attention": 1.0, "layer": 0.5}.get(recompute_mode(plan, run), 0.0)
+    return share * stats.params_per_block / plan.tp * policy.compute_bytes
+
+
+def buffer_bytes(stats: ModelStats, plan: Plan, policy: StatePolicy, run: RunPolicy, *, layers: int, boundary: float,
+                 stage_params: float) -> float:
+    """Temporary communication buffers of the busiest moment.
+
+    ZeRO-3 gathers one unit (``run.zero3_unit``: a block, as FSDP wraps each block, or DeepSpeed's
+    largest weight matrix) and prefetches the next, holds one unit's unsharded gradients before the
+    reduce-scatter, and keeps the root unit (embeddings, head) gathered from forward to backward; FSDP2's ZeRO-2 keeps every gathered block from forward
+    to backward; accumulating unsharded gradients over microbatches (shardwise) keeps a full-size
+    gradient; TP and PP add their send/receive buffers."""
     block = stats.params_per_block / plan.tp
+    root = (stats.params_embed + stats.params_head) / plan.tp
+    unit = block
+    if run.zero3_unit == "linear" and stats.ffn:  # DeepSpeed fetches module by module: the largest weight matrix
+        h, kv, f = stats.hidden, stats.kv_hidden or stats.hidden, stats.ffn
+        unit = max(h * (h if stats.qkv_input_copies > 1 else h + 2 * kv), h * f) / plan.tp
     out = 0.0
     if plan.zero >= 3 and plan.shard > 1:
-        # FSDP: the unsharded block being computed plus the prefetched next one, and one block's
-        # unsharded gradients before the reduce-scatter.
-        out += 2 * block * policy.compute_bytes + block * policy.reduce_bytes
+        out += 2 * unit * policy.compute_bytes + unit * policy.reduce_bytes + root * policy.compute_bytes
     elif plan.zero == 2 and plan.shard > 1:
         if policy.zero2_shards_params:  # FSDP2 keeps every gathered block from forward to backward
-            out += layers * block * policy.compute_bytes
+            out += layers * block * policy.compute_bytes + root * policy.compute_bytes
         out += block * policy.reduce_bytes  # one reduce-scatter bucket
     elif plan.zero == 1 and plan.shard > 1:
         out += block * policy.param  # the partition being broadcast after the step
+    accumulating = plan.microbatches > 1 and plan.zero >= 2 and plan.shard > 1 and not run.sharded_grad_accumulation
+    if accumulating:
+        out += stage_params * policy.reduce_bytes * (1 - 1 / plan.shard)  # unsharded gradients until the boundary
     if plan.tp > 1:
         out += 2 * boundary  # all-reduce / all-gather output
     if plan.pp > 1:
-        out += 2 * boundary  # send and receive buffers
+        out += 2 * boundary / (plan.tp if plan.sequence_parallel else 1)  # send and receive buffers
     return out

@@ -21,14 +21,27 @@ from shardwise.plan.search import SearchOptions, SearchResult, search
 from shardwise.plan.stats import ModelStats, TransformerShape, preset, transformer_stats
 
 
-def spec_from_text(text: str) -> TransformerShape:
-    """``--model-spec``: inline JSON or the path of a JSON file."""
+GATED = ("gated_mlp", "swiglu")  # planner-only spec keys: a SwiGLU MLP (Llama's gate, up and down projections)
+
+
+def spec_from_text(text: str) -> tuple[TransformerShape, bool]:
+    """``--model-spec``: inline JSON or the path of a JSON file -> (shape, gated MLP). The planner
+    also reads ``"gated_mlp": true`` (or ``"mlp": "swiglu"``), which the shape itself does not carry."""
     if not text.lstrip().startswith("{") and os.path.exists(text):
         if os.path.isdir(text):
             raise ConfigError(f"--model-spec {text!r} is a directory", hint="give inline JSON or the path of a JSON file")
         with open(text) as fh:
             text = fh.read()
-    return TransformerShape.from_json(text)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return TransformerShape.from_json(text), False  # the shape's own one-line error
+    if not isinstance(data, dict):
+        return TransformerShape.from_json(text), False
+    gated = bool(data.pop("gated_mlp", False)) or str(data.pop("mlp", "")).lower() in GATED
+    for key in GATED[1:]:
+        gated = bool(data.pop(key, False)) or gated
+    return TransformerShape.from_dict(data), gated
 
 
 def stats_of(model_or_spec: Any, *, seq: int | None = None) -> ModelStats:

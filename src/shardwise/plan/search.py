@@ -12,28 +12,39 @@ Enumeration, outermost first, with the pruning that keeps a 1,024-device search 
    offered without tp and pp only; with tp or pp the sharded stages are 2-3 (FSDP2, which the cost
    model charges a gather per microbatch under pipelining). A layout whose *model states alone*
    overflow the device is dropped before any microbatch or schedule is tried;
-5. microbatch count ``m`` (every divisor of the per-replica batch; ``m >= pp`` except for GPipe),
-   schedule (GPipe, 1F1B, interleaved 1F1B with 2 virtual stages where the blocks split evenly);
+5. microbatch count ``m`` (every divisor of the per-replica batch, without a cap unless
+   ``SearchOptions.max_microbatches`` sets one; ``m >= pp`` except for GPipe), schedule (GPipe,
+   1F1B, interleaved 1F1B with 2, 3 or 4 virtual stages where the blocks split evenly and
+   ``m`` is a multiple of ``pp``, as Megatron-LM requires);
 6. recomputation ``none`` -> ``selective`` -> ``full``: the first that fits wins, because more
    recomputation is never faster.
 
 Sequence parallelism is switched on whenever ``tp > 1`` (same communication volume as plain TP,
 less activation memory; Korthikanti et al. 2022).
+
+``SearchOptions.fixed`` (``shardwise plan --fixed dp=24,tp=8,pp=8``) fixes only the keys it names
+and searches the others: a named ``dp`` without ``zero`` or ``shard`` fixes the data-parallel size
+(DDP, ZeRO or HSDP over it), ``zero=N,dp=D`` means ``shard=D`` (the plan strings' fill-in rule), and
+every other named key (``tp, pp, zero, shard, microbatches, schedule, virtual_stages, recompute,
+sequence_parallel, precision``) must equal its value.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Any, Callable
 
 from shardwise.errors import ConfigError
+from shardwise.layout import Plan, named_keys
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.cost import Estimate, StatePolicy, estimate, model_state_bytes, stage_param_count
-from shardwise.layout import Plan
+from shardwise.plan.explain import explain
+from shardwise.plan.policy import RunPolicy
 from shardwise.plan.stats import ModelStats
 from shardwise.plan.support import runtime_conflict
 
 SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+VIRTUAL_STAGES = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -48,9 +59,11 @@ class SearchOptions:
     recompute: tuple[str, ...] = ("none", "selective", "full")
     sequence_parallel: bool = True
     hsdp: bool = True
-    max_microbatches: int = 128
+    max_microbatches: int | None = None  # None: every divisor of the per-replica batch
     policy: StatePolicy | None = None
     supported: Callable[[Plan], bool] | None = None
+    run: RunPolicy | None = None  # how the step runs (precision policy, selective mode); None: shardwise's Trainer
+    fixed: dict[str, Any] = field(default_factory=dict)  # keys a user fixed (layout.named_keys); the rest is searched
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,9 @@ def search(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, option
                         min_devices=_min_devices(stats, cluster, global_batch, options))
 
 
+__all__ = ["SearchOptions", "SearchResult", "candidates", "divisors", "evaluate", "explain", "fixed_options", "search"]
+
+
 def evaluate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, options: SearchOptions | None = None) -> Estimate:
     """The estimate of one given plan (``shardwise plan --fixed``), checked against the world and model."""
     options = options or SearchOptions()
@@ -114,7 +130,42 @@ def evaluate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         if bad or not stats.tp_divides:
             raise ConfigError(f"plan tp={plan.tp} does not divide the model's heads/hidden sizes {stats.tp_divides}",
                               hint="use a tp that divides the number of heads")
-    return estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom)
+    return estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom, run=options.run)
+
+
+def candidates(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, options: SearchOptions) -> list[Estimate]:
+    """Every plan the options allow, fitting or not, fastest first (no pruning by memory): what a
+    fixed layout that does not fit would cost, e.g. a published run the model says overflows."""
+    every, _ = _enumerate(stats, cluster, global_batch, options, keep_all=True)
+    return sorted(every, key=lambda e: (e.step_time_s, e.memory_total))
+
+
+def fixed_options(text: str, options: SearchOptions) -> SearchOptions:
+    """``options`` restricted to the keys ``text`` names (``shardwise plan --fixed``)."""
+    keys = named_keys(text)
+    extra: dict[str, Any] = {"fixed": keys}
+    if "precision" in keys:
+        extra["precision"] = keys["precision"]
+    if "recompute" in keys:
+        extra["recompute"] = (keys["recompute"],)
+    if "zero" in keys:
+        extra["zero_stages"] = (keys["zero"],)
+    if "schedule" in keys:
+        extra["schedules"] = (keys["schedule"],)
+    if "sequence_parallel" in keys:
+        extra["sequence_parallel"] = bool(keys["sequence_parallel"])
+    return replace(options, **extra)
+
+
+def _matches(plan: Plan, fixed: dict[str, Any]) -> bool:
+    for key, value in fixed.items():
+        if key == "dp":
+            got = plan.dp if ("zero" in fixed or "shard" in fixed) else plan.dp_size
+        else:
+            got = getattr(plan, key)
+        if got != value:
+            return False
+    return True
 
 
 def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions,
@@ -122,13 +173,16 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
     world, per_node = cluster.devices, cluster.devices_per_node
     limit = cluster.memory_bytes * (1 - options.headroom)
     policy = options.policy or StatePolicy.torch(options.precision)
+    fixed = options.fixed
     out: list[Estimate] = []
     evaluated = 0
     for tp in divisors(world):
-        if tp > 1 and (per_node % tp or not stats.tp_divides or any(d % tp for d in stats.tp_divides)):
+        if "tp" in fixed and tp != fixed["tp"]:
+            continue
+        if tp > 1 and (per_node % tp or not stats.tp_divides or any(d % tp for d in stats.tp_divides)) and "tp" not in fixed:
             continue
         for pp in divisors(world // tp):
-            if pp > stats.blocks:
+            if pp > stats.blocks or ("pp" in fixed and pp != fixed["pp"]):
                 continue
             dp_total = world // (tp * pp)
             if global_batch % dp_total:
@@ -140,8 +194,10 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                 if sum(states.values()) > limit and not keep_all:
                     continue  # pruned: nothing below can make the model states smaller
                 for m in divisors(per_replica):
-                    if m > options.max_microbatches:
+                    if options.max_microbatches is not None and m > options.max_microbatches:
                         break
+                    if "microbatches" in fixed and m != fixed["microbatches"]:
+                        continue
                     for schedule, v in _schedules(stats, pp, m, options):
                         for recompute in options.recompute:
                             try:
@@ -150,12 +206,14 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                                             recompute=recompute, precision=options.precision)
                             except ConfigError:
                                 continue
-                            if runtime_conflict(plan) is not None:
+                            if fixed and not _matches(plan, fixed):
+                                continue
+                            if runtime_conflict(plan) is not None and not fixed:
                                 continue
                             if options.supported is not None and not options.supported(plan):
                                 continue
                             est = estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy,
-                                           headroom=options.headroom)
+                                           headroom=options.headroom, run=options.run)
                             evaluated += 1
                             if keep_all or est.fits:
                                 out.append(est)
@@ -165,19 +223,25 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
 
 
 def _layouts(dp_total: int, tp: int, pp: int, per_node: int, options: SearchOptions) -> list[tuple[int, int, int]]:
-    """(zero, dp_replicate, dp_shard) choices for ``dp_total`` data-parallel ranks."""
+    """(zero, dp_replicate, dp_shard) choices for ``dp_total`` data-parallel ranks (a fixed
+    ``shard`` or ``dp`` adds its own HSDP split; a fixed plan may name layouts the runtime refuses,
+    which the cost model still prices)."""
     out = []
+    fixed = options.fixed
     if 0 in options.zero_stages:
         out.append((0, dp_total, 1))
     if dp_total == 1:
-        return out or [(0, 1, 1)]
+        return out or [(options.zero_stages[0] if fixed.get("zero") else 0, 1, 1)]
     node_shard = max(1, per_node // tp)
+    shards = {dp_total}
+    if options.hsdp and 1 < node_shard < dp_total and dp_total % node_shard == 0:
+        shards.add(node_shard)
+    if "shard" in fixed and isinstance(fixed["shard"], int) and dp_total % fixed["shard"] == 0:
+        shards.add(fixed["shard"])
     for zero in options.zero_stages:
-        if zero == 0 or (zero == 1 and (tp > 1 or pp > 1)):  # runtime_conflict: ZeRO-1 is DDP-only
+        if zero == 0 or (zero == 1 and (tp > 1 or pp > 1) and "zero" not in fixed):  # runtime_conflict: ZeRO-1 is DDP-only
             continue
-        out.append((zero, 1, dp_total))
-        if options.hsdp and 1 < node_shard < dp_total and dp_total % node_shard == 0:
-            out.append((zero, dp_total // node_shard, node_shard))
+        out += [(zero, dp_total // shard, shard) for shard in sorted(shards, reverse=True)]
     return out
 
 
@@ -185,23 +249,26 @@ def _schedules(stats: ModelStats, pp: int, m: int, options: SearchOptions) -> li
     if pp == 1:
         return [("1f1b", 1)]
     out = []
+    fixed_v = options.fixed.get("virtual_stages")
     for schedule in options.schedules:
         if schedule == "interleaved_1f1b":
-            if stats.blocks % (2 * pp) == 0 and m % pp == 0:
-                out.append((schedule, 2))
-        elif schedule in ("1f1b", "gpipe") and (schedule == "gpipe" or m >= pp):
+            for v in (fixed_v,) if fixed_v else VIRTUAL_STAGES:
+                if stats.blocks % (v * pp) == 0 and m % pp == 0:
+                    out.append((schedule, v))
+        elif schedule in ("1f1b", "gpipe") and (schedule == "gpipe" or m >= pp) and not (fixed_v and fixed_v > 1):
             out.append((schedule, 1))
     return out
 
 
 def _least_memory(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> Estimate | None:
-    lean = replace(options, recompute=("full",), schedules=("1f1b", "gpipe", "interleaved_1f1b"))
+    lean = replace(options, recompute=options.recompute if "recompute" in options.fixed else ("full",),
+                   schedules=options.schedules if "schedule" in options.fixed else ("1f1b", "gpipe", "interleaved_1f1b"))
     every, _ = _enumerate(stats, cluster, global_batch, lean, keep_all=True)
     return min(every, key=lambda e: e.memory_total, default=None)
 
 
 def _min_devices(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> int | None:
-    lean = replace(options, recompute=("full",), zero_stages=(1, 3), schedules=("1f1b", "gpipe"), hsdp=False, supported=None)
+    lean = replace(options, recompute=("full",), zero_stages=(1, 3), schedules=("1f1b", "gpipe"), hsdp=False, supported=None, fixed={})
     devices = cluster.devices
     while devices < 2**20:
         devices *= 2
@@ -209,30 +276,3 @@ def _min_devices(stats: ModelStats, cluster: ClusterSpec, global_batch: int, opt
         if _enumerate(stats, bigger, global_batch, lean)[0]:
             return devices
     return None
-
-
-def explain(best: Estimate, runner: Estimate) -> str:
-    """One sentence: why ``best`` beats ``runner`` (the biggest time component that differs)."""
-    gap = runner.step_time_s - best.step_time_s
-    pct = 100 * gap / runner.step_time_s if runner.step_time_s else 0.0
-    diffs = {k: runner.time[k] - best.time[k] for k in best.time}
-    key = max(diffs, key=lambda k: diffs[k])
-    why = {"compute": "less compute per device", "bubble": "a smaller pipeline bubble", "communication": "less exposed communication"}[key]
-    if key == "compute" and best.plan.recompute != runner.plan.recompute:
-        why = f"no {runner.plan.recompute} recomputation" if best.plan.recompute == "none" else f"{best.plan.recompute} instead of {runner.plan.recompute} recomputation"
-    if key == "communication":
-        parts = {"tp_comm": "tensor-parallel all-reduces", "pp_comm": "pipeline sends", "dp_comm_exposed": "data-parallel gradient/parameter traffic"}
-        sub = max(parts, key=lambda k: runner.detail[k] - best.detail[k])
-        why = f"less {parts[sub]} ({runner.detail[sub] - best.detail[sub]:.3g} s)"
-    if key == "bubble":
-        why = (f"a smaller pipeline bubble ({best.time['bubble']:.3g} s vs {runner.time['bubble']:.3g} s: "
-               f"pp={best.plan.pp}, m={best.plan.microbatches}, v={best.plan.virtual_stages} vs pp={runner.plan.pp}, "
-               f"m={runner.plan.microbatches}, v={runner.plan.virtual_stages})")
-    tail = ""
-    worse = [k for k, d in diffs.items() if d < 0]
-    if worse:
-        tail = f", although its {worse[0]} is {-diffs[worse[0]]:.3g} s longer"
-    if gap <= 0:
-        return f"{best.plan} and {runner.plan} are predicted equally fast; the first needs less memory."
-    return (f"{best.plan} beats {runner.plan} by {pct:.1f}% ({best.step_time_s:.4g} s vs {runner.step_time_s:.4g} s per step) "
-            f"mainly through {why}{tail}.")

@@ -80,6 +80,15 @@ class ModelStats:
     # Linear layers, each casting its own; 1 when fused).
     residual_elems_per_block: float = 0.0
     qkv_input_copies: int = 1
+    # The layer's shape, for the compute model's GEMM shapes and the per-tensor activation policies
+    # (0 / defaults: unknown, e.g. a measured nn.Module; the model then treats a block as h x h GEMMs).
+    ffn: int = 0
+    kv_hidden: int = 0  # key/value width: kv_heads * head_dim
+    gated_mlp: bool = False  # SwiGLU-style MLP: gate and up projections (3 h f parameters)
+    attention: str = "fused"
+    dropout: bool = False
+    rotary: bool = False
+    context: int = 0  # keys per query when a sample is a slice of a longer sequence (context parallelism); 0: seq
 
     @property
     def params_total(self) -> int:
@@ -100,29 +109,37 @@ class ModelStats:
 TransformerSpec = TransformerShape  # the planner's name for the same value
 
 
-def transformer_stats(shape: TransformerShape, *, seq: int | None = None) -> ModelStats:
+def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_mlp: bool | None = None,
+                      context: int | None = None) -> ModelStats:
     """Closed-form statistics of ``shape`` at ``seq`` tokens per sample (default: its ``seq_len``;
-    see the module doc for the sources)."""
+    see the module doc for the sources). ``gated_mlp``: a SwiGLU MLP (Llama: gate, up and down
+    projections, ``3 h f`` weights; the MLP keeps gate, up, ``silu(gate)`` and their product,
+    ``4 f`` elements per token, where GELU keeps ``2 f``); default: the shape's own ``gated_mlp``
+    field if it has one, else False. ``context``: the keys each query attends to, when a sample is
+    a slice of a longer sequence (context parallelism: ``seq = S / cp`` tokens per rank attending
+    to all ``S``); default ``seq``."""
     s = seq or shape.seq_len
     h, a, f, v = shape.hidden, shape.heads, shape.ffn_, shape.vocab_size
+    gated = bool(getattr(shape, "gated_mlp", False)) if gated_mlp is None else gated_mlp
     kv = h // a * shape.kv_heads_
     b = 1 if shape.bias else 0
     attn = h * h + 2 * h * kv + h * h + b * (h + 2 * kv + h)
-    mlp = 2 * h * f + b * (f + h)
+    mlp = (3 if gated else 2) * h * f + b * ((2 if gated else 1) * f + h)
     per_block = attn + mlp + 4 * h  # two LayerNorms (weight + bias)
     embed = v * h + (shape.seq_len * h if shape.learned_positions else 0)
     head = 2 * h + (0 if shape.tied_embeddings else v * h + b * v)
     # Forward FLOPs per sample: 2 per multiply-add of every weight matrix, plus q k^T and a v.
-    matmul_params = attn - b * (h + 2 * kv + h) + mlp - b * (f + h)
-    attn_flops = 2 * 2 * s * s * h
+    matmul_params = attn - b * (h + 2 * kv + h) + mlp - b * ((2 if gated else 1) * f + h)
+    ctx = context or s
+    attn_flops = 2 * 2 * s * ctx * h
     block_flops = 2 * s * matmul_params + attn_flops
     head_flops = 2 * s * h * v
     # Korthikanti et al. 2022, eq. 1, term by term (16-bit activations, 1-byte dropout masks).
     drop = 1 if shape.dropout > 0 else 0
     attn_act = s * h * (2 + 2 * (1 + 2 * kv / h) + 2 + drop)  # input, q k v, out-proj input, mask
-    mlp_act = s * h * (2 + drop) + 2 * 2 * s * f  # input, mask; both sides of the activation
+    mlp_act = s * h * (2 + drop) + (4 if gated else 2) * 2 * s * f  # input, mask; both sides of the activation
     norm_act = 4 * s * h
-    scores = (2 + 3 * drop) * a * s * s if shape.attention == "eager" else 0  # softmax (+ mask, dropped)
+    scores = (2 + 3 * drop) * a * s * ctx if shape.attention == "eager" else 0  # softmax (+ mask, dropped)
     act = attn_act + mlp_act + norm_act + scores
     return ModelStats(
         name=shape.name or "transformer", blocks=shape.layers, params_per_block=per_block, params_embed=embed, params_head=head,
@@ -134,9 +151,11 @@ def transformer_stats(shape: TransformerShape, *, seq: int | None = None) -> Mod
         replicated_embed=shape.seq_len * h if shape.learned_positions else 0, replicated_head=2 * h,
         # two LayerNorms (weight + bias) and six weight matrices, with biases when bias=True;
         # token (+ position) embeddings, final norm, LM head (+ bias) unless tied
-        tensors_per_block=4 + 6 + 6 * b,
+        tensors_per_block=4 + 6 + 6 * b + (1 + b if gated else 0),
         tensors_outer=1 + int(shape.learned_positions) + 2 + (0 if shape.tied_embeddings else 1 + b),
         residual_elems_per_block=float(2 * s * h), qkv_input_copies=3 if shape.separate_qkv else 1,
+        ffn=f, kv_hidden=kv, gated_mlp=gated, attention=shape.attention, dropout=drop > 0, rotary=not shape.learned_positions,
+        context=ctx if ctx != s else 0,
     )
 
 

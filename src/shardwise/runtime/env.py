@@ -97,7 +97,7 @@ def init(
                 info.master_addr, info.master_port, world_size=info.world_size,
                 is_master=not info.settings.use_agent_store and info.rank == 0, timeout=timeout,
             )
-            init_kwargs = {"store": dist.PrefixStore(f"shardwise/attempt_{info.settings.restart_count}", store)}
+            init_kwargs = {"store": dist.PrefixStore(f"shardwise/attempt/{info.settings.attempt_namespace}", store)}
         elif info.world_size == 1:
             init_kwargs = {"init_method": f"tcp://127.0.0.1:{_free_port()}"}
         else:

@@ -12,6 +12,9 @@ environment again. The variables:
 - ``SHARDWISE_CACHE_DIR`` (else ``$XDG_CACHE_HOME/shardwise``, else ``~/.cache/shardwise``): where
   that measurement is cached;
 - ``SHARDWISE_FAULT``: a fault to inject for recovery tests (:mod:`shardwise.checkpoint.faults`);
+- ``SHARDWISE_ELASTIC``: ``MIN:MAX`` nodes when ``shardwise run --nnodes MIN:MAX`` started this
+  worker (export it yourself under plain torchrun): the world may change between launch attempts,
+  so the Trainer re-plans instead of refusing a plan written for another world size;
 - torch's elastic agent's ``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT`` and
   ``TORCHELASTIC_USE_AGENT_STORE``: which job and which launch attempt this is.
 """
@@ -25,6 +28,7 @@ from typing import Mapping
 from shardwise.errors import ConfigError
 
 HANG_TIMEOUT_VAR = "SHARDWISE_HANG_TIMEOUT"
+ELASTIC_VAR = "SHARDWISE_ELASTIC"
 DEFAULT_HANG_TIMEOUT_S = 300.0
 
 
@@ -39,11 +43,19 @@ class Settings:
     run_id: str = "local"
     restart_count: int = 0
     use_agent_store: bool = False
+    elastic: tuple[int, int] | None = None  # (min, max) nodes of an elastic job, else None
 
     @property
     def attempt_namespace(self) -> str:
-        """A key prefix of this job's launch attempt (keys of a failed attempt must not leak into the next)."""
-        return f"{self.run_id}/{self.restart_count}"
+        """A key prefix of this job's launch attempt (keys of a failed attempt must not leak into the next).
+
+        On the agent's shared store that is the restart count. Without it (a multi-node
+        ``shardwise run``: every rendezvous round gets a fresh store hosted by rank 0) the store
+        itself is new, and the restart count must not be used: each node's agent counts its own
+        restarts, and a node that joins or restarts for a membership change counts differently
+        from the others, so their ranks would wait under different prefixes forever.
+        """
+        return f"{self.run_id}/{self.restart_count}" if self.use_agent_store else self.run_id
 
 
 def hang_timeout(environ: Mapping[str, str], default: float = DEFAULT_HANG_TIMEOUT_S) -> float:
@@ -61,6 +73,17 @@ def hang_timeout(environ: Mapping[str, str], default: float = DEFAULT_HANG_TIMEO
     if value < 0:
         raise ConfigError(f"{HANG_TIMEOUT_VAR}={raw} is negative", hint="use seconds > 0, or 0 to disable the watchdog")
     return value
+
+
+def elastic_nodes(environ: Mapping[str, str]) -> tuple[int, int] | None:
+    """``SHARDWISE_ELASTIC=MIN:MAX`` as ``(min, max)``; None when unset (a fixed world)."""
+    raw = environ.get(ELASTIC_VAR, "").strip()
+    if not raw:
+        return None
+    low, _, high = raw.partition(":")
+    if not (low.isdigit() and (high or low).isdigit()) or not 0 < int(low) <= int(high or low):
+        raise ConfigError(f"{ELASTIC_VAR}={raw!r} is not MIN:MAX nodes", hint=f"e.g. {ELASTIC_VAR}=1:4, or unset it")
+    return int(low), int(high or low)
 
 
 def default_cache_dir(environ: Mapping[str, str]) -> str:
@@ -84,4 +107,5 @@ def read_settings(environ: Mapping[str, str]) -> Settings:
         run_id=environ.get("TORCHELASTIC_RUN_ID", "local") or "local",
         restart_count=int(restart),
         use_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        elastic=elastic_nodes(environ),
     )

@@ -3,7 +3,8 @@
 What happens, in this order (each step needs the one before)::
 
     env   = shardwise.init()                       # process group, device, settings
-    plan  = resolve_plan(plan) | choose "auto"    # a Plan that fits the world (rank 0 plans "auto")
+    plan  = resolve_plan(plan) | choose "auto"    # a Plan that fits the world (rank 0 plans "auto";
+                                                   # an elastic job re-plans for a changed world)
     mesh  = build_mesh(plan)                       # the named 4-D device mesh
     seed  = seed + dp_rank                         # same within a replica, different across replicas
     model = parallelize(model.to(device), plan)    # pipeline split -> TP -> recompute -> FSDP/DDP
@@ -85,7 +86,9 @@ def build(model: nn.Module, optimizer: OptimizerFactory, *, plan: Plan | str, gl
     if isinstance(plan, str) and plan.strip().lower() == "auto":
         plan, choice = choose_plan(model, env, global_batch_size=global_batch_size, precision=precision,
                                    pipelines_allowed=pipelines_allowed, cluster=cluster, tokens_per_sample=tokens_per_sample)
-    resolved = resolve_plan(plan, env.world_size, precision=precision)
+    # An elastic job (--nnodes MIN:MAX) may come back on fewer or more processes than the plan
+    # was written for: re-plan it (layout.replan) instead of refusing it.
+    resolved = resolve_plan(plan, env.world_size, precision=precision, elastic=env.settings.elastic is not None)
     if check is not None:
         check(resolved, env.device.type)
     meshes = build_mesh(resolved, env.device.type)

@@ -46,6 +46,7 @@ from shardwise.train.build import ClusterArg, OptimizerFactory, build
 from shardwise.train.callbacks import ProgressBar
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.clip import clip_grad_norm_
+from shardwise.train.elastic import elastic_callbacks
 from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics
 from shardwise.train.precision import LossScaler, autocast, check_precision
@@ -177,6 +178,10 @@ class Trainer:
         self.checkpoint = checkpoint_callback(checkpoint)
         if self.checkpoint is not None:
             self.callbacks.append(self.checkpoint)
+        if self.env.settings.elastic is not None:  # --nnodes MIN:MAX: resume, and explain world changes
+            # before the checkpoint's step-end collectives, which fail first when a node is lost
+            at = self.callbacks.index(self.checkpoint) if self.checkpoint is not None else len(self.callbacks)
+            self.callbacks[at:at] = elastic_callbacks(self.checkpoint, requested_plan=str(plan), is_main=self.env.is_main)
         # Loggers open their files when fit starts, after a resume was accepted: a refused resume
         # must leave the run directory as it found it.
         self.loggers: list[Logger] = list(loggers)

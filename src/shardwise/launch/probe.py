@@ -1,0 +1,94 @@
+"""What pre-flight asks one host: versions, the working directory, the script, the master address.
+
+This file is sent as the program text over ssh (``ssh host python - ARGS < probe.py``), so it runs
+even where shardwise is missing or another version: it uses the standard library only, imports
+nothing of shardwise, and reads versions from the installed package metadata (no ``import torch``,
+which takes seconds). It prints one line, ``SHARDWISE_PROBE {json}``, for
+:mod:`shardwise.launch.preflight` to judge; a login script that prints more does not confuse it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import socket
+import sys
+
+MARKER = "SHARDWISE_PROBE "
+
+
+def _version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def probe(chdir: str, script: str, module: bool, master_addr: str, port: int | None, find_port: bool) -> dict[str, object]:
+    """The facts of this host; no judgement (that happens on the launching machine)."""
+    facts: dict[str, object] = {
+        "hostname": socket.gethostname(),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "torch": _version("torch"),
+        "shardwise": _version("shardwise"),
+        "chdir_ok": os.path.isdir(chdir),
+    }
+    if facts["chdir_ok"]:
+        os.chdir(chdir)
+        if module:
+            sys.path.insert(0, chdir)
+            try:
+                facts["script_ok"] = importlib.util.find_spec(script.split(".")[0]) is not None
+            except (ImportError, ValueError):
+                facts["script_ok"] = False
+        else:
+            facts["script_ok"] = os.path.isfile(script)
+    try:
+        socket.getaddrinfo(master_addr, None)
+        facts["master_resolves"] = True
+    except (socket.gaierror, UnicodeError) as exc:
+        facts["master_resolves"] = False
+        facts["master_error"] = str(exc)
+    if port is not None:
+        facts["port_free"] = _port_free(port)
+    if find_port:
+        facts["free_port"] = _free_port()
+    return facts
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="shardwise-probe")
+    p.add_argument("--chdir", required=True)
+    p.add_argument("--script", required=True)
+    p.add_argument("--module", action="store_true")
+    p.add_argument("--master-addr", required=True)
+    p.add_argument("--port", type=int, default=None, help="is this port free here (node 0)")
+    p.add_argument("--find-port", action="store_true", help="report a free port here (node 0)")
+    a = p.parse_args(argv)
+    print(MARKER + json.dumps(probe(a.chdir, a.script, a.module, a.master_addr, a.port, a.find_port)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

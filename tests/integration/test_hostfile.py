@@ -1,0 +1,148 @@
+"""``shardwise run --hostfile`` and ``shardwise doctor --hosts`` end to end, through a real sshd on
+loopback (the ``sshd`` fixture of tests/integration/conftest.py): the two "hosts" ``127.0.0.1``
+and ``localhost`` are the same machine reached over two ssh names."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import LoopbackSshd, free_port
+
+# The first test of a fresh machine also installs openssh-server (apt-get, up to ~12 min worst case);
+# every command below has its own hard timeout.
+pytestmark = pytest.mark.timeout(900)
+
+SCRIPTS = Path(__file__).parent / "scripts"
+REPO = Path(__file__).resolve().parents[2]
+SHARDWISE = [sys.executable, "-m", "shardwise"]
+
+
+def _hostfile(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "hosts.txt"
+    path.write_text(text)
+    return str(path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _recorded_pids(directory: Path) -> list[int]:
+    """Every worker's pid and its agent's pid, as the workers wrote them."""
+    return [int(p) for f in directory.glob("rank_*") if not f.name.endswith(".tmp") for p in f.read_text().split()]
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _alive(p)]
+
+
+def test_hostfile_world_of_four_over_ssh(sshd: LoopbackSshd, tmp_path: Path) -> None:
+    hostfile = _hostfile(tmp_path, "# two loopback 'hosts', two processes each\n127.0.0.1 slots=2\n\nlocalhost slots=2  # node 1\n")
+    proc = subprocess.run(SHARDWISE + ["run", "--hostfile", hostfile, "--ssh-config", str(sshd.config), "--rdzv-timeout", "60",
+                                       str(SCRIPTS / "report_world.py")], capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worlds = {}  # rank -> (host prefix of its output line, its fields); two ranks of one host may share a line
+    for line in proc.stdout.splitlines():
+        host = re.match(r"\[(\S+)\] ", line)
+        for fields in re.findall(r"WORLD (.*?sum=\d+)", line):
+            kv = dict(x.split("=") for x in fields.split())
+            worlds[int(kv["rank"])] = (host.group(1) if host else None, kv)
+    assert sorted(worlds) == [0, 1, 2, 3], proc.stdout
+    assert all(kv["world"] == "4" and kv["sum"] == "10" for _, kv in worlds.values())  # the all-reduce over both hosts
+    assert {r: (h, kv["node"]) for r, (h, kv) in worlds.items()} == {
+        0: ("127.0.0.1", "0"), 1: ("127.0.0.1", "0"), 2: ("localhost", "1"), 3: ("localhost", "1")}
+    assert "pre-flight ok on 2 host(s)" in proc.stderr
+
+
+def test_failing_host_stops_every_host(sshd: LoopbackSshd, tmp_path: Path) -> None:
+    """Node 1's script exits 3 once node 0's workers run; node 0's workers and agent must go too."""
+    env = dict(os.environ, SW_TEST_DIR=str(tmp_path), SW_TEST_FAIL_NODE="1")
+    start = time.monotonic()
+    proc = subprocess.run(SHARDWISE + ["run", "--hosts", "127.0.0.1:2,localhost:2", "--ssh-config", str(sshd.config),
+                                       "--env", "SW_TEST_DIR", "--env", "SW_TEST_FAIL_NODE", "--rdzv-timeout", "60",
+                                       str(SCRIPTS / "hold_or_fail.py")], capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "[localhost] FAILING rank=2" in proc.stdout or "[localhost] FAILING rank=3" in proc.stdout, proc.stdout
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("shardwise run: error: host localhost (node 1) failed, exit code 1; every other host was stopped"), last
+    pids = _recorded_pids(tmp_path)
+    assert len(pids) == 8  # 4 workers and the agent of each
+    assert _wait_gone(pids, 15) == [], "processes outlived the job"
+    assert time.monotonic() - start < 120
+
+
+@pytest.mark.parametrize("how", ["SIGINT", "SIGKILL"])
+def test_stopping_the_launcher_stops_every_host(sshd: LoopbackSshd, tmp_path: Path, how: str) -> None:
+    """Ctrl-C (SIGINT) stops every host and exits 130; even a SIGKILLed launcher leaves no remote
+    process behind (their ssh sessions' stdin closes, which each remote ``shardwise run`` watches)."""
+    env = dict(os.environ, SW_TEST_DIR=str(tmp_path))
+    launcher = subprocess.Popen(SHARDWISE + ["run", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config),
+                                             "--env", "SW_TEST_DIR", str(SCRIPTS / "hold_or_fail.py")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while len(_recorded_pids(tmp_path)) < 4 and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.2)
+        pids = _recorded_pids(tmp_path)
+        assert len(pids) == 4, launcher.communicate(timeout=60)
+        launcher.send_signal(getattr(signal, how))
+        out, err = launcher.communicate(timeout=90)
+        assert launcher.returncode == (130 if how == "SIGINT" else -signal.SIGKILL), err[-3000:]
+        if how == "SIGINT":
+            assert err.strip().splitlines()[-1] == "shardwise run: interrupted; every host was stopped", err
+        assert _wait_gone(pids, 60) == [], "processes outlived the launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+@pytest.mark.parametrize("kind", ["refused", "silent"])
+def test_unreachable_host_is_one_line_within_the_timeout(sshd: LoopbackSshd, tmp_path: Path, kind: str) -> None:
+    """A loopback port with nothing listening (refused at once), or one that accepts and never
+    speaks (ssh's ConnectTimeout): one line naming the host, nothing started anywhere."""
+    with socket.socket() as silent:
+        if kind == "silent":
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            port = silent.getsockname()[1]
+        else:
+            port = free_port()
+        config = sshd.config_with({"deadhost": port})
+        hostfile = _hostfile(tmp_path, "127.0.0.1 slots=1\ndeadhost slots=1\n")
+        start = time.monotonic()
+        proc = subprocess.run(SHARDWISE + ["run", "--hostfile", hostfile, "--ssh-config", str(config), "--ssh-timeout", "3",
+                                           str(SCRIPTS / "report_world.py")], capture_output=True, text=True, timeout=60, cwd=REPO)
+        elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("shardwise run: error: host deadhost: not reachable by ssh ("), lines[0]
+    assert "Traceback" not in proc.stderr and "WORLD" not in proc.stdout
+    assert elapsed < 30, elapsed
+
+
+def test_doctor_checks_collectives_across_hosts(sshd: LoopbackSshd) -> None:
+    proc = subprocess.run(SHARDWISE + ["doctor", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config),
+                                       "--max-size-mb", "0.1", "--iters", "2"], capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"node 0\s+127\.0\.0\.1\s+ok: .*torch", proc.stdout) and re.search(r"node 1\s+localhost\s+ok:", proc.stdout)
+    assert "collectives on 2 processes over 2 node(s)" in proc.stdout
+    for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
+        assert re.search(rf"\[127\.0\.0\.1\]\s+{op}\s+ok", proc.stdout), proc.stdout
+    assert "all checks passed" in proc.stdout
