@@ -377,10 +377,12 @@ def replan(plan: Plan, world_size: int) -> Plan:
 
     1. ``tp``: its largest part that divides the world (``gcd(tp, world)``; tp=4 on 2 processes
        keeps tp=2, which still divides the heads), sequence parallel only while tp > 1;
-    2. ``pp``: likewise within what tp leaves (no pipeline left: one microbatch, no virtual stages);
-    3. the rest is data parallel: without ZeRO all of it is ``dp``; with ZeRO the shard group keeps
+    2. ``cp``: likewise within what tp leaves (each sequence still fits in as few ranks);
+    3. ``pp``: likewise within what tp and cp leave (no pipeline left: one microbatch, no virtual stages);
+    4. the rest is data parallel: without ZeRO all of it is ``dp``; with ZeRO the shard group keeps
        its size if it divides the rest and ``dp`` replicas (HSDP) fill up, else everything is
-       sharded (``shard`` = rest, so ZeRO-3 shards are re-split over the new world).
+       sharded (``shard`` = rest, so ZeRO-3 shards are re-split over the new world); ``ep`` keeps
+       its largest part that divides the innermost data-parallel degree.
 
     ``dp=2,tp=2`` on 2 processes becomes ``tp=2``; ``zero=3,shard=4`` on 2 becomes ``zero=3,shard=2``;
     ``dp=2,tp=2`` regrown to 8 becomes ``dp=4,tp=2``. Precision, recompute and the rest are kept.
@@ -391,8 +393,9 @@ def replan(plan: Plan, world_size: int) -> Plan:
     if plan.world_size == world_size:
         return plan
     tp = math.gcd(plan.tp, world_size)
-    pp = math.gcd(plan.pp, world_size // tp)
-    rest = world_size // (tp * pp)
+    cp = math.gcd(plan.cp, world_size // tp)
+    pp = math.gcd(plan.pp, world_size // (tp * cp))
+    rest = world_size // (tp * cp * pp)
     if plan.zero == 0 or (plan.shard == 1 and plan.dp > 1):
         dp, shard = rest, 1
     elif plan.dp > 1 and rest % plan.shard == 0:
@@ -400,7 +403,8 @@ def replan(plan: Plan, world_size: int) -> Plan:
     else:
         dp, shard = 1, rest
     pipeline = {"microbatches": 1, "virtual_stages": 1, "schedule": "1f1b"} if plan.pp > 1 and pp == 1 else {}
-    return dataclasses.replace(plan, dp=dp, shard=shard, tp=tp, pp=pp,
+    ep = math.gcd(plan.ep, shard if plan.zero > 0 else dp)
+    return dataclasses.replace(plan, dp=dp, shard=shard, tp=tp, cp=cp, pp=pp, ep=ep,
                                sequence_parallel=plan.sequence_parallel and tp > 1, **pipeline).check_world(world_size)
 
 
