@@ -56,7 +56,7 @@ class _Section:
 # The [model] table is the one transformer shape (shardwise.shape), limited to the keys the
 # built-in GPT implements and the job does not set itself, plus `hf`: a Hugging Face model
 # directory to fine-tune instead (its config.json gives the shape; seq_len is the window length).
-MODEL_KEYS = ("hf", "layers", "hidden", "heads", "ffn", "seq_len", "dropout")
+MODEL_KEYS = ("hf", "layers", "hidden", "heads", "ffn", "seq_len", "dropout", "experts", "top_k", "expert_ffn", "aux_loss")
 
 
 @dataclass(frozen=True)

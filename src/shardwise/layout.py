@@ -1,19 +1,25 @@
 """The parallel layout as one validated value: :class:`Plan` (a leaf: it imports nothing of shardwise
 but its errors, so every layer may import it, like torchtitan's ``ParallelDims``).
 
-A plan names four degrees whose product is the world size, laid out on a named device mesh from
+A plan names five degrees whose product is the world size, laid out on a named device mesh from
 the outermost to the innermost dimension (innermost = fastest links, so TP stays inside a node)::
 
-    ("pp", "dp_replicate", "dp_shard", "tp")
+    ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 - ``dp``: replicas that each hold a full copy of the (possibly sharded) model state: DDP, or the
   replicate dimension of HSDP;
 - ``shard``: the ZeRO / FSDP sharding degree (``zero`` 1: optimizer state, 2: + gradients,
   3: + parameters). ``zero=0`` means no sharding and requires ``shard == 1``;
+- ``cp``: context parallel degree: each sample's sequence is cut into ``2 cp`` chunks and rank
+  ``r`` of the ``cp`` group keeps chunks ``r`` and ``2 cp - 1 - r`` (zig-zag: equal causal work);
 - ``tp``: tensor (and sequence) parallel degree;
-- ``pp``: pipeline stages, with ``schedule``, ``microbatches`` and ``virtual_stages`` per rank.
+- ``pp``: pipeline stages, with ``schedule``, ``microbatches`` and ``virtual_stages`` per rank;
+- ``ep``: expert parallel degree: the experts of each MoE layer are split over ``ep`` of the
+  data-parallel ranks (it adds no processes: ``ep`` divides the innermost data-parallel degree in
+  use, ``shard`` with ZeRO, else ``dp``), tokens travel to their experts by all-to-all.
 
-Data-parallel size (how many different batches are processed per step) is ``dp * shard``.
+Data-parallel size (how many different batches are processed per step) is ``dp * shard``; the
+ranks that see different tokens (and reduce gradients together) are ``dp * shard * cp``.
 
 Strings: ``Plan.parse("dp=2,tp=2")``, ``"zero=3,shard=4"``, ``"pp=2,schedule=1f1b,microbatches=8"``.
 For convenience ``"zero=3,dp=4"`` means *shard over the 4 data-parallel ranks* (``shard=4``); HSDP
@@ -37,7 +43,7 @@ Precision = Literal["fp32", "bf16", "fp16"]
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 _ALIASES = {
     "zero_stage": "zero",
@@ -50,6 +56,8 @@ _ALIASES = {
     "sp": "sequence_parallel",
     "ac": "recompute",
     "activation_checkpointing": "recompute",
+    "context_parallel": "cp",
+    "expert_parallel": "ep",
 }
 
 
@@ -74,6 +82,8 @@ class Plan:
     shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    ep: int = 1
     zero: int = 0
     schedule: Schedule = "1f1b"
     microbatches: int = 0  # 0: one per pipeline stage and virtual stage (1 without a pipeline)
@@ -87,7 +97,7 @@ class Plan:
     def __post_init__(self) -> None:
         if self.microbatches == 0 and isinstance(self.pp, int) and isinstance(self.virtual_stages, int):
             object.__setattr__(self, "microbatches", default_microbatches(self.pp, self.virtual_stages))
-        for name in ("dp", "shard", "tp", "pp", "microbatches", "virtual_stages"):
+        for name in ("dp", "shard", "tp", "pp", "cp", "ep", "microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"plan {name}={value!r} must be a positive integer", hint=f"for example {name}=1")
@@ -106,6 +116,11 @@ class Plan:
                 f"plan virtual_stages={self.virtual_stages} needs the interleaved schedule",
                 hint="add schedule=interleaved_1f1b, or use virtual_stages=1",
             )
+        if self.ep > 1 and (self.shard if self.zero > 0 else self.dp) % self.ep:
+            inner = "shard" if self.zero > 0 else "dp"
+            raise ConfigError(f"plan ep={self.ep} does not divide {inner}={self.shard if self.zero > 0 else self.dp}: "
+                              "experts are split over data-parallel ranks",
+                              hint=f"use an ep that divides {inner}, or more data-parallel ranks (e.g. {inner}={self.ep})")
         if self.sequence_parallel and self.tp == 1:
             raise ConfigError("plan sequence_parallel needs tp > 1", hint="add tp=2 (or more), or drop sequence_parallel")
         if self.pp > 1 and self.microbatches < self.pp and self.schedule != "gpipe":
@@ -117,7 +132,7 @@ class Plan:
     # -- derived ---------------------------------------------------------------------------
     @property
     def world_size(self) -> int:
-        return self.dp * self.shard * self.tp * self.pp
+        return self.dp * self.shard * self.cp * self.tp * self.pp
 
     @property
     def dp_size(self) -> int:
@@ -145,16 +160,29 @@ class Plan:
         return self.pp > 1
 
     @property
-    def mesh_shape(self) -> tuple[int, int, int, int]:
-        """Sizes of ``MESH_DIMS`` = ("pp", "dp_replicate", "dp_shard", "tp")."""
-        return (self.pp, self.dp, self.shard, self.tp)
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def token_parallel_size(self) -> int:
+        """Ranks that see different tokens and reduce gradients together: ``dp * shard * cp``."""
+        return self.dp * self.shard * self.cp
+
+    @property
+    def mesh_shape(self) -> tuple[int, int, int, int, int]:
+        """Sizes of ``MESH_DIMS`` = ("pp", "dp_replicate", "dp_shard", "cp", "tp")."""
+        return (self.pp, self.dp, self.shard, self.cp, self.tp)
 
     # -- checks ----------------------------------------------------------------------------
     def check_world(self, world_size: int) -> Plan:
         """Raise unless the degrees multiply to ``world_size``; return self for chaining."""
         if self.world_size != world_size:
             raise ConfigError(
-                f"plan {self} uses {self.world_size} processes (dp*shard*tp*pp) but the world has {world_size}",
+                f"plan {self} uses {self.world_size} processes (dp*shard*cp*tp*pp) but the world has {world_size}",
                 hint=f"try {_suggest(world_size)}",
             )
         return self
@@ -226,11 +254,13 @@ class Plan:
         """A readable table: degrees, mesh, and what each technique does here."""
         rows = [
             ("world size", str(self.world_size)),
-            ("mesh (pp, dp_replicate, dp_shard, tp)", str(self.mesh_shape)),
+            ("mesh (pp, dp_replicate, dp_shard, cp, tp)", str(self.mesh_shape)),
             ("data parallel", f"{self.dp_size} ({'HSDP' if self.hsdp_enabled else 'FSDP' if self.fsdp_enabled else 'DDP' if self.dp_enabled else 'off'})"),
             ("ZeRO stage", f"{self.zero}" + ({1: " (optimizer state sharded)", 2: " (+ gradients)", 3: " (+ parameters)"}.get(self.zero, " (off)"))),
+            ("context parallel", f"{self.cp}" + (f" (each sequence in {2 * self.cp} zig-zag chunks)" if self.cp_enabled else "")),
             ("tensor parallel", f"{self.tp}" + (" + sequence parallel" if self.sequence_parallel else "")),
             ("pipeline parallel", f"{self.pp}" + (f", {self.schedule}, {self.microbatches} microbatches" + (f", {self.virtual_stages} virtual stages" if self.virtual_stages > 1 else "") if self.pp_enabled else "")),
+            ("expert parallel", f"{self.ep}" + (" (experts split over data-parallel ranks)" if self.ep_enabled else "")),
             ("activation recompute", self.recompute),
             ("precision", self.precision + (" (fp32 master weights and reductions)" if self.precision != "fp32" else "")),
         ]
@@ -280,12 +310,13 @@ def _fill_degrees(values: dict[str, Any], world_size: int) -> dict[str, Any]:
     """The degrees :meth:`Plan.from_dict` fills in for ``world_size`` (named keys are kept)."""
     out = dict(values)
     fixed = 1
-    for key in ("tp", "pp"):
+    for key in ("tp", "pp", "cp"):
         value = out.get(key, 1)
         fixed *= value if isinstance(value, int) and value > 0 else 1
     given = ",".join(f"{k}={v}" for k, v in values.items())
+    named = "tp*pp*cp" if "cp" in out else "tp*pp"
     if world_size % fixed:
-        raise ConfigError(f"plan {given}: tp*pp={fixed} does not divide the world of {world_size} processes",
+        raise ConfigError(f"plan {given}: {named}={fixed} does not divide the world of {world_size} processes",
                           hint=f"use degrees whose product divides {world_size}, e.g. {_suggest(world_size)}")
     rest = world_size // fixed
     if out.get("zero", 0) > 0:
@@ -346,10 +377,12 @@ def replan(plan: Plan, world_size: int) -> Plan:
 
     1. ``tp``: its largest part that divides the world (``gcd(tp, world)``; tp=4 on 2 processes
        keeps tp=2, which still divides the heads), sequence parallel only while tp > 1;
-    2. ``pp``: likewise within what tp leaves (no pipeline left: one microbatch, no virtual stages);
-    3. the rest is data parallel: without ZeRO all of it is ``dp``; with ZeRO the shard group keeps
+    2. ``cp``: likewise within what tp leaves (each sequence still fits in as few ranks);
+    3. ``pp``: likewise within what tp and cp leave (no pipeline left: one microbatch, no virtual stages);
+    4. the rest is data parallel: without ZeRO all of it is ``dp``; with ZeRO the shard group keeps
        its size if it divides the rest and ``dp`` replicas (HSDP) fill up, else everything is
-       sharded (``shard`` = rest, so ZeRO-3 shards are re-split over the new world).
+       sharded (``shard`` = rest, so ZeRO-3 shards are re-split over the new world); ``ep`` keeps
+       its largest part that divides the innermost data-parallel degree.
 
     ``dp=2,tp=2`` on 2 processes becomes ``tp=2``; ``zero=3,shard=4`` on 2 becomes ``zero=3,shard=2``;
     ``dp=2,tp=2`` regrown to 8 becomes ``dp=4,tp=2``. Precision, recompute and the rest are kept.
@@ -360,8 +393,9 @@ def replan(plan: Plan, world_size: int) -> Plan:
     if plan.world_size == world_size:
         return plan
     tp = math.gcd(plan.tp, world_size)
-    pp = math.gcd(plan.pp, world_size // tp)
-    rest = world_size // (tp * pp)
+    cp = math.gcd(plan.cp, world_size // tp)
+    pp = math.gcd(plan.pp, world_size // (tp * cp))
+    rest = world_size // (tp * cp * pp)
     if plan.zero == 0 or (plan.shard == 1 and plan.dp > 1):
         dp, shard = rest, 1
     elif plan.dp > 1 and rest % plan.shard == 0:
@@ -369,7 +403,8 @@ def replan(plan: Plan, world_size: int) -> Plan:
     else:
         dp, shard = 1, rest
     pipeline = {"microbatches": 1, "virtual_stages": 1, "schedule": "1f1b"} if plan.pp > 1 and pp == 1 else {}
-    return dataclasses.replace(plan, dp=dp, shard=shard, tp=tp, pp=pp,
+    ep = math.gcd(plan.ep, shard if plan.zero > 0 else dp)
+    return dataclasses.replace(plan, dp=dp, shard=shard, tp=tp, cp=cp, pp=pp, ep=ep,
                                sequence_parallel=plan.sequence_parallel and tp > 1, **pipeline).check_world(world_size)
 
 

@@ -32,6 +32,9 @@ ALIASES = {
     "ffn_size": "ffn", "intermediate_size": "ffn", "n_inner": "ffn",
     "num_kv_heads": "kv_heads", "num_key_value_heads": "kv_heads",
     "tie_embeddings": "tied_embeddings", "tie_word_embeddings": "tied_embeddings",
+    "num_experts": "experts", "num_local_experts": "experts", "moe_experts": "experts",
+    "num_experts_per_tok": "top_k", "moe_top_k": "top_k", "moe_intermediate_size": "expert_ffn",
+    "router_aux_loss_coef": "aux_loss",
 }
 REQUIRED = ("layers", "hidden", "heads", "vocab_size", "seq_len")
 
@@ -57,6 +60,10 @@ class TransformerShape:
     learned_positions: bool = _opt(True, "learned position embeddings (False: rotary, nothing learned)")
     attention: str = _opt("fused", "fused (scaled_dot_product_attention / FlashAttention) or eager (keeps the s^2 softmax)")
     separate_qkv: bool = _opt(False, "q, k and v are three Linear layers instead of one fused projection")
+    experts: int = _opt(0, "experts per MoE layer (0: a dense MLP in every block)", min=0)
+    top_k: int = _opt(2, "experts each token is routed to (MoE)", min=1)
+    expert_ffn: int = _opt(0, "inner size of each expert (0: ffn)", min=0)
+    aux_loss: float = _opt(0.01, "weight of the MoE load-balancing loss (sequence-wise)", min=0.0)
     name: str = _opt("", "a name for tables and reports")
 
     def __post_init__(self) -> None:
@@ -78,6 +85,13 @@ class TransformerShape:
                               hint="use a divisor of heads (or leave kv_heads out)")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model shape dropout={self.dropout} must lie in [0, 1)")
+        for key in ("experts", "expert_ffn"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"model shape {key}={value!r} must be a non-negative integer", hint="0 for a dense model")
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ConfigError(f"model shape top_k={self.top_k} must lie in [1, experts={self.experts}]",
+                              hint="route each token to at most as many experts as there are")
         if self.attention not in ATTENTION:
             raise ConfigError(f"model shape attention={self.attention!r} is unknown",
                               hint='use "fused" (scaled_dot_product_attention / FlashAttention) or "eager"')
@@ -91,6 +105,11 @@ class TransformerShape:
     ffn_size = ffn_
 
     @property
+    def expert_ffn_(self) -> int:
+        """Each expert's inner size (``expert_ffn`` or ``ffn_``)."""
+        return self.expert_ffn or self.ffn_
+
+    @property
     def kv_heads_(self) -> int:
         return self.kv_heads or self.heads
 
@@ -101,11 +120,13 @@ class TransformerShape:
     def param_count(self, *, embeddings: bool = True) -> int:
         """Parameters (weights and biases); ``embeddings=False`` leaves out the token and position
         embeddings. Attention ``4 h^2`` (``2 h^2 (1 + kv/h)`` with grouped-query attention), MLP
-        ``2 h f``, two LayerNorms per block, a final norm and the LM head (shared when tied)."""
+        ``2 h f`` (with ``E`` experts: ``E`` MLPs of ``2 h f_e`` and a router of ``h E``), two
+        LayerNorms per block, a final norm and the LM head (shared when tied)."""
         h, f, v, b = self.hidden, self.ffn_, self.vocab_size, int(self.bias)
         kv = self.head_dim * self.kv_heads_
         attn = 2 * h * h + 2 * h * kv + b * (2 * h + 2 * kv)
-        per_block = attn + 2 * h * f + b * (f + h) + 4 * h
+        mlp = 2 * h * f + b * (f + h) if not self.experts else self.experts * 2 * h * self.expert_ffn_ + h * self.experts
+        per_block = attn + mlp + 4 * h
         head = 2 * h + (0 if self.tied_embeddings else v * h + b * v)
         embed = v * h + (self.seq_len * h if self.learned_positions else 0)
         body = self.layers * per_block + head
@@ -119,9 +140,11 @@ class TransformerShape:
         ``N`` counts the non-embedding parameters (an embedding lookup does no multiply-adds):
         each costs 2 FLOPs per token forward and 4 backward. The attention scores ``q k^T`` and the
         weighted sum ``a v`` add ``2 * 2 * T * h`` forward per layer and token, times 3 with the
-        backward. The causal mask is not subtracted (the kernels do not skip the masked half).
+        backward. The causal mask is not subtracted (the kernels do not skip the masked half). With
+        experts only the ``top_k`` a token is routed to count (its active parameters).
         """
-        return 6 * self.param_count(embeddings=False) + 12 * self.layers * self.hidden * self.seq_len
+        idle = self.layers * (self.experts - self.top_k) * 2 * self.hidden * self.expert_ffn_ if self.experts else 0
+        return 6 * (self.param_count(embeddings=False) - idle) + 12 * self.layers * self.hidden * self.seq_len
 
     # -- construction ----------------------------------------------------------------------
     @classmethod

@@ -27,7 +27,7 @@ def test_parse(text, expected):
 def test_flags():
     hsdp = Plan.parse("zero=3,dp=2,shard=2")
     assert hsdp.hsdp_enabled and hsdp.fsdp_enabled and hsdp.dp_size == 4 and hsdp.world_size == 4
-    assert hsdp.mesh_shape == (1, 2, 2, 1)
+    assert hsdp.mesh_shape == (1, 2, 2, 1, 1)
     fsdp_tp = Plan.parse("zero=3,shard=2,tp=2")
     assert not fsdp_tp.hsdp_enabled and fsdp_tp.tp_enabled and fsdp_tp.dp_size == 2
 

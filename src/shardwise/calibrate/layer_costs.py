@@ -54,7 +54,7 @@ def _layer_step_seconds(plan_text: str, device: Any, *, cfg: Any, batch: int = 2
         pm = parallelize(GPT(cfg, seed=0).to(device), plan, build_mesh(plan, device.type), **extra)
         if pm.pipeline is not None:
             return concurrent_seconds(lambda: pm.pipeline.step(ids, ids), device, window_s=0.2)
-        module, context = pm.module, pm.loss_context
+        module, context = pm.module, pm.step_context
 
     def step() -> None:
         with context():

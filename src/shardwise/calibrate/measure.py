@@ -60,7 +60,7 @@ def measure_plan_worker(plan_text: str, config: dict[str, Any], *, global_batch:
                 pm.pipeline.step(x, y)
             else:
                 for i, (xm, ym) in enumerate(zip(x.chunk(m), y.chunk(m))):
-                    with pm.gradient_sync(i == m - 1), pm.loss_context():
+                    with pm.gradient_sync(i == m - 1), pm.step_context():
                         loss = loss_fn(pm.module(xm), ym) / m
                         loss.backward()
             opt.step()

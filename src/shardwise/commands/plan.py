@@ -219,14 +219,18 @@ def _model_spec_text(value: str) -> str:
 
 
 def format_table(estimates: list) -> str:
-    head = (f"{'#':>2} {'dp':>5} {'zero':>4} {'tp':>3} {'pp':>3} {'mbs':>4} {'m':>4} {'schedule':<12} {'recompute':<9} "
+    """The ranked plans; ``cp`` and ``ep`` columns appear when a plan uses them."""
+    extra = [k for k in ("cp", "ep") if any(getattr(e.plan, k) > 1 for e in estimates)]
+    head = (f"{'#':>2} {'dp':>5} {'zero':>4} {'tp':>3} {'pp':>3} " + "".join(f"{k:>3} " for k in extra)
+            + f"{'mbs':>4} {'m':>4} {'schedule':<12} {'recompute':<9} "
             f"{'mem GB':>8} {'step s':>9} {'compute':>9} {'comm':>9} {'bubble':>9} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
     lines = [head]
     for i, e in enumerate(estimates, 1):
         p = e.plan
         dp = f"{p.dp}x{p.shard}" if p.dp > 1 and p.shard > 1 else str(p.dp_size)
         sched = (p.schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")) if p.pp > 1 else "-"
-        lines.append(f"{i:>2} {dp:>5} {p.zero:>4} {p.tp:>3} {p.pp:>3} {e.micro_batch_size:>4} {p.microbatches:>4} {sched:<12} "
+        degrees = "".join(f"{getattr(p, k):>3} " for k in extra)
+        lines.append(f"{i:>2} {dp:>5} {p.zero:>4} {p.tp:>3} {p.pp:>3} {degrees}{e.micro_batch_size:>4} {p.microbatches:>4} {sched:<12} "
                      f"{p.recompute:<9} {e.memory_total / 1e9:>8.2f} {e.step_time_s:>9.4g} {e.time['compute']:>9.3g} "
                      f"{e.time['communication']:>9.3g} {e.time['bubble']:>9.3g} {e.tokens_per_s:>10.4g} "
                      f"{e.tflops_per_device:>8.3g} {100 * e.mfu:>5.1f}%")

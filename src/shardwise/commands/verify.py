@@ -30,6 +30,8 @@ EXAMPLES = """examples:
   shardwise verify --plan zero=3,shard=4 --steps 20
   shardwise verify --plan dp=2,pp=2,microbatches=2           # pipeline stages: norm and weights gathered over pp
   shardwise verify --plan tp=2,sp --script my_model.py     # defines build_model(seed), make_batch(step, size)
+  shardwise verify --plan dp=2,cp=2                         # context parallel: zig-zag chunks of each sequence
+  shardwise verify --plan dp=2,ep=2 --experts 4             # expert parallel on the built-in MoE GPT
 """
 
 
@@ -40,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nproc", type=int, default=None, help="processes: fill in the degrees the plan leaves out for this world size")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps (default %(default)s)")
     p.add_argument("--script", default=None, help="a Python file with build_model(seed) and make_batch(step, size) [and loss_fn]")
+    p.add_argument("--experts", type=int, default=0, help="the built-in GPT with this many experts per MoE layer (0: dense)")
+    p.add_argument("--top-k", type=int, default=2, help="experts per token of the built-in MoE GPT")
     p.add_argument("--global-batch", type=int, default=8, help="samples per step, split over the data-parallel ranks")
     p.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step on each rank")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
@@ -58,6 +62,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     the workers, a NaN tolerance would make every comparison fail."""
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps} must be at least 1", hint="for example --steps 20")
+    if args.experts < 0:
+        raise ConfigError(f"--experts {args.experts} must be 0 (dense) or a positive number of experts")
     for flag, value in (("--global-batch", args.global_batch), ("--accumulation", args.accumulation)):
         if value < 1:
             raise ConfigError(f"{flag} {value} must be a positive integer")
@@ -89,7 +95,13 @@ def _main(args: argparse.Namespace) -> int:
         pipe = f" x {plan.microbatches} pipeline microbatches" if plan.pp_enabled else ""
         raise ConfigError(f"--global-batch {args.global_batch} does not split into {plan.dp_size} data-parallel ranks x "
                           f"{args.accumulation} micro-steps{pipe}", hint=f"use a multiple of {per_step}, e.g. {per_step * max(1, args.global_batch // per_step)}")
-    workload = ScriptWorkload(args.script) if args.script else GPTWorkload()
+    if args.script and args.experts:
+        raise ConfigError("--experts configures the built-in GPT, not a --script model", hint="drop one of them")
+    from dataclasses import replace
+
+    from shardwise.verify.parity import SMALL_GPT
+
+    workload = ScriptWorkload(args.script) if args.script else GPTWorkload(replace(SMALL_GPT, experts=args.experts, top_k=args.top_k))
     # Check the plan against the model here, on the meta device: no memory, no processes.
     with torch.device("meta"):
         validate(workload.build(args.seed), plan, tp=TPOptions(loss_parallel=args.loss_parallel))

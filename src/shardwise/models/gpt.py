@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.moe import MoE
 from shardwise.shape import TransformerShape
 
 
@@ -92,7 +93,8 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(config.hidden)
         self.attn = CausalSelfAttention(config)
         self.ln2 = nn.LayerNorm(config.hidden)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MLP(config) if not config.experts else MoE(
+            config.hidden, config.expert_ffn_, config.experts, config.top_k, config.aux_loss)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +124,7 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 initialization from ``seed``: N(0, 0.02) weights, zero biases, unit LayerNorms, and
-        the residual output projections (``o_proj``, ``fc_out``) scaled by ``1/sqrt(2 * layers)``.
+        the residual output projections (``o_proj``, ``fc_out``, the experts' ``down_proj``) scaled by ``1/sqrt(2 * layers)``.
 
         Values are drawn on the CPU in a fixed order of parameter names, so they are the same on
         every device and every rank; a DTensor parameter receives its shard of the same values.
@@ -135,15 +137,17 @@ class GPT(nn.Module):
             elif ".ln" in name or name.startswith("ln_f"):
                 full = torch.ones(param.shape)
             else:
-                std = residual_std if name.endswith(("o_proj.weight", "fc_out.weight")) else 0.02
+                std = residual_std if name.endswith(("o_proj.weight", "fc_out.weight", "experts.down_proj")) else 0.02
                 full = torch.randn(param.shape, generator=gen) * std
             _copy_full(param, full)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` (``[T]`` or ``[B, T]``, default ``0..T-1``): the tokens' positions, for a
+        caller that feeds part of a sequence (context parallel's chunks)."""
         t = ids.shape[1]
         if t > self.config.seq_len:
             raise ConfigError(f"input length {t} exceeds the model's seq_len={self.config.seq_len}")
-        pos = torch.arange(t, device=ids.device)
+        pos = torch.arange(t, device=ids.device) if position_ids is None else position_ids
         x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

@@ -15,7 +15,9 @@ recomputed forward too. No communication of its own.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -40,8 +42,12 @@ def _policy(ctx: object, op: object, *args: object, **kwargs: object) -> Checkpo
     return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_checkpointing(model: nn.Module, *, mode: str) -> nn.Module:
-    """Checkpoint every trunk block (``find_blocks``) according to ``mode``; in place."""
+def apply_checkpointing(model: nn.Module, *, mode: str,
+                        recompute_context: Callable[[], ContextManager[Any]] | None = None) -> nn.Module:
+    """Checkpoint every trunk block (``find_blocks``) according to ``mode``; in place.
+
+    ``recompute_context()``: entered around each block's recomputation in backward, for what the
+    forward ran under (context parallel's split attention)."""
     if mode == "none":
         return model
     if mode not in ("selective", "full"):
@@ -53,8 +59,22 @@ def apply_checkpointing(model: nn.Module, *, mode: str) -> nn.Module:
             hint="keep the blocks in an nn.ModuleList/nn.Sequential, or use recompute=none",
         )
     for block in blocks:
-        if mode == "full":
-            checkpoint(block)
-        else:
-            checkpoint(block, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+        checkpoint(block, context_fn=functools.partial(_contexts, mode, recompute_context))
     return model
+
+
+def _contexts(mode: str, extra: Callable[[], ContextManager[Any]] | None) -> tuple[ContextManager[Any], ContextManager[Any]]:
+    """(forward, recomputation) contexts of one checkpointed region."""
+    if mode == "selective":
+        forward, recompute = create_selective_checkpoint_contexts(_policy)
+    else:
+        forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+    return forward, recompute if extra is None else _entered(recompute, extra())
+
+
+@contextlib.contextmanager
+def _entered(*contexts: ContextManager[Any]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for ctx in contexts:
+            stack.enter_context(ctx)
+        yield

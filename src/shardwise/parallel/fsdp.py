@@ -116,6 +116,22 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, precision: str
     return model
 
 
+def apply_expert_units(experts: Iterable[nn.Module], mesh: DeviceMesh, *, stage: int,
+                       precision: str = "fp32", cpu_offload: bool = False, options: FSDPOptions = FSDPOptions()) -> None:
+    """Each MoE layer's experts as its own data-parallel unit over the expert-data-parallel
+    ``mesh`` (:mod:`shardwise.parallel.ep`): ``fully_shard`` for ZeRO-2/3, else ``replicate``
+    (gradients averaged over ``mesh``)."""
+    kwargs = _policies(options, mesh, precision=precision, cpu_offload=cpu_offload)
+    for module in experts:
+        if stage >= 2:
+            reshard = options.reshard_after_forward if options.reshard_after_forward is not None else stage == 3
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **kwargs)
+        else:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(module, mesh=mesh, **kwargs)
+
+
 def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, precision: str = "fp32", cpu_offload: bool = False,
                     options: FSDPOptions = FSDPOptions()) -> nn.Module:
     """Plain data parallel for models with DTensor (TP) parameters: torch's FSDP2-based

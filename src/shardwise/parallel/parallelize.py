@@ -27,8 +27,10 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.parallel.annotate import annotated_plan
 from shardwise.parallel.checkpointing import apply_checkpointing
+from shardwise.parallel.cp import ContextParallel, check_context_parallel
 from shardwise.parallel.ddp import DDPOptions, apply_ddp
-from shardwise.parallel.fsdp import FSDPOptions, apply_fsdp, apply_replicate, build_optimizer, find_blocks
+from shardwise.parallel.ep import ExpertMeshes, apply_ep, build_expert_meshes, check_expert_parallel
+from shardwise.parallel.fsdp import FSDPOptions, apply_expert_units, apply_fsdp, apply_replicate, build_optimizer, find_blocks
 from shardwise.parallel.mesh import Meshes
 from shardwise.parallel.pipeline import PipelineOptions, build_pipeline, check_pipeline
 from shardwise.parallel.tp import TPOptions, TPPlan, apply_tp, derive_tp_plan, validate_tp
@@ -58,6 +60,7 @@ class ParallelModel:
     meshes: Meshes
     pipeline: PipelineRunner | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    context_parallel: ContextParallel | None = None
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -75,16 +78,39 @@ class ParallelModel:
         build the optimizer through here rather than from ``parameters()`` directly."""
         zero1 = self.plan.zero == 1 and self.plan.shard > 1
         return build_optimizer(self.parameters(), factory,
-                               zero_group=self.meshes.dp_shard.get_group() if zero1 else None, **defaults)
+                               zero_group=self.meshes.shard.get_group() if zero1 else None, **defaults)
 
-    def loss_context(self) -> contextlib.AbstractContextManager[None]:
-        """Where the loss must be computed: torch's ``loss_parallel()`` when the LM head's logits
-        stay vocabulary-sharded (TPOptions.loss_parallel), else a no-op."""
-        if self.extras.get("loss_parallel"):
-            from torch.distributed.tensor.parallel import loss_parallel
+    def set_loss_scale(self, loss_scale: float) -> None:
+        """Tell modules with an ``aux_loss_scale`` (MoE load-balancing losses, which reach their
+        router through the output, :mod:`shardwise.models.moe`) what the step's loss is multiplied by
+        before backward (``1/accumulation`` times the fp16 loss scale); a pipeline also divides each
+        microbatch's loss by the number of microbatches."""
+        factor = loss_scale / (self.plan.microbatches if self.pipeline is not None else 1)
+        for module in self.module.modules():
+            if hasattr(module, "aux_loss_scale"):
+                module.aux_loss_scale = factor
 
-            return loss_parallel()
-        return contextlib.nullcontext()
+    def shard_batch(self, inputs: Any, targets: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """What this rank feeds the model: ``(inputs, targets, keyword arguments)``. The batch as it
+        is, except under context parallelism: this rank's zig-zag chunks of the sequence and their
+        ``position_ids`` (:mod:`shardwise.parallel.cp`)."""
+        if self.context_parallel is None:
+            return inputs, targets, {}
+        return self.context_parallel.shard_batch(inputs, targets)
+
+    @contextlib.contextmanager
+    def step_context(self) -> Iterator[None]:
+        """Where a step's forward, loss and backward must run: torch's ``loss_parallel()`` when the LM
+        head's logits stay vocabulary-sharded (TPOptions.loss_parallel), and context parallel's
+        split attention (recomputation in backward included). A no-op otherwise."""
+        with contextlib.ExitStack() as stack:
+            if self.extras.get("loss_parallel"):
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                stack.enter_context(loss_parallel())
+            if self.context_parallel is not None:
+                stack.enter_context(self.context_parallel.split_attention())
+            yield
 
     @contextlib.contextmanager
     def gradient_sync(self, enabled: bool) -> Iterator[None]:
@@ -121,6 +147,8 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
     if conflict is not None:
         raise conflict
     check_pipeline(model, plan, options=pipeline)  # too many stages, tied weights across stages, ...
+    check_context_parallel(model, plan.cp)  # attention inside torch modules, no position_ids
+    check_expert_parallel(model, plan.ep)  # no MoE layers, ep not dividing the experts
     if not plan.tp_enabled:
         return None
     options = tp or TPOptions()
@@ -128,6 +156,10 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
         tp_plan = TPPlan.of(options.plan)
     else:
         tp_plan = annotated_plan(model, tp=plan.tp) or derive_tp_plan(model, tp=plan.tp)
+    if plan.ep_enabled:
+        # Expert parallel owns the experts' tensors (split by expert over ep): TP leaves them whole,
+        # so the tp ranks of one expert-parallel rank hold, and compute, the same experts.
+        tp_plan = TPPlan(tuple((pattern, style) for pattern, style in tp_plan.entries if style != "experts"))
     validate_tp(model, tp_plan, tp=plan.tp)
     styles = set(tp_plan.as_dict().values())
     if plan.sequence_parallel and not {"sequence_parallel", "attention_input"} <= styles:
@@ -156,20 +188,23 @@ def parallelize(
     stage; it can also be set later as ``pm.pipeline.loss_fn``. ``pipeline`` says where to cut.
     """
     tp_plan = validate(model, plan, tp=tp, pipeline=pipeline)
+    cp = ContextParallel(meshes.cp) if plan.cp_enabled else None
+    experts = build_expert_meshes(plan, meshes.root) if plan.ep_enabled else None
+    local = {"tp_plan": tp_plan, "ddp": ddp, "tp": tp, "fsdp": fsdp, "context_parallel": cp, "experts": experts}
     runner = None
     if plan.pp_enabled:
         # Step 1: the split; the TP plan (derived on the whole model, names kept) and steps 2-5
         # then apply to each local stage.
         module, runner = build_pipeline(
             model, plan, meshes.pp, loss_fn=loss_fn, options=pipeline,
-            wrap_stage=lambda stage: apply_local(stage, plan, meshes, tp_plan=tp_plan, ddp=ddp, tp=tp, fsdp=fsdp),
+            wrap_stage=lambda stage: apply_local(stage, plan, meshes, **local),
         )
     else:
-        module = apply_local(model, plan, meshes, tp_plan=tp_plan, ddp=ddp, tp=tp, fsdp=fsdp)
+        module = apply_local(model, plan, meshes, **local)
     extras: dict[str, Any] = {}
     if tp_plan is not None:
         extras.update(tp_plan=tp_plan, loss_parallel=(tp or TPOptions()).loss_parallel)
-    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, extras=extras)
+    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, extras=extras, context_parallel=cp)
 
 
 def apply_local(
@@ -181,27 +216,37 @@ def apply_local(
     ddp: DDPOptions | None = None,
     tp: TPOptions | None = None,
     fsdp: FSDPOptions | None = None,
+    context_parallel: ContextParallel | None = None,
+    experts: ExpertMeshes | None = None,
 ) -> nn.Module:
     """Steps 2-5 of the module doc on one module (the whole model, or one pipeline stage)."""
     if tp_plan is not None:
         apply_tp(model, meshes.tp, plan=tp_plan, sequence_parallel=plan.sequence_parallel,
                  loss_parallel=(tp or TPOptions()).loss_parallel)
-    apply_checkpointing(model, mode=plan.recompute)
+    # Expert parallel shards the experts' weights like TP shards linear layers: before
+    # recomputation (which replays the all-to-alls) and before data-parallel wrapping.
+    expert_units = apply_ep(model, experts.ep) if experts is not None else []
+    # a recomputed block must split its attention as its forward did
+    apply_checkpointing(model, mode=plan.recompute,
+                        recompute_context=context_parallel.recompute_context if context_parallel is not None else None)
     if plan.compile:
         for block in find_blocks(model) or [model]:
             block.compile()
     # The plan decides precision and offload; FSDPOptions only what it leaves open.
     sharding = {"precision": plan.precision, "cpu_offload": plan.cpu_offload, "options": fsdp or FSDPOptions()}
+    if experts is not None:  # the experts first: their own units over the expert-data-parallel ranks
+        apply_expert_units(expert_units, experts.edp, stage=plan.zero, **sharding)
     if plan.zero >= 2:
         # HSDP when both data-parallel degrees are > 1: shard inside a row, all-reduce across rows.
-        mesh = meshes.hsdp if plan.dp > 1 else meshes.dp_shard
+        # Context-parallel ranks hold the same weights: they are folded into the shard dimension.
+        mesh = meshes.hsdp if plan.dp > 1 else meshes.shard
         return apply_fsdp(model, mesh, stage=plan.zero, **sharding)
-    if plan.dp_enabled:
-        if tp_plan is not None or plan.pp_enabled:
+    if plan.token_parallel_size > 1:
+        if tp_plan is not None or plan.pp_enabled or experts is not None:
             # DDP cannot wrap DTensor parameters; FSDP2's replicate all-reduces them the same way.
             # Under pipelining DDP's reducer also miscounts the parameters (torch's metadata-
             # inference pass runs a backward outside no_sync), while replicate is supported there.
-            return apply_replicate(model, meshes.dp, **sharding)
+            return apply_replicate(model, meshes.tokens, **sharding)
         # ZeRO-1 keeps DDP's all-reduce; the optimizer-state sharding is in build_optimizer.
-        return apply_ddp(model, meshes.dp, options=ddp or DDPOptions())
+        return apply_ddp(model, meshes.tokens, options=ddp or DDPOptions())
     return model

@@ -200,11 +200,13 @@ class PipelineSchedule:
         self._losses.append(loss.detach())
         return loss * (self._scale / self.plan.microbatches)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0, **model_kwargs: Any) -> torch.Tensor:
         """Forward + backward of the batch through the pipeline; the mean unscaled loss on every rank.
 
         Every rank passes the same ``inputs``/``targets`` (those of its data-parallel group); only
-        the first stage reads the inputs and only the last the targets.
+        the first stage reads the inputs and only the last the targets. ``model_kwargs`` (context
+        parallel's ``position_ids``) are split into microbatches along dim 0 like the inputs and
+        reach the model's forward on every stage that runs it (see :meth:`_stage_kwargs`).
         """
         check_microbatches(int(inputs.shape[0]), self.plan.microbatches)
         self._prepare(self._schedule, inputs)
@@ -212,7 +214,7 @@ class PipelineSchedule:
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
         before = [_grad_copy(slot) for slot in self.ties]
-        self._schedule.step(*args, target=target, return_outputs=False, **self._stage_kwargs(inputs))
+        self._schedule.step(*args, target=target, return_outputs=False, **self._stage_kwargs(inputs, model_kwargs))
         for slot, grad in zip(self.ties, before):
             _sum_tied_grad(slot, grad)
         if self.has_last:
@@ -227,16 +229,16 @@ class PipelineSchedule:
 
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs: Any) -> torch.Tensor:
         """Forward only: the batch's mean loss on every rank (for evaluation).
 
         The whole batch goes through as one microbatch (no backward, so there is no bubble to
         hide), which makes any batch size work, the last partial batch of a split included.
         """
-        return self.eval_outputs(inputs, targets)[0]
+        return self.eval_outputs(inputs, targets, **model_kwargs)[0]
 
     @torch.no_grad()
-    def eval_outputs(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def eval_outputs(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward only (as :meth:`eval_loss`): the mean loss on every rank, and the last stage's
         output (the logits) on the ranks that hold the last stage (None elsewhere)."""
         if self._eval_schedule is None:
@@ -248,13 +250,19 @@ class PipelineSchedule:
         self._losses, self._scale = [], 1.0
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
-        output = self._eval_schedule.eval(*args, target=target, **self._stage_kwargs(inputs))
+        output = self._eval_schedule.eval(*args, target=target, **self._stage_kwargs(inputs, model_kwargs))
         loss = _plain(self._losses[-1]).float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
         dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
         return loss, (output if self.has_last else None)
 
-    def _stage_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"stage_inputs": inputs.to(self._device)} if self._pass_inputs else {}
+    def _stage_kwargs(self, inputs: torch.Tensor, model_kwargs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The keyword arguments of the schedule's call, which torch passes to every stage: the
+        batch's inputs and ``model_kwargs`` for trunk stages (each runs the model's own forward);
+        ``model_kwargs`` on the first stage only for explicit stages."""
+        extra = {k: v.to(self._device) for k, v in model_kwargs.items()}
+        if self._pass_inputs:
+            return {"stage_inputs": inputs.to(self._device), **extra}
+        return extra if self.has_first else {}
 
     def tied_copies(self) -> list[nn.Parameter]:
         """This rank's copies of tied weights that the gradient norm must not count again."""

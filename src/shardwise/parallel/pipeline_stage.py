@@ -175,8 +175,9 @@ def _has_params(module: nn.Module) -> bool:
 class TrunkStage(_StageInit, nn.Module):
     """Stage ``[start, stop)`` of the trunk of ``model`` (see the module doc).
 
-    ``forward(*inputs)`` on the first stage; ``forward(hidden, stage_inputs=inputs)`` on the others
-    (the inputs of the same microbatch, from which the model recomputes what its blocks need).
+    ``forward(*inputs, **model_kwargs)`` on the first stage; ``forward(hidden, stage_inputs=inputs,
+    **model_kwargs)`` on the others (the inputs of the same microbatch, from which the model
+    recomputes what its blocks need).
     """
 
     def __init__(self, model: nn.Module, trunk: Any, start: int, stop: int, *, is_first: bool, is_last: bool) -> None:
@@ -273,7 +274,9 @@ class TrunkStage(_StageInit, nn.Module):
                                             for n, (shape, dtype) in self._foreign.get(prefix, {}).items()}
         return view
 
-    def forward(self, *args: Any, stage_inputs: Any = None) -> torch.Tensor:
+    def forward(self, *args: Any, stage_inputs: Any = None, **model_kwargs: Any) -> torch.Tensor:
+        """``model_kwargs`` (context parallel's ``position_ids``) reach the model's own forward on
+        every stage, like the inputs."""
         if self.is_first:
             inputs, received = args, None
         else:
@@ -285,7 +288,7 @@ class TrunkStage(_StageInit, nn.Module):
         device = received.device if received is not None else next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
         root = self._view(0, received, device)
         try:
-            out = root.forward(*inputs)
+            out = root.forward(*inputs, **model_kwargs)
         except _StageDone as done:
             return done.hidden
         if not self.is_last:

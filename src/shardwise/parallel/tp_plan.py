@@ -44,7 +44,7 @@ _UNSHARDABLE = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.Transforme
 class TPOptions:
     """``plan``: explicit pattern -> style mapping (else annotations, else derived);
     ``loss_parallel``: keep the LM head's logits vocabulary-sharded (the loss must then be
-    computed inside ``ParallelModel.loss_context()``)."""
+    computed inside ``ParallelModel.step_context()``)."""
 
     plan: Mapping[str, str] | None = None
     loss_parallel: bool = False

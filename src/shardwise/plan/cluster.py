@@ -163,7 +163,7 @@ class ClusterSpec:
         if group <= 1 or nbytes <= 0:
             return 0.0
         factor = {"all_reduce": 2 * (group - 1) / group, "all_gather": (group - 1) / group,
-                  "reduce_scatter": (group - 1) / group}.get(op, 1.0)
+                  "reduce_scatter": (group - 1) / group, "all_to_all": (group - 1) / group}.get(op, 1.0)
         volume = factor * nbytes
         if group * stride <= self.devices_per_node:
             return (self._latency(op, group, self.intra_latency_s, self.intra_latency_s) if latency else 0.0) + volume / self.intra_bw
@@ -176,7 +176,7 @@ class ClusterSpec:
         """Latency of one collective: a ring all-gather or reduce-scatter takes ``n - 1`` steps (of
         which one per node crosses a NIC); an all-reduce (NCCL's tree for latency-bound sizes) and
         the others ``ceil(log2 n)``."""
-        if op in ("all_gather", "reduce_scatter"):
+        if op in ("all_gather", "reduce_scatter", "all_to_all"):  # n - 1 ring steps / pairwise exchanges
             hops_inter = nodes if nodes > 1 else 0
             return (group - 1 - hops_inter) * intra + hops_inter * inter
         return math.ceil(math.log2(group)) * (inter if nodes > 1 else intra)

@@ -102,6 +102,16 @@ def cp_time(cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, kv_bytes: float
     return exposed(cluster, plan.microbatches * layers * per_layer, attention)
 
 
+def ep_time(cluster: ClusterSpec, plan: Plan, *, rows_bytes: float, layers: int) -> float:
+    """Expert-parallel traffic of one step, on the critical path: per MoE layer and microbatch two
+    all-to-alls forward (the routed rows to the experts' owners and back, ``rows_bytes`` = k x
+    tokens x h each) and two backward, two more under full recomputation."""
+    if plan.ep <= 1 or rows_bytes <= 0:
+        return 0.0
+    per_layer = (4 + (2 if plan.recompute == "full" else 0)) * cluster.collective_time("all_to_all", rows_bytes, plan.ep, stride=plan.tp)
+    return plan.microbatches * layers * per_layer
+
+
 def pp_time(cluster: ClusterSpec, plan: Plan, *, hop_bytes: float) -> float:
     """Pipeline sends on the critical path of one step (see the module doc)."""
     p, m, v = plan.pp, plan.microbatches, plan.virtual_stages
@@ -174,4 +184,4 @@ def dp_time(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, run: RunPolic
     return Comm(dp_total=fwd + bwd + fixed, dp_exposed=max(dp_exposed, first) + fixed, dp_fixed=fixed)
 
 
-__all__ = ["Comm", "DTENSOR_OPS_PER_LAYER", "FSDP_OPS_PER_UNIT", "cp_time", "dp_time", "exposed", "pp_time", "tp_time"]
+__all__ = ["Comm", "DTENSOR_OPS_PER_LAYER", "FSDP_OPS_PER_UNIT", "cp_time", "dp_time", "ep_time", "exposed", "pp_time", "tp_time"]

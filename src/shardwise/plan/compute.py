@@ -160,9 +160,17 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     else:
         proj = [(h, h + 2 * kv)]
     shapes = [(k_, n_ / t) for k_, n_ in proj] + [(h / t, h)]
-    shapes += [(h, f / t), (h, f / t), (f / t, h)] if stats.gated_mlp else [(h, f / t), (f / t, h)]
+    rows = [tokens] * len(shapes)
+    if stats.experts:  # k routed rows per token through an expert's MLP (split by ep, else by tp), the router
+        fe, te = stats.expert_ffn, (1 if plan.ep > 1 else t)
+        mlp = [(h, fe / te), (h, fe / te), (fe / te, h)] if stats.gated_mlp else [(h, fe / te), (fe / te, h)]
+        shapes += [(h, stats.experts)] + mlp
+        rows += [tokens] + [tokens * stats.top_k] * len(mlp)
+    else:
+        shapes += [(h, f / t), (h, f / t), (f / t, h)] if stats.gated_mlp else [(h, f / t), (f / t, h)]
+        rows += [tokens] * (3 if stats.gated_mlp else 2)
     elem = 1.0 if fp8 else c
-    gemms = [gemm_time(cluster, tokens, n_, k_, peak=peak_lin, elem=elem) for k_, n_ in shapes]
+    gemms = [gemm_time(cluster, m_, n_, k_, peak=peak_lin, elem=elem) for m_, (k_, n_) in zip(rows, shapes)]
     gemm_fwd = sum(gemms)
     if fp8:  # each projection casts its input (forward) and its output's gradient (backward) to fp8:
         # 3 bytes (read 2, write 1) per element of K and N; a third of it here, as gemm_fwd counts 3 x
@@ -190,7 +198,7 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     shard_norm = t if plan.sequence_parallel else 1
     norms = 2 * (r + c) * h / shard_norm
     adds = 2 * (2 * r + c) * h / shard_norm
-    act = (5 if stats.gated_mlp else 2) * c * f / t
+    act = (5 if stats.gated_mlp else 2) * c * (stats.top_k * stats.expert_ffn / (1 if plan.ep > 1 else t) if stats.experts else f / t)
     drop = 2 * (2 * c + 1) * h / shard_norm if stats.dropout else 0.0
     rotary = 2 * c * (h + kv) / t if stats.rotary else 0.0
     casts = 0.0

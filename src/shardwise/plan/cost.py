@@ -35,12 +35,12 @@ from typing import Any
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
-from shardwise.plan.comm import cp_time, dp_time, pp_time, tp_time
+from shardwise.plan.comm import cp_time, dp_time, ep_time, pp_time, tp_time
 from shardwise.plan.compute import microbatch_time, optimizer_time
-from shardwise.plan.memory import (StatePolicy, buffer_bytes, layer_bytes, logits_bytes, model_state_bytes, stage_param_count,
-                                   weight_copy_bytes)
+from shardwise.plan.memory import (StatePolicy, buffer_bytes, expert_param_count, layer_bytes, logits_bytes, model_state_bytes,
+                                   stage_param_count, weight_copy_bytes)
 from shardwise.plan.policy import RunPolicy
-from shardwise.plan.stats import ModelStats
+from shardwise.plan.stats import ModelStats, slice_stats
 
 __all__ = ["Estimate", "RunPolicy", "StatePolicy", "bubble_fraction", "estimate", "micro_batch_size", "model_state_bytes",
            "stage_param_count"]
@@ -86,7 +86,8 @@ class Estimate:
         """The shape ``shardwise plan --json`` prints for one plan."""
         p = self.plan
         return {
-            "dp": p.dp_size, "dp_replicate": p.dp, "dp_shard": p.shard, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero,
+            "dp": p.dp_size, "dp_replicate": p.dp, "dp_shard": p.shard, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
+            "zero_stage": p.zero,
             "micro_batch_size": self.micro_batch_size, "num_microbatches": p.microbatches,
             "schedule": p.schedule if p.pp > 1 else "none", "virtual_stages": p.virtual_stages,
             "sequence_parallel": p.sequence_parallel, "recompute": p.recompute, "precision": p.precision, "plan": str(p),
@@ -126,6 +127,8 @@ def _in_flight(plan: Plan) -> tuple[float, float]:
 def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, policy: StatePolicy | None = None,
              headroom: float = 0.1, run: RunPolicy | None = None) -> Estimate:
     """Memory and time of one training step of ``plan`` (see the module doc for every term)."""
+    if plan.cp > 1:
+        return _context_parallel(stats, cluster, plan, global_batch=global_batch, policy=policy, headroom=headroom, run=run)
     run = run or RunPolicy()
     policy = policy or StatePolicy.torch(plan.precision)
     mbs = micro_batch_size(plan, global_batch)
@@ -136,10 +139,16 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     act_scale = 2.0 if fp32 else 1.0  # stats are 16-bit
     resid_scale = 2.0 if (fp32 or run.autocast) else 1.0  # autocast keeps the residual stream in fp32
     layers = math.ceil(stats.blocks / p)  # the busiest stage
-    stage_params = stage_param_count(stats, tp=t, pp=p)
+    stage_params = stage_param_count(stats, tp=t, pp=p, ep=plan.ep)
 
     # -- memory ---------------------------------------------------------------------------
-    states = model_state_bytes(stage_params, policy, zero=plan.zero, shard=plan.shard)
+    # Expert weights are sharded over ep, and ZeRO shards them further over the shard/ep ranks
+    # that hold the same experts; everything else over the shard group.
+    experts = expert_param_count(stats, tp=t, pp=p, ep=plan.ep) if plan.ep > 1 else 0.0
+    states = model_state_bytes(stage_params - experts, policy, zero=plan.zero, shard=plan.shard)
+    if experts:
+        for key, value in model_state_bytes(experts, policy, zero=plan.zero, shard=max(1, plan.shard // plan.ep)).items():
+            states[key] += value
     boundary = mbs * stats.boundary_bytes * resid_scale  # one block input of one microbatch
     kept, replay = layer_bytes(stats, plan, run)
     per_layer = kept * mbs + weight_copy_bytes(stats, plan, run, policy)
@@ -170,17 +179,19 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     pp_comm = pp_time(cluster, plan, hop_bytes=boundary / (t if plan.sequence_parallel or run.pp_scatter_gather else 1))
     kv_bytes = mbs * (stats.context or stats.seq) * 2 * (stats.kv_hidden or stats.hidden) / t * (4.0 if fp32 else 2.0)
     cp_comm = cp_time(cluster, plan, run, kv_bytes=kv_bytes, layers=layers, attention=m * mb.parts.get("attention", 0.0))
+    ep_comm = ep_time(cluster, plan, rows_bytes=mbs * stats.seq * stats.top_k * stats.hidden * (4.0 if fp32 else 2.0), layers=layers)
     stage_tensors = layers * stats.tensors_per_block + stats.tensors_outer
     dp = dp_time(cluster, plan, policy, run, stage_params=stage_params, layers=layers, t_fwd=mb.fwd, t_bwd=mb.bwd,
                  stage_tensors=stage_tensors)
     t_opt = optimizer_time(stats, cluster, plan, stage_params=stage_params, stage_tensors=stage_tensors)
 
-    communication = tp_comm + pp_comm + cp_comm + dp.dp_exposed
+    communication = tp_comm + pp_comm + cp_comm + ep_comm + dp.dp_exposed
     step = compute + bubble + communication + t_opt
     tokens = global_batch * stats.seq
     model_flops = 3 * stats.flops_per_sample * global_batch
     achieved = model_flops / step / plan.world_size
-    detail = {"tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "dp_comm": dp.dp_total, "dp_comm_exposed": dp.dp_exposed,
+    detail = {"tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm, "dp_comm": dp.dp_total,
+              "dp_comm_exposed": dp.dp_exposed,
               "optimizer": t_opt, "microbatch": mb.total}
     detail.update({f"compute_{k}": m * v_ for k, v_ in mb.parts.items()})
     return Estimate(
@@ -189,3 +200,20 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         detail=detail, step_time_s=step, memory_limit=cluster.memory_bytes * (1 - headroom), tokens_per_s=tokens / step,
         tflops_per_device=achieved / 1e12, mfu=achieved / cluster.peak(plan.precision), run=run,
     )
+
+
+def _context_parallel(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, policy: StatePolicy | None,
+                      headroom: float, run: RunPolicy | None) -> Estimate:
+    """A ``cp`` plan priced as what it runs: ``cp`` ranks per sample, each with a ``1/cp`` slice of
+    the sequence that attends to all of it (:func:`~shardwise.plan.stats.slice_stats`), so the
+    data-parallel work is ``global_batch x cp`` slices over ``dp x shard x cp`` ranks; the
+    parameters are sharded (ZeRO) and the gradients reduced over those ranks too (cp is folded
+    into the shard dimension), and every layer all-gathers the keys and values of its ``cp``
+    slices (:func:`~shardwise.plan.comm.cp_time`)."""
+    from dataclasses import replace
+
+    folded = replace(plan, cp=1, shard=plan.shard * plan.cp) if plan.zero > 0 else replace(plan, cp=1, dp=plan.dp * plan.cp)
+    run = replace(run or RunPolicy(), context_parallel=plan.cp)
+    est = estimate(slice_stats(stats, plan.cp), cluster, folded, global_batch=global_batch * plan.cp, policy=policy,
+                   headroom=headroom, run=run)
+    return replace(est, plan=plan, global_batch=global_batch)

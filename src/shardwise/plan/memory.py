@@ -92,20 +92,32 @@ def model_state_bytes(params: float, policy: StatePolicy, *, zero: int, shard: i
     }
 
 
-def stage_param_count(stats: ModelStats, *, tp: int, pp: int) -> float:
+def stage_param_count(stats: ModelStats, *, tp: int, pp: int, ep: int = 1) -> float:
     """Parameters on the busiest rank before ZeRO: its pipeline stage's share, sharded ``1/tp``
-    except what tensor parallelism replicates (norms, some biases, position embeddings)."""
+    except what tensor parallelism replicates (norms, some biases, position embeddings); the
+    experts of MoE layers ``1/ep`` under expert parallelism (replicated over tp), else ``1/tp``."""
     layers = math.ceil(stats.blocks / pp)
 
     def local(total: float, replicated: float) -> float:
         return (total - replicated) / tp + replicated
 
-    blocks = layers * local(stats.params_per_block, stats.replicated_per_block)
+    dense = stats.params_per_block - stats.expert_params_per_block
+    blocks = layers * (local(dense, stats.replicated_per_block) + stage_expert_share(stats, tp=tp, ep=ep))
     embed = local(stats.params_embed, stats.replicated_embed)
     head = local(stats.params_head, stats.replicated_head)
     first = blocks + embed + (head if pp == 1 else 0.0)
     last = blocks + head + (embed if stats.tied_embeddings and pp > 1 else 0.0)
     return max(first, last)
+
+
+def stage_expert_share(stats: ModelStats, *, tp: int, ep: int) -> float:
+    """One block's expert weights on a rank: ``1/ep`` under expert parallelism, else ``1/tp``."""
+    return stats.expert_params_per_block / (ep if ep > 1 else tp)
+
+
+def expert_param_count(stats: ModelStats, *, tp: int, pp: int, ep: int) -> float:
+    """The expert weights among :func:`stage_param_count` (ZeRO shards them over ``shard / ep``)."""
+    return math.ceil(stats.blocks / pp) * stage_expert_share(stats, tp=tp, ep=ep)
 
 
 @dataclass(frozen=True)
@@ -136,7 +148,15 @@ def layer_tensors(stats: ModelStats, *, autocast: bool = False) -> list[Saved]:
     out += [Saved("o", h, "sharded", attention=True), Saved("attn_out", h, "norm", nxt, in_none=False),
             Saved("x2", h, "residual"), Saved("n2", h, "norm")]
     nxt += 1
-    if stats.gated_mlp:
+    if stats.experts:  # router logits, routed rows (sent, received, returned), the k experts' activations
+        k, fe = stats.top_k, stats.expert_ffn
+        out += [Saved("router", stats.experts, "norm", nxt), Saved("rows", 3 * k * h, "norm")]
+        if stats.gated_mlp:
+            out += [Saved("gate", k * fe, "norm", nxt + 1), Saved("up", k * fe, "norm", nxt + 2), Saved("act", 2 * k * fe, "norm"),
+                    Saved("mlp_out", h, "norm", nxt + 3, in_none=False)]
+        else:
+            out += [Saved("fc1", k * fe, "norm", nxt + 1), Saved("act", k * fe, "norm"), Saved("mlp_out", h, "norm", nxt + 2, in_none=False)]
+    elif stats.gated_mlp:
         out += [Saved("gate", f, "sharded", nxt), Saved("up", f, "sharded", nxt + 1), Saved("act", f, "sharded"),
                 Saved("prod", f, "sharded"), Saved("mlp_out", h, "norm", nxt + 2, in_none=False)]
     else:

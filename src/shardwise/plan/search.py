@@ -64,6 +64,7 @@ class SearchOptions:
     supported: Callable[[Plan], bool] | None = None
     run: RunPolicy | None = None  # how the step runs (precision policy, selective mode); None: shardwise's Trainer
     fixed: dict[str, Any] = field(default_factory=dict)  # keys a user fixed (layout.named_keys); the rest is searched
+    context_parallel: bool = False  # also search cp > 1 (search() does when nothing fits without it)
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,10 @@ def search(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, option
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global_batch={global_batch!r} must be a positive integer", hint="e.g. --global-batch 64")
     fitting, evaluated = _enumerate(stats, cluster, global_batch, options)
+    if not fitting and "cp" not in options.fixed and _cp_choices(stats, cluster.devices):
+        # A sequence that fits on no layout without context parallelism: split it over cp ranks.
+        fitting, more = _enumerate(stats, cluster, global_batch, replace(options, context_parallel=True))
+        evaluated += more
     fitting.sort(key=lambda e: (e.step_time_s, e.memory_total))
     top = fitting[: max(1, options.top)]
     if top:
@@ -181,16 +186,17 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
             continue
         if tp > 1 and (per_node % tp or not stats.tp_divides or any(d % tp for d in stats.tp_divides)) and "tp" not in fixed:
             continue
-        for pp in divisors(world // tp):
+        cps = [fixed["cp"]] if "cp" in fixed else [1] + (_cp_choices(stats, world // tp) if options.context_parallel else [])
+        for cp, pp in [(c, p) for c in cps if (world // tp) % c == 0 for p in divisors(world // (tp * c))]:
             if pp > stats.blocks or ("pp" in fixed and pp != fixed["pp"]):
                 continue
-            dp_total = world // (tp * pp)
+            dp_total = world // (tp * cp * pp)
             if global_batch % dp_total:
                 continue
             per_replica = global_batch // dp_total
-            stage_params = stage_param_count(stats, tp=tp, pp=pp)
-            for zero, dp, shard in _layouts(dp_total, tp, pp, per_node, options):
-                states = model_state_bytes(stage_params, policy, zero=zero, shard=shard)
+            for zero, dp, shard, ep in _with_experts(stats, _layouts(dp_total, tp, pp, per_node, options), fixed):
+                stage_params = stage_param_count(stats, tp=tp, pp=pp, ep=ep)
+                states = model_state_bytes(stage_params, policy, zero=zero, shard=shard * cp)  # cp folds into the shard group
                 if sum(states.values()) > limit and not keep_all:
                     continue  # pruned: nothing below can make the model states smaller
                 for m in divisors(per_replica):
@@ -201,8 +207,8 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                     for schedule, v in _schedules(stats, pp, m, options):
                         for recompute in options.recompute:
                             try:
-                                plan = Plan(dp=dp, shard=shard, tp=tp, pp=pp, zero=zero, schedule=schedule, microbatches=m,
-                                            virtual_stages=v, sequence_parallel=options.sequence_parallel and tp > 1,
+                                plan = Plan(dp=dp, shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, schedule=schedule,
+                                            microbatches=m, virtual_stages=v, sequence_parallel=options.sequence_parallel and tp > 1,
                                             recompute=recompute, precision=options.precision)
                             except ConfigError:
                                 continue
@@ -220,6 +226,28 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                                 if not keep_all:
                                     break  # more recomputation is only slower
     return out, evaluated
+
+
+def _cp_choices(stats: ModelStats, ranks: int) -> list[int]:
+    """Context-parallel degrees worth trying: powers of two up to ``ranks`` whose ``2 cp`` zig-zag
+    chunks divide the sequence."""
+    out, cp = [], 2
+    while cp <= ranks:
+        if stats.seq % (2 * cp) == 0:
+            out.append(cp)
+        cp *= 2
+    return out
+
+
+def _with_experts(stats: ModelStats, layouts: list[tuple[int, int, int]], fixed: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+    """Each (zero, dp, shard) layout with every expert-parallel degree an MoE model allows: ep
+    divides the experts and the innermost data-parallel degree (``shard`` with ZeRO, else ``dp``)."""
+    out = []
+    for zero, dp, shard in layouts:
+        inner = shard if zero > 0 else dp
+        eps = [1] + ([e for e in divisors(inner) if e > 1 and stats.experts % e == 0] if stats.experts else [])
+        out += [(zero, dp, shard, ep) for ep in eps if "ep" not in fixed or ep == fixed["ep"]]
+    return out
 
 
 def _layouts(dp_total: int, tp: int, pp: int, per_node: int, options: SearchOptions) -> list[tuple[int, int, int]]:

@@ -31,7 +31,7 @@ Two sources:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from shardwise.errors import ConfigError
@@ -89,6 +89,12 @@ class ModelStats:
     dropout: bool = False
     rotary: bool = False
     context: int = 0  # keys per query when a sample is a slice of a longer sequence (context parallelism); 0: seq
+    # Mixture of experts: experts per MoE layer, experts per token, each expert's inner size, and
+    # the experts' weights per block (all experts; expert parallelism splits them, not tp).
+    experts: int = 0
+    top_k: int = 0
+    expert_ffn: int = 0
+    expert_params_per_block: int = 0
 
     @property
     def params_total(self) -> int:
@@ -124,12 +130,17 @@ def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_
     kv = h // a * shape.kv_heads_
     b = 1 if shape.bias else 0
     attn = h * h + 2 * h * kv + h * h + b * (h + 2 * kv + h)
-    mlp = (3 if gated else 2) * h * f + b * ((2 if gated else 1) * f + h)
+    e, k, fe = shape.experts, shape.top_k if shape.experts else 0, shape.expert_ffn_
+    expert_params = e * (3 if gated else 2) * h * fe  # bias-free expert weights, as 3-D tensors
+    mlp = (3 if gated else 2) * h * f + b * ((2 if gated else 1) * f + h) if not e else expert_params + h * e  # + router
     per_block = attn + mlp + 4 * h  # two LayerNorms (weight + bias)
     embed = v * h + (shape.seq_len * h if shape.learned_positions else 0)
     head = 2 * h + (0 if shape.tied_embeddings else v * h + b * v)
     # Forward FLOPs per sample: 2 per multiply-add of every weight matrix, plus q k^T and a v.
-    matmul_params = attn - b * (h + 2 * kv + h) + mlp - b * ((2 if gated else 1) * f + h)
+    if e:  # a token passes through its top_k experts and the router only
+        matmul_params = attn - b * (h + 2 * kv + h) + k * (3 if gated else 2) * h * fe + h * e
+    else:
+        matmul_params = attn - b * (h + 2 * kv + h) + mlp - b * ((2 if gated else 1) * f + h)
     ctx = context or s
     attn_flops = 2 * 2 * s * ctx * h
     block_flops = 2 * s * matmul_params + attn_flops
@@ -138,6 +149,8 @@ def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_
     drop = 1 if shape.dropout > 0 else 0
     attn_act = s * h * (2 + 2 * (1 + 2 * kv / h) + 2 + drop)  # input, q k v, out-proj input, mask
     mlp_act = s * h * (2 + drop) + (4 if gated else 2) * 2 * s * f  # input, mask; both sides of the activation
+    if e:  # the routed rows (sent, received and returned: 3 k h) and k experts' activations
+        mlp_act = s * h * (2 + drop) + 3 * 2 * s * k * h + (4 if gated else 2) * 2 * s * k * fe
     norm_act = 4 * s * h
     scores = (2 + 3 * drop) * a * s * ctx if shape.attention == "eager" else 0  # softmax (+ mask, dropped)
     act = attn_act + mlp_act + norm_act + scores
@@ -151,12 +164,28 @@ def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_
         replicated_embed=shape.seq_len * h if shape.learned_positions else 0, replicated_head=2 * h,
         # two LayerNorms (weight + bias) and six weight matrices, with biases when bias=True;
         # token (+ position) embeddings, final norm, LM head (+ bias) unless tied
-        tensors_per_block=4 + 6 + 6 * b + (1 + b if gated else 0),
+        tensors_per_block=(4 + 6 + 6 * b + (1 + b if gated else 0)) if not e else (4 + 4 + 4 * b + 3 + (1 if gated else 0)),
         tensors_outer=1 + int(shape.learned_positions) + 2 + (0 if shape.tied_embeddings else 1 + b),
         residual_elems_per_block=float(2 * s * h), qkv_input_copies=3 if shape.separate_qkv else 1,
         ffn=f, kv_hidden=kv, gated_mlp=gated, attention=shape.attention, dropout=drop > 0, rotary=not shape.learned_positions,
-        context=ctx if ctx != s else 0,
+        context=ctx if ctx != s else 0, experts=e, top_k=k, expert_ffn=fe if e else 0, expert_params_per_block=expert_params,
     )
+
+
+def slice_stats(stats: ModelStats, cp: int) -> ModelStats:
+    """The statistics of one context-parallel slice: ``seq / cp`` tokens of a sample attending to
+    all ``seq`` keys. Every per-sample figure is per token (attention: per query over the whole
+    context), so each scales by ``1 / cp``; parameters do not change."""
+    if cp <= 1:
+        return stats
+    if stats.seq % cp:
+        raise ConfigError(f"cp={cp} does not divide the sequence length {stats.seq}", hint="use a cp that divides the sequence")
+    scale = 1.0 / cp
+    return replace(stats, seq=stats.seq // cp, context=stats.context or stats.seq,
+                   flops_per_block=stats.flops_per_block * scale, flops_head=stats.flops_head * scale,
+                   attn_flops_per_block=stats.attn_flops_per_block * scale, act_bytes_per_block=stats.act_bytes_per_block * scale,
+                   attn_act_bytes_per_block=stats.attn_act_bytes_per_block * scale, boundary_bytes=stats.boundary_bytes * scale,
+                   logits_bytes=stats.logits_bytes * scale, residual_elems_per_block=stats.residual_elems_per_block * scale)
 
 
 # Named shapes for dry runs. "gpt" is shardwise's built-in GPT at its default size.
@@ -186,5 +215,5 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["ModelStats", "PRESETS", "TransformerShape", "TransformerSpec", "ceil_div", "human_count", "preset",
+__all__ = ["ModelStats", "PRESETS", "TransformerShape", "TransformerSpec", "ceil_div", "human_count", "preset", "slice_stats",
            "transformer_stats"]

@@ -26,6 +26,11 @@ def runtime_conflict(plan: Plan) -> ConfigError | None:
             f"plan {plan}: zero=1 (ZeroRedundancyOptimizer over DDP) cannot wrap tensor-parallel DTensors",
             hint="use zero=2 or zero=3 with tp (FSDP composes with TP), or drop tp",
         )
+    if plan.zero == 1 and plan.ep_enabled:
+        return ConfigError(
+            f"plan {plan}: zero=1 (ZeroRedundancyOptimizer) cannot shard the experts' DTensor weights",
+            hint="use zero=2 or zero=3 with ep, or plain data parallelism with ep",
+        )
     if plan.zero == 1 and plan.pp_enabled and plan.shard > 1:
         return ConfigError(
             f"plan {plan}: zero=1 (ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages",

@@ -35,7 +35,7 @@ def _forward_module(pm: ParallelModel) -> nn.Module:
 
 def _forwards_communicate(pm: ParallelModel) -> bool:
     plan = pm.plan
-    return plan.fsdp_enabled or plan.tp_enabled or plan.pp_enabled
+    return plan.fsdp_enabled or plan.tp_enabled or plan.pp_enabled or plan.cp_enabled
 
 
 @torch.no_grad()
@@ -72,12 +72,12 @@ def evaluate(
                 last = move_batch(next(it), device, non_blocking)
             elif last is None:  # this rank's shard is empty: borrow one sample for the forward
                 last = move_batch(loader.collate_fn([loader.dataset[0]]), device, non_blocking)
-            inputs, targets = split_batch(last)
-            with autocast(precision, device.type), pm.loss_context():
+            inputs, targets, extra = pm.shard_batch(*split_batch(last))
+            with autocast(precision, device.type), pm.step_context():
                 if pipeline_eval is not None:
-                    loss, outputs = pipeline_eval(inputs, targets), None
+                    loss, outputs = pipeline_eval(inputs, targets, **extra), None
                 else:
-                    outputs = module(inputs)
+                    outputs = module(inputs, **extra)
                     loss = loss_fn(outputs, targets)
             if not real:
                 continue
@@ -90,4 +90,6 @@ def evaluate(
     finally:
         module.train(was_training)
     names = ["loss", *(metrics if pipeline_eval is None else ())]
-    return acc.reduce(pm.meshes.dp.get_group(), names, device)
+    # Context-parallel ranks each hold the mean over their (equally many) tokens of the same
+    # samples: reducing over dp x cp averages them into the mean over every token.
+    return acc.reduce(pm.meshes.tokens.get_group(), names, device)

@@ -252,7 +252,9 @@ class Trainer:
         self._open_run_files()
         self.model.module.train()  # evaluation restores the mode it found
         start = time.perf_counter()
-        self._window = LogWindow(self.meshes.dp.get_group() if self.dp_size > 1 else None, self.dp_size, self.global_batch_size,
+        # The loss is averaged over every rank that holds different tokens (dp x cp).
+        tokens = self.meshes.tokens
+        self._window = LogWindow(tokens.get_group() if tokens.size() > 1 else None, tokens.size(), self.global_batch_size,
                                  self.tokens_per_sample, self.flops_per_sample, self.peak_flops_total)
         last_eval_step, val_metrics, train_loss = -1, {}, None
 
@@ -302,15 +304,17 @@ class Trainer:
         loss_sum = torch.zeros((), device=device)
         for i, batch in enumerate(micro_batches):
             inputs, targets = split_batch(move_batch(batch, device, self.loader_options.pin_memory))
-            with pm.gradient_sync(i == k - 1):
+            inputs, targets, extra = pm.shard_batch(inputs, targets)  # cp: this rank's sequence chunks
+            pm.set_loss_scale(scale / k)  # for auxiliary losses that reach backward on their own (MoE)
+            # TP loss-parallel and CP's split attention need the forward and backward inside
+            with pm.gradient_sync(i == k - 1), pm.step_context():
                 if pm.pipeline is not None:  # forward and backward of all pipeline microbatches
                     with autocast(self.precision, device.type):
-                        loss = pm.pipeline.step(inputs, targets, loss_scale=scale / k)
+                        loss = pm.pipeline.step(inputs, targets, loss_scale=scale / k, **extra)
                 else:
-                    with pm.loss_context():  # TP loss-parallel needs forward and backward inside
-                        with autocast(self.precision, device.type):
-                            loss = self.loss_fn(pm.module(inputs), targets)
-                        (loss * (scale / k)).backward()
+                    with autocast(self.precision, device.type):
+                        loss = self.loss_fn(pm.module(inputs, **extra), targets)
+                    (loss * (scale / k)).backward()
             loss_sum += loss.detach().float()
         self._call("on_after_backward")
         params = [p for p in pm.parameters() if p.grad is not None]

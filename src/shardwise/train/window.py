@@ -18,12 +18,12 @@ class LogWindow:
 
     ``flush`` turns them into ``loss`` (the mean over every sample of those steps on every
     data-parallel rank), ``step_time_s`` and the throughput figures. Communication: one all-reduce
-    (SUM) of one float over ``dp_group``; it also synchronizes the ranks, so the wall time measured
+    (SUM) of one float over ``group`` (the dp x cp ranks); it also synchronizes the ranks, so the wall time measured
     here is the true step time.
     """
 
-    dp_group: Any
-    dp_size: int
+    group: Any
+    ranks: int  # the ranks whose losses are averaged (dp x cp)
     global_batch_size: int
     tokens_per_sample: int | None = None
     flops_per_sample: float | None = None
@@ -43,11 +43,11 @@ class LogWindow:
 
     def flush(self) -> dict[str, float]:
         loss = self._loss.detach().clone().double()  # type: ignore[union-attr]
-        if self.dp_size > 1:
-            dist.all_reduce(loss, group=self.dp_group)
+        if self.ranks > 1:
+            dist.all_reduce(loss, group=self.group)
         now = time.perf_counter()
         seconds, steps = now - self._start, self.steps
-        out = {"loss": loss.item() / (self.dp_size * steps), "step_time_s": seconds / steps}
+        out = {"loss": loss.item() / (self.ranks * steps), "step_time_s": seconds / steps}
         out.update(throughput(samples=steps * self.global_batch_size, seconds=seconds, tokens_per_sample=self.tokens_per_sample,
                               flops_per_sample=self.flops_per_sample, peak_flops_total=self.peak_flops_total))
         self._start, self.steps, self._loss = now, 0, None

@@ -279,16 +279,19 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
         xs, ys = x.chunk(dp_size)[dp_rank].chunk(run.accumulation), y.chunk(dp_size)[dp_rank].chunk(run.accumulation)
         total = torch.zeros(())
         for i, (xm, ym) in enumerate(zip(xs, ys)):
-            with pm.gradient_sync(i == run.accumulation - 1), pm.loss_context():
+            xm, ym, extra = pm.shard_batch(xm, ym)  # context parallel: this rank's chunks of the sequence
+            pm.set_loss_scale(1.0 / run.accumulation)
+            with pm.gradient_sync(i == run.accumulation - 1), pm.step_context():
                 if pm.pipeline is not None:
                     # All microbatches' forward and backward; the unscaled mean loss on every rank.
-                    loss = pm.pipeline.step(xm, ym, loss_scale=1.0 / run.accumulation) / run.accumulation
+                    loss = pm.pipeline.step(xm, ym, loss_scale=1.0 / run.accumulation, **extra) / run.accumulation
                 else:
-                    loss = workload.loss(pm.module(xm), ym) / run.accumulation
+                    loss = workload.loss(pm.module(xm, **extra), ym) / run.accumulation
                     loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
-        dist.all_reduce(total, group=meshes.dp.get_group())
-        losses.append(float(total) / dp_size)
+        # the mean over every rank that holds different tokens (dp x cp)
+        dist.all_reduce(total, group=meshes.tokens.get_group())
+        losses.append(float(total) / meshes.tokens.size())
         norms.append(float(reference_grad_norm(params, pp_group=pp_group, skip=pm.tied_copies())))
         opt.step()
         if step == len(batches) - 1:

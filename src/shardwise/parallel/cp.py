@@ -1,0 +1,233 @@
+"""Context parallel: each sample's sequence split over the ``cp`` ranks, attention by all-gathered K/V.
+
+**Load-balanced chunks (zig-zag).** A sequence of length ``S`` is cut into ``2 cp`` chunks of
+``c = S / (2 cp)`` tokens; rank ``r`` keeps chunks ``r`` and ``2 cp - 1 - r``. Under a causal mask a
+chunk's attention work grows with its position, so pairing an early chunk with a late one gives
+every rank the same work (Brandon et al. 2023, "Striped Attention"; the "zig-zag" of ring-flash-
+attention and torchtitan's head-tail load balancer). Token ids, targets and position ids are all
+taken at the same positions, so embeddings, rotary tables and the loss are computed on the local
+chunks only.
+
+**Attention: all-gather of K/V** (chosen over ring attention here). Each rank computes ``q, k, v``
+for its ``2c`` tokens, all-gathers ``k`` and ``v`` over the ``cp`` group (``(cp - 1)/cp`` of the
+sequence's K/V arrives per layer, forward; the gradients return by reduce-scatter, backward) and
+attends its queries to every key at or before each query's global position::
+
+    out_r = softmax(q_r K^T * scale + mask(pos_q_r >= pos_K)) V      with K, V = all_gather(k), all_gather(v)
+
+This is exactly the single-process attention for those queries, on any backend (Gloo/CPU
+included, where torch's ring-attention ``context_parallel`` has no kernel). The whole sequence's K
+and V (``2 S h/tp`` elements) exist only while one layer's attention runs: the gather and the
+attention are recomputed in backward (one more all-gather and attention forward per layer), so
+what a layer keeps for backward is its own chunk's. Ring attention would overlap the transfer with compute and
+never hold all of K/V; torch's ``context_parallel`` provides it on GPUs (flash / efficient
+attention kernels).
+
+**How it reaches the model.** The model stays single-device code: a ``TorchFunctionMode`` active
+during the step's forward (and entered again around each recomputed block under activation
+checkpointing) replaces each ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` call by the all-gathered
+version, and the batch is sharded before the model sees it, with the chunks' global
+``position_ids`` passed as a keyword. Contract: the model's ``forward`` takes ``position_ids``
+(Hugging Face decoders and the built-in GPT do) and its attention calls
+``scaled_dot_product_attention`` with ``is_causal=True`` and no mask (a model that calls nothing
+of the kind is refused after its first forward).
+
+**Loss and gradients.** Each rank's loss is the mean over its ``2c`` tokens of each sample; every
+rank holds the same number of tokens, so the mean over the ``tokens`` mesh (dp x cp) is the
+single-process mean, and the gradient reduction over that mesh (DDP's all-reduce, FSDP's
+reduce-scatter over dp_shard x cp) averages exactly as one process would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, ContextManager, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.overrides import TorchFunctionMode
+
+from shardwise.errors import ConfigError
+
+_UNSPLITTABLE = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+# torch >= 2.10 names them *_single; the older names remain for the supported range below that.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions rank ``rank`` of ``cp`` keeps: chunks ``rank`` and ``2 cp - 1 - rank``."""
+    if seq_len % (2 * cp):
+        raise ConfigError(f"cp={cp} needs a sequence length that is a multiple of 2*cp={2 * cp} (zig-zag chunks), got {seq_len}",
+                          hint=f"use sequences of a multiple of {2 * cp} tokens, or another cp")
+    c = seq_len // (2 * cp)
+    first = torch.arange(rank * c, (rank + 1) * c)
+    second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
+    return torch.cat([first, second])
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` over ``group`` (rank order); backward: reduce-scatter (sum) of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        world = dist.get_world_size(group)
+        moved = x.movedim(dim, 0).contiguous()
+        out = moved.new_empty((world * moved.shape[0], *moved.shape[1:]))
+        _all_gather(out, moved, group=group)
+        return out.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        world = dist.get_world_size(ctx.group)
+        moved = grad.movedim(ctx.dim, 0).contiguous()
+        out = moved.new_empty((moved.shape[0] // world, *moved.shape[1:]))
+        _reduce_scatter(out, moved, group=ctx.group)
+        return out.movedim(0, ctx.dim), None, None
+
+
+def causal_bias(q_positions: torch.Tensor, k_positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask ``[Sl, S]``: 0 where a key's position is at or before the query's, -inf after."""
+    allowed = k_positions[None, :] <= q_positions[:, None]
+    return torch.zeros(allowed.shape, dtype=dtype, device=q_positions.device).masked_fill_(~allowed, float("-inf"))
+
+
+def gathered_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bias: torch.Tensor,
+                       group: dist.ProcessGroup, **sdpa: Any) -> torch.Tensor:
+    """Causal attention of the local queries ``q[..., Sl, d]`` over the whole sequence (module doc).
+
+    ``bias`` is :func:`causal_bias` of the local and the gathered positions (one tensor shared by
+    every layer of a step, so autograd keeps one copy). Other keyword arguments (``scale``,
+    ``dropout_p``, ``enable_gqa``) go to SDPA.
+    """
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys = _GatherSequence.apply(k, k.dim() - 2, group)
+        values = _GatherSequence.apply(v, v.dim() - 2, group)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, **sdpa)
+
+    # Recomputed in backward (gather included), so a layer keeps only its local q, k, v: holding the
+    # whole sequence's K and V for every layer would undo much of what cp saves.
+    return torch.utils.checkpoint.checkpoint(attend, q, k, v, use_reentrant=False)
+
+
+class _SplitAttention(TorchFunctionMode):
+    """Replaces causal, mask-free SDPA calls by :func:`gathered_attention` while active."""
+
+    def __init__(self, cp: ContextParallel) -> None:
+        super().__init__()
+        self.cp = cp
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        bound = {**dict(zip(names, args)), **kwargs}
+        if bound.get("attn_mask") is not None or not bound.get("is_causal", False):
+            raise ConfigError(f"cp={self.cp.size}: an attention call has a mask or is not causal, which context parallel cannot split",
+                              hint="use causal scaled_dot_product_attention(is_causal=True) without a mask, or drop cp")
+        self.cp.attention_calls += 1
+        sdpa = {k: bound[k] for k in ("dropout_p", "scale", "enable_gqa") if k in bound}
+        query = bound["query"]
+        return gathered_attention(query, bound["key"], bound["value"], bias=self.cp.bias(query.dtype), group=self.cp.group, **sdpa)
+
+
+@dataclass
+class ContextParallel:
+    """The ``cp`` part of a :class:`~shardwise.parallel.parallelize.ParallelModel`: shards batches
+    along the sequence (dim 1) and splits attention while a step runs."""
+
+    mesh: DeviceMesh
+    attention_calls: int = 0
+    _positions: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (local, gathered keys)
+    _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)  # of the current batch
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def rank(self) -> int:
+        return self.mesh.get_local_rank()
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group()
+
+    def key_positions(self, seq_len: int) -> torch.Tensor:
+        """Global positions of the all-gathered keys, in rank order."""
+        return torch.cat([zigzag_positions(seq_len, self.size, r) for r in range(self.size)])
+
+    def shard_batch(self, inputs: Any, targets: Any) -> tuple[Any, Any, dict[str, Any]]:
+        """This rank's zig-zag chunks of ``inputs`` (token ids ``[B, S]``, or a mapping with
+        ``input_ids``) and of the per-token ``targets``, and the ``position_ids`` keyword."""
+        ids = inputs["input_ids"] if isinstance(inputs, Mapping) else inputs
+        if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+            raise ConfigError(f"cp={self.size} needs token inputs of shape [batch, sequence]",
+                              hint="context parallel splits the sequence dimension (dim 1) of the inputs")
+        positions = zigzag_positions(ids.shape[1], self.size, self.rank).to(ids.device)
+        self._positions = (positions, self.key_positions(ids.shape[1]).to(ids.device))
+        self._bias = {}
+        take = _take(positions)
+        local = {k: take(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == ids.shape[1] else v
+                 for k, v in inputs.items()} if isinstance(inputs, Mapping) else take(inputs)
+        local_targets = take(targets) if isinstance(targets, torch.Tensor) and targets.dim() >= 2 else targets
+        return local, local_targets, {"position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1)}
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The current batch's causal bias in ``dtype``, built once and shared by every layer."""
+        if self._positions is None:
+            raise ConfigError("context parallel: shard_batch must run before the forward", hint="call pm.shard_batch(inputs, targets)")
+        if dtype not in self._bias:
+            self._bias[dtype] = causal_bias(*self._positions, dtype)
+        return self._bias[dtype]
+
+    def recompute_context(self) -> ContextManager[Any]:
+        """The split attention for a block's recomputation in backward (activation checkpointing):
+        a function mode is switched off while it handles ``backward`` itself, so the checkpoint
+        re-enters it around the recomputed forward."""
+        return _SplitAttention(self) if self._positions is not None else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def split_attention(self) -> Iterator[None]:
+        """Active around a step's forward and backward (see the module doc)."""
+        if self._positions is None:
+            raise ConfigError("context parallel: shard_batch must run before the forward", hint="call pm.shard_batch(inputs, targets)")
+        before = self.attention_calls
+        with _SplitAttention(self):
+            yield
+        if self.attention_calls == before:
+            raise ConfigError(f"cp={self.size}: the model's forward called no scaled_dot_product_attention(is_causal=True), "
+                              "so its attention cannot be split over the sequence",
+                              hint="use F.scaled_dot_product_attention in the attention (the built-in GPT and Hugging Face "
+                                   "'sdpa' models do), or drop cp")
+
+
+def _take(positions: torch.Tensor) -> Any:
+    return lambda t: t.index_select(1, positions.to(t.device))
+
+
+def check_context_parallel(model: nn.Module, cp: int) -> None:
+    """Refuse, before any process-group work, a model context parallel cannot split."""
+    if cp <= 1:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, _UNSPLITTABLE):
+            raise ConfigError(f"cp={cp}: {name or 'the model'} ({type(module).__name__}) computes attention inside torch, "
+                              "where context parallel cannot split it",
+                              hint="use separate q/k/v Linear layers with F.scaled_dot_product_attention(is_causal=True), or drop cp")
+    seq_len = getattr(getattr(model, "config", None), "seq_len", None)
+    if isinstance(seq_len, int) and seq_len % (2 * cp):
+        raise ConfigError(f"cp={cp} needs a sequence length that is a multiple of 2*cp={2 * cp} (zig-zag chunks), "
+                          f"but {type(model).__name__} has seq_len={seq_len}",
+                          hint=f"use a seq_len that is a multiple of {2 * cp}, or another cp")
+    forward = inspect.signature(model.forward).parameters
+    if "position_ids" not in forward and not any(p.kind is p.VAR_KEYWORD for p in forward.values()):
+        raise ConfigError(f"cp={cp}: {type(model).__name__}.forward takes no position_ids, so its chunks cannot know their positions",
+                          hint="add a position_ids=None argument used for the position embedding / rotary table, or drop cp")
