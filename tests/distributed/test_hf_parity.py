@@ -5,7 +5,8 @@ against one process at rtol 1e-5 (SGD with momentum, fp32, 4 steps).
 Every family appears under at least two plans and every plan under at least two families (the
 4-process plans under two each):
 ``dp=2``, ``zero=3``, ``tp=2``, ``pp=2`` with GPipe and with 1F1B on 2 processes; ``dp=2,tp=2`` and
-``tp=2,pp=2`` on 4. The whole matrix (7 families x 11 plans, 10 steps) is bench/hf_parity_matrix.py.
+``tp=2,pp=2`` on 4. Context parallel on Llama (``cp=2``, ``dp=2,cp=2``, ``cp=2,tp=2``) and expert
+parallel on Mixtral (``dp=2,ep=2``, ``zero=3,shard=2,ep=2``, ``dp=2,pp=2,ep=2``). The whole matrix (7 families x 11 plans, 10 steps) is bench/hf_parity_matrix.py.
 One pair also runs through the ``shardwise verify`` command line.
 """
 
@@ -25,16 +26,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "examples", "hf_verify_script.py")
 GPIPE, ONE_F_ONE_B = "pp=2,microbatches=2", "pp=2,microbatches=2,schedule=1f1b"
 TWO = {  # family -> plans on 2 processes
-    "llama": ["zero=3,shard=2", GPIPE],
+    "llama": ["zero=3,shard=2", GPIPE, "cp=2"],  # cp: rotary from zig-zag position_ids, an all-ones mask
     "qwen2": ["dp=2", ONE_F_ONE_B],
     "mistral": ["tp=2", GPIPE],
     "gemma": ["tp=2", ONE_F_ONE_B],  # tied embeddings: one vocabulary-parallel weight; held by both end stages
     "phi": ["zero=3,shard=2", GPIPE],
     "gpt2": ["tp=2", ONE_F_ONE_B],  # Conv1D, fused q|k|v, tied embeddings
-    "mixtral": ["dp=2", "tp=2"],  # experts split like an MLP under TP
+    "mixtral": ["dp=2,ep=2", "tp=2", "zero=3,shard=2,ep=2"],  # experts split like an MLP under TP, by expert under EP
 }
-FOUR = {"llama": "dp=2,tp=2", "mixtral": "dp=2,tp=2",  # the other families run these in bench/hf_parity_matrix.py
-        "gpt2": "tp=2,pp=2,microbatches=2", "gemma": "tp=2,pp=2,microbatches=2"}  # tied weights under TP and across stages
+FOUR = {"llama": ["dp=2,tp=2", "dp=2,cp=2", "cp=2,tp=2"], "mixtral": ["dp=2,tp=2", "dp=2,pp=2,ep=2,microbatches=2"],
+        # tied weights under TP and across stages; the other families run these in bench/hf_parity_matrix.py
+        "gpt2": ["tp=2,pp=2,microbatches=2"], "gemma": ["tp=2,pp=2,microbatches=2"]}
 
 
 def _script(family: str, directory) -> str:
@@ -59,7 +61,7 @@ def test_parity_two_processes(dist2, tmp_path, family: str) -> None:
 
 @pytest.mark.parametrize("family", sorted(FOUR))
 def test_parity_four_processes(dist4, tmp_path, family: str) -> None:
-    plans = [FOUR[family]]
+    plans = FOUR[family]
     reports = dist4.run(parity_worker, ScriptWorkload(_script(family, tmp_path)), [Run(p) for p in plans], Training(steps=4))[0]
     _check(reports, plans, family)
 

@@ -144,6 +144,11 @@ class ContextParallel:
     along the sequence (dim 1) and splits attention while a step runs."""
 
     mesh: DeviceMesh
+    # The model's forward takes ``attention_mask`` (Hugging Face models): shard_batch passes an
+    # all-ones one of the local length. The chunks' causal structure comes from their positions,
+    # which the split attention uses; without a mask, transformers reads the jump in the zig-zag
+    # position_ids as packed sequences and builds a block mask attention cannot be split with.
+    pass_attention_mask: bool = False
     attention_calls: int = 0
     _positions: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (local, gathered keys)
     _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)  # of the current batch
@@ -166,7 +171,8 @@ class ContextParallel:
 
     def shard_batch(self, inputs: Any, targets: Any) -> tuple[Any, Any, dict[str, Any]]:
         """This rank's zig-zag chunks of ``inputs`` (token ids ``[B, S]``, or a mapping with
-        ``input_ids``) and of the per-token ``targets``, and the ``position_ids`` keyword."""
+        ``input_ids``) and of the per-token ``targets``, and the ``position_ids`` keyword (with an
+        all-ones ``attention_mask`` for a model that takes one, see ``pass_attention_mask``)."""
         ids = inputs["input_ids"] if isinstance(inputs, Mapping) else inputs
         if not isinstance(ids, torch.Tensor) or ids.dim() < 2:
             raise ConfigError(f"cp={self.size} needs token inputs of shape [batch, sequence]",
@@ -178,7 +184,10 @@ class ContextParallel:
         local = {k: take(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == ids.shape[1] else v
                  for k, v in inputs.items()} if isinstance(inputs, Mapping) else take(inputs)
         local_targets = take(targets) if isinstance(targets, torch.Tensor) and targets.dim() >= 2 else targets
-        return local, local_targets, {"position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1)}
+        extra = {"position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1)}
+        if self.pass_attention_mask and not (isinstance(inputs, Mapping) and "attention_mask" in inputs):
+            extra["attention_mask"] = torch.ones(ids.shape[0], positions.numel(), dtype=torch.long, device=ids.device)
+        return local, local_targets, extra
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The current batch's causal bias in ``dtype``, built once and shared by every layer."""
@@ -211,6 +220,11 @@ class ContextParallel:
 
 def _take(positions: torch.Tensor) -> Any:
     return lambda t: t.index_select(1, positions.to(t.device))
+
+
+def takes_attention_mask(model: nn.Module) -> bool:
+    """Whether ``model.forward`` has an ``attention_mask`` parameter (Hugging Face models do)."""
+    return "attention_mask" in inspect.signature(model.forward).parameters
 
 
 def check_context_parallel(model: nn.Module, cp: int) -> None:

@@ -28,7 +28,7 @@ together give the single-process mean. Everything else (attention, router, norms
 parallel as without ``ep``.
 
 **Contract.** An MoE layer's experts are one module with an integer ``num_experts``, its expert
-weights as parameters whose first dimension is ``num_experts``, and
+weights as 3-D parameters whose first dimension is ``num_experts``, and
 ``forward(hidden[T, h], top_k_index[T, k], top_k_weights[T, k]) -> [T, h]`` that skips indices
 outside ``[0, num_experts)`` (shardwise's :class:`~shardwise.models.moe.Experts`, Hugging Face's
 fused experts of Mixtral and Qwen-MoE).
@@ -63,7 +63,7 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _expert_params(module: nn.Module, n: int) -> dict[str, nn.Parameter]:
-    return {k: p for k, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == n}
+    return {k: p for k, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] == n}  # not a router's [E, H]
 
 
 def check_expert_parallel(model: nn.Module, ep: int) -> None:
@@ -133,17 +133,21 @@ class _Dispatch:
 
 @contextlib.contextmanager
 def _local_weights(module: nn.Module, names: list[str], grad_scale: float) -> Iterator[None]:
-    """The module's expert weights as this rank's local slices while its own forward runs
-    (``to_local`` keeps the autograd link to the sharded parameters); their gradient is scaled by
+    """The module's expert weights as this rank's local slices, and ``num_experts`` as their count,
+    while its own forward runs (``to_local`` keeps the autograd link to the sharded parameters); their gradient is scaled by
     ``grad_scale`` on the way back (see "Gradients" in the module doc)."""
     saved = {n: module._parameters[n] for n in names}
+    experts = module.num_experts
     try:
         for n, p in saved.items():
             local = p.to_local() if isinstance(p, DTensor) else p
             module._parameters[n] = _ScaleGrad.apply(local, grad_scale)  # type: ignore[assignment]
+        # The count the module's own code sees (transformers' grouped_mm histograms over it).
+        module.num_experts = int(module._parameters[names[0]].shape[0])
         yield
     finally:
         module._parameters.update(saved)
+        module.num_experts = experts
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -27,7 +27,7 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.parallel.annotate import annotated_plan
 from shardwise.parallel.checkpointing import apply_checkpointing
-from shardwise.parallel.cp import ContextParallel, check_context_parallel
+from shardwise.parallel.cp import ContextParallel, check_context_parallel, takes_attention_mask
 from shardwise.parallel.ddp import DDPOptions, apply_ddp
 from shardwise.parallel.ep import ExpertMeshes, apply_ep, build_expert_meshes, check_expert_parallel
 from shardwise.parallel.fsdp import FSDPOptions, apply_expert_units, apply_fsdp, apply_replicate, build_optimizer, find_blocks
@@ -188,7 +188,7 @@ def parallelize(
     stage; it can also be set later as ``pm.pipeline.loss_fn``. ``pipeline`` says where to cut.
     """
     tp_plan = validate(model, plan, tp=tp, pipeline=pipeline)
-    cp = ContextParallel(meshes.cp) if plan.cp_enabled else None
+    cp = ContextParallel(meshes.cp, pass_attention_mask=takes_attention_mask(model)) if plan.cp_enabled else None
     experts = build_expert_meshes(plan, meshes.root) if plan.ep_enabled else None
     local = {"tp_plan": tp_plan, "ddp": ddp, "tp": tp, "fsdp": fsdp, "context_parallel": cp, "experts": experts}
     runner = None
