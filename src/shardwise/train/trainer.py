@@ -41,6 +41,7 @@ from shardwise.parallel.pipeline import PipelineOptions
 from shardwise.parallel.tp import TPOptions
 from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
+from shardwise.train import predict as _predict
 from shardwise.train.batch import chunks, move_batch, split_batch
 from shardwise.train.build import ClusterArg, OptimizerFactory, build
 from shardwise.train.callbacks import ProgressBar
@@ -348,6 +349,20 @@ class Trainer:
             device=self.env.device,
             non_blocking=self.loader_options.pin_memory,
         )
+
+    def predict(self, data: Dataset, *, batch_size: int | None = None, output_dir: str | os.PathLike | None = None) -> Any:
+        """The model's outputs for every sample of ``data``, under this Trainer's plan.
+
+        Every rank calls it. Returns, on rank 0, one tensor of the outputs stacked in dataset order
+        (a list where their shapes differ) and None elsewhere; with ``output_dir``, each data-parallel
+        shard is written there instead and every rank returns None (see :mod:`shardwise.train.predict`).
+        Samples may be ``(inputs, targets)`` pairs or the inputs alone.
+        """
+        loader = eval_loader(data, batch_size=batch_size or self.eval_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                             options=self.loader_options)
+        return _predict.predict(self.model, loader, dp_rank=self.dp_rank, dp_size=self.dp_size, precision=self.precision,
+                                device=self.env.device, output_dir=os.fspath(output_dir) if output_dir is not None else None,
+                                non_blocking=self.loader_options.pin_memory)
 
     def _eval_during_fit(self, data: Dataset) -> dict[str, float]:
         metrics = {f"val_{k}": v for k, v in self.evaluate(data).items()}
