@@ -380,9 +380,22 @@ class Trainer:
             os.makedirs(self.run_dir, exist_ok=True)
             self.auto_choice.save(os.path.join(self.run_dir, "auto_plan.json"))
         for logger in self.loggers:
+            describe = getattr(logger, "describe", None)  # trackers record the run's layout
+            if describe is not None:
+                describe(self.run_info())
             begin = getattr(logger, "begin", None)
             if begin is not None:
                 begin(self.state.step)
+
+    def run_info(self) -> dict[str, Any]:
+        """The run's layout for experiment trackers: plan, world, batch sizes, precision, and the
+        planner's predicted step time (``plan="auto"``, on rank 0)."""
+        predicted = self.auto_choice.estimate.step_time_s if self.auto_choice is not None else None
+        return {"run_name": self.run_dir.name if self.run_dir is not None else None,
+                "run_dir": str(self.run_dir) if self.run_dir is not None else None, "plan": str(self.plan),
+                "world_size": self.env.world_size, "dp_size": self.dp_size, "global_batch_size": self.global_batch_size,
+                "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
+                "precision": self.precision, "seed": self.seed, "max_steps": self.max_steps, "predicted_step_time_s": predicted}
 
     def _train_loader(self, data: Dataset) -> DataLoader:
         loader = train_loader(
