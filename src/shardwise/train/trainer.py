@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from shardwise.callback import Callback
 from shardwise.checkpoint.callback import checkpoint_callback
 from shardwise.data.loader import LoaderOptions, eval_loader, train_loader
+from shardwise.data.streaming import PackedStream, StreamLoader
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.parallel.ddp import DDPOptions
@@ -220,6 +221,8 @@ class Trainer:
         rate schedules and progress reports."""
         if self.max_steps is not None:
             return self.max_steps
+        if isinstance(train_data, PackedStream):
+            raise ConfigError("a streaming dataset has no length known before training", hint="pass Trainer(max_steps=...)")
         per_epoch = len(train_data) // self.global_batch_size  # type: ignore[arg-type]
         if per_epoch < 1:
             raise ConfigError(f"the training data ({len(train_data)} samples) is smaller than one global batch "  # type: ignore[arg-type]
@@ -397,7 +400,14 @@ class Trainer:
                 "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
                 "precision": self.precision, "seed": self.seed, "max_steps": self.max_steps, "predicted_step_time_s": predicted}
 
-    def _train_loader(self, data: Dataset) -> DataLoader:
+    def _train_loader(self, data: Dataset) -> Any:
+        if isinstance(data, PackedStream):  # read in order through torchdata's StatefulDataLoader
+            opts = self.loader_options
+            stream = StreamLoader(data, dp_rank=self.dp_rank, dp_size=self.dp_size, micro_batch_size=self.micro_batch_size,
+                                  global_batch_size=self.global_batch_size, num_workers=opts.num_workers,
+                                  collate_fn=opts.collate_fn, multiprocessing_context=opts.worker_start_method)
+            self.state.sampler = stream.position  # type: ignore[assignment]
+            return stream
         loader = train_loader(
             data,
             micro_batch_size=self.micro_batch_size,
