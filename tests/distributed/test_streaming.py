@@ -3,7 +3,7 @@
 - every window of an epoch appears exactly once over 2 data-parallel ranks x 2 loader workers
   (windows identified by their token ids: documents of distinct ids), in the global order, up to
   the last whole global batch; text and JSONL documents are packed across document boundaries;
-- through the Trainer, a run stopped at step 5 and resumed reads exactly the windows an
+- through the Trainer, a run stopped at step 4 (mid-epoch) and resumed reads exactly the windows an
   uninterrupted run reads (bitwise, per step), on the same layout (dp=2, 2 workers: every worker
   restored by the StatefulDataLoader; weights then equal bitwise too) and on another (one
   process, no workers: the windows before the position are skipped); losses equal at rtol 1e-5.
@@ -93,7 +93,7 @@ def fit_stream(plan: str, files: list[str], directory: str, max_steps: int, resu
     model = Recorder()
     trainer = Trainer(model, loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), plan=plan, global_batch_size=GBS,
-                      max_steps=max_steps, log_every=1, seed=3, progress_bar=False, num_workers=workers,
+                      max_steps=max_steps, log_every=1, seed=3, progress_bar=False, num_workers=workers, worker_start_method="fork",
                       checkpoint=CheckpointManager(directory), callbacks=[])
     trainer.fit(PackedStream(files, seq_len=SEQ, eos_id=0, shuffle=True, seed=5), resume=resume)
     weights = {k: v.detach().clone() for k, v in get_model_state_dict(trainer.model.module).items()}
@@ -108,15 +108,44 @@ def _steps(results: list[dict]) -> list[list[tuple[int, ...]]]:
 
 def test_streaming_resume_is_exact_on_the_same_and_another_layout(pools, tmp_path) -> None:
     files = _token_files(str(tmp_path))
-    # 30 windows, 3 whole global batches per epoch: 12 steps cross 3 epoch boundaries (file order reshuffled)
-    straight = pools(2).run(fit_stream, "dp=2", files, str(tmp_path / "straight"), 12, None, 2)
+    # 30 windows, 3 whole global batches per epoch: 8 steps cross 2 epoch boundaries (file order reshuffled)
+    straight = pools(2).run(fit_stream, "dp=2", files, str(tmp_path / "straight"), 8, None, 2)
     cut = str(tmp_path / "cut")
-    first = pools(2).run(fit_stream, "dp=2", files, cut, 5, None, 2)
-    assert _steps(first) == _steps(straight)[:5]
-    same = pools(2).run(fit_stream, "dp=2", files, cut, 12, "auto", 2)
-    assert _steps(same) == _steps(straight)[5:]
+    first = pools(2).run(fit_stream, "dp=2", files, cut, 4, None, 2)
+    assert _steps(first) == _steps(straight)[:4]
+    same = pools(2).run(fit_stream, "dp=2", files, cut, 8, "auto", 2)
+    assert _steps(same) == _steps(straight)[4:]
     for s, r in zip(straight, same):
         assert all(torch.equal(s["weights"][k], r["weights"][k]) for k in s["weights"])
-    other = pools(1).run(fit_stream, "dp", files, cut, 12, 5, 0)  # the step-5 checkpoint again, on one process
-    assert _steps(other) == _steps(straight)[5:]
-    torch.testing.assert_close(torch.tensor(other[0]["losses"]), torch.tensor(straight[0]["losses"][5:]), rtol=1e-5, atol=0)
+    other = pools(1).run(fit_stream, "dp", files, cut, 8, 4, 0)  # the step-4 checkpoint again, on one process
+    assert _steps(other) == _steps(straight)[4:]
+    torch.testing.assert_close(torch.tensor(other[0]["losses"]), torch.tensor(straight[0]["losses"][4:]), rtol=1e-5, atol=0)
+
+
+def test_a_restored_loader_continues_without_rereading_and_another_layout_rereads() -> None:
+    docs = [f"document {i} " * (i % 4 + 1) for i in range(30)]
+    calls = []
+
+    def tokenize(text: str) -> list[int]:
+        calls.append(text)
+        return [ord(c) for c in text]
+
+    def loader(dp_size: int = 1) -> StreamLoader:
+        return StreamLoader(PackedStream(lambda: iter(docs), seq_len=SEQ, tokenize=tokenize, eos_id=0), dp_rank=0, dp_size=dp_size,
+                            micro_batch_size=2, global_batch_size=GBS)
+
+    whole = _windows(loader())
+    first = loader()
+    it = iter(first)
+    head = [row.tolist() for _ in range(8) for row in next(it)[0]]  # 8 micro-batches = 2 global batches
+    first.position.advance(2 * GBS)
+    state = first.position.state_dict()
+    calls.clear()
+    resumed = loader()
+    resumed.position.load_state_dict(state)
+    assert head + _windows(resumed) == whole
+    assert len(calls) < len(docs) and calls[0] != docs[0]  # restored where it was: the documents before are not tokenized again
+    calls.clear()
+    other = loader(dp_size=2)  # another data-parallel degree: rank 0 of 2 continues from the global position
+    other.position.load_state_dict(state)
+    assert _windows(other) == whole[2 * GBS:][0::2] and len(calls) == len(docs)
