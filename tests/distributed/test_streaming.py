@@ -2,7 +2,7 @@
 
 - every window of an epoch appears exactly once over 2 data-parallel ranks x 2 loader workers
   (windows identified by their token ids: documents of distinct ids), in the global order, up to
-  the last whole global batch; text and JSONL documents are packed across document boundaries;
+  the last whole global batch; text, JSONL, .npy and .bin documents are packed across document boundaries;
 - through the Trainer, a run stopped at step 4 (mid-epoch) and resumed reads exactly the windows an
   uninterrupted run reads (bitwise, per step), on the same layout (dp=2, 2 workers: every worker
   restored by the StatefulDataLoader; weights then equal bitwise too) and on another (one
@@ -58,7 +58,7 @@ def test_every_window_once_over_ranks_and_workers(tmp_path) -> None:
     assert len(set(seen)) == len(seen) == whole
 
 
-def test_text_and_jsonl_documents_pack_across_boundaries(tmp_path) -> None:
+def test_text_jsonl_and_token_files_pack_across_boundaries(tmp_path) -> None:
     (tmp_path / "a.txt").write_text("abcdefg")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "hij"}) + "\n" + json.dumps({"text": "klmnopqrstu"}) + "\n")
     stream = PackedStream([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], seq_len=3, tokenize=lambda s: [ord(c) for c in s],
@@ -68,6 +68,12 @@ def test_text_and_jsonl_documents_pack_across_boundaries(tmp_path) -> None:
     # "abcdefg|hij|klmnopqrstu|" in windows of 4 tokens: inputs are the first 3, targets the last 3
     assert all(x[1:] == y[:-1] for x, y in got)
     assert [(x + y[-1:]).replace(b"\0", b"|") for x, y in got] == [b"abcd", b"efg|", b"hij|", b"klmn", b"opqr", b"stu|"]
+    # raw token files (.bin, uint16) read like .npy ones
+    np.arange(1, 11, dtype="<u2").tofile(tmp_path / "t.bin")
+    np.save(tmp_path / "t.npy", np.arange(11, 16))
+    raw = PackedStream([str(tmp_path / "t.bin"), str(tmp_path / "t.npy")], seq_len=3)
+    assert _windows(StreamLoader(raw, dp_rank=0, dp_size=1, micro_batch_size=1, global_batch_size=1)) == [
+        [1, 2, 3], [5, 6, 7], [9, 10, 11]]
 
 
 class Recorder(nn.Module):

@@ -3,7 +3,7 @@ data-parallel ranks and loader workers, resumable exactly (also at another data-
 
 Sources (:class:`PackedStream`): files, read in order (``.txt``: one document per file;
 ``.jsonl``: one document per line, its ``text_key`` field; ``.npy``: a 1-D array of token ids, one
-document), or a callable returning an iterable of documents (a Hugging Face ``datasets`` dataset
+document; ``.bin``: raw token ids of ``bin_dtype``, default uint16, one document), or a callable returning an iterable of documents (a Hugging Face ``datasets`` dataset
 loaded from local files, any generator): strings (tokenized by ``tokenize``), token sequences, or
 dicts holding ``text_key``. With ``shuffle`` the file order is permuted each epoch (seeded by
 ``seed + epoch``).
@@ -57,10 +57,11 @@ def require_torchdata() -> Any:
 
 class PackedStream(IterableDataset):
     """``PackedStream(files_or_callable, seq_len=128, tokenize=None, eos_id=None, text_key="text",
-    shuffle=False, seed=0)``: see the module doc. The Trainer sets the sharding with :meth:`shard`."""
+    shuffle=False, seed=0, bin_dtype="uint16")``: see the module doc. The Trainer sets the sharding with :meth:`shard`."""
 
     def __init__(self, source: Source, *, seq_len: int, tokenize: Callable[[str], Sequence[int]] | None = None,
-                 eos_id: int | None = None, text_key: str = "text", shuffle: bool = False, seed: int = 0) -> None:
+                 eos_id: int | None = None, text_key: str = "text", shuffle: bool = False, seed: int = 0,
+                 bin_dtype: str = "uint16") -> None:
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be at least 1")
         if not callable(source):
@@ -70,13 +71,13 @@ class PackedStream(IterableDataset):
             for f in files:
                 if not os.path.isfile(f):
                     raise ConfigError(f"data file {f} does not exist")
-                if not f.endswith((".txt", ".jsonl", ".npy")):
-                    raise ConfigError(f"data file {f} is not .txt, .jsonl or .npy")
+                if not f.endswith((".txt", ".jsonl", ".npy", ".bin")):
+                    raise ConfigError(f"data file {f} is not .txt, .jsonl, .npy or .bin")
                 if f.endswith((".txt", ".jsonl")) and tokenize is None:
                     raise ConfigError(f"text file {f} needs tokenize=", hint="pass a function str -> token ids")
             source = files
         self.source, self.seq_len, self.tokenize, self.eos_id = source, seq_len, tokenize, eos_id
-        self.text_key, self.shuffle, self.seed = text_key, shuffle, seed
+        self.text_key, self.shuffle, self.seed, self.bin_dtype = text_key, shuffle, seed, np.dtype(bin_dtype)
         self.dp_rank, self.dp_size, self.micro_batch, self.global_batch = 0, 1, 1, 1
         self.epoch, self.start = 0, 0  # where a fresh iteration begins (global windows of the epoch)
         self._reset()
@@ -99,6 +100,8 @@ class PackedStream(IterableDataset):
         path = self._order[file_index]
         if path.endswith(".npy"):
             yield np.load(path, mmap_mode="r")
+        elif path.endswith(".bin"):  # raw token ids (nanoGPT / Megatron style), little-endian bin_dtype
+            yield np.memmap(path, dtype=self.bin_dtype.newbyteorder("<"), mode="r")
         elif path.endswith(".txt"):
             with open(path, encoding="utf-8") as fh:
                 yield fh.read()
