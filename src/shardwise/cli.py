@@ -24,6 +24,7 @@ COMMANDS = (
     "shardwise.commands.plan",
     "shardwise.commands.calibrate",
     "shardwise.commands.checkpoint",
+    "shardwise.commands.generate",
 )
 
 EPILOG = """examples:

@@ -4,7 +4,9 @@ For each tensor of the model, DCP reads just the chunks that make up that tensor
 shard files) into one full tensor, which is written to the output and dropped before the next
 one is read: peak memory is the largest single tensor, not the model, and no process group is
 needed. The names are the plain single-device FQNs (``get_state_dict`` already removed DDP/FSDP
-wrapper prefixes), so the file loads into the unwrapped model with ``load_state_dict``.
+wrapper prefixes), so the file loads into the unwrapped model with ``load_state_dict``. Tensors are
+written in name order (numbers compared as numbers), so the same weights give the same bytes
+whichever layout (DP, ZeRO, TP, any pipeline) wrote the checkpoint.
 
 The output is the standard safetensors layout (little-endian u64 header size, JSON header of
 ``{name: {dtype, shape, data_offsets}}`` padded to 8 bytes, then the raw tensor bytes in header
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from typing import Any
 
@@ -84,7 +87,10 @@ def consolidate(directory: str, out_path: str, *, step: int | None = None, prefi
     path = resolve_step_dir(directory, step)
     check_output(out_path, path)
     metadata = SafeFileSystemReader(path).read_metadata()
-    entries = [(key, meta) for key, meta in metadata.state_dict_metadata.items() if key.startswith(prefix) and hasattr(meta, "size")]
+    # DCP's index lists tensors in the order the ranks' save plans arrived, which depends on the
+    # layout that wrote the checkpoint; a fixed order makes the file the same whichever one did.
+    entries = sorted(((key, meta) for key, meta in metadata.state_dict_metadata.items()
+                      if key.startswith(prefix) and hasattr(meta, "size")), key=lambda entry: natural_key(entry[0]))
     if not entries:
         raise ConfigError(f"checkpoint {path} holds no model tensors")
     blob = _header(entries, prefix, source=os.path.basename(path))
@@ -106,6 +112,11 @@ def consolidate(directory: str, out_path: str, *, step: int | None = None, prefi
             os.remove(tmp)  # a failed or interrupted export leaves nothing behind
         raise
     return {key[len(prefix):]: tuple(meta.size) for key, meta in entries}
+
+
+def natural_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key of a dotted name with numbers compared as numbers (``blocks.2`` before ``blocks.10``)."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part)
 
 
 def _header(entries: list[tuple[str, Any]], prefix: str, *, source: str) -> bytes:

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from shardwise.checkpoint import commit as cm
 from shardwise.checkpoint.faults import Fault
+from shardwise.checkpoint.stage_names import StageNames
 from shardwise.checkpoint.safe_io import SafeFileSystemReader, check_compatible, encode_for_weights_only, load_rank_file, safe_load
 from shardwise.errors import ConfigError
 
@@ -271,6 +272,8 @@ class CheckpointManager:
                 raise ConfigError("an optimizer is checkpointed without its model", hint="add the model to the components")
             return {}, None
         msd, osd = get_state_dict(model, optims)
+        names = StageNames(model, msd)  # several local pipeline stages: their original names
+        msd, osd = names.model_out(msd), names.optim_out(osd)
         if not optims:
             return {"model": msd}, None
         # Tensors (moments, step counts; sharded like their parameters) go through DCP. The param
@@ -278,6 +281,11 @@ class CheckpointManager:
         # pipeline parallelism, differ per rank while sharing one key, which DCP would deduplicate
         # to a single rank's copy: they go to the per-rank file.
         return {"model": msd, "optim": {"state": osd["state"]}}, osd["param_groups"]
+
+    @staticmethod
+    def _plain_model_state(model: nn.Module) -> dict[str, Any]:
+        msd = get_model_state_dict(model)
+        return StageNames(model, msd).model_out(msd)
 
     def _write_rank_file(self, path: str, others: Mapping[str, Any], param_groups: Any) -> None:
         payload = {
@@ -358,7 +366,7 @@ class CheckpointManager:
         rank_payload = load_rank_file(os.path.join(info.path, RANK_DIR), rank=self.rank, saved_world=marker.world_size)
         # Checked before the optimizer's state dict is built: torch initializes an empty optimizer's
         # state (a zero-lr step) in get_state_dict, and a refused checkpoint must change nothing.
-        probe = {"model": get_model_state_dict(model)} if model is not None else {}
+        probe = {"model": self._plain_model_state(model)} if model is not None else {}
         if optims:
             probe["optim"] = None
         # with pipeline stages each rank holds only some names; "unexpected" is judged on the union
@@ -372,7 +380,9 @@ class CheckpointManager:
             osd = {}
             if groups_now is not None:
                 osd = {"state": state["optim"]["state"], "param_groups": _merge_groups(groups_now, rank_payload["param_groups"], info.path)}
-            set_state_dict(model, optims, model_state_dict=state["model"], optim_state_dict=osd)
+            names = StageNames(model, get_model_state_dict(model))
+            set_state_dict(model, optims, model_state_dict=names.model_in(state["model"]),
+                           optim_state_dict=names.optim_in(osd) if osd else osd)
         resharded = marker.world_size != self.world_size or marker.dp_size != self.dp_size
         # The data position is a count of global samples (ShardedSampler), the same under any
         # data-parallel size: it loads unchanged (see shardwise.checkpoint.reshard).

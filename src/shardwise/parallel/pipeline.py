@@ -182,6 +182,7 @@ class PipelineSchedule:
         self._losses: list[torch.Tensor] = []
         self._scale = 1.0
         self._eval_schedule: Any = None
+        self._predict_schedule: Any = None
         self._shapes_key: tuple | None = None
         m = plan.microbatches
         if plan.schedule == "gpipe":
@@ -254,6 +255,20 @@ class PipelineSchedule:
         loss = _plain(self._losses[-1]).float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
         dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
         return loss, (output if self.has_last else None)
+
+    @torch.no_grad()
+    def predict_outputs(self, inputs: torch.Tensor, **model_kwargs: Any) -> torch.Tensor | None:
+        """Forward only, without targets or a loss: the last stage's output on the ranks that hold
+        the last stage, None elsewhere (for ``Trainer.predict``). One microbatch, as in :meth:`eval_outputs`."""
+        if self._predict_schedule is None:
+            if len(self.stages) == 1:
+                self._predict_schedule = ScheduleGPipe(self.stages[0], 1, loss_fn=None, scale_grads=False)
+            else:
+                self._predict_schedule = ScheduleLoopedBFS(self.stages, 1, loss_fn=None, scale_grads=False)
+        self._prepare(self._predict_schedule, inputs)
+        args = (inputs.to(self._device),) if self.has_first else ()
+        output = self._predict_schedule.eval(*args, **self._stage_kwargs(inputs, model_kwargs))
+        return output if self.has_last else None
 
     def _stage_kwargs(self, inputs: torch.Tensor, model_kwargs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The keyword arguments of the schedule's call, which torch passes to every stage: the

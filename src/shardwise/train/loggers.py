@@ -2,7 +2,8 @@
 
 A logger has ``log(metrics, step)`` and ``close()``. :class:`CSVLogger` is always available and is
 added automatically when the trainer has a ``run_dir``; :class:`TensorBoardLogger` is added too
-when the ``tensorboard`` package is installed.
+when the ``tensorboard`` package is installed. Experiment trackers (MLflow, W&B) are in
+:mod:`shardwise.train.trackers`.
 """
 
 from __future__ import annotations

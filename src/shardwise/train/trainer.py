@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 from shardwise.callback import Callback
 from shardwise.checkpoint.callback import checkpoint_callback
 from shardwise.data.loader import LoaderOptions, eval_loader, train_loader
+from shardwise.data.streaming import PackedStream, StreamLoader
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.parallel.ddp import DDPOptions
@@ -41,6 +42,7 @@ from shardwise.parallel.pipeline import PipelineOptions
 from shardwise.parallel.tp import TPOptions
 from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
+from shardwise.train import predict as _predict
 from shardwise.train.batch import chunks, move_batch, split_batch
 from shardwise.train.build import ClusterArg, OptimizerFactory, build
 from shardwise.train.callbacks import ProgressBar
@@ -219,6 +221,8 @@ class Trainer:
         rate schedules and progress reports."""
         if self.max_steps is not None:
             return self.max_steps
+        if isinstance(train_data, PackedStream):
+            raise ConfigError("a streaming dataset has no length known before training", hint="pass Trainer(max_steps=...)")
         per_epoch = len(train_data) // self.global_batch_size  # type: ignore[arg-type]
         if per_epoch < 1:
             raise ConfigError(f"the training data ({len(train_data)} samples) is smaller than one global batch "  # type: ignore[arg-type]
@@ -349,6 +353,20 @@ class Trainer:
             non_blocking=self.loader_options.pin_memory,
         )
 
+    def predict(self, data: Dataset, *, batch_size: int | None = None, output_dir: str | os.PathLike | None = None) -> Any:
+        """The model's outputs for every sample of ``data``, under this Trainer's plan.
+
+        Every rank calls it. Returns, on rank 0, one tensor of the outputs stacked in dataset order
+        (a list where their shapes differ) and None elsewhere; with ``output_dir``, each data-parallel
+        shard is written there instead and every rank returns None (see :mod:`shardwise.train.predict`).
+        Samples may be ``(inputs, targets)`` pairs or the inputs alone.
+        """
+        loader = eval_loader(data, batch_size=batch_size or self.eval_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                             options=self.loader_options)
+        return _predict.predict(self.model, loader, dp_rank=self.dp_rank, dp_size=self.dp_size, precision=self.precision,
+                                device=self.env.device, output_dir=os.fspath(output_dir) if output_dir is not None else None,
+                                non_blocking=self.loader_options.pin_memory)
+
     def _eval_during_fit(self, data: Dataset) -> dict[str, float]:
         metrics = {f"val_{k}": v for k, v in self.evaluate(data).items()}
         metrics.update(step=self.state.step, epoch=self.state.epoch)
@@ -365,11 +383,31 @@ class Trainer:
             os.makedirs(self.run_dir, exist_ok=True)
             self.auto_choice.save(os.path.join(self.run_dir, "auto_plan.json"))
         for logger in self.loggers:
+            describe = getattr(logger, "describe", None)  # trackers record the run's layout
+            if describe is not None:
+                describe(self.run_info())
             begin = getattr(logger, "begin", None)
             if begin is not None:
                 begin(self.state.step)
 
-    def _train_loader(self, data: Dataset) -> DataLoader:
+    def run_info(self) -> dict[str, Any]:
+        """The run's layout for experiment trackers: plan, world, batch sizes, precision, and the
+        planner's predicted step time (``plan="auto"``, on rank 0)."""
+        predicted = self.auto_choice.estimate.step_time_s if self.auto_choice is not None else None
+        return {"run_name": self.run_dir.name if self.run_dir is not None else None,
+                "run_dir": str(self.run_dir) if self.run_dir is not None else None, "plan": str(self.plan),
+                "world_size": self.env.world_size, "dp_size": self.dp_size, "global_batch_size": self.global_batch_size,
+                "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
+                "precision": self.precision, "seed": self.seed, "max_steps": self.max_steps, "predicted_step_time_s": predicted}
+
+    def _train_loader(self, data: Dataset) -> Any:
+        if isinstance(data, PackedStream):  # read in order through torchdata's StatefulDataLoader
+            opts = self.loader_options
+            stream = StreamLoader(data, dp_rank=self.dp_rank, dp_size=self.dp_size, micro_batch_size=self.micro_batch_size,
+                                  global_batch_size=self.global_batch_size, num_workers=opts.num_workers,
+                                  collate_fn=opts.collate_fn, multiprocessing_context=opts.worker_start_method)
+            self.state.sampler = stream.position  # type: ignore[assignment]
+            return stream
         loader = train_loader(
             data,
             micro_batch_size=self.micro_batch_size,

@@ -1,0 +1,250 @@
+"""Streaming datasets: documents read in order, packed into fixed-length windows, sharded over
+data-parallel ranks and loader workers, resumable exactly (also at another data-parallel degree).
+
+Sources (:class:`PackedStream`): files, read in order (``.txt``: one document per file;
+``.jsonl``: one document per line, its ``text_key`` field; ``.npy``: a 1-D array of token ids, one
+document; ``.bin``: raw token ids of ``bin_dtype``, default uint16, one document), or a callable returning an iterable of documents (a Hugging Face ``datasets`` dataset
+loaded from local files, any generator): strings (tokenized by ``tokenize``), token sequences, or
+dicts holding ``text_key``. With ``shuffle`` the file order is permuted each epoch (seeded by
+``seed + epoch``).
+
+**Packing.** Documents are tokenized, each followed by ``eos_id``, concatenated, and cut into
+windows of ``seq_len + 1`` tokens; window ``k`` gives ``(inputs, targets) = (w[:-1], w[1:])``. The
+windows form one global sequence, the same whoever reads it.
+
+**Sharding.** With ``D`` data-parallel ranks, micro-batches of ``B`` windows, ``W`` loader workers
+and global batches of ``G`` windows: window ``k`` belongs to rank ``k % D``, as its ``j = k // D``-th
+window; that belongs to micro-batch ``j // B``, which worker ``(j // B) % W`` builds. torch's loader
+takes the workers' batches round-robin, so each rank reads its windows in order whatever ``W``
+is, and the ranks together read every window once: no duplicates, no gaps. An epoch ends at the
+last *whole* global batch (every rank takes the same number of steps): each worker holds back its
+windows of a global batch until the stream reached that batch's last window.
+
+**Resume.** The loader is torchdata's ``StatefulDataLoader``; each worker's iterator is
+``Stateful`` (epoch, file, document, leftover tokens, next window index, held-back windows), so a
+run resumed on the same layout restores every worker exactly where it was, without re-reading.
+The position that does not depend on the layout is ``consumed``, the global windows of this epoch
+trained on (a multiple of ``G``): under another data-parallel degree (or worker count) each
+worker re-reads the stream from the epoch's start and skips the windows before ``consumed``
+(tokenizing that prefix again, the cost of changing the layout) and continues with exactly the
+windows an uninterrupted run would have read next, as map-style data does
+(:mod:`shardwise.checkpoint.reshard`). Keep the global batch size for an exact continuation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from shardwise.errors import ConfigError
+
+Source = Sequence[str] | Callable[[], Iterable[Any]]
+
+
+def require_torchdata() -> Any:
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        raise ConfigError("streaming datasets need torchdata's StatefulDataLoader", hint="pip install 'shardwise[data]'") from None
+    return StatefulDataLoader
+
+
+class PackedStream(IterableDataset):
+    """``PackedStream(files_or_callable, seq_len=128, tokenize=None, eos_id=None, text_key="text",
+    shuffle=False, seed=0, bin_dtype="uint16")``: see the module doc. The Trainer sets the sharding with :meth:`shard`."""
+
+    def __init__(self, source: Source, *, seq_len: int, tokenize: Callable[[str], Sequence[int]] | None = None,
+                 eos_id: int | None = None, text_key: str = "text", shuffle: bool = False, seed: int = 0,
+                 bin_dtype: str = "uint16") -> None:
+        if seq_len < 1:
+            raise ConfigError(f"seq_len={seq_len} must be at least 1")
+        if not callable(source):
+            files = [os.fspath(f) for f in source]
+            if not files:
+                raise ConfigError("a PackedStream needs at least one file")
+            for f in files:
+                if not os.path.isfile(f):
+                    raise ConfigError(f"data file {f} does not exist")
+                if not f.endswith((".txt", ".jsonl", ".npy", ".bin")):
+                    raise ConfigError(f"data file {f} is not .txt, .jsonl, .npy or .bin")
+                if f.endswith((".txt", ".jsonl")) and tokenize is None:
+                    raise ConfigError(f"text file {f} needs tokenize=", hint="pass a function str -> token ids")
+            source = files
+        self.source, self.seq_len, self.tokenize, self.eos_id = source, seq_len, tokenize, eos_id
+        self.text_key, self.shuffle, self.seed, self.bin_dtype = text_key, shuffle, seed, np.dtype(bin_dtype)
+        self.dp_rank, self.dp_size, self.micro_batch, self.global_batch = 0, 1, 1, 1
+        self.epoch, self.start = 0, 0  # where a fresh iteration begins (global windows of the epoch)
+        self._reset()
+
+    def shard(self, *, dp_rank: int, dp_size: int, micro_batch: int, global_batch: int) -> None:
+        self.dp_rank, self.dp_size, self.micro_batch, self.global_batch = dp_rank, dp_size, micro_batch, global_batch
+
+    # -- the document stream ----------------------------------------------------------------
+    def _files(self, epoch: int) -> list[str]:
+        files = list(self.source)  # type: ignore[arg-type]
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(files)
+        return files
+
+    def _documents(self, file_index: int) -> Iterator[Any]:
+        """The documents of one file (or, for a callable source, all of them as "file" 0)."""
+        if callable(self.source):
+            yield from self.source()
+            return
+        path = self._order[file_index]
+        if path.endswith(".npy"):
+            yield np.load(path, mmap_mode="r")
+        elif path.endswith(".bin"):  # raw token ids (nanoGPT / Megatron style), little-endian bin_dtype
+            yield np.memmap(path, dtype=self.bin_dtype.newbyteorder("<"), mode="r")
+        elif path.endswith(".txt"):
+            with open(path, encoding="utf-8") as fh:
+                yield fh.read()
+        else:
+            with open(path, encoding="utf-8") as fh:
+                for line in fh:
+                    if line.strip():
+                        yield json.loads(line)
+
+    def _tokens(self, doc: Any) -> list[int]:
+        if isinstance(doc, dict):
+            if self.text_key not in doc:
+                raise ConfigError(f"a document has no {self.text_key!r} field (it has {sorted(doc)})", hint="set text_key=")
+            doc = doc[self.text_key]
+        if isinstance(doc, str):
+            if self.tokenize is None:
+                raise ConfigError("text documents need tokenize=", hint="pass a function str -> token ids")
+            ids = list(self.tokenize(doc))
+        else:
+            ids = [int(t) for t in np.asarray(doc).reshape(-1)]
+        return ids + ([self.eos_id] if self.eos_id is not None else [])
+
+    # -- iteration (one worker) --------------------------------------------------------------
+    def _reset(self) -> None:
+        self._file, self._doc, self._carry, self._next_k = 0, 0, [], 0
+        self._held: list[list[int]] = []
+        self._ready: list[list[int]] = []
+        self._docs: Iterator[Any] | None = None
+        self._order: list[str] = [] if callable(self.source) else self._files(self.epoch)
+        self._at_epoch = self.epoch
+
+    def _worker(self) -> tuple[int, int]:
+        info = get_worker_info()
+        return (info.id, info.num_workers) if info is not None else (0, 1)
+
+    def _mine(self, k: int) -> bool:
+        worker, workers = self._worker()
+        return k % self.dp_size == self.dp_rank and ((k // self.dp_size) // self.micro_batch) % workers == worker
+
+    def __iter__(self) -> PackedStream:
+        # A restored worker is positioned after this, by load_state_dict (torchdata's order).
+        self._reset()
+        return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_docs"] = None  # an open file's generator does not cross into a worker process
+        return state
+
+    def _next_document(self) -> Any | None:
+        n_files = 1 if callable(self.source) else len(self._order)
+        while self._file < n_files:
+            if self._docs is None:
+                self._docs = self._documents(self._file)
+                for _ in range(self._doc):  # a restored position: skip what was read (no tokenizing)
+                    next(self._docs)
+            doc = next(self._docs, None)
+            if doc is not None:
+                self._doc += 1
+                return doc
+            self._file, self._doc, self._docs = self._file + 1, 0, None
+        return None
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        width = self.seq_len + 1
+        while not self._ready:
+            while len(self._carry) < width:
+                doc = self._next_document()
+                if doc is None:
+                    raise StopIteration  # windows held back belong to a global batch the stream did not fill
+                self._carry.extend(self._tokens(doc))
+            window, self._carry = self._carry[:width], self._carry[width:]
+            k, self._next_k = self._next_k, self._next_k + 1
+            if k >= self.start and self._mine(k):
+                self._held.append(window)
+            if self._next_k % self.global_batch == 0:  # window k closed a global batch
+                self._ready, self._held = self._held, []
+        window = torch.tensor(self._ready.pop(0), dtype=torch.int64)
+        return window[:-1], window[1:]
+
+    # torchdata's StatefulDataLoader saves and restores each worker's iterator with these
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self._at_epoch, "start": self.start, "file": self._file, "doc": self._doc, "carry": list(self._carry),
+                "next_k": self._next_k, "held": [list(w) for w in self._held], "ready": [list(w) for w in self._ready]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.start = int(state["epoch"]), int(state["start"])
+        self._reset()
+        self._file, self._doc, self._carry, self._next_k = int(state["file"]), int(state["doc"]), list(state["carry"]), int(state["next_k"])
+        self._held, self._ready = [list(w) for w in state["held"]], [list(w) for w in state["ready"]]
+
+
+class StreamPosition:
+    """The Trainer's data position for a :class:`PackedStream` (what ``ShardedSampler`` is for
+    map-style data): ``set_epoch``, ``advance``, ``epoch_finished``, ``state_dict``."""
+
+    def __init__(self, dataset: PackedStream, loader: Any) -> None:
+        self.dataset, self.loader = dataset, loader
+        self.epoch, self.consumed, self.exhausted = 0, 0, False
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+        self.exhausted = False
+        self.dataset.epoch, self.dataset.start = self.epoch, self.consumed
+
+    def advance(self, samples: int) -> None:
+        self.consumed += samples
+
+    @property
+    def epoch_finished(self) -> bool:
+        return self.exhausted
+
+    def _layout(self) -> dict[str, int]:
+        d = self.dataset
+        return {"dp_size": d.dp_size, "micro_batch": d.micro_batch, "global_batch": d.global_batch,
+                "num_workers": int(getattr(self.loader.loader, "num_workers", 0))}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "consumed": self.consumed, "layout": self._layout(), "loader": self.loader.loader.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self.dataset.epoch, self.dataset.start = self.epoch, self.consumed
+        if state.get("layout") == self._layout():
+            self.loader.loader.load_state_dict(state["loader"])  # every worker exactly where it was
+        # else: each worker re-reads the epoch and skips the windows before `consumed` (module doc)
+
+
+class StreamLoader:
+    """A ``StatefulDataLoader`` over this rank's share of a :class:`PackedStream`; iterating it once
+    reads the rest of the current epoch (``position.epoch_finished`` tells whether it ended)."""
+
+    def __init__(self, dataset: PackedStream, *, dp_rank: int, dp_size: int, micro_batch_size: int, global_batch_size: int,
+                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None, multiprocessing_context: str | None = None) -> None:
+        StatefulDataLoader = require_torchdata()
+        dataset.shard(dp_rank=dp_rank, dp_size=dp_size, micro_batch=micro_batch_size, global_batch=global_batch_size)
+        extra: dict[str, Any] = {"collate_fn": collate_fn} if collate_fn is not None else {}
+        if num_workers and multiprocessing_context:
+            extra["multiprocessing_context"] = multiprocessing_context
+        self.loader = StatefulDataLoader(dataset, batch_size=micro_batch_size, num_workers=num_workers, **extra)
+        self.position = StreamPosition(dataset, self)
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.loader
+        self.position.exhausted = True
