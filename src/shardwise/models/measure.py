@@ -55,6 +55,57 @@ def module_stats(model: nn.Module, *, seq: int | None = None) -> ModelStats:
     return measure_module(lambda: meta, example, seq=seq, name=type(model).__name__)
 
 
+def sample_stats(model: nn.Module, inputs: Any, *, tokens_per_sample: int | None = None) -> ModelStats:
+    """Planner statistics of ``model`` for one sample of the training data, ``inputs`` (a collated
+    batch of one: what ``model(inputs)`` takes), measured on ``meta``.
+
+    The sequence length is the sample's own: dimension 1 of integer inputs (token ids), 1 for
+    anything else (images, feature vectors), unless ``tokens_per_sample`` says otherwise. A model
+    carrying its shape as ``model.config`` (the built-in GPT, a Hugging Face model) gets the closed
+    forms at that length; any other model runs one meta forward of the sample."""
+    seq = tokens_per_sample or sample_seq(inputs)
+    config = getattr(model, "config", None)
+    if isinstance(config, TransformerShape) or (hasattr(config, "model_type") and callable(getattr(config, "to_dict", None))):
+        return module_stats(model, seq=seq)
+    meta = copy.deepcopy(model).to("meta")
+    example = inputs
+    if tokens_per_sample and isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() and inputs.dim() >= 2:
+        example = torch.zeros((1, tokens_per_sample) + tuple(inputs.shape[2:]), dtype=inputs.dtype)
+    try:
+        return measure_module(lambda: meta, lambda device: _to_device(example, device), seq=seq, name=type(model).__name__)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the user's forward on meta: say which model and which input
+        raise ConfigError(f"{type(model).__name__} cannot run its first training sample ({_describe(inputs)}) on the meta device: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+                          hint="check that the dataset's inputs are what the model's forward takes, or pass an explicit plan") from None
+
+
+def sample_seq(inputs: Any) -> int:
+    first = inputs
+    while isinstance(first, (list, tuple, dict)) and first:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    if isinstance(first, torch.Tensor) and not first.is_floating_point() and first.dim() >= 2:
+        return int(first.shape[1])
+    return 1
+
+
+def _to_device(inputs: Any, device: str) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, dict):
+        return {k: _to_device(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(_to_device(v, device) for v in inputs)
+    return inputs
+
+
+def _describe(inputs: Any) -> str:
+    if isinstance(inputs, torch.Tensor):
+        return f"a {inputs.dtype} tensor of shape {tuple(inputs.shape)}"
+    return f"a {type(inputs).__name__}"
+
+
 def stats_from_script(path: str, *, seq: int | None = None) -> ModelStats:
     """``shardwise plan --script file.py``: the file defines ``MODEL_SPEC`` (a dict), or
     ``build_model()`` and ``example_input(device)`` (one sample's input), measured on ``meta``."""
