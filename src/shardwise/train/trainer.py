@@ -225,7 +225,8 @@ class Trainer:
         built (and for every other plan)."""
         if not self._pending:
             return
-        total = self.total_steps_for(train_data)  # too little data fails here, before any measuring
+        self._check_data(train_data)  # too little data fails here, before any measuring
+        total = self.total_steps_for(train_data)
         data = AutoData(train_data, self.loader_options.collate_fn, certify=self.certify, total_steps=total,
                         grad_accum_steps=self.grad_accum_steps)
         self._apply(self._build(data=data))
@@ -264,11 +265,15 @@ class Trainer:
         rate schedules and progress reports."""
         if self.max_steps is not None:
             return self.max_steps
+        return self._check_data(train_data) * (self.max_epochs or 1)
+
+    def _check_data(self, train_data: Dataset) -> int:
+        """Whole global batches in one epoch of ``train_data``; at least one."""
         per_epoch = len(train_data) // self.global_batch_size  # type: ignore[arg-type]
         if per_epoch < 1:
             raise ConfigError(f"the training data ({len(train_data)} samples) is smaller than one global batch "  # type: ignore[arg-type]
                               f"({self.global_batch_size})", hint="use a smaller global_batch_size or more data")
-        return per_epoch * (self.max_epochs or 1)
+        return per_epoch
 
     # -- fit ------------------------------------------------------------------------------
     def fit(self, train_data: Dataset, val_data: Dataset | None = None, *, resume: str | int | None = None) -> FitResult:
