@@ -36,9 +36,9 @@ def module_stats(model: nn.Module, *, seq: int | None = None) -> ModelStats:
         return transformer_stats(config, seq=seq)
     if hasattr(config, "model_type") and callable(getattr(config, "to_dict", None)):
         # A Hugging Face model: its config.json says the shape (no meta forward through its masks)
-        from shardwise.models.hf import shape_of
+        from shardwise.models.hf import stats_of_config
 
-        return transformer_stats(shape_of(config, seq_len=seq), seq=seq)
+        return stats_of_config(config, seq=seq)
     if seq is None:
         raise ConfigError(f"planning a {type(model).__name__} needs its input length per sample",
                           hint="pass the length of one sample (1 for non-sequence inputs)")
@@ -120,6 +120,37 @@ def stats_from_script(path: str, *, seq: int | None = None) -> ModelStats:
                           hint="add MODEL_SPEC = {...} or both functions")
     return measure_module(namespace["build_model"], namespace["example_input"], seq=seq or int(namespace.get("SEQ", 1)),
                           name=os.path.basename(path))
+
+
+def stats_from_model_script(path: str, *, seq: int | None = None) -> ModelStats:
+    """``shardwise plan --model-script file.py``: a ``shardwise verify --script`` file
+    (``build_model(seed)`` and ``make_batch(step, size)``; ``example_input(device)`` may stand for
+    ``make_batch``). The model is built on ``meta`` and planned as ``Trainer(plan="auto")`` plans it:
+    the shape of the first sample (``make_batch(0, 1)``'s inputs), ``seq`` overriding its length."""
+    import inspect
+
+    if not os.path.exists(path):
+        raise ConfigError(f"--model-script {path!r} does not exist", hint="give the path of a Python file")
+    namespace = runpy.run_path(path, run_name="shardwise_plan")
+    build = namespace.get("build_model")
+    if not callable(build) or not (callable(namespace.get("make_batch")) or callable(namespace.get("example_input"))):
+        raise ConfigError(f"--model-script {path} defines no build_model() and make_batch(step, size)",
+                          hint="define both, as for shardwise verify --script")
+    takes_seed = bool(inspect.signature(build).parameters)
+    with torch.device("meta"):  # nothing is allocated, whatever the model's size
+        model = build(0) if takes_seed else build()
+    if callable(namespace.get("make_batch")):
+        inputs = namespace["make_batch"](0, 1)[0]
+    else:
+        inputs = namespace["example_input"]("cpu")
+    stats = sample_stats(model, inputs, tokens_per_sample=seq)
+    return stats if stats.name not in ("", "hf", "transformer") else _named(stats, os.path.basename(path))
+
+
+def _named(stats: ModelStats, name: str) -> ModelStats:
+    from dataclasses import replace
+
+    return replace(stats, name=name)
 
 
 def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, seq: int = 1, name: str = "model") -> ModelStats:

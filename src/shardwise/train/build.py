@@ -185,11 +185,10 @@ def model_stats(model: nn.Module | Pretrained, *, tokens_per_sample: int | None,
     from shardwise.models.measure import module_stats, sample_seq, sample_stats
 
     if isinstance(model, Pretrained):
-        from shardwise.models.hf import read_config, shape_of
-        from shardwise.plan.stats import transformer_stats
+        from shardwise.models.hf import read_config, stats_of_config
 
         seq = tokens_per_sample or (sample_seq(inputs) if inputs is not None else None)
-        return transformer_stats(shape_of(read_config(model.path), seq_len=seq), seq=seq)
+        return stats_of_config(read_config(model.path), seq=seq)
     if inputs is not None:
         return sample_stats(model, inputs, tokens_per_sample=tokens_per_sample)
     return module_stats(model, seq=tokens_per_sample)
