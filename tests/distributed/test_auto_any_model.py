@@ -116,23 +116,27 @@ def impossible_requests() -> list[dict]:
     def no_measuring(env):  # noqa: ANN001
         raise AssertionError("the machine was measured before the request was checked")
 
-    build.machine_spec = no_measuring
-    ce = nn.functional.cross_entropy
     huge = nn.Sequential(nn.Linear(100_000, 100_000, device="meta"), nn.ReLU(), nn.Linear(100_000, 4, device="meta"))  # 10B
+    labels = torch.zeros(8, dtype=torch.long)
     cases = {
-        "too big": (huge, TensorDataset(torch.zeros(8, 100_000), torch.zeros(8, dtype=torch.long))),
-        "wrong input": (nn.Sequential(nn.Linear(12, 4)), TensorDataset(torch.zeros(8, 5), torch.zeros(8, dtype=torch.long))),
-        "too little data": (nn.Sequential(nn.Linear(12, 4)), TensorDataset(torch.zeros(3, 12), torch.zeros(3, dtype=torch.long))),
+        "too big": (huge, TensorDataset(torch.zeros(8, 100_000), labels)),
+        "wrong input": (nn.Sequential(nn.Linear(12, 4)), TensorDataset(torch.zeros(8, 5), labels)),
+        "too little data": (nn.Sequential(nn.Linear(12, 4)), TensorDataset(torch.zeros(3, 12), labels[:3])),
     }
     out = []
-    for name, (model, data) in cases.items():
-        wall, cpu = time.perf_counter(), time.process_time()
-        try:
-            Trainer(model, loss_fn=ce, plan="auto", global_batch_size=4, max_steps=2, progress_bar=False).fit(data)
-            message = "no error"
-        except ConfigError as exc:
-            message = str(exc)
-        out.append({"case": name, "message": message, "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall})
+    measure, build.machine_spec = build.machine_spec, no_measuring
+    try:
+        for name, (model, data) in cases.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            try:
+                Trainer(model, loss_fn=nn.functional.cross_entropy, plan="auto", global_batch_size=4, max_steps=2,
+                        progress_bar=False).fit(data)
+                message = "no error"
+            except ConfigError as exc:
+                message = str(exc)
+            out.append({"case": name, "message": message, "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall})
+    finally:
+        build.machine_spec = measure  # the pool's processes serve later tests
     return out
 
 
