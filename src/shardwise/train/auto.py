@@ -93,22 +93,26 @@ def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: Run
     data (:func:`shardwise.verify.certify.certify`). ``model`` is the user's module, or a Hugging Face
     ``Pretrained`` directory (rebuilt from its config with fewer layers). Collective: every rank."""
     plans = list(plans)[: data.certify.max_plans]
-    blocks = max([2] + [p.pp * max(1, p.virtual_stages) for p in plans])
-    if isinstance(model, Pretrained):
-        template, what = shrink_config(model.config(), blocks=blocks)
-    else:
-        template, what = shrink(model, blocks=blocks)
     accumulation = min(data.grad_accum_steps, 2)
     # one global batch that every candidate splits evenly: dp ranks x micro-steps x pipeline microbatches
-    global_batch = 1
+    global_batch = 2
     for p in plans:
         global_batch = math.lcm(global_batch, p.dp_size * accumulation * (p.microbatches if p.pp_enabled else 1))
-    if global_batch < 2:
-        global_batch = 2
     batches = [data.collate(range(step * global_batch, (step + 1) * global_batch)) for step in range(data.certify.steps)]
-    params = sum(p.numel() for p in template.parameters())
-    workload = DataWorkload(template, batches, loss_fn)
-    compared = {"model": what, "parameters": params,
-                "samples": f"the first {data.certify.steps * global_batch} of the training data (in order)"}
-    return certify(workload, plans, options=data.certify, accumulation=accumulation, global_batch=global_batch,
+    copies: dict[int, DataWorkload] = {}
+
+    def workload_for(plan: Plan) -> DataWorkload:
+        """The shrunken copy for ``plan``: 2 blocks, or one per pipeline stage (made once per size)."""
+        blocks = max(2, plan.pp * max(1, plan.virtual_stages))
+        if blocks not in copies:
+            if isinstance(model, Pretrained):
+                template, what = shrink_config(model.config(), blocks=blocks)
+            else:
+                template, what = shrink(model, blocks=blocks)
+            params = sum(p.numel() for p in template.parameters())
+            copies[blocks] = DataWorkload(template, batches, loss_fn, description=f"{what}, {params:,} parameters")
+        return copies[blocks]
+
+    compared = {"samples": f"the first {data.certify.steps * global_batch} of the training data (in order)"}
+    return certify(workload_for, plans, options=data.certify, accumulation=accumulation, global_batch=global_batch,
                    device=str(env.device), loss_parallel=loss_parallel, compared=compared)

@@ -114,7 +114,7 @@ def shrink(model: nn.Module, *, blocks: int) -> tuple[nn.Module, str]:
             finally:
                 setattr(parent, attr, container)
         _set_layers(getattr(small, "config", None), blocks)
-        what = f"{type(model).__name__}, {blocks} of {len(container)} blocks of {name or 'the model'}"
+        what = f"{type(model).__name__}, {blocks} of {len(container)} blocks of {repr(name) if name else 'the model'}"
     if any(p.is_meta for p in small.parameters()):
         raise ConfigError(f"the {type(model).__name__} is on the meta device: certification needs its layers' values",
                           hint="build the model on a real device, or pass certify=False")
@@ -154,6 +154,7 @@ class DataWorkload:
     template: nn.Module
     batches: list[tuple[Any, Any]]
     loss_fn: Callable[[Any, Any], torch.Tensor]
+    description: str = ""  # what the copy kept (for the certificate)
 
     def build(self, seed: int) -> nn.Module:
         return copy.deepcopy(self.template)
@@ -177,6 +178,7 @@ class Verdict:
     seconds: float
     weight: str = ""
     error: str = ""
+    model: str = ""  # the shrunken copy it ran on
 
     @property
     def failed(self) -> str | None:
@@ -196,6 +198,8 @@ class Verdict:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"plan": self.plan, "passed": self.passed, "max_rel_diff": dict(self.divergences),
                                "seconds": round(self.seconds, 4)}
+        if self.model:
+            out["model"] = self.model
         if self.weight:
             out["worst_weight"] = self.weight
         if not self.passed:
@@ -225,23 +229,28 @@ class Certificate:
                 "candidates": [v.to_dict() for v in self.verdicts], "seconds": round(self.seconds, 4)}
 
 
-def certify(workload: DataWorkload, plans: Sequence[Plan], *, options: CertifyOptions, accumulation: int = 1,
-            global_batch: int, device: str = "cpu", loss_parallel: bool = False,
+def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan], *, options: CertifyOptions,
+            accumulation: int = 1, global_batch: int, device: str = "cpu", loss_parallel: bool = False,
             compared: dict[str, Any] | None = None) -> Certificate:
-    """Certify ``plans`` in order until one passes (module doc). Collective: every rank of the world."""
+    """Certify ``plans`` in order until one passes (module doc). ``workload_for(plan)`` is the
+    shrunken copy a plan runs on (a pipeline needs as many blocks as stages); the reference is
+    trained once per distinct workload. Collective: every rank of the world."""
     start = time.perf_counter()
     training = Training(steps=options.steps, global_batch=global_batch, lr=options.lr, optimizer="sgd", device=device)
-    batches = [workload.batch(step, global_batch) for step in range(training.steps)]
-    ref = run_reference(workload, batches, training)
+    references: dict[int, Any] = {}
     verdicts: list[Verdict] = []
     chosen: str | None = None
     for plan in list(plans)[: options.max_plans]:
         began = time.perf_counter()
+        workload = workload_for(plan)
+        batches = [workload.batch(step, global_batch) for step in range(training.steps)]
+        if id(workload) not in references:
+            references[id(workload)] = run_reference(workload, batches, training)
         error, weight = "", ""
         values = [float("inf")] * 3
         try:
-            report = run_parallel(workload, Run(str(plan), accumulation=accumulation, loss_parallel=loss_parallel), batches, ref,
-                                  training, after_backward=options.after_backward)
+            report = run_parallel(workload, Run(str(plan), accumulation=accumulation, loss_parallel=loss_parallel), batches,
+                                  references[id(workload)], training, after_backward=options.after_backward)
             weight, wdiff = report.weight_diff
             values = [report.loss_diff, report.grad_norm_diff, wdiff]
         except (ConfigError, RuntimeError, ValueError, TypeError, AssertionError) as exc:
@@ -254,7 +263,7 @@ def certify(workload: DataWorkload, plans: Sequence[Plan], *, options: CertifyOp
         if any_error and not error:
             error = "it failed on another rank"
         verdict = Verdict(plan=str(plan), divergences={"loss": loss, "grad norm": grad, "weights": wdiff}, rtol=options.rtol,
-                          seconds=time.perf_counter() - began, weight=weight, error=error)
+                          seconds=time.perf_counter() - began, weight=weight, error=error, model=workload.description)
         verdicts.append(verdict)
         if verdict.passed:
             chosen = str(plan)
@@ -263,4 +272,6 @@ def certify(workload: DataWorkload, plans: Sequence[Plan], *, options: CertifyOp
             "precision": "fp32", "mode": "eval (dropout off, BatchNorm running statistics)",
             "quantities": ["loss per step", "global gradient norm per step", "every weight after the last step"],
             "reference": "one process, locally on every rank, the whole global batch per step", **(compared or {})}
+    if verdicts:
+        info["model"] = verdicts[-1].model
     return Certificate(plan=chosen, verdicts=tuple(verdicts), compared=info, seconds=time.perf_counter() - start)
