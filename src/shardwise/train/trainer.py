@@ -40,10 +40,10 @@ from shardwise.parallel.fsdp import FSDPOptions
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.parallel.pipeline import PipelineOptions
 from shardwise.parallel.tp import TPOptions
+from shardwise.runtime import env as runtime
 from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
 from shardwise.train.batch import chunks, move_batch, split_batch
-from shardwise.runtime import env as runtime
 from shardwise.train.auto import AutoData
 from shardwise.train.build import Built, ClusterArg, OptimizerFactory, build
 from shardwise.train.callbacks import ProgressBar
