@@ -35,6 +35,7 @@ def main() -> int:
         start = time.perf_counter()
         trainer = Trainer(GPT(cfg, seed=0), loss_fn=loss_fn, global_batch_size=8, plan="auto", precision="bf16",
                           optimizer=lambda p: torch.optim.Adam(p, lr=1e-4), max_steps=12, log_every=1, progress_bar=False)
+        trainer.setup(data)  # plan="auto" is chosen from the data
         planned_s = time.perf_counter() - start
         result = trainer.fit(data)
         times = [row["step_time_s"] for row in result.history if "step_time_s" in row][4:]

@@ -129,17 +129,23 @@ def test_auto_plan_is_the_same_on_every_rank_and_trains(pools, tmp_path) -> None
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=1e-6)
 
 
-def auto_on_unsized_model() -> str:
+def auto_on_too_small_cluster() -> str:
+    """Rank 0 plans (a given cluster: nothing is checked before it); nothing fits its memory."""
+    from dataclasses import replace
+
     from shardwise.errors import ConfigError
+    from shardwise.plan.cluster import resolve
     from shardwise.train import Trainer
 
+    tiny = replace(resolve("cpu", devices=2), memory_bytes=1e3)
     try:
-        Trainer(make_model(), loss_fn=torch.nn.functional.cross_entropy, plan="auto", global_batch_size=32, progress_bar=False)
+        Trainer(make_model(), loss_fn=torch.nn.functional.cross_entropy, plan="auto", cluster=tiny, global_batch_size=32,
+                progress_bar=False).fit(make_data())
     except ConfigError as exc:
         return str(exc)
     return "no error"
 
 
 def test_auto_plan_failure_reaches_every_rank(dist2) -> None:
-    for message in dist2.run(auto_on_unsized_model):
-        assert message.startswith("plan='auto' found no plan") and "explicit plan" in message
+    for message in dist2.run(auto_on_too_small_cluster):
+        assert message.startswith("plan='auto' found no plan: no plan fits") and "explicit plan" in message

@@ -24,6 +24,8 @@ EXAMPLES = """examples:
   shardwise plan --model gpt3-175b --devices 1536 --device-type a100-80gb --global-batch 2304 --fixed dp=24,tp=8,pp=8 --explain
   shardwise plan --params 7.5e9 --devices 64 --memory-convention zero-paper
   shardwise plan --script my_model.py --devices 8 --device-type calibrated.json
+  shardwise plan --model-script examples/hf_verify_script.py --devices 8 --device-type h100
+  shardwise plan --model.hf examples/configs/llama-7b.json --devices 64 --device-type h100 --global-batch 512
 """
 GAP = 1.3  # a free-search gain above this over a --fixed layout is explained term by term
 
@@ -36,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model-spec", help='transformer shape as JSON (or a JSON file): {"layers", "hidden", "heads", "vocab", "seq"}'
                                           ' and optional "ffn", "kv_heads", "tied_embeddings", "gated_mlp"')
     src.add_argument("--script", help="Python file defining MODEL_SPEC, or build_model() and example_input(device)")
+    src.add_argument("--model-script", help="your model as a `shardwise verify --script` file: build_model(seed) and "
+                                            "make_batch(step, size); built on meta, sized by its first sample like Trainer(plan='auto')")
+    src.add_argument("--model.hf", dest="model_hf", metavar="DIR",
+                     help="a Hugging Face model directory (or its config.json): the shape its config says, as Trainer(plan='auto') reads it")
     src.add_argument("--params", type=float, help="a model given by its parameter count alone: print the model-state memory of each ZeRO stage")
     p.add_argument("--devices", type=int, required=True, help="number of devices (processes)")
     p.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default: the preset's, at most --devices)")
@@ -123,6 +129,15 @@ def _main(args: argparse.Namespace) -> int:
         from shardwise.models.measure import stats_from_script  # torch: only for a model given as code
 
         stats = stats_from_script(args.script, seq=args.seq)
+    elif args.model_script:
+        check_input_file(args.model_script, option="--model-script")
+        from shardwise.models.measure import stats_from_model_script  # torch: only for a model given as code
+
+        stats = stats_from_model_script(args.model_script, seq=args.seq)
+    elif args.model_hf:
+        from shardwise.models.hf import read_config, stats_of_config  # the same reading as Trainer(Pretrained(DIR), plan="auto")
+
+        stats = stats_of_config(read_config(args.model_hf), seq=args.seq)
     else:
         stats = stats_of(args.model, seq=args.seq)
     global_batch = args.global_batch if args.global_batch is not None else 4 * args.devices

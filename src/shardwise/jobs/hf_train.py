@@ -123,6 +123,7 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
         checkpoint=CheckpointManager(checkpoints, every_n_steps=config.checkpoint.every_n_steps or None,
                                      keep_last_n=config.checkpoint.keep_last_n, async_save=config.checkpoint.async_save, fault=fault),
     )
+    trainer.setup(train_set)  # plan="auto": chosen from the training data (a no-op for other plans)
     if env.is_main:
         if trainer.auto_choice is not None:
             print(f"plan=auto chose {trainer.plan}:\n  " + trainer.plan.describe().replace("\n", "\n  "), flush=True)

@@ -95,9 +95,11 @@ def lm_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
 
 
 def read_config(directory: str) -> dict[str, Any]:
-    """``config.json`` of a model directory as a dict (one line naming the problem otherwise)."""
+    """``config.json`` of a model directory (or that file itself) as a dict (one line naming the problem otherwise)."""
     path = os.path.join(directory, "config.json")
-    if not os.path.isdir(directory):
+    if os.path.isfile(directory) and directory.endswith(".json"):
+        path = directory
+    elif not os.path.isdir(directory):
         raise ConfigError(f"model directory {directory!r} does not exist", hint="pass a directory written by save_pretrained")
     if not os.path.exists(path):
         raise ConfigError(f"{directory!r} holds no config.json", hint="pass a Hugging Face model directory (save_pretrained writes config.json)")
@@ -132,6 +134,21 @@ def shape_of(config: Any, *, seq_len: int | None = None) -> TransformerShape:
         raise ConfigError(f"the model config has no {missing[0]} (hidden_size, num_attention_heads, num_hidden_layers, vocab_size, "
                           "max_position_embeddings)", hint="pass a decoder-only language model's config")
     return TransformerShape(**values)
+
+
+# Families whose MLP is gated (SwiGLU / GeGLU: gate, up and down projections, 3 h f weights).
+GATED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "olmo", "olmo2",
+                  "phi3", "granite", "cohere")
+
+
+def stats_of_config(config: Any, *, seq: int | None = None) -> Any:
+    """The planner's statistics of a Hugging Face config (an object or a ``config.json`` dict) at
+    ``seq`` tokens per sample (default: its context length): :func:`shape_of`'s shape, with a gated
+    MLP for the families that have one (:data:`GATED_FAMILIES`)."""
+    from shardwise.plan.stats import transformer_stats
+
+    data = config if isinstance(config, dict) else config.to_dict()
+    return transformer_stats(shape_of(data, seq_len=seq), seq=seq, gated_mlp=data.get("model_type") in GATED_FAMILIES)
 
 
 def load_tokenizer(directory: str) -> Any:

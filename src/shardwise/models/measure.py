@@ -36,9 +36,9 @@ def module_stats(model: nn.Module, *, seq: int | None = None) -> ModelStats:
         return transformer_stats(config, seq=seq)
     if hasattr(config, "model_type") and callable(getattr(config, "to_dict", None)):
         # A Hugging Face model: its config.json says the shape (no meta forward through its masks)
-        from shardwise.models.hf import shape_of
+        from shardwise.models.hf import stats_of_config
 
-        return transformer_stats(shape_of(config, seq_len=seq), seq=seq)
+        return stats_of_config(config, seq=seq)
     if seq is None:
         raise ConfigError(f"planning a {type(model).__name__} needs its input length per sample",
                           hint="pass the length of one sample (1 for non-sequence inputs)")
@@ -55,6 +55,57 @@ def module_stats(model: nn.Module, *, seq: int | None = None) -> ModelStats:
     return measure_module(lambda: meta, example, seq=seq, name=type(model).__name__)
 
 
+def sample_stats(model: nn.Module, inputs: Any, *, tokens_per_sample: int | None = None) -> ModelStats:
+    """Planner statistics of ``model`` for one sample of the training data, ``inputs`` (a collated
+    batch of one: what ``model(inputs)`` takes), measured on ``meta``.
+
+    The sequence length is the sample's own: dimension 1 of integer inputs (token ids), 1 for
+    anything else (images, feature vectors), unless ``tokens_per_sample`` says otherwise. A model
+    carrying its shape as ``model.config`` (the built-in GPT, a Hugging Face model) gets the closed
+    forms at that length; any other model runs one meta forward of the sample."""
+    seq = tokens_per_sample or sample_seq(inputs)
+    config = getattr(model, "config", None)
+    if isinstance(config, TransformerShape) or (hasattr(config, "model_type") and callable(getattr(config, "to_dict", None))):
+        return module_stats(model, seq=seq)
+    meta = copy.deepcopy(model).to("meta")
+    example = inputs
+    if tokens_per_sample and isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() and inputs.dim() >= 2:
+        example = torch.zeros((1, tokens_per_sample) + tuple(inputs.shape[2:]), dtype=inputs.dtype)
+    try:
+        return measure_module(lambda: meta, lambda device: _to_device(example, device), seq=seq, name=type(model).__name__)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the user's forward on meta: say which model and which input
+        raise ConfigError(f"{type(model).__name__} cannot run its first training sample ({_describe(inputs)}) on the meta device: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+                          hint="check that the dataset's inputs are what the model's forward takes, or pass an explicit plan") from None
+
+
+def sample_seq(inputs: Any) -> int:
+    first = inputs
+    while isinstance(first, (list, tuple, dict)) and first:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    if isinstance(first, torch.Tensor) and not first.is_floating_point() and first.dim() >= 2:
+        return int(first.shape[1])
+    return 1
+
+
+def _to_device(inputs: Any, device: str) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.to(device)
+    if isinstance(inputs, dict):
+        return {k: _to_device(v, device) for k, v in inputs.items()}
+    if isinstance(inputs, (list, tuple)):
+        return type(inputs)(_to_device(v, device) for v in inputs)
+    return inputs
+
+
+def _describe(inputs: Any) -> str:
+    if isinstance(inputs, torch.Tensor):
+        return f"a {inputs.dtype} tensor of shape {tuple(inputs.shape)}"
+    return f"a {type(inputs).__name__}"
+
+
 def stats_from_script(path: str, *, seq: int | None = None) -> ModelStats:
     """``shardwise plan --script file.py``: the file defines ``MODEL_SPEC`` (a dict), or
     ``build_model()`` and ``example_input(device)`` (one sample's input), measured on ``meta``."""
@@ -69,6 +120,37 @@ def stats_from_script(path: str, *, seq: int | None = None) -> ModelStats:
                           hint="add MODEL_SPEC = {...} or both functions")
     return measure_module(namespace["build_model"], namespace["example_input"], seq=seq or int(namespace.get("SEQ", 1)),
                           name=os.path.basename(path))
+
+
+def stats_from_model_script(path: str, *, seq: int | None = None) -> ModelStats:
+    """``shardwise plan --model-script file.py``: a ``shardwise verify --script`` file
+    (``build_model(seed)`` and ``make_batch(step, size)``; ``example_input(device)`` may stand for
+    ``make_batch``). The model is built on ``meta`` and planned as ``Trainer(plan="auto")`` plans it:
+    the shape of the first sample (``make_batch(0, 1)``'s inputs), ``seq`` overriding its length."""
+    import inspect
+
+    if not os.path.exists(path):
+        raise ConfigError(f"--model-script {path!r} does not exist", hint="give the path of a Python file")
+    namespace = runpy.run_path(path, run_name="shardwise_plan")
+    build = namespace.get("build_model")
+    if not callable(build) or not (callable(namespace.get("make_batch")) or callable(namespace.get("example_input"))):
+        raise ConfigError(f"--model-script {path} defines no build_model() and make_batch(step, size)",
+                          hint="define both, as for shardwise verify --script")
+    takes_seed = bool(inspect.signature(build).parameters)
+    with torch.device("meta"):  # nothing is allocated, whatever the model's size
+        model = build(0) if takes_seed else build()
+    if callable(namespace.get("make_batch")):
+        inputs = namespace["make_batch"](0, 1)[0]
+    else:
+        inputs = namespace["example_input"]("cpu")
+    stats = sample_stats(model, inputs, tokens_per_sample=seq)
+    return stats if stats.name not in ("", "hf", "transformer") else _named(stats, os.path.basename(path))
+
+
+def _named(stats: ModelStats, name: str) -> ModelStats:
+    from dataclasses import replace
+
+    return replace(stats, name=name)
 
 
 def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, seq: int = 1, name: str = "model") -> ModelStats:

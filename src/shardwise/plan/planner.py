@@ -76,15 +76,25 @@ class AutoPlan:
     plan: Plan
     estimate: Estimate
     result: SearchResult
+    certificate: dict[str, Any] | None = None  # Trainer(plan="auto"): the parity certificate (shardwise.verify.certify)
 
     def summary(self) -> str:
         e = self.estimate
         return (f"auto plan: {self.plan}  (predicted {e.step_time_s * 1e3:.1f} ms/step, "
                 f"{e.memory_total / 2**30:.2f} GiB/device, MFU {100 * e.mfu:.1f}%)\n  why: {self.result.explanation}")
 
+    def certified(self, plan: Plan, certificate: dict[str, Any]) -> AutoPlan:
+        """This choice after certification: ``plan`` (one of the ranked plans: the first that
+        passed) with its own prediction, and the certificate."""
+        estimate = next((e for e in self.result.plans if e.plan == plan), self.estimate)
+        return AutoPlan(plan=estimate.plan, estimate=estimate, result=self.result, certificate=certificate)
+
     def to_json(self) -> str:
-        return json.dumps({"plan": self.plan.to_dict(), "prediction": self.estimate.to_json(),
-                           "explanation": self.result.explanation}, indent=2)
+        out: dict[str, Any] = {"plan": self.plan.to_dict(), "prediction": self.estimate.to_json(),
+                               "explanation": self.result.explanation}
+        if self.certificate is not None:
+            out["certificate"] = self.certificate
+        return json.dumps(out, indent=2)
 
     def save(self, path: str) -> None:
         """Write the chosen plan with its predictions (what a run directory keeps as auto_plan.json)."""

@@ -49,6 +49,7 @@ from shardwise.plan.search import SearchOptions
 from shardwise.plan.stats import ModelStats
 from shardwise.runtime.detect import RuntimeEnv
 from shardwise.runtime.logging import get_logger
+from shardwise.train.auto import AutoData, certify_plans, device_spec, first_inputs
 
 log = get_logger("train")
 
@@ -81,17 +82,19 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
           tokens_per_sample: int | None = None, ddp: DDPOptions | None = None, tp: TPOptions | None = None,
           fsdp: FSDPOptions | None = None, pipeline: PipelineOptions | None = None,
           loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-          check: Callable[[Plan, str], None] | None = None) -> Built:
+          check: Callable[[Plan, str], None] | None = None, data: AutoData | None = None) -> Built:
     """The steps of the module doc. ``global_batch_size`` is what ``plan="auto"`` plans for;
     ``pipelines_allowed=False`` keeps pipelines out of an automatic choice (a pipeline splits each
     micro-batch again, which gradient accumulation already does). ``check(plan, device_type)``
     runs on the resolved plan before any mesh is built (the caller's own checks: batch splits,
-    precision on this device)."""
+    precision on this device). ``data``: the training data that ``plan="auto"`` takes the sample
+    shape from and certifies on (:mod:`shardwise.train.auto`)."""
     env = runtime.init()
     choice = None
     if isinstance(plan, str) and plan.strip().lower() == "auto":
         plan, choice = choose_plan(model, env, global_batch_size=global_batch_size, precision=precision,
-                                   pipelines_allowed=pipelines_allowed, cluster=cluster, tokens_per_sample=tokens_per_sample)
+                                   pipelines_allowed=pipelines_allowed, cluster=cluster, tokens_per_sample=tokens_per_sample,
+                                   data=data, loss_fn=loss_fn, loss_parallel=bool(tp and tp.loss_parallel))
     # An elastic job (--nnodes MIN:MAX) may come back on fewer or more processes than the plan
     # was written for: re-plan it (layout.replan) instead of refusing it.
     resolved = resolve_plan(plan, env.world_size, precision=precision, elastic=env.settings.elastic is not None)
@@ -111,53 +114,83 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
 
 
 def choose_plan(model: nn.Module | Pretrained, env: RuntimeEnv, *, global_batch_size: int, precision: str | None,
-                pipelines_allowed: bool, cluster: ClusterArg = None, tokens_per_sample: int | None = None) -> tuple[Plan, AutoPlan | None]:
+                pipelines_allowed: bool, cluster: ClusterArg = None, tokens_per_sample: int | None = None,
+                data: AutoData | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                loss_parallel: bool = False) -> tuple[Plan, AutoPlan | None]:
     """``plan="auto"`` (see the module doc): the plan on every rank and, on rank 0, the planner's
-    choice with its predictions (logged). The model's statistics are taken first, so a model the
-    planner cannot read fails before any measuring.
+    choice with its predictions (logged). Check first, measure second: the model's statistics (from
+    the first sample of ``data`` when given) and whether any plan fits this device's memory are
+    settled before the machine is measured, so an impossible request fails in milliseconds. With
+    ``data`` certifying (:class:`~shardwise.train.auto.AutoData`), the ranked plans are certified
+    by parity in order and the first that passes is the plan (:mod:`shardwise.verify.certify`).
 
-    Communication: one ``broadcast_object_list`` over the world (rank 0's result or its error, so
-    no rank waits for a plan that never comes); measuring the machine is collective too.
+    Communication: one ``broadcast_object_list`` over the world (rank 0's ranked plans or its
+    error, so no rank waits for a plan that never comes); measuring the machine and certifying are
+    collective too.
     """
     try:  # before any measuring: a model the planner cannot read fails in milliseconds
-        stats = model_stats(model, tokens_per_sample=tokens_per_sample)
+        inputs = first_inputs(data) if data is not None else None
+        stats = model_stats(model, tokens_per_sample=tokens_per_sample, inputs=inputs)
     except ConfigError as exc:
         raise ConfigError(f"plan='auto' found no plan: {exc.message}",
-                          hint="pass tokens_per_sample= (the input length of one sample; 1 for non-sequence inputs), "
-                               "or an explicit plan, e.g. plan='dp'") from None
+                          hint=exc.hint or "pass tokens_per_sample= (the input length of one sample; 1 for non-sequence inputs), "
+                                           "or an explicit plan, e.g. plan='dp'") from None
+    source = model
     if isinstance(model, Pretrained):
         model = model.build_meta()  # validating plans against it costs no memory
+    options = dict(world_size=env.world_size, global_batch=global_batch_size, precision=precision or "fp32",
+                   pipelines_allowed=pipelines_allowed)
+    if cluster is None and env.settings.cluster is None:
+        try:  # could any plan fit this device's memory at all? (fitting needs no measured speed)
+            plan_for_trainer(model, stats, device_spec(env), **options)
+        except ConfigError as exc:
+            raise ConfigError(f"plan='auto' found no plan: {exc.message}", hint=exc.hint) from None
     spec = cluster_spec(env, cluster)
-    chosen: list[Plan | str | None] = [None]
+    chosen: list[list[Plan] | str | None] = [None]
     choice = None
     if env.rank == 0:
         try:
-            choice = plan_for_trainer(model, stats, spec, world_size=env.world_size, global_batch=global_batch_size,
-                                      precision=precision or "fp32", pipelines_allowed=pipelines_allowed)
-            chosen[0] = choice.plan
+            choice = plan_for_trainer(model, stats, spec, **options)
+            chosen[0] = [e.plan for e in choice.result.plans]
         except ConfigError as exc:
             chosen[0] = str(exc)
     if dist.is_initialized() and env.world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
-    if not isinstance(chosen[0], Plan):
+    if not isinstance(chosen[0], list):
         raise ConfigError(f"plan='auto' found no plan: {chosen[0]}", hint="pass an explicit plan, e.g. plan='dp' or plan='zero=3,dp=N'")
+    plans = chosen[0]
+    if data is not None and loss_fn is not None and data.certifying:
+        certificate = certify_plans(source, plans, data=data, env=env, loss_fn=loss_fn, loss_parallel=loss_parallel)
+        if certificate.plan is None:
+            raise ConfigError(f"plan='auto' found no plan: {certificate.summary()}",
+                              hint=f"pass an explicit plan, or certify=False to train with {plans[0]} unchecked")
+        plan = next(p for p in plans if str(p) == certificate.plan)
+        if choice is not None:
+            choice = choice.certified(plan, certificate.to_dict())
+        if env.is_main:
+            log.info("plan=auto: %s", certificate.summary())
+    else:
+        plan = plans[0]
     if choice is not None:
         log.info("plan=auto chose %s", choice.summary())
-    return chosen[0], choice
+    return plan, choice
 
 
-def model_stats(model: nn.Module | Pretrained, *, tokens_per_sample: int | None) -> ModelStats:
+def model_stats(model: nn.Module | Pretrained, *, tokens_per_sample: int | None, inputs: Any = None) -> ModelStats:
     """The planner's statistics of ``model``: closed forms for a model carrying its shape as
-    ``model.config`` (the built-in GPT) or a Hugging Face directory (its ``config.json``), else
-    measured on the meta device."""
-    from shardwise.models.measure import module_stats
+    ``model.config`` (the built-in GPT, a Hugging Face model) or a Hugging Face directory (its
+    ``config.json``), else measured on the meta device. ``inputs``: the first training sample (a
+    batch of one), which sets the sequence length and is what the meta forward runs on;
+    ``tokens_per_sample`` overrides the length."""
+    from shardwise.models.measure import module_stats, sample_seq, sample_stats
 
     if isinstance(model, Pretrained):
-        from shardwise.models.hf import read_config, shape_of
-        from shardwise.plan.stats import transformer_stats
+        from shardwise.models.hf import read_config, stats_of_config
 
-        return transformer_stats(shape_of(read_config(model.path), seq_len=tokens_per_sample), seq=tokens_per_sample)
-
+        seq = tokens_per_sample or (sample_seq(inputs) if inputs is not None else None)
+        return stats_of_config(read_config(model.path), seq=seq)
+    if inputs is not None:
+        return sample_stats(model, inputs, tokens_per_sample=tokens_per_sample)
     return module_stats(model, seq=tokens_per_sample)
 
 

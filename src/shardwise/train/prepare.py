@@ -30,6 +30,7 @@ from shardwise.layout import Plan
 from shardwise.parallel.mesh import Meshes
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.runtime.detect import RuntimeEnv
+from shardwise.train.auto import AutoData
 from shardwise.train.build import build
 
 
@@ -91,8 +92,10 @@ def prepare(
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ConfigError(f"prepare needs a positive batch size, got {batch_size!r}",
                           hint="pass batch_size= (samples per process per step) or a DataLoader with one")
-    # The Trainer's build step (train/build.py); "auto" plans for batch_size on every process.
-    built = build(model, optimizer_factory, plan=plan, global_batch_size=batch_size * runtime.init().world_size, seed=seed, ddp=ddp)
+    # The Trainer's build step (train/build.py); "auto" plans for batch_size on every process, with
+    # the sample shape from the dataset (no loss function here, so nothing to certify with).
+    built = build(model, optimizer_factory, plan=plan, global_batch_size=batch_size * runtime.init().world_size, seed=seed, ddp=ddp,
+                  data=AutoData(dataset, options.collate_fn))
     pm, meshes, env = built.model, built.meshes, built.env
     dp_rank, dp_size = built.dp_rank, built.dp_size
     optimizer = built.optimizer

@@ -23,6 +23,7 @@ import os
 import pathlib
 import time
 from dataclasses import replace
+from functools import partial
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -40,11 +41,13 @@ from shardwise.parallel.fsdp import FSDPOptions
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.parallel.pipeline import PipelineOptions
 from shardwise.parallel.tp import TPOptions
+from shardwise.runtime import env as runtime
 from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
 from shardwise.train import predict as _predict
 from shardwise.train.batch import chunks, move_batch, split_batch
-from shardwise.train.build import ClusterArg, OptimizerFactory, build
+from shardwise.train.auto import AutoData
+from shardwise.train.build import Built, ClusterArg, OptimizerFactory, build
 from shardwise.train.callbacks import ProgressBar
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.clip import clip_grad_norm_
@@ -55,8 +58,13 @@ from shardwise.train.precision import LossScaler, autocast, check_precision
 from shardwise.train.result import FitResult, stop_of
 from shardwise.train.state import ModelState, OptimizerState, TrainState
 from shardwise.train.window import LogWindow
+from shardwise.verify.certify import CertifyOptions
 
 log = get_logger("train")
+
+# What exists only once the plan is chosen (plan="auto": when fit or setup sees the data).
+_DEFERRED = frozenset({"plan", "auto_choice", "meshes", "model", "optimizer", "dp_rank", "dp_size", "precision", "micro_batch_size",
+                       "eval_batch_size", "peak_flops_total", "lr_scheduler", "scaler"})
 
 SchedulerFactory = Callable[..., Any]  # (optimizer) or (optimizer, total_steps) -> scheduler
 
@@ -71,7 +79,9 @@ class Trainer:
     Construction initializes the process group if there is none (:func:`shardwise.init`), builds
     the meshes, moves the model to this rank's device, applies the plan and builds the optimizer,
     so ``trainer.model`` (a ParallelModel), ``trainer.optimizer``, ``trainer.meshes``,
-    ``trainer.plan`` and ``trainer.env`` exist before :meth:`fit`.
+    ``trainer.plan`` and ``trainer.env`` exist before :meth:`fit`. With ``plan="auto"`` the plan is
+    chosen from the training data (:mod:`shardwise.train.auto`), so everything but ``env`` exists
+    once :meth:`fit` or :meth:`setup` has seen it.
 
     Options (all keyword-only):
 
@@ -82,6 +92,8 @@ class Trainer:
       clipping, step/epoch limits, evaluation, data loading, DDP/TP/FSDP/pipeline options,
       callbacks, loggers, MFU inputs) is documented with its default in docs/training.md.
     - ``checkpoint``: a directory, CheckpointManager or CheckpointCallback (``shardwise.checkpoint``).
+    - ``certify``: certification of a ``plan="auto"`` choice by parity (True, False, a
+      :class:`~shardwise.verify.certify.CertifyOptions`; None: on for runs of 1000 steps or more).
     """
 
     def __init__(
@@ -125,6 +137,7 @@ class Trainer:
         loss_scaler: LossScaler | None = None,
         progress_bar: bool = True,
         checkpoint: Any = None,
+        certify: bool | CertifyOptions | None = None,
     ) -> None:
         check_counts(global_batch_size=global_batch_size, grad_accum_steps=grad_accum_steps, log_every=log_every,
                      max_steps=max_steps, max_epochs=max_epochs, eval_every=eval_every, eval_batch_size=eval_batch_size,
@@ -141,33 +154,29 @@ class Trainer:
         # The shared build step (train/build.py): init, plan (rank 0 plans "auto"), mesh, seeds,
         # parallelize, optimizer. Pipelines split each micro-batch again, so an automatic choice
         # considers them only without gradient accumulation.
-        built = build(model, optimizer, plan=plan, global_batch_size=global_batch_size, seed=seed, precision=precision,
-                      pipelines_allowed=grad_accum_steps == 1, cluster=cluster, tokens_per_sample=tokens_per_sample,
-                      ddp=replace(ddp, sync_batchnorm=ddp.sync_batchnorm or sync_batchnorm), tp=tp, fsdp=fsdp,
-                      pipeline=pipeline, loss_fn=self.loss_fn, check=check)
-        self.env, self.plan, self.auto_choice, self.meshes = built.env, built.plan, built.auto_choice, built.meshes
-        self.model: ParallelModel = built.model
-        self.optimizer = built.optimizer
-        self.dp_rank, self.dp_size = built.dp_rank, built.dp_size
-        self.precision = self.plan.precision
-        scale_learning_rates(self.optimizer, self.dp_size, rule=scale_lr)
-        self.micro_batch_size = global_batch_size // (self.dp_size * grad_accum_steps)
+        self._build = partial(build, model, optimizer, plan=plan, global_batch_size=global_batch_size, seed=seed, precision=precision,
+                              pipelines_allowed=grad_accum_steps == 1, cluster=cluster, tokens_per_sample=tokens_per_sample,
+                              ddp=replace(ddp, sync_batchnorm=ddp.sync_batchnorm or sync_batchnorm), tp=tp, fsdp=fsdp,
+                              pipeline=pipeline, loss_fn=self.loss_fn, check=check)
+        self.certify = CertifyOptions.of(certify)
         self.clip_grad_norm, self.seed, self.max_steps, self.max_epochs = clip_grad_norm, seed, max_steps, max_epochs
         self.eval_every, self.log_every, self.shuffle = eval_every, log_every, shuffle
-        self.eval_batch_size = eval_batch_size or self.micro_batch_size
+        self._eval_batch_size, self._scale_lr, self._peak_flops_per_device, self._loss_scaler = eval_batch_size, scale_lr, peak_flops_per_device, loss_scaler
         self.loader_options = LoaderOptions(
             num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers, collate_fn=collate_fn, worker_start_method=worker_start_method
         )
         self.metric_fns = resolve_metrics(metrics)
         self.flops_per_sample, self.tokens_per_sample = flops_per_sample, tokens_per_sample
-        peak = peak_flops_per_device or peak_flops(self.env.device, self.precision)
-        self.peak_flops_total = peak * self.env.world_size if peak else None
         self.run_dir = pathlib.Path(run_dir) if run_dir is not None else None
-        # A one-argument factory builds the scheduler now; a two-argument one (optimizer,
-        # total_steps) when fit knows the number of steps (see total_steps_for).
+        # A one-argument factory builds the scheduler with the optimizer; a two-argument one
+        # (optimizer, total_steps) when fit knows the number of steps (see total_steps_for).
         self._scheduler_factory = lr_scheduler
-        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None and not wants_total_steps(lr_scheduler) else None
-        self.scaler = (loss_scaler or LossScaler()) if self.precision == "fp16" else None
+        # plan="auto" is chosen from the training data (its sample shape, certification), so it is
+        # built when fit (or setup) sees the data; every other plan is built now.
+        self._pending = isinstance(plan, str) and plan.strip().lower() == "auto"
+        self.env = runtime.init()
+        if not self._pending:
+            self._apply(self._build())
         self.state = TrainState(rank=self.env.rank)
         self.should_stop = False
         self.history: list[dict[str, Any]] = []
@@ -192,6 +201,43 @@ class Trainer:
                 self.loggers.append(CSVLogger(self.run_dir))
             if tensorboard_available() and not any(isinstance(lg, TensorBoardLogger) for lg in self.loggers):
                 self.loggers.append(TensorBoardLogger(self.run_dir))
+
+    def _apply(self, built: Built) -> None:
+        """Everything that follows from the plan: meshes, the parallel model, the optimizer and the
+        sizes, precision and schedulers that depend on them."""
+        self.env, self.plan, self.auto_choice, self.meshes = built.env, built.plan, built.auto_choice, built.meshes
+        self.model: ParallelModel = built.model
+        self.optimizer = built.optimizer
+        self.dp_rank, self.dp_size = built.dp_rank, built.dp_size
+        self.precision = self.plan.precision
+        scale_learning_rates(self.optimizer, self.dp_size, rule=self._scale_lr)
+        self.micro_batch_size = self.global_batch_size // (self.dp_size * self.grad_accum_steps)
+        self.eval_batch_size = self._eval_batch_size or self.micro_batch_size
+        peak = self._peak_flops_per_device or peak_flops(self.env.device, self.precision)
+        self.peak_flops_total = peak * self.env.world_size if peak else None
+        factory = self._scheduler_factory
+        self.lr_scheduler = factory(self.optimizer) if factory is not None and not wants_total_steps(factory) else None
+        self.scaler = (self._loss_scaler or LossScaler()) if self.precision == "fp16" else None
+        self._pending = False
+
+    def setup(self, train_data: Dataset) -> None:
+        """``plan="auto"``: choose the plan for ``train_data`` (its first sample's shape; certified on
+        its first batches when certification is on), then build as for any plan. ``fit`` calls it;
+        call it yourself to read ``trainer.plan`` or ``trainer.model`` before fitting. A no-op once
+        built (and for every other plan)."""
+        if not self._pending:
+            return
+        self._check_data(train_data)  # too little data fails here, before any measuring
+        total = self.total_steps_for(train_data)
+        data = AutoData(train_data, self.loader_options.collate_fn, certify=self.certify, total_steps=total,
+                        grad_accum_steps=self.grad_accum_steps)
+        self._apply(self._build(data=data))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _DEFERRED and self.__dict__.get("_pending"):
+            raise ConfigError(f"trainer.{name} is not known yet: plan='auto' is chosen from the training data",
+                              hint="call trainer.setup(train_data) first (fit does)")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- public state ---------------------------------------------------------------------
     @property
@@ -221,13 +267,20 @@ class Trainer:
         rate schedules and progress reports."""
         if self.max_steps is not None:
             return self.max_steps
+        return self._check_data(train_data) * (self.max_epochs or 1)
+
+    def _check_data(self, train_data: Dataset) -> int:
+        """Whole global batches in one epoch of ``train_data``; at least one. A streaming dataset
+        has no length to count (0): it needs ``max_steps``."""
         if isinstance(train_data, PackedStream):
-            raise ConfigError("a streaming dataset has no length known before training", hint="pass Trainer(max_steps=...)")
+            if self.max_steps is None:
+                raise ConfigError("a streaming dataset has no length known before training", hint="pass Trainer(max_steps=...)")
+            return 0
         per_epoch = len(train_data) // self.global_batch_size  # type: ignore[arg-type]
         if per_epoch < 1:
             raise ConfigError(f"the training data ({len(train_data)} samples) is smaller than one global batch "  # type: ignore[arg-type]
                               f"({self.global_batch_size})", hint="use a smaller global_batch_size or more data")
-        return per_epoch * (self.max_epochs or 1)
+        return per_epoch
 
     # -- fit ------------------------------------------------------------------------------
     def fit(self, train_data: Dataset, val_data: Dataset | None = None, *, resume: str | int | None = None) -> FitResult:
@@ -240,6 +293,7 @@ class Trainer:
             if self.checkpoint is None:
                 raise ConfigError(f"fit(resume={resume!r}) needs a checkpoint location", hint="pass Trainer(checkpoint='runs/x/checkpoints')")
             self.checkpoint.resume = resume
+        self.setup(train_data)  # plan="auto": chosen (and certified) for this data
         loader = self._train_loader(train_data)
         sampler = self.state.sampler
         assert sampler is not None

@@ -191,6 +191,7 @@ class Training:
     seed: int = 0
     optimizer: str = "sgd"
     weight_floor: float = 1e-2
+    device: str = "cpu"  # where both runs compute (the device of the world's backend: "cuda" under NCCL)
 
 
 @dataclass(frozen=True)
@@ -223,16 +224,14 @@ def parity_worker(workload: Any, runs: Sequence[Run | str], training: Training =
     Runs on every rank of a world of the plans' size; the reference is computed once per call.
     """
     batches = [workload.batch(step, training.global_batch) for step in range(training.steps)]
-    ref = _reference(workload, batches, training)
-    with warnings.catch_warnings():
-        # FSDP2 warns whenever the root returns a view (logits.view); the loss never edits it in place.
-        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-        return [_parallel(workload, run if isinstance(run, Run) else Run(run), batches, ref, training) for run in runs]
+    ref = run_reference(workload, batches, training)
+    return [run_parallel(workload, run if isinstance(run, Run) else Run(run), batches, ref, training) for run in runs]
 
 
-def _reference(workload: Any, batches: list[Any], training: Training) -> _Reference:
+def run_reference(workload: Any, batches: list[Any], training: Training) -> _Reference:
     """The single-process run, on this rank alone (no communication)."""
-    model = workload.build(training.seed)
+    model = workload.build(training.seed).to(training.device)
+    batches = [_to(b, training.device) for b in batches]
     opt = _optimizer(training.optimizer)(model.parameters(), lr=training.lr)
     losses, norms = [], []
     memory: dict[str, int] = {}
@@ -254,10 +253,32 @@ def _reference(workload: Any, batches: list[Any], training: Training) -> _Refere
                       memory, {names[0]: tuple(names) for names in aliases.values()})
 
 
-def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, training: Training) -> ParityReport:
+def run_parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, training: Training,
+                 after_backward: Callable[[Any, Plan], None] | None = None) -> ParityReport:
+    """``run`` on this world, compared with ``ref`` (collective: every rank of the plan's world).
+    ``after_backward(pm, plan)`` runs after each step's backward, before the optimizer (the
+    certification tests break a plan with it on purpose)."""
+    with warnings.catch_warnings():
+        # FSDP2 warns whenever the root returns a view (logits.view); the loss never edits it in place.
+        warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+        return _parallel(workload, run, [_to(b, training.device) for b in batches], ref, training, after_backward)
+
+
+def _to(batch: Any, device: str) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(v, device) for v in batch)
+    return batch
+
+
+def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, training: Training,
+              after_backward: Callable[[Any, Plan], None] | None) -> ParityReport:
     start = time.perf_counter()
     plan = Plan.parse(run.plan)
-    meshes = build_mesh(plan, "cpu")
+    meshes = build_mesh(plan, torch.device(training.device).type)
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
     if training.global_batch % (dp_size * run.accumulation):
         raise ConfigError(f"global batch {training.global_batch} does not split into {dp_size} ranks x {run.accumulation} micro-steps",
@@ -266,9 +287,9 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     if plan.pp_enabled:
         options["loss_fn"] = workload.loss  # runs on the last stage, once per pipeline microbatch
     if run.meta_init:
-        pm = parallelize_on_meta(lambda: workload.build(training.seed), plan, meshes, device="cpu", seed=training.seed, **options)
+        pm = parallelize_on_meta(lambda: workload.build(training.seed), plan, meshes, device=training.device, seed=training.seed, **options)
     else:
-        pm = parallelize(workload.build(training.seed), plan, meshes, **options)
+        pm = parallelize(workload.build(training.seed).to(training.device), plan, meshes, **options)
     opt = pm.build_optimizer(_optimizer(training.optimizer), lr=training.lr)
     params = list(pm.parameters())
     losses, norms = [], []
@@ -277,7 +298,7 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     pp_group = meshes.pp.get_group() if plan.pp_enabled else None
     for step, (x, y) in enumerate(batches):
         xs, ys = x.chunk(dp_size)[dp_rank].chunk(run.accumulation), y.chunk(dp_size)[dp_rank].chunk(run.accumulation)
-        total = torch.zeros(())
+        total = torch.zeros((), device=training.device)
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             xm, ym, extra = pm.shard_batch(xm, ym)  # context parallel: this rank's chunks of the sequence
             pm.set_loss_scale(1.0 / run.accumulation)
@@ -289,6 +310,8 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
                     loss = workload.loss(pm.module(xm, **extra), ym) / run.accumulation
                     loss.backward()
             total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+        if after_backward is not None:
+            after_backward(pm, plan)
         # the mean over every rank that holds different tokens (dp x cp)
         dist.all_reduce(total, group=meshes.tokens.get_group())
         losses.append(float(total) / meshes.tokens.size())
@@ -318,7 +341,7 @@ def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.Proc
     diffs: dict[str, float] = {}
     for module in modules:
         for name, p in module.named_parameters():
-            full, want = _full(p), ref.weights[_clean(name)]
+            full, want = _full(p), ref.weights[_clean(name)].float().cpu()
             full = full.reshape(want.shape)  # a TP-fused weight is held as (in, pieces, width)
             diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(floor))
     if pp_group is None:
