@@ -32,6 +32,8 @@ and one backward (the input gradient of the column split), as for a Linear pair.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import copy
 import types
 from typing import Any, Callable
@@ -131,13 +133,14 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 class _LocalStyle(ParallelStyle):
     """Distribute some parameters with given placements and compute on their local shards."""
 
-    def placements(self, module: nn.Module) -> dict[str, tuple[Placement, tuple[int, int] | None]]:  # pragma: no cover
+    @abstractmethod
+    def placements(self, module: nn.Module) -> dict[str, tuple[Placement, tuple[int, int] | None]]:
         """``{name: (placement, fused)}``; ``fused = (dim, pieces)`` views that dim as (pieces, width)
         before sharding (the placement then names a dim of the viewed shape)."""
-        raise NotImplementedError
 
-    def forward(self, mesh: DeviceMesh) -> Callable[..., Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abstractmethod
+    def forward(self, mesh: DeviceMesh) -> Callable[..., Any]:
+        """The module's forward computing on the local shards."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for name, (placement, fused) in self.placements(module).items():
