@@ -103,6 +103,17 @@ def test_text_files_are_packed_in_a_fixed_order(tmp_path) -> None:
     (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
     with pytest.raises(ConfigError, match=r"bad\.jsonl:1 has no string field 'text'.*text_key"):
         load_text_corpus(str(tmp_path / "bad.jsonl"), tokenize=list, eos_id=None, vocab_size=4)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["ee", "ff", "gg"], "n": [1, 2, 3]}), tmp_path / "d.parquet", row_group_size=2)
+    corpus = load_text_corpus(f"{tmp_path}/c.jsonl,{tmp_path}/d.parquet", tokenize=lambda t: [ord(c) - 90 for c in t], eos_id=0,
+                              vocab_size=16, val_fraction=0.1)  # one document per row, row groups in order
+    assert torch.cat([corpus.train, corpus.val]).tolist()[-9:] == [11, 11, 0, 12, 12, 0, 13, 13, 0] and corpus.documents == 2 + 3
+    with pytest.raises(ConfigError, match=r"d\.parquet row 1: column 'n' holds int, not text"):
+        load_text_corpus(str(tmp_path / "d.parquet"), tokenize=list, eos_id=None, vocab_size=4, text_key="n")
+    with pytest.raises(ConfigError, match=r"has no column 'body'"):
+        load_text_corpus(str(tmp_path / "d.parquet"), tokenize=list, eos_id=None, vocab_size=4, text_key="body")
 
 
 def test_the_train_command_checks_the_model_directory_and_data_first(tmp_path) -> None:

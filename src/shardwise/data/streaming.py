@@ -1,11 +1,10 @@
 """Streaming datasets: documents read in order, packed into fixed-length windows, sharded over
 data-parallel ranks and loader workers, resumable exactly (also at another data-parallel degree).
 
-Sources (:class:`PackedStream`): files, read in order (``.txt``: one document per file;
-``.jsonl``: one document per line, its ``text_key`` field; ``.npy``: a 1-D array of token ids, one
-document; ``.bin``: raw token ids of ``bin_dtype``, default uint16, one document), or a callable returning an iterable of documents (a Hugging Face ``datasets`` dataset
-loaded from local files, any generator): strings (tokenized by ``tokenize``), token sequences, or
-dicts holding ``text_key``. With ``shuffle`` the file order is permuted each epoch (seeded by
+Sources (:mod:`shardwise.data.documents`): files read in order (``.txt``, ``.jsonl``,
+``.parquet``, ``.npy``, ``.bin``), a Hugging Face ``datasets`` dataset loaded from local files, or
+a callable returning documents: strings (tokenized by ``tokenize``) or token sequences. With
+``shuffle`` the file order (or a map-style dataset's row order) is permuted each epoch (seeded by
 ``seed + epoch``).
 
 **Packing.** Documents are tokenized, each followed by ``eos_id``, concatenated, and cut into
@@ -33,18 +32,16 @@ windows an uninterrupted run would have read next, as map-style data does
 
 from __future__ import annotations
 
-import json
-import os
-import random
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from shardwise.data.documents import DocumentSource, document_source
 from shardwise.errors import ConfigError
 
-Source = Sequence[str] | Callable[[], Iterable[Any]]
+Source = Sequence[str] | Callable[[], Iterable[Any]] | Any  # files, a callable, or a Hugging Face dataset
 
 
 def require_torchdata() -> Any:
@@ -56,7 +53,7 @@ def require_torchdata() -> Any:
 
 
 class PackedStream(IterableDataset):
-    """``PackedStream(files_or_callable, seq_len=128, tokenize=None, eos_id=None, text_key="text",
+    """``PackedStream(files_dataset_or_callable, seq_len=128, tokenize=None, eos_id=None, text_key="text",
     shuffle=False, seed=0, bin_dtype="uint16")``: see the module doc. The Trainer sets the sharding with :meth:`shard`."""
 
     def __init__(self, source: Source, *, seq_len: int, tokenize: Callable[[str], Sequence[int]] | None = None,
@@ -64,20 +61,9 @@ class PackedStream(IterableDataset):
                  bin_dtype: str = "uint16") -> None:
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be at least 1")
-        if not callable(source):
-            files = [os.fspath(f) for f in source]
-            if not files:
-                raise ConfigError("a PackedStream needs at least one file")
-            for f in files:
-                if not os.path.isfile(f):
-                    raise ConfigError(f"data file {f} does not exist")
-                if not f.endswith((".txt", ".jsonl", ".npy", ".bin")):
-                    raise ConfigError(f"data file {f} is not .txt, .jsonl, .npy or .bin")
-                if f.endswith((".txt", ".jsonl")) and tokenize is None:
-                    raise ConfigError(f"text file {f} needs tokenize=", hint="pass a function str -> token ids")
-            source = files
-        self.source, self.seq_len, self.tokenize, self.eos_id = source, seq_len, tokenize, eos_id
-        self.text_key, self.shuffle, self.seed, self.bin_dtype = text_key, shuffle, seed, np.dtype(bin_dtype)
+        self.documents: DocumentSource = document_source(source, text_key=text_key, has_tokenizer=tokenize is not None,
+                                                         bin_dtype=np.dtype(bin_dtype), shuffle=shuffle, seed=seed)
+        self.seq_len, self.tokenize, self.eos_id = seq_len, tokenize, eos_id
         self.dp_rank, self.dp_size, self.micro_batch, self.global_batch = 0, 1, 1, 1
         self.epoch, self.start = 0, 0  # where a fresh iteration begins (global windows of the epoch)
         self._reset()
@@ -86,36 +72,7 @@ class PackedStream(IterableDataset):
         self.dp_rank, self.dp_size, self.micro_batch, self.global_batch = dp_rank, dp_size, micro_batch, global_batch
 
     # -- the document stream ----------------------------------------------------------------
-    def _files(self, epoch: int) -> list[str]:
-        files = list(self.source)  # type: ignore[arg-type]
-        if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(files)
-        return files
-
-    def _documents(self, file_index: int) -> Iterator[Any]:
-        """The documents of one file (or, for a callable source, all of them as "file" 0)."""
-        if callable(self.source):
-            yield from self.source()
-            return
-        path = self._order[file_index]
-        if path.endswith(".npy"):
-            yield np.load(path, mmap_mode="r")
-        elif path.endswith(".bin"):  # raw token ids (nanoGPT / Megatron style), little-endian bin_dtype
-            yield np.memmap(path, dtype=self.bin_dtype.newbyteorder("<"), mode="r")
-        elif path.endswith(".txt"):
-            with open(path, encoding="utf-8") as fh:
-                yield fh.read()
-        else:
-            with open(path, encoding="utf-8") as fh:
-                for line in fh:
-                    if line.strip():
-                        yield json.loads(line)
-
     def _tokens(self, doc: Any) -> list[int]:
-        if isinstance(doc, dict):
-            if self.text_key not in doc:
-                raise ConfigError(f"a document has no {self.text_key!r} field (it has {sorted(doc)})", hint="set text_key=")
-            doc = doc[self.text_key]
         if isinstance(doc, str):
             if self.tokenize is None:
                 raise ConfigError("text documents need tokenize=", hint="pass a function str -> token ids")
@@ -130,7 +87,6 @@ class PackedStream(IterableDataset):
         self._held: list[list[int]] = []
         self._ready: list[list[int]] = []
         self._docs: Iterator[Any] | None = None
-        self._order: list[str] = [] if callable(self.source) else self._files(self.epoch)
         self._at_epoch = self.epoch
 
     def _worker(self) -> tuple[int, int]:
@@ -152,12 +108,9 @@ class PackedStream(IterableDataset):
         return state
 
     def _next_document(self) -> Any | None:
-        n_files = 1 if callable(self.source) else len(self._order)
-        while self._file < n_files:
-            if self._docs is None:
-                self._docs = self._documents(self._file)
-                for _ in range(self._doc):  # a restored position: skip what was read (no tokenizing)
-                    next(self._docs)
+        while self._file < self.documents.parts():
+            if self._docs is None:  # (re)open a part; a restored position skips what was read, untokenized
+                self._docs = self.documents.documents(self._at_epoch, self._file, self._doc)
             doc = next(self._docs, None)
             if doc is not None:
                 self._doc += 1

@@ -5,7 +5,8 @@
 1. **files**: each comma-separated glob is expanded (``**`` recurses), the union is sorted by path,
    so the order does not depend on the file system; no match is one error naming the pattern;
 2. **documents**: a ``.jsonl`` file gives one document per line (the ``text_key`` field of each
-   JSON object), any other file is one document;
+   JSON object), a ``.parquet`` file one per row (its ``text_key`` column, strings; needs
+   pyarrow), any other file is one document;
 3. **packing**: documents are tokenized, each followed by ``eos_id``, and concatenated into one
    token stream; the last ``val_fraction`` of it is the validation split (contiguous, never seen
    in training); :class:`~shardwise.data.corpus.CharWindows` cuts each split into windows of
@@ -28,6 +29,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from shardwise.data.documents import parquet_column
 from shardwise.errors import ConfigError
 
 
@@ -47,9 +49,16 @@ def find_files(patterns: str) -> list[str]:
 
 
 def read_documents(paths: Sequence[str], *, text_key: str = "text") -> list[str]:
-    """One document per file, or per line of a ``.jsonl`` file (its ``text_key`` field)."""
+    """One document per file, per line of a ``.jsonl`` file or per row of a ``.parquet`` one (its ``text_key`` field)."""
     docs: list[str] = []
     for path in paths:
+        if path.endswith(".parquet"):
+            for number, value in enumerate(parquet_column(path, text_key), 1):
+                if not isinstance(value, str):
+                    raise ConfigError(f"{path} row {number}: column {text_key!r} holds {type(value).__name__}, not text",
+                                      hint="set --data.text_key to the column holding the text")
+                docs.append(value)
+            continue
         with open(path, encoding="utf-8", errors="replace") as fh:
             if not path.endswith(".jsonl"):
                 docs.append(fh.read())
