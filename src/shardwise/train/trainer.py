@@ -28,12 +28,11 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 from shardwise.callback import Callback
 from shardwise.checkpoint.callback import checkpoint_callback
-from shardwise.data.loader import LoaderOptions, eval_loader, train_loader
-from shardwise.data.streaming import PackedStream, StreamLoader
+from shardwise.data.loader import LoaderOptions, eval_loader
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.parallel.ddp import DDPOptions
@@ -45,18 +44,18 @@ from shardwise.runtime import env as runtime
 from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
 from shardwise.train import predict as _predict
-from shardwise.train.batch import chunks, move_batch, split_batch
+from shardwise.train.batch import chunks
 from shardwise.train.auto import AutoData
 from shardwise.train.build import Built, ClusterArg, OptimizerFactory, build
-from shardwise.train.callbacks import ProgressBar
+from shardwise.train.attachments import default_loggers, open_run_files, ordered_callbacks
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
-from shardwise.train.clip import clip_grad_norm_
-from shardwise.train.elastic import elastic_callbacks
-from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
+from shardwise.train.loggers import Logger
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics
-from shardwise.train.precision import LossScaler, autocast, check_precision
+from shardwise.train.precision import LossScaler, check_precision
 from shardwise.train.result import FitResult, stop_of
+from shardwise.train.step import OptimizerStep
 from shardwise.train.state import ModelState, OptimizerState, TrainState
+from shardwise.train.train_data import batches_per_epoch, open_train_data
 from shardwise.train.window import LogWindow
 from shardwise.verify.certify import CertifyOptions
 
@@ -162,9 +161,8 @@ class Trainer:
         self.clip_grad_norm, self.seed, self.max_steps, self.max_epochs = clip_grad_norm, seed, max_steps, max_epochs
         self.eval_every, self.log_every, self.shuffle = eval_every, log_every, shuffle
         self._eval_batch_size, self._scale_lr, self._peak_flops_per_device, self._loss_scaler = eval_batch_size, scale_lr, peak_flops_per_device, loss_scaler
-        self.loader_options = LoaderOptions(
-            num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers, collate_fn=collate_fn, worker_start_method=worker_start_method
-        )
+        self.loader_options = LoaderOptions(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
+                                            collate_fn=collate_fn, worker_start_method=worker_start_method)
         self.metric_fns = resolve_metrics(metrics)
         self.flops_per_sample, self.tokens_per_sample = flops_per_sample, tokens_per_sample
         self.run_dir = pathlib.Path(run_dir) if run_dir is not None else None
@@ -178,29 +176,15 @@ class Trainer:
         if not self._pending:
             self._apply(self._build())
         self.state = TrainState(rank=self.env.rank)
-        self.should_stop = False
-        self.history: list[dict[str, Any]] = []
-        self.total_steps: int | None = max_steps
+        self.should_stop, self.total_steps = False, max_steps
+        self.history: list[dict[str, Any]] = []  # every logged row
 
-        self.callbacks: list[Callback] = list(callbacks)
-        if progress_bar and self.env.is_main and not any(isinstance(c, ProgressBar) for c in self.callbacks):
-            self.callbacks.insert(0, ProgressBar())
         # checkpoint: a directory, a CheckpointManager or a CheckpointCallback (shardwise.checkpoint)
         self.checkpoint = checkpoint_callback(checkpoint)
-        if self.checkpoint is not None:
-            self.callbacks.append(self.checkpoint)
-        if self.env.settings.elastic is not None:  # --nnodes MIN:MAX: resume, and explain world changes
-            # before the checkpoint's step-end collectives, which fail first when a node is lost
-            at = self.callbacks.index(self.checkpoint) if self.checkpoint is not None else len(self.callbacks)
-            self.callbacks[at:at] = elastic_callbacks(self.checkpoint, requested_plan=str(plan), is_main=self.env.is_main)
-        # Loggers open their files when fit starts, after a resume was accepted: a refused resume
-        # must leave the run directory as it found it.
-        self.loggers: list[Logger] = list(loggers)
-        if self.run_dir is not None and self.env.is_main:
-            if not any(isinstance(lg, CSVLogger) for lg in self.loggers):
-                self.loggers.append(CSVLogger(self.run_dir))
-            if tensorboard_available() and not any(isinstance(lg, TensorBoardLogger) for lg in self.loggers):
-                self.loggers.append(TensorBoardLogger(self.run_dir))
+        self.callbacks: list[Callback] = ordered_callbacks(callbacks, progress_bar=progress_bar, is_main=self.env.is_main,
+                                                           checkpoint=self.checkpoint, elastic=self.env.settings.elastic is not None,
+                                                           requested_plan=str(plan))
+        self.loggers: list[Logger] = default_loggers(loggers, run_dir=self.run_dir, is_main=self.env.is_main)
 
     def _apply(self, built: Built) -> None:
         """Everything that follows from the plan: meshes, the parallel model, the optimizer and the
@@ -270,17 +254,7 @@ class Trainer:
         return self._check_data(train_data) * (self.max_epochs or 1)
 
     def _check_data(self, train_data: Dataset) -> int:
-        """Whole global batches in one epoch of ``train_data``; at least one. A streaming dataset
-        has no length to count (0): it needs ``max_steps``."""
-        if isinstance(train_data, PackedStream):
-            if self.max_steps is None:
-                raise ConfigError("a streaming dataset has no length known before training", hint="pass Trainer(max_steps=...)")
-            return 0
-        per_epoch = len(train_data) // self.global_batch_size  # type: ignore[arg-type]
-        if per_epoch < 1:
-            raise ConfigError(f"the training data ({len(train_data)} samples) is smaller than one global batch "  # type: ignore[arg-type]
-                              f"({self.global_batch_size})", hint="use a smaller global_batch_size or more data")
-        return per_epoch
+        return batches_per_epoch(train_data, global_batch_size=self.global_batch_size, max_steps=self.max_steps)
 
     # -- fit ------------------------------------------------------------------------------
     def fit(self, train_data: Dataset, val_data: Dataset | None = None, *, resume: str | int | None = None) -> FitResult:
@@ -294,9 +268,10 @@ class Trainer:
                 raise ConfigError(f"fit(resume={resume!r}) needs a checkpoint location", hint="pass Trainer(checkpoint='runs/x/checkpoints')")
             self.checkpoint.resume = resume
         self.setup(train_data)  # plan="auto": chosen (and certified) for this data
-        loader = self._train_loader(train_data)
-        sampler = self.state.sampler
-        assert sampler is not None
+        loader, sampler = open_train_data(train_data, options=self.loader_options, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                          micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
+                                          seed=self.seed, shuffle=self.shuffle)
+        self.state.sampler = sampler  # the data position, saved with the train state
         if self.max_steps is None and self.max_epochs is None:
             self.max_epochs = 1
         self.total_steps = self.total_steps_for(train_data)
@@ -307,7 +282,8 @@ class Trainer:
         first = [self.checkpoint] if self.checkpoint is not None else []
         for cb in first + [cb for cb in self.callbacks if cb is not self.checkpoint]:
             cb.on_fit_start(self)
-        self._open_run_files()
+        open_run_files(self.loggers, run_dir=self.run_dir, is_main=self.env.is_main, auto_choice=self.auto_choice,
+                       info=self.run_info(), step=self.state.step)
         self.model.module.train()  # evaluation restores the mode it found
         start = time.perf_counter()
         # The loss is averaged over every rank that holds different tokens (dp x cp).
@@ -315,11 +291,15 @@ class Trainer:
         self._window = LogWindow(tokens.get_group() if tokens.size() > 1 else None, tokens.size(), self.global_batch_size,
                                  self.tokens_per_sample, self.flops_per_sample, self.peak_flops_total)
         last_eval_step, val_metrics, train_loss = -1, {}, None
+        train_step = OptimizerStep(
+            self.model, self.optimizer, self.loss_fn, self.precision, self.env.device, self.loader_options.pin_memory,
+            self.clip_grad_norm, self.meshes.pp.get_group() if self.plan.pp_enabled else None, self.scaler, self.lr_scheduler,
+            self._window, after_backward=partial(self._call, "on_after_backward"))
 
         while not self._finished():
             sampler.set_epoch(self.state.epoch)  # keeps a restored mid-epoch position
             for micro_batches in chunks(loader, self.grad_accum_steps):
-                metrics = self._train_step(micro_batches)
+                metrics = train_step(micro_batches)
                 sampler.advance(self.global_batch_size)
                 self.state.step += 1
                 self.state.samples_seen += self.global_batch_size
@@ -354,44 +334,6 @@ class Trainer:
         val_only = {k: v for k, v in val_metrics.items() if k.startswith("val_")}
         stop = stop_of(should_stop=self.should_stop, limit_reached=self._limit_reached(), step=self.state.step, preemption=preemption)
         return FitResult(self.state.step, self.state.epoch, train_loss, val_only, time.perf_counter() - start, list(self.history), stop)
-
-    def _train_step(self, micro_batches: list[Any]) -> dict[str, Any]:
-        """One optimizer step over k micro-batches (the math is in the module doc)."""
-        pm, k, device = self.model, len(micro_batches), self.env.device
-        scale = self.scaler.scale if self.scaler is not None else 1.0
-        loss_sum = torch.zeros((), device=device)
-        for i, batch in enumerate(micro_batches):
-            inputs, targets = split_batch(move_batch(batch, device, self.loader_options.pin_memory))
-            inputs, targets, extra = pm.shard_batch(inputs, targets)  # cp: this rank's sequence chunks
-            pm.set_loss_scale(scale / k)  # for auxiliary losses that reach backward on their own (MoE)
-            # TP loss-parallel and CP's split attention need the forward and backward inside
-            with pm.gradient_sync(i == k - 1), pm.step_context():
-                if pm.pipeline is not None:  # forward and backward of all pipeline microbatches
-                    with autocast(self.precision, device.type):
-                        loss = pm.pipeline.step(inputs, targets, loss_scale=scale / k, **extra)
-                else:
-                    with autocast(self.precision, device.type):
-                        loss = self.loss_fn(pm.module(inputs, **extra), targets)
-                    (loss * (scale / k)).backward()
-            loss_sum += loss.detach().float()
-        self._call("on_after_backward")
-        params = [p for p in pm.parameters() if p.grad is not None]
-        take_step = self.scaler.unscale_(params) if self.scaler is not None else True
-        metrics: dict[str, Any] = {}
-        if self.clip_grad_norm is not None and take_step:
-            pp_group = self.meshes.pp.get_group() if self.plan.pp_enabled else None
-            metrics["grad_norm"] = clip_grad_norm_(params, self.clip_grad_norm, pp_group=pp_group,  # a tensor: no sync yet
-                                                   skip=pm.tied_copies())
-        if take_step:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.update()
-            metrics.update(loss_scale=self.scaler.scale, skipped=not take_step)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        self._window.add(loss_sum / k)
-        return metrics
 
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self, data: Dataset) -> dict[str, float]:
@@ -430,20 +372,6 @@ class Trainer:
         return metrics
 
     # -- helpers --------------------------------------------------------------------------
-    def _open_run_files(self) -> None:
-        """Rank 0 writes the run directory's files once, after a resume was accepted:
-        ``auto_plan.json`` (plan="auto") and the loggers' files (kept up to a resumed step)."""
-        if self.run_dir is not None and self.env.is_main and self.auto_choice is not None:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self.auto_choice.save(os.path.join(self.run_dir, "auto_plan.json"))
-        for logger in self.loggers:
-            describe = getattr(logger, "describe", None)  # trackers record the run's layout
-            if describe is not None:
-                describe(self.run_info())
-            begin = getattr(logger, "begin", None)
-            if begin is not None:
-                begin(self.state.step)
-
     def run_info(self) -> dict[str, Any]:
         """The run's layout for experiment trackers: plan, world, batch sizes, precision, and the
         planner's predicted step time (``plan="auto"``, on rank 0)."""
@@ -454,34 +382,12 @@ class Trainer:
                 "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
                 "precision": self.precision, "seed": self.seed, "max_steps": self.max_steps, "predicted_step_time_s": predicted}
 
-    def _train_loader(self, data: Dataset) -> Any:
-        if isinstance(data, PackedStream):  # read in order through torchdata's StatefulDataLoader
-            opts = self.loader_options
-            stream = StreamLoader(data, dp_rank=self.dp_rank, dp_size=self.dp_size, micro_batch_size=self.micro_batch_size,
-                                  global_batch_size=self.global_batch_size, num_workers=opts.num_workers,
-                                  collate_fn=opts.collate_fn, multiprocessing_context=opts.worker_start_method)
-            self.state.sampler = stream.position  # type: ignore[assignment]
-            return stream
-        loader = train_loader(
-            data,
-            micro_batch_size=self.micro_batch_size,
-            global_batch_size=self.global_batch_size,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp_size,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            options=self.loader_options,
-        )
-        self.state.sampler = loader.sampler  # type: ignore[assignment]
-        return loader
-
     def _finished(self) -> bool:
         return self.should_stop or self._limit_reached()
 
     def _limit_reached(self) -> bool:
-        if self.max_steps is not None and self.state.step >= self.max_steps:
-            return True
-        return self.max_epochs is not None and self.state.epoch >= self.max_epochs
+        return (self.max_steps is not None and self.state.step >= self.max_steps) or (
+            self.max_epochs is not None and self.state.epoch >= self.max_epochs)
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
