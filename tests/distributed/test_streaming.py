@@ -4,9 +4,12 @@
   (windows identified by their token ids: documents of distinct ids), in the global order, up to
   the last whole global batch; text, JSONL, .npy and .bin documents are packed across document boundaries;
 - through the Trainer, a run stopped at step 4 (mid-epoch) and resumed reads exactly the windows an
-  uninterrupted run reads (bitwise, per step), on the same layout (dp=2, 2 workers: every worker
+  uninterrupted run reads (bitwise, per step; file order and a shuffle buffer of 2 global batches
+  reshuffled every epoch), on the same layout (dp=2, 2 workers: every worker
   restored by the StatefulDataLoader; weights then equal bitwise too) and on another (one
-  process, no workers: the windows before the position are skipped); losses equal at rtol 1e-5.
+  process, no workers: the windows before the position are skipped); losses equal at rtol 1e-5;
+- a shuffle buffer permutes windows within blocks only, keeps every window once over ranks and
+  workers, and a loader restored mid-block continues exactly on the same and another layout.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def fit_stream(plan: str, files: list[str], directory: str, max_steps: int, resu
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), plan=plan, global_batch_size=GBS,
                       max_steps=max_steps, log_every=1, seed=3, progress_bar=False, num_workers=workers, worker_start_method="fork",
                       checkpoint=CheckpointManager(directory), callbacks=[])
-    trainer.fit(PackedStream(files, seq_len=SEQ, eos_id=0, shuffle=True, seed=5), resume=resume)
+    trainer.fit(PackedStream(files, seq_len=SEQ, eos_id=0, shuffle=True, seed=5, shuffle_windows=2 * GBS), resume=resume)
     weights = {k: v.detach().clone() for k, v in get_model_state_dict(trainer.model.module).items()}
     # per optimizer step, this rank's windows (one micro-batch per step here)
     return {"seen": model.seen, "losses": [h["loss"] for h in trainer.history if "loss" in h], "weights": weights}
@@ -155,3 +158,35 @@ def test_a_restored_loader_continues_without_rereading_and_another_layout_reread
     other = loader(dp_size=2)  # another data-parallel degree: rank 0 of 2 continues from the global position
     other.position.load_state_dict(state)
     assert _windows(other) == whole[2 * GBS:][0::2] and len(calls) == len(docs)
+
+
+def test_a_shuffle_buffer_permutes_windows_within_blocks_and_resumes_exactly(tmp_path) -> None:
+    files = _token_files(str(tmp_path))
+
+    def loader(dp_rank: int = 0, dp_size: int = 1, workers: int = 0, epoch: int = 0, **kw) -> StreamLoader:
+        out = StreamLoader(PackedStream(files, seq_len=SEQ, eos_id=0, seed=4, **kw), dp_rank=dp_rank, dp_size=dp_size,
+                           micro_batch_size=2, global_batch_size=GBS, num_workers=workers)
+        out.position.set_epoch(epoch)
+        return out
+
+    in_order = _windows(loader())  # 24 windows (30 in the stream, cut to 3 whole global batches)
+    shuffled = _windows(loader(shuffle_windows=12))  # blocks of 16 windows (12 rounded up to whole global batches)
+    assert len(shuffled) == len(in_order) == 24 and shuffled != in_order
+    # a permutation within each block: the first 16, then the last block's 8 whole-batch windows
+    assert sorted(shuffled[:16]) == sorted(in_order[:16]) and sorted(shuffled[16:]) == sorted(in_order[16:])
+    assert _windows(loader(shuffle_windows=12, epoch=1)) != shuffled  # another permutation each epoch
+    per_rank = [_windows(loader(r, 2, 2, shuffle_windows=12)) for r in range(2)]
+    assert per_rank[0] == shuffled[0::2] and per_rank[1] == shuffled[1::2]  # every window once over ranks and workers
+
+    first = loader(workers=2, shuffle_windows=12)
+    it = iter(first)
+    head = [row.tolist() for _ in range(4) for row in next(it)[0]]  # one global batch, mid-block
+    first.position.advance(GBS)
+    state = first.position.state_dict()
+    same = loader(workers=2, shuffle_windows=12)
+    same.position.load_state_dict(state)  # every worker restored with the block it holds
+    assert head + _windows(same) == shuffled
+    for rank in range(2):  # another data-parallel degree: the block re-read, the same permutation, skipped to the position
+        other = loader(rank, 2, 0, shuffle_windows=12)
+        other.position.load_state_dict(state)
+        assert _windows(other) == shuffled[GBS:][rank::2]

@@ -11,6 +11,13 @@ a callable returning documents: strings (tokenized by ``tokenize``) or token seq
 windows of ``seq_len + 1`` tokens; window ``k`` gives ``(inputs, targets) = (w[:-1], w[1:])``. The
 windows form one global sequence, the same whoever reads it.
 
+**Shuffle buffer.** With ``shuffle_windows=S`` the windows are permuted within blocks of ``S``
+windows (rounded up to whole global batches): block ``b``'s ``i``-th window is its window
+``perm_b[i]``, ``perm_b`` drawn from ``numpy.random.default_rng([seed, epoch, b])``, so the order is
+the same for every reader and resume needs no generator state. Each loader worker holds one block
+of windows (``S * (seq_len + 1)`` tokens); the last block is cut to whole global batches before
+it is permuted. "Window ``k``" below is the ``k``-th window of this shuffled order.
+
 **Sharding.** With ``D`` data-parallel ranks, micro-batches of ``B`` windows, ``W`` loader workers
 and global batches of ``G`` windows: window ``k`` belongs to rank ``k % D``, as its ``j = k // D``-th
 window; that belongs to micro-batch ``j // B``, which worker ``(j // B) % W`` builds. torch's loader
@@ -20,7 +27,8 @@ last *whole* global batch (every rank takes the same number of steps): each work
 windows of a global batch until the stream reached that batch's last window.
 
 **Resume.** The loader is torchdata's ``StatefulDataLoader``; each worker's iterator is
-``Stateful`` (epoch, file, document, leftover tokens, next window index, held-back windows), so a
+``Stateful`` (epoch, file, document, leftover tokens, next window index, held-back windows or
+the shuffle block), so a
 run resumed on the same layout restores every worker exactly where it was, without re-reading.
 The position that does not depend on the layout is ``consumed``, the global windows of this epoch
 trained on (a multiple of ``G``): under another data-parallel degree (or worker count) each
@@ -54,13 +62,16 @@ def require_torchdata() -> Any:
 
 class PackedStream(IterableDataset):
     """``PackedStream(files_dataset_or_callable, seq_len=128, tokenize=None, eos_id=None, text_key="text",
-    shuffle=False, seed=0, bin_dtype="uint16")``: see the module doc. The Trainer sets the sharding with :meth:`shard`."""
+    shuffle=False, seed=0, bin_dtype="uint16", shuffle_windows=0)``: see the module doc. The Trainer sets the sharding with :meth:`shard`."""
 
     def __init__(self, source: Source, *, seq_len: int, tokenize: Callable[[str], Sequence[int]] | None = None,
                  eos_id: int | None = None, text_key: str = "text", shuffle: bool = False, seed: int = 0,
-                 bin_dtype: str = "uint16") -> None:
+                 bin_dtype: str = "uint16", shuffle_windows: int = 0) -> None:
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be at least 1")
+        if shuffle_windows < 0:
+            raise ConfigError(f"shuffle_windows={shuffle_windows} must be 0 (windows in order) or a number of windows to shuffle within")
+        self.seed, self.shuffle_windows = seed, shuffle_windows
         self.documents: DocumentSource = document_source(source, text_key=text_key, has_tokenizer=tokenize is not None,
                                                          bin_dtype=np.dtype(bin_dtype), shuffle=shuffle, seed=seed)
         self.seq_len, self.tokenize, self.eos_id = seq_len, tokenize, eos_id
@@ -93,6 +104,13 @@ class PackedStream(IterableDataset):
         info = get_worker_info()
         return (info.id, info.num_workers) if info is not None else (0, 1)
 
+    @property
+    def block(self) -> int:
+        """Windows per shuffle block: ``shuffle_windows`` rounded up to whole global batches (one
+        global batch, in order, without a shuffle)."""
+        g = self.global_batch
+        return -(-self.shuffle_windows // g) * g if self.shuffle_windows else g
+
     def _mine(self, k: int) -> bool:
         worker, workers = self._worker()
         return k % self.dp_size == self.dp_rank and ((k // self.dp_size) // self.micro_batch) % workers == worker
@@ -118,22 +136,53 @@ class PackedStream(IterableDataset):
             self._file, self._doc, self._docs = self._file + 1, 0, None
         return None
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _next_window(self) -> list[int] | None:
+        """The next ``seq_len + 1`` tokens of the packed stream; None at its end."""
         width = self.seq_len + 1
+        while len(self._carry) < width:
+            doc = self._next_document()
+            if doc is None:
+                return None
+            self._carry.extend(self._tokens(doc))
+        window, self._carry = self._carry[:width], self._carry[width:]
+        return window
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        block = self.block
         while not self._ready:
-            while len(self._carry) < width:
-                doc = self._next_document()
-                if doc is None:
-                    raise StopIteration  # windows held back belong to a global batch the stream did not fill
-                self._carry.extend(self._tokens(doc))
-            window, self._carry = self._carry[:width], self._carry[width:]
+            window = self._next_window()
+            if window is None:  # the end: the whole global batches of the last block, the rest dropped
+                first = self._next_k // block * block
+                self._close_block(first, (self._next_k - first) // self.global_batch * self.global_batch)
+                self._next_k = first + block  # that block is closed: another call ends at once
+                if not self._ready:
+                    raise StopIteration
+                break
             k, self._next_k = self._next_k, self._next_k + 1
-            if k >= self.start and self._mine(k):
+            first = k // block * block
+            if self.shuffle_windows:  # the whole block (its permutation decides whose each window is), unless all of it was trained on
+                if first + block > self.start:
+                    self._held.append(window)
+            elif k >= self.start and self._mine(k):
                 self._held.append(window)
-            if self._next_k % self.global_batch == 0:  # window k closed a global batch
-                self._ready, self._held = self._held, []
+            if self._next_k % block == 0:  # window k closed a block
+                self._close_block(first, block)
         window = torch.tensor(self._ready.pop(0), dtype=torch.int64)
         return window[:-1], window[1:]
+
+    def _close_block(self, first: int, n: int) -> None:
+        """Release this worker's windows of the block of windows ``first .. first + n - 1``: in
+        order, or (``shuffle_windows``) the block's ``i``-th output is its window ``perm[i]``,
+        ``perm`` a permutation drawn from ``(seed, epoch, block index)``, output ``first + i`` owned
+        like window ``k`` in the module doc."""
+        held, self._held = self._held, []
+        if not self.shuffle_windows:  # held: this worker's windows at or after `start`, released once the global batch is whole
+            self._ready = held if n == self.block else []
+            return
+        if len(held) < n:  # the block lies before `start`: nothing was kept, nothing is released
+            return
+        perm = np.random.default_rng([self.seed, self._at_epoch, first // self.block]).permutation(n)
+        self._ready = [held[perm[i]] for i in range(n) if first + i >= self.start and self._mine(first + i)]
 
     # torchdata's StatefulDataLoader saves and restores each worker's iterator with these
     def state_dict(self) -> dict[str, Any]:
