@@ -190,3 +190,26 @@ def test_a_shuffle_buffer_permutes_windows_within_blocks_and_resumes_exactly(tmp
         other = loader(rank, 2, 0, shuffle_windows=12)
         other.position.load_state_dict(state)
         assert _windows(other) == shuffled[GBS:][rank::2]
+
+
+def test_a_large_token_file_is_read_a_window_at_a_time_and_its_position_is_small(tmp_path) -> None:
+    import pickle
+
+    tokens = np.arange(2_000_000, dtype="<u4") % 60_000  # one 8 MB document
+    tokens.astype("<u2").tofile(tmp_path / "big.bin")
+
+    def loader() -> StreamLoader:
+        return StreamLoader(PackedStream([str(tmp_path / "big.bin")], seq_len=127, eos_id=0), dp_rank=0, dp_size=1,
+                            micro_batch_size=2, global_batch_size=GBS)
+
+    first = loader()
+    it = iter(first)
+    head = [row.tolist() for _ in range(4) for row in next(it)[0]]  # one global batch of the single document
+    assert head == [tokens[k * 128: k * 128 + 127].tolist() for k in range(GBS)]
+    first.position.advance(GBS)
+    state = first.position.state_dict()
+    assert len(pickle.dumps(state)) < 4096  # (part, document, token offset): not the rest of the document
+    resumed = loader()
+    resumed.position.load_state_dict(state)
+    x, _ = next(iter(resumed))
+    assert x[0].tolist() == tokens[GBS * 128: GBS * 128 + 127].tolist()

@@ -7,9 +7,11 @@ a callable returning documents: strings (tokenized by ``tokenize``) or token seq
 ``shuffle`` the file order (or a map-style dataset's row order) is permuted each epoch (seeded by
 ``seed + epoch``).
 
-**Packing.** Documents are tokenized, each followed by ``eos_id``, concatenated, and cut into
-windows of ``seq_len + 1`` tokens; window ``k`` gives ``(inputs, targets) = (w[:-1], w[1:])``. The
-windows form one global sequence, the same whoever reads it.
+**Packing** (:mod:`shardwise.data.packing`). Documents are tokenized, each followed by
+``eos_id``, concatenated, and cut into windows of ``seq_len + 1`` tokens (a token file stays
+memory-mapped, sliced one window at a time; windows of other readers are counted, not copied);
+window ``k`` gives ``(inputs, targets) = (w[:-1], w[1:])``. The windows form one global sequence,
+the same whoever reads it.
 
 **Shuffle buffer.** With ``shuffle_windows=S`` the windows are permuted within blocks of ``S``
 windows (rounded up to whole global batches): block ``b``'s ``i``-th window is its window
@@ -27,8 +29,8 @@ last *whole* global batch (every rank takes the same number of steps): each work
 windows of a global batch until the stream reached that batch's last window.
 
 **Resume.** The loader is torchdata's ``StatefulDataLoader``; each worker's iterator is
-``Stateful`` (epoch, file, document, leftover tokens, next window index, held-back windows or
-the shuffle block), so a
+``Stateful`` (epoch, the token stream's position: file, document and token offset in it
+(:mod:`shardwise.data.packing`), next window index, held-back windows or the shuffle block), so a
 run resumed on the same layout restores every worker exactly where it was, without re-reading.
 The position that does not depend on the layout is ``consumed``, the global windows of this epoch
 trained on (a multiple of ``G``): under another data-parallel degree (or worker count) each
@@ -47,6 +49,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shardwise.data.documents import DocumentSource, document_source
+from shardwise.data.packing import TokenPosition, TokenStream
 from shardwise.errors import ConfigError
 
 Source = Sequence[str] | Callable[[], Iterable[Any]] | Any  # files, a callable, or a Hugging Face dataset
@@ -82,23 +85,14 @@ class PackedStream(IterableDataset):
     def shard(self, *, dp_rank: int, dp_size: int, micro_batch: int, global_batch: int) -> None:
         self.dp_rank, self.dp_size, self.micro_batch, self.global_batch = dp_rank, dp_size, micro_batch, global_batch
 
-    # -- the document stream ----------------------------------------------------------------
-    def _tokens(self, doc: Any) -> list[int]:
-        if isinstance(doc, str):
-            if self.tokenize is None:
-                raise ConfigError("text documents need tokenize=", hint="pass a function str -> token ids")
-            ids = list(self.tokenize(doc))
-        else:
-            ids = [int(t) for t in np.asarray(doc).reshape(-1)]
-        return ids + ([self.eos_id] if self.eos_id is not None else [])
-
     # -- iteration (one worker) --------------------------------------------------------------
-    def _reset(self) -> None:
-        self._file, self._doc, self._carry, self._next_k = 0, 0, [], 0
-        self._held: list[list[int]] = []
-        self._ready: list[list[int]] = []
-        self._docs: Iterator[Any] | None = None
+    def _reset(self, position: TokenPosition = TokenPosition()) -> None:
+        self._next_k = 0
+        self._held: list[np.ndarray] = []
+        self._ready: list[np.ndarray] = []
         self._at_epoch = self.epoch
+        self._stream: TokenStream | None = TokenStream(self.documents, tokenize=self.tokenize, eos_id=self.eos_id,
+                                                       epoch=self.epoch, position=position)
 
     def _worker(self) -> tuple[int, int]:
         info = get_worker_info()
@@ -122,35 +116,19 @@ class PackedStream(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_docs"] = None  # an open file's generator does not cross into a worker process
+        state["_stream"] = None  # an open file does not cross into a worker process; __iter__ opens it there
         return state
 
-    def _next_document(self) -> Any | None:
-        while self._file < self.documents.parts():
-            if self._docs is None:  # (re)open a part; a restored position skips what was read, untokenized
-                self._docs = self.documents.documents(self._at_epoch, self._file, self._doc)
-            doc = next(self._docs, None)
-            if doc is not None:
-                self._doc += 1
-                return doc
-            self._file, self._doc, self._docs = self._file + 1, 0, None
-        return None
-
-    def _next_window(self) -> list[int] | None:
-        """The next ``seq_len + 1`` tokens of the packed stream; None at its end."""
-        width = self.seq_len + 1
-        while len(self._carry) < width:
-            doc = self._next_document()
-            if doc is None:
-                return None
-            self._carry.extend(self._tokens(doc))
-        window, self._carry = self._carry[:width], self._carry[width:]
-        return window
-
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        block = self.block
+        block, width = self.block, self.seq_len + 1
+        assert self._stream is not None, "iterate the stream (iter()) before reading it"
         while not self._ready:
-            window = self._next_window()
+            k = self._next_k
+            first = k // block * block
+            # kept: the whole block under a shuffle (its permutation decides whose each window is), unless
+            # all of it was trained on; else this worker's windows at or after `start`; the rest only counted
+            keep = first + block > self.start if self.shuffle_windows else k >= self.start and self._mine(k)
+            window = self._stream.read(width, take=keep)
             if window is None:  # the end: the whole global batches of the last block, the rest dropped
                 first = self._next_k // block * block
                 self._close_block(first, (self._next_k - first) // self.global_batch * self.global_batch)
@@ -158,16 +136,12 @@ class PackedStream(IterableDataset):
                 if not self._ready:
                     raise StopIteration
                 break
-            k, self._next_k = self._next_k, self._next_k + 1
-            first = k // block * block
-            if self.shuffle_windows:  # the whole block (its permutation decides whose each window is), unless all of it was trained on
-                if first + block > self.start:
-                    self._held.append(window)
-            elif k >= self.start and self._mine(k):
+            self._next_k = k + 1
+            if keep:
                 self._held.append(window)
             if self._next_k % block == 0:  # window k closed a block
                 self._close_block(first, block)
-        window = torch.tensor(self._ready.pop(0), dtype=torch.int64)
+        window = torch.from_numpy(self._ready.pop(0).copy())
         return window[:-1], window[1:]
 
     def _close_block(self, first: int, n: int) -> None:
@@ -186,14 +160,18 @@ class PackedStream(IterableDataset):
 
     # torchdata's StatefulDataLoader saves and restores each worker's iterator with these
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._at_epoch, "start": self.start, "file": self._file, "doc": self._doc, "carry": list(self._carry),
-                "next_k": self._next_k, "held": [list(w) for w in self._held], "ready": [list(w) for w in self._ready]}
+        assert self._stream is not None
+        position = self._stream.position
+        return {"epoch": self._at_epoch, "start": self.start, "part": position.part, "doc": position.doc, "offset": position.offset,
+                "started": position.started, "next_k": self._next_k, "held": [w.tolist() for w in self._held],
+                "ready": [w.tolist() for w in self._ready]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.start = int(state["epoch"]), int(state["start"])
-        self._reset()
-        self._file, self._doc, self._carry, self._next_k = int(state["file"]), int(state["doc"]), list(state["carry"]), int(state["next_k"])
-        self._held, self._ready = [list(w) for w in state["held"]], [list(w) for w in state["ready"]]
+        self._reset(TokenPosition(int(state["part"]), int(state["doc"]), int(state["offset"]), bool(state["started"])))
+        self._next_k = int(state["next_k"])
+        self._held = [np.asarray(w, dtype=np.int64) for w in state["held"]]
+        self._ready = [np.asarray(w, dtype=np.int64) for w in state["ready"]]
 
 
 class StreamPosition:
