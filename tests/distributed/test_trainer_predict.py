@@ -28,7 +28,7 @@ def predict_under(plan: str, output_dir: str | None = None) -> dict:
     trainer = Trainer(model, loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), plan=plan, global_batch_size=4, seed=1, progress_bar=False)
     out = trainer.predict(_data(), batch_size=3, output_dir=output_dir)
-    return {"out": out, "rank": dist.get_rank() if dist.is_initialized() else 0}
+    return {"out": out, "rank": dist.get_rank() if dist.is_initialized() else 0, "plan": trainer.plan}
 
 
 def test_predict_gathers_in_order_under_dp_tp_pp(pools, tmp_path) -> None:
@@ -51,3 +51,14 @@ def test_predict_gathers_in_order_under_dp_tp_pp(pools, tmp_path) -> None:
             seen[i] = row
     assert sorted(seen) == list(range(N))
     torch.testing.assert_close(torch.stack([seen[i] for i in range(N)]), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_predict_under_zero3_equals_one_process(pools) -> None:
+    """ZeRO-3 holds each parameter in halves and all-gathers it inside every forward, so the two
+    ranks must run equally many forwards although their shards (7 and 6 samples, batches of 3)
+    differ in length; rank 0 gathers every sample in dataset order."""
+    ref = pools(1).run(predict_under, "dp")[0]["out"]
+    results = pools(2).run(predict_under, "zero=3,dp=2")
+    assert [r["rank"] for r in results] == [0, 1] and results[1]["out"] is None
+    assert (results[0]["plan"].zero, results[0]["plan"].shard) == (3, 2)
+    torch.testing.assert_close(results[0]["out"], ref, rtol=1e-5, atol=1e-6)

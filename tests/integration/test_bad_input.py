@@ -257,10 +257,30 @@ CONSOLIDATE_CASES = [
     case("output-is-the-latest-pointer", ["checkpoint", "consolidate", CKPT, f"{CKPT}/latest"], r"lies inside the checkpoint"),
 ]
 
+# The template's run is the built-in GPT job (2 heads, context 16), whose checkpoints keep its
+# shape and characters in gpt/model.json; "counters" is a checkpoint that keeps no model config.
+GPT_FILE = f"{CKPT}/gpt/model.json"
+GENERATE_CASES = [
+    case("checkpoint-without-model-config", ["generate", "--checkpoint", "counters", "--prompt", "x"],
+         r"checkpoint counters keeps no model config"),
+    case("model-file-not-json", ["generate", "--checkpoint", CKPT, "--prompt", "x"], r"model\.json is not a shardwise GPT model file \(not JSON\)",
+         write(GPT_FILE, "{not json")),
+    case("model-file-without-vocabulary", ["generate", "--checkpoint", CKPT, "--prompt", "x"], r"needs a \"shape\" object and a \"vocab\" string",
+         write(GPT_FILE, json.dumps({"format": "shardwise-gpt", "version": 1, "shape": {"layers": 1}}))),
+    case("tp-does-not-divide-the-heads", ["generate", "--checkpoint", CKPT, "--prompt", "x", "--plan", "tp=3"], r"tp=3 does not divide .*heads=2"),
+    case("pipeline-plan", ["generate", "--checkpoint", CKPT, "--prompt", "x", "--plan", "pp=2"], r"does not run under pipeline parallelism"),
+    case("sequence-parallel-plan", ["generate", "--checkpoint", CKPT, "--prompt", "x", "--plan", "tp=2,sp"], r"does not run under sequence parallelism"),
+    case("run-directory-not-checkpoints", ["generate", "--checkpoint", RUN, "--prompt", "x"], r"runs/base is a run directory.*runs/base/checkpoints"),
+    case("prompt-outside-the-vocabulary", ["generate", "--checkpoint", CKPT, "--prompt", "x\u00e9"], r"vocabulary lacks: '\u00e9'"),
+    case("prompt-id-outside-the-vocabulary", ["generate", "--checkpoint", CKPT, "--prompt-ids", "1,500"], r"prompt id 500 is outside"),
+    case("longer-than-the-context", ["generate", "--checkpoint", CKPT, "--prompt", "def ", "--max-new-tokens", "20"],
+         r"needs 23 positions; the model's context is 16"),
+]
+
 TABLES = {
     "train": TRAIN_CASES + TRAIN_CASES_RUN_DIR + TRAIN_CASES_HANG_TIMEOUT, "run": RUN_CASES, "slurm": SLURM_CASES,
     "doctor": DOCTOR_CASES, "verify": VERIFY_CASES, "plan": PLAN_CASES, "calibrate": CALIBRATE_CASES, "inspect": INSPECT_CASES,
-    "consolidate": CONSOLIDATE_CASES,
+    "consolidate": CONSOLIDATE_CASES, "generate": GENERATE_CASES,
 }
 ALL = [(command, c) for command, cases in TABLES.items() for c in cases]
 

@@ -113,6 +113,24 @@ def test_gpt_generate_extends_the_prompt_reproducibly() -> None:
     assert int(limited[:, 3:].max()) < 7
 
 
+def test_gpt_kv_cache_gives_the_logits_of_the_full_forward() -> None:
+    """A prompt of 5, a chunk of 3 after it (a partial causal mask over the cached keys), then one
+    position at a time up to seq_len: every position's logits equal one forward of the whole
+    sequence; past seq_len the cached call is refused like a long input."""
+    from shardwise.models.kv_cache import KVCache
+
+    model = GPT(TINY).eval()
+    ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    full = model(ids)
+    cache = KVCache.empty(TINY.layers)
+    parts = [model(ids[:, :5], cache=cache), model(ids[:, 5:8], cache=cache)]
+    assert cache.length == 8 and cache.layers[1].k.shape == (2, 4, 8, 8)
+    parts += [model(ids[:, i:i + 1], cache=cache) for i in range(8, 16)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="after 16 cached positions exceeds the model's seq_len=16"):
+        model(ids[:, :1], cache=cache)
+
+
 def test_gpt_config_errors() -> None:
     with pytest.raises(ConfigError, match="not divisible by heads"):
         GPTConfig(hidden=30, heads=4)

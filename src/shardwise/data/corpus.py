@@ -48,6 +48,31 @@ def stdlib_files(root: str | None = None) -> list[str]:
 
 
 @dataclass(frozen=True)
+class CharVocab:
+    """The character tokenizer: id ``i`` is ``chars[i]``. A character outside the vocabulary
+    encodes as the space (or id 0 without one); an id outside it decodes to nothing (the ids a
+    vocabulary padded for tensor parallelism adds stand for no character)."""
+
+    chars: str
+
+    def __len__(self) -> int:
+        return len(self.chars)
+
+    def unknown(self, text: str) -> str:
+        """The distinct characters of ``text`` outside the vocabulary, in order of appearance."""
+        known = set(self.chars)
+        return "".join(dict.fromkeys(c for c in text if c not in known))
+
+    def encode(self, text: str) -> torch.Tensor:
+        index = {c: i for i, c in enumerate(self.chars)}
+        unknown = index.get(" ", 0)
+        return torch.tensor([index.get(c, unknown) for c in text], dtype=torch.long)
+
+    def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
+        return "".join(self.chars[int(i)] for i in ids if 0 <= int(i) < len(self.chars))
+
+
+@dataclass(frozen=True)
 class Corpus:
     """Text, vocabulary and the two splits as token tensors (``int64`` ids)."""
 
@@ -62,6 +87,10 @@ class Corpus:
         return len(self.vocab)
 
     @property
+    def tokenizer(self) -> CharVocab:
+        return CharVocab(self.vocab)
+
+    @property
     def unigram_entropy(self) -> float:
         """Entropy of the training split's character distribution, in nats/char."""
         counts = torch.bincount(self.train, minlength=self.vocab_size).double()
@@ -69,12 +98,10 @@ class Corpus:
         return float(-(p * p.log()).sum())
 
     def encode(self, text: str) -> torch.Tensor:
-        index = {c: i for i, c in enumerate(self.vocab)}
-        unknown = index.get(" ", 0)
-        return torch.tensor([index.get(c, unknown) for c in text], dtype=torch.long)
+        return self.tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        return "".join(self.vocab[int(i)] for i in ids if 0 <= int(i) < self.vocab_size)
+        return self.tokenizer.decode(ids)
 
 
 def load_stdlib_corpus(*, max_chars: int = 1_000_000, val_fraction: float = 0.1, root: str | None = None) -> Corpus:

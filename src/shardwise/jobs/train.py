@@ -12,7 +12,10 @@ What one process does, top to bottom:
 2. read the standard-library corpus (every rank reads the same files; a second, no download);
 3. build the GPT from the seed (identical on every rank), the AdamW factory (decay on matrices
    only), the warmup + cosine schedule and the learning rate scaled with the data-parallel size;
-4. ``Trainer.fit`` on the training windows, evaluating on the validation windows;
+4. ``Trainer.fit`` on the training windows, evaluating on the validation windows; when training
+   starts rank 0 keeps the model's shape and the corpus's characters in
+   ``<run_dir>/checkpoints/gpt/model.json`` (:mod:`shardwise.checkpoint.gpt_files`), so
+   ``shardwise generate --checkpoint <run_dir>/checkpoints`` needs nothing else;
 5. every rank samples the same text from the same generator (so a layout whose forward
    communicates works too); rank 0 writes ``summary.json`` and ``sample.txt`` into the run dir.
 
@@ -44,15 +47,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Subset
 
+from shardwise.callback import Callback
 from shardwise.config import TrainJobConfig, load_config, override_keys
 from shardwise.jobs.common import (  # noqa: F401 - the command imports these from here
     JobSummary, WriteConfig, _agree_on_name, _with_name, adamw, check_fresh_start, check_run_dir, default_run_name, format_summary,
     precision_override, stop_fields)
-from shardwise.data.corpus import CharWindows, load_stdlib_corpus
+from shardwise.data.corpus import CharVocab, CharWindows, load_stdlib_corpus
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.runtime.detect import RuntimeEnv
 from shardwise.runtime.env import init, shutdown
+from shardwise.shape import TransformerShape
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -60,12 +65,27 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class KeepGPTFiles(Callback):
+    """Rank 0 writes the GPT's shape and vocabulary beside the checkpoints when training starts
+    (after a resume was accepted, as ``config.toml``), for ``shardwise generate``."""
+
+    def __init__(self, shape: TransformerShape, vocab: CharVocab, checkpoint_dir: str) -> None:
+        self.shape, self.vocab, self.checkpoint_dir = shape, vocab, checkpoint_dir
+
+    def on_fit_start(self, trainer: Any) -> None:
+        if trainer.env.is_main:
+            from shardwise.checkpoint.gpt_files import GPTFiles, keep_gpt_files
+
+            keep_gpt_files(self.checkpoint_dir, GPTFiles(shape=self.shape, vocab=self.vocab))
+
+
 def run_job(config: TrainJobConfig) -> JobSummary | None:
     """Train the GPT as ``config`` says; returns the summary on rank 0 and ``None`` elsewhere.
 
     The run directory's files are each written once, by rank 0: ``config.toml`` when training
     starts (after a resume was accepted, so a refused resume changes nothing), ``metrics.csv`` and
-    ``auto_plan.json`` by the Trainer, ``curves.png``, then ``summary.json`` and ``sample.txt``.
+    ``auto_plan.json`` by the Trainer, ``curves.png``, then ``summary.json`` and ``sample.txt``;
+    ``checkpoints/gpt/model.json`` beside the checkpoints when training starts.
     """
     from shardwise.checkpoint.signals import process_signal
 
@@ -103,6 +123,7 @@ def _train(config: TrainJobConfig, env: RuntimeEnv) -> JobSummary | None:
     resume = "auto" if config.checkpoint.resume == "auto" or env.settings.restart_count > 0 else None
     if resume is None:
         check_fresh_start(run_dir)
+    checkpoints = os.path.join(run_dir, "checkpoints")
     trainer = Trainer(
         model,
         loss_fn=lm_loss,
@@ -114,7 +135,8 @@ def _train(config: TrainJobConfig, env: RuntimeEnv) -> JobSummary | None:
         clip_grad_norm=t.clip_grad_norm or None,
         scale_lr=t.scale_lr,
         lr_scheduler=warmup_cosine(warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),  # total steps from fit
-        callbacks=[PlotCurves(), WriteConfig(_with_name(config, name), run_dir)],
+        callbacks=[PlotCurves(), WriteConfig(_with_name(config, name), run_dir),
+                   KeepGPTFiles(model.config, corpus.tokenizer, checkpoints)],
         seed=config.run.seed,
         max_steps=t.max_steps or None,
         max_epochs=t.max_epochs or None,
@@ -124,7 +146,7 @@ def _train(config: TrainJobConfig, env: RuntimeEnv) -> JobSummary | None:
         run_dir=run_dir,
         flops_per_sample=shape.flops_per_token() * shape.seq_len,
         tokens_per_sample=shape.seq_len,
-        checkpoint=CheckpointManager(os.path.join(run_dir, "checkpoints"), every_n_steps=config.checkpoint.every_n_steps or None,
+        checkpoint=CheckpointManager(checkpoints, every_n_steps=config.checkpoint.every_n_steps or None,
                                      keep_last_n=config.checkpoint.keep_last_n, async_save=config.checkpoint.async_save,
                                      fault=fault),
     )

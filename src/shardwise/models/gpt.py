@@ -14,6 +14,10 @@ module name: ``blocks.*.attn.{q,k,v}_proj`` and ``blocks.*.mlp.fc_in`` colwise,
 For that the attention takes the *local* number of heads from the size of ``q_proj``'s output
 (``q.view(B, T, -1, head_dim)``), so a colwise-sharded projection that yields ``heads / tp`` heads
 works unchanged.
+
+Decoding: ``forward(ids, cache=KVCache.empty(layers))`` runs the prompt and keeps every layer's
+keys and values in the cache; each later call feeds only the new tokens (at positions
+``cache.length, ...``) and attends over the cached ones (:mod:`shardwise.models.kv_cache`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.kv_cache import KVCache, LayerKV, causal_mask
 from shardwise.models.moe import MoE
 from shardwise.shape import TransformerShape
 
@@ -66,13 +71,22 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(h, h)
         self.o_proj = nn.Linear(h, h)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        """``kv``: this layer's cache; ``x`` then holds the positions after the cached ones, whose
+        keys and values are appended to it, and the queries attend over all of them."""
         b, t, _ = x.shape
         # -1: the local head count, which is heads / tp when the projections are colwise-sharded.
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        dropout = self.dropout if self.training else 0.0
+        past = kv.length if kv is not None else 0
+        if kv is not None:
+            k, v = kv.extend(k, v)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(past, t, device=x.device), dropout_p=dropout)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -97,8 +111,8 @@ class Block(nn.Module):
             config.hidden, config.expert_ffn_, config.experts, config.top_k, config.aux_loss)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
+    def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x)) if kv is None else self.attn(self.ln1(x), kv))
         return x + self.drop(self.mlp(self.ln2(x)))
 
 
@@ -141,16 +155,20 @@ class GPT(nn.Module):
                 full = torch.randn(param.shape, generator=gen) * std
             _copy_full(param, full)
 
-    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """``position_ids`` (``[T]`` or ``[B, T]``, default ``0..T-1``): the tokens' positions, for a
-        caller that feeds part of a sequence (context parallel's chunks)."""
+        caller that feeds part of a sequence (context parallel's chunks). ``cache``: a
+        :class:`~shardwise.models.kv_cache.KVCache` of the positions before ``ids`` (the default
+        positions then start at ``cache.length``), extended in place with those of ``ids``."""
         t = ids.shape[1]
-        if t > self.config.seq_len:
-            raise ConfigError(f"input length {t} exceeds the model's seq_len={self.config.seq_len}")
-        pos = torch.arange(t, device=ids.device) if position_ids is None else position_ids
+        past = cache.length if cache is not None else 0
+        if past + t > self.config.seq_len:
+            cached = f" after {past} cached positions" if past else ""
+            raise ConfigError(f"input length {t}{cached} exceeds the model's seq_len={self.config.seq_len}")
+        pos = torch.arange(past, past + t, device=ids.device) if position_ids is None else position_ids
         x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x) if cache is None else block(x, cache.layers[i])
         return self.lm_head(self.ln_f(x))
 
     @torch.no_grad()

@@ -1,35 +1,41 @@
 """Sharded text generation: greedy or sampled decoding with a KV cache, under tensor parallelism.
 
-The model comes from a local Hugging Face directory (``config.json``, safetensors, tokenizer) or
-from a shardwise checkpoint of a Hugging Face model (the config and tokenizer from ``--model DIR``
-or from the copy ``shardwise train --model.hf`` keeps in the checkpoint's ``hf/``). Either way it
-is built on the meta device and parallelized before any weight is read, and each rank reads only
-its own slices (safetensors slice reads, or DCP's resharding load), so the model never has to fit
-on one process.
+Three sources:
 
-Decoding (one prompt, batch 1)::
+- a local Hugging Face directory (``config.json``, safetensors, tokenizer);
+- a shardwise checkpoint of a Hugging Face model (the config and tokenizer from ``--model DIR``
+  or from the copy ``shardwise train --model.hf`` keeps in the checkpoint's ``hf/``);
+- a checkpoint of the built-in GPT job (``shardwise train``): its shape and character vocabulary
+  from the ``gpt/model.json`` the job keeps beside the checkpoints
+  (:mod:`shardwise.checkpoint.gpt_files`).
 
-    out = model(prompt, use_cache=True)               # prefill: the K/V of every prompt token
+Either way the model is built on the meta device and parallelized before any weight is read, and
+each rank reads only its own slices (safetensors slice reads, or DCP's resharding load), so the
+model never has to fit on one process.
+
+Decoding (one prompt, batch 1; ``lm`` is the model's adapter, :mod:`shardwise.train.decoders`)::
+
+    logits, cache = lm(prompt, None, use_cache=True)  # prefill: the K/V of every prompt token
     repeat max_new_tokens times:
-        token = choose(out.logits[:, -1])             # argmax, or sample from softmax(logits / T)
+        token = choose(logits[:, -1])                 # argmax, or sample from softmax(logits / T)
                                                       # restricted to the top k
-        out = model(token, past_key_values=out.past_key_values, use_cache=True)   # one new position
+        logits, cache = lm(token, cache, use_cache=True)   # one new position
 
 Under TP the attention projections are split by heads, so each rank's KV cache holds its own
 heads (``1/tp`` of the cache), and the logits are gathered over the vocabulary. Rank 0 chooses
 each token (with a CPU generator seeded by ``seed``) and broadcasts it, so every rank extends the
 same sequence. Plans: ``tp`` (with ``dp``/``zero`` degrees, whose ranks decode the same prompt);
-pipelines and context parallelism are refused: one token at a time leaves a pipeline's stages
-idle but one, and a KV cache is not split by sequence here.
+pipelines, context parallelism and sequence parallelism are refused: one token at a time leaves a
+pipeline's stages idle but one, and neither a KV cache nor a one-token step is split by sequence
+here.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -37,12 +43,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from shardwise.checkpoint import commit as cm
+from shardwise.checkpoint.gpt_files import GPTFiles, gpt_files_in, read_gpt_files
 from shardwise.checkpoint.hf_export import HF_DIR
 from shardwise.checkpoint.hf_load import Pretrained, allocate, load_parallel
 from shardwise.checkpoint.manager import CheckpointManager
+from shardwise.data.corpus import CharVocab
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
-from shardwise.models.hf import logits_of
+from shardwise.train.decoders import CausalLM, causal_lm
 
 
 @dataclass(frozen=True)
@@ -65,12 +73,29 @@ class Sampling:
             raise ConfigError(f"top_k={self.top_k} must be at least 1")
 
 
+@dataclass(frozen=True)
+class LoadedLM:
+    """A parallelized model ready to decode, with what turns text into its ids and back.
+
+    ``vocab_limit``: only ids below it are ever chosen (a vocabulary padded for tensor parallelism
+    has ids that stand for no token); ``context``: the most positions the model takes (None: not
+    known here)."""
+
+    module: nn.Module
+    encode: Callable[[str], list[int]] | None
+    decode: Callable[[list[int]], str] | None
+    eos_token_id: int | None = None
+    vocab_limit: int | None = None
+    context: int | None = None
+
+
 def check_generate_plan(plan: Plan) -> None:
     """Refuse the layouts generation does not run under (module doc), before any weight is read."""
-    for enabled, name in ((plan.pp_enabled, "pipeline"), (plan.cp_enabled, "context"), (plan.ep_enabled, "expert")):
+    spread = "use tensor parallelism to spread the model, e.g. --plan tp=2"
+    for enabled, name, hint in ((plan.pp_enabled, "pipeline", spread), (plan.cp_enabled, "context", spread),
+                                (plan.ep_enabled, "expert", spread), (plan.sequence_parallel, "sequence", "drop sp: tp alone splits the model")):
         if enabled:
-            raise ConfigError(f"generate does not run under {name} parallelism (plan {plan})",
-                              hint="use tensor parallelism to spread the model, e.g. --plan tp=2")
+            raise ConfigError(f"generate does not run under {name} parallelism (plan {plan})", hint=hint)
 
 
 def is_checkpoint(path: str) -> bool:
@@ -80,40 +105,128 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and any(name.startswith("step_") for name in os.listdir(path))
 
 
+def _root(source: str) -> str:
+    """The checkpoint root of ``source`` (itself, or the parent of a step directory)."""
+    return os.path.dirname(os.path.abspath(source)) if cm.read_marker(source) is not None else source
+
+
+def gpt_files_of(source: str) -> GPTFiles | None:
+    """The built-in GPT's model files kept with checkpoint ``source`` (None: not a GPT checkpoint)."""
+    if not is_checkpoint(source):
+        return None
+    for directory in (source, _root(source)):
+        if gpt_files_in(directory):
+            return read_gpt_files(directory)
+    return None
+
+
 def model_files(source: str, model_dir: str | None = None) -> str:
-    """The directory with the config and tokenizer for ``source`` (a model directory is its own)."""
+    """The directory with the Hugging Face config and tokenizer for ``source`` (a model directory is its own)."""
     if model_dir is not None:
         return model_dir
     if not is_checkpoint(source):
         return source
-    root = os.path.dirname(os.path.abspath(source)) if cm.read_marker(source) is not None else source
-    for candidate in (os.path.join(source, HF_DIR), os.path.join(root, HF_DIR)):
+    for candidate in (os.path.join(source, HF_DIR), os.path.join(_root(source), HF_DIR)):
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
-    raise ConfigError(f"checkpoint {source} keeps no model config (no {HF_DIR}/config.json)",
+    raise ConfigError(f"checkpoint {source} keeps no model config (neither the built-in GPT's gpt/model.json nor {HF_DIR}/config.json)",
                       hint="pass --model DIR, the Hugging Face directory the run started from")
 
 
+def _load_weights(module: nn.Module, source: str, step: int | None) -> None:
+    """This rank's slices of the model's tensors from checkpoint ``source`` (weights only: the
+    optimizer and training state stay on disk)."""
+    marker = cm.read_marker(source)
+    if marker is not None:
+        step = marker.step
+    if CheckpointManager(_root(source)).load({"model": module}, step=step) is None:
+        raise ConfigError(f"no complete checkpoint in {source}", hint="check it with 'shardwise checkpoint inspect'")
+
+
+def load_gpt(source: str, files: GPTFiles, plan: Plan, meshes: Any, *, device: torch.device, step: int | None = None) -> LoadedLM:
+    """The built-in GPT of checkpoint ``source``: built on meta from the kept shape, parallelized,
+    this rank's shards allocated (DDP: the whole model, before wrapping) and read from the checkpoint."""
+    from shardwise.models.gpt import GPT
+    from shardwise.parallel.init import parallelize_on_meta
+
+    check_generate_plan(plan)
+    # no initialization: every value is overwritten by the checkpoint's
+    pm = parallelize_on_meta(lambda: GPT(files.shape), plan, meshes, device=device, seed=0, init=lambda _module: None)
+    _load_weights(pm.module, source, step)
+    vocab = files.vocab
+    return LoadedLM(pm.module, encode=lambda text: encode_chars(vocab, text), decode=vocab.decode,
+                    vocab_limit=len(vocab), context=files.shape.seq_len)
+
+
+def encode_chars(vocab: CharVocab, text: str) -> list[int]:
+    """``text`` as the GPT's character ids; a character it was not trained on is refused."""
+    unknown = vocab.unknown(text)
+    if unknown:
+        raise ConfigError(f"the prompt has characters the model's vocabulary lacks: {unknown!r}",
+                          hint="use characters of the training text (the model was trained on Python source)")
+    return vocab.encode(text).tolist()
+
+
 def load_model(source: str, plan: Plan, meshes: Any, *, device: torch.device, model_dir: str | None = None,
-               step: int | None = None) -> tuple[nn.Module, str]:
-    """``(the parallelized model, the directory of its config and tokenizer)`` for ``source``."""
+               step: int | None = None, need_tokenizer: bool = True) -> LoadedLM:
+    """The parallelized model of ``source`` (module doc) with its tokenizer (a Hugging Face
+    model's only when ``need_tokenizer`` or it has a ``tokenizer.json``)."""
+    from shardwise.models.hf import load_tokenizer
     from shardwise.parallel.parallelize import parallelize
 
     check_generate_plan(plan)
-    files = model_files(source, model_dir)
+    files = gpt_files_of(source) if model_dir is None else None
+    if files is not None:
+        return load_gpt(source, files, plan, meshes, device=device, step=step)
+    config_dir = model_files(source, model_dir)
     if not is_checkpoint(source):
-        return load_parallel(Pretrained(source), plan, meshes, device=device).module, files
-    model = Pretrained(files).build_meta()
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    module = parallelize(model, plan, meshes).module
-    allocate(module, device=device, buffers=buffers)
-    root = os.path.dirname(os.path.abspath(source)) if cm.read_marker(source) is not None else source
-    if cm.read_marker(source) is not None:
-        step = cm.read_marker(source).step
-    # weights only: the checkpoint's optimizer and training state stay on disk
-    if CheckpointManager(root).load({"model": module}, step=step) is None:
-        raise ConfigError(f"no complete checkpoint in {source}", hint="check it with 'shardwise checkpoint inspect'")
-    return module, files
+        module = load_parallel(Pretrained(source), plan, meshes, device=device).module
+    else:
+        model = Pretrained(config_dir).build_meta()
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        module = parallelize(model, plan, meshes).module
+        allocate(module, device=device, buffers=buffers)
+        _load_weights(module, source, step)
+    has_tokenizer = need_tokenizer or os.path.exists(os.path.join(config_dir, "tokenizer.json"))
+    tokenizer = load_tokenizer(config_dir) if has_tokenizer else None
+    eos = getattr(getattr(module, "config", None), "eos_token_id", None)
+    return LoadedLM(module, encode=tokenizer.encode if tokenizer is not None else None,
+                    decode=tokenizer.decode if tokenizer is not None else None, eos_token_id=eos if isinstance(eos, int) else None)
+
+
+def check_context(prompt_len: int, sampling: Sampling, context: int | None) -> None:
+    """Decoding feeds at most ``prompt_len + max_new_tokens - 1`` positions (the last token chosen
+    is never fed back); a model with learned positions takes no more than its ``context``."""
+    needed = prompt_len + sampling.max_new_tokens - 1
+    if context is not None and needed > context:
+        raise ConfigError(f"decoding {prompt_len} prompt + {sampling.max_new_tokens} new tokens needs {needed} positions; "
+                          f"the model's context is {context}", hint="shorten the prompt or generate fewer tokens")
+
+
+def check_request(source: str, plan: Plan, *, model_dir: str | None, prompt: str | None, prompt_ids: list[int] | None,
+                  sampling: Sampling) -> None:
+    """What the command checks before any process starts (each a one-line ConfigError): the plan,
+    a run directory given for its checkpoints, a checkpoint that keeps no model config, and, for
+    the built-in GPT, the plan against the model's shape (on meta), the prompt's characters and ids
+    and its length against the context."""
+    check_generate_plan(plan)
+    inside = os.path.join(source, "checkpoints")
+    if not is_checkpoint(source) and is_checkpoint(inside):
+        raise ConfigError(f"--checkpoint {source} is a run directory, not a checkpoint", hint=f"pass --checkpoint {inside}")
+    files = gpt_files_of(source) if model_dir is None else None
+    if files is None:
+        model_files(source, model_dir)
+        return
+    from shardwise.models.gpt import GPT
+    from shardwise.parallel.init import build_on_meta
+    from shardwise.parallel.parallelize import validate
+
+    validate(build_on_meta(lambda: GPT(files.shape)), plan)
+    ids = encode_chars(files.vocab, prompt) if prompt is not None else list(prompt_ids or ())
+    if ids and max(ids) >= files.shape.vocab_size:
+        raise ConfigError(f"prompt id {max(ids)} is outside the model's vocabulary of {files.shape.vocab_size}",
+                          hint=f"use ids below {len(files.vocab)} (the model's characters)")
+    check_context(len(ids), sampling, files.shape.seq_len)
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
@@ -128,50 +241,43 @@ def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
     return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
 
 
-def _last_logits(output: Any) -> torch.Tensor:
-    logits = logits_of(output)
+def _last_logits(logits: torch.Tensor, vocab_limit: int | None) -> torch.Tensor:
     if isinstance(logits, DTensor):  # vocabulary-sharded under loss parallelism
         logits = logits.full_tensor()
-    return logits[:, -1, :]
-
-
-def _cache_argument(model: nn.Module) -> str:
-    """The keyword the model's forward takes its KV cache by: ``cache`` in recent transformers 5
-    releases, ``past_key_values`` before (still accepted there, with a deprecation warning)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _cache_of(output: Any) -> Any:
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else output.past_key_values
+    last = logits[:, -1, :]
+    return last if vocab_limit is None else last[:, :vocab_limit]
 
 
 @torch.no_grad()
-def generate_ids(model: nn.Module, ids: torch.Tensor, sampling: Sampling, *, eos_token_id: int | None = None) -> torch.Tensor:
+def generate_ids(model: nn.Module | CausalLM, ids: torch.Tensor, sampling: Sampling, *, eos_token_id: int | None = None,
+                 vocab_limit: int | None = None) -> torch.Tensor:
     """``ids[B, T]`` followed by up to ``max_new_tokens`` new tokens (stops early after ``eos_token_id``).
 
-    Every rank calls it with the same ``ids``; all return the same tokens. ``use_cache=False``
-    recomputes the whole sequence at every step (the reference the KV cache must equal).
+    ``model``: a parallelized module (its adapter is :func:`~shardwise.train.decoders.causal_lm`'s)
+    or an adapter. Every rank calls it with the same ``ids``; all return the same tokens.
+    ``use_cache=False`` recomputes the whole sequence at every step (the reference the KV cache
+    must equal). ``vocab_limit``: choose only ids below it.
     """
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
+    lm = causal_lm(model) if isinstance(model, nn.Module) else model
+    module = lm.module
+    was_training = module.training
+    module.eval()
+    device = next(module.parameters()).device
     generator = torch.Generator().manual_seed(sampling.seed)
     ids = ids.to(device)
-    cache_arg = _cache_argument(model)
     try:
-        out = model(input_ids=ids, use_cache=sampling.use_cache)
+        logits, cache = lm(ids, None, use_cache=sampling.use_cache)
         for i in range(sampling.max_new_tokens):
-            token = _choose(_last_logits(out), sampling, generator).to(device)
+            token = _choose(_last_logits(logits, vocab_limit), sampling, generator).to(device)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.broadcast(token, src=0)  # rank 0's choice, the same sequence everywhere
             ids = torch.cat([ids, token], dim=1)
             if (eos_token_id is not None and bool((token == eos_token_id).all())) or i == sampling.max_new_tokens - 1:
                 break
             if sampling.use_cache:
-                out = model(input_ids=token, use_cache=True, **{cache_arg: _cache_of(out)})
+                logits, cache = lm(token, cache, use_cache=True)
             else:
-                out = model(input_ids=ids, use_cache=False)
+                logits, _ = lm(ids, None, use_cache=False)
     finally:
-        model.train(was_training)
+        module.train(was_training)
     return ids.cpu()

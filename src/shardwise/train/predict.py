@@ -1,9 +1,9 @@
 """Sharded prediction: the model's outputs for every sample of a dataset, under any plan.
 
 Each data-parallel rank runs the forward on its unpadded shard (:class:`~shardwise.data.sampler.EvalSampler`:
-rank ``r`` of ``D`` reads samples ``r, r + D, r + 2D, ...``), batch by batch. When the forward
-communicates (FSDP all-gathers, TP collectives, pipeline sends) every rank runs the same number of
-forwards: ranks with fewer batches repeat one and drop its output (as in evaluation).
+rank ``r`` of ``D`` reads samples ``r, r + D, r + 2D, ...``), batch by batch, in the loop that
+evaluation uses (:mod:`shardwise.train.lockstep`: when the forward communicates, every rank runs
+the same number of forwards and drops the extra ones' outputs).
 
 Within one data-parallel group several ranks hold the same outputs (the TP ranks, after the
 logits are gathered; under a pipeline only the ranks of the last stage hold any), so one *holder*
@@ -32,9 +32,7 @@ from torch.utils.data import DataLoader
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.parallelize import ParallelModel
-from shardwise.train.batch import move_batch
-from shardwise.train.evaluate import _forward_module, _forwards_communicate
-from shardwise.train.precision import autocast
+from shardwise.train.lockstep import forward_module, run_batches
 
 
 def batch_inputs(batch: Any) -> Any:
@@ -76,32 +74,19 @@ def predict(pm: ParallelModel, loader: DataLoader, *, dp_rank: int, dp_size: int
     if pm.plan.cp_enabled:
         raise ConfigError(f"predict does not run under context parallelism (plan {pm.plan})",
                           hint="predict under the same plan without cp (dp, zero, tp and pp all work)")
-    module = _forward_module(pm)
-    was_training = module.training
-    module.eval()
-    n_local = len(loader)
-    n_steps = n_local
-    if _forwards_communicate(pm) and dist.is_initialized():
-        count = torch.tensor([n_local], dtype=torch.int64, device=device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        n_steps = int(count.item())
+    module = forward_module(pm)
     holder = _is_holder(pm)
     batches: list[torch.Tensor] = []
-    it, last = iter(loader), None
-    try:
-        for i in range(n_steps):
-            real = i < n_local
-            if real:
-                last = move_batch(next(it), device, non_blocking)
-            elif last is None:  # this rank's shard is empty: borrow one sample for the forward
-                last = move_batch(loader.collate_fn([loader.dataset[0]]), device, non_blocking)
-            inputs = batch_inputs(last)
-            with autocast(precision, device.type), pm.step_context():
-                output = pm.pipeline.predict_outputs(inputs) if pm.pipeline is not None else module(inputs)
-            if real and holder:
-                batches.append(output_tensor(output))
-    finally:
-        module.train(was_training)
+
+    def forward(batch: Any) -> Any:
+        inputs = batch_inputs(batch)
+        return pm.pipeline.predict_outputs(inputs) if pm.pipeline is not None else module(inputs)
+
+    def collect(output: Any) -> None:
+        if holder:
+            batches.append(output_tensor(output))
+
+    run_batches(pm, loader, forward=forward, collect=collect, precision=precision, device=device, non_blocking=non_blocking)
     indices = list(range(dp_rank, len(loader.dataset), dp_size))  # type: ignore[arg-type]
     if output_dir is not None:
         if holder:
