@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.callback import Callback
-from shardwise.config import TrainJobConfig, to_toml
+from shardwise.config import TrainJobConfig, check_output_dir, to_toml
 from shardwise.errors import ConfigError
 
 
@@ -82,16 +82,7 @@ class WriteConfig(Callback):
 
 def check_run_dir(run_dir: str) -> None:
     """One line, before anything is written, when the run directory cannot be created or written."""
-    probe = run_dir
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    probe = probe or "."
-    if not os.path.isdir(probe):
-        raise ConfigError(f"run directory {run_dir!r}: {probe!r} is a file, not a directory",
-                          hint="choose another --run.runs_dir or --run.name")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"run directory {run_dir!r} is not writable ({probe!r} is read-only for this user)",
-                          hint="choose a writable --run.runs_dir")
+    check_output_dir(run_dir, what="run directory", hint="choose another --run.runs_dir or --run.name")
 
 
 def check_fresh_start(run_dir: str) -> None:
