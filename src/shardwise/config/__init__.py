@@ -134,6 +134,17 @@ class CheckpointSection(_Section):
 
 
 @dataclass(frozen=True)
+class LogSection(_Section):
+    section: ClassVar[str] = "log"
+    tracker: Literal["none", "mlflow", "wandb"] = opt("none", "experiment tracker that also gets the metrics, this configuration and the plan")
+    experiment: str = opt("shardwise", "the MLflow experiment or the W&B project the run is logged under")
+    tracking_uri: str = opt("", "MLflow's store: file:///abs/mlruns, sqlite:///mlflow.db, http://host:5000 (empty: MLFLOW_TRACKING_URI "
+                                "or MLflow's default)")
+    wandb_mode: Literal["auto", "online", "offline"] = opt("auto", "W&B's mode ('offline': only files under <run dir>/wandb; "
+                                                           "'auto': WANDB_MODE, else online)")
+
+
+@dataclass(frozen=True)
 class TrainJobConfig:
     """Everything ``shardwise train`` needs; one attribute per TOML table."""
 
@@ -145,6 +156,7 @@ class TrainJobConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     sample: SampleSection = field(default_factory=SampleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -357,6 +369,7 @@ def replace(config: T, **section_values: Mapping[str, Any]) -> T:
 __all__ = [
     "ConfigError",
     "DataSection",
+    "LogSection",
     "MODEL_KEYS",
     "ModelSection",
     "ParallelSection",

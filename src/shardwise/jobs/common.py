@@ -19,6 +19,7 @@ from torch import nn
 from shardwise.callback import Callback
 from shardwise.config import TrainJobConfig, check_output_dir, to_toml
 from shardwise.errors import ConfigError
+from shardwise.jobs.tracking import tracker_loggers
 from shardwise.shape import TransformerShape
 
 if TYPE_CHECKING:
@@ -121,8 +122,9 @@ def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], 
     command resolved (``auto``: the Trainer plans), ``train.precision`` as an override of the
     plan's, clipping, limits, evaluation and logging cadence, checkpoints in
     ``<run_dir>/checkpoints`` (with this attempt's injected fault, recovery tests only), the loss
-    curves, ``config.toml``, then ``callbacks``. ``shape`` (FLOPs per token, ``seq_len``) gives the
-    MFU and token rates; ``resume`` is what :func:`job_resume` decided."""
+    curves, ``config.toml``, then ``callbacks``; the ``[log]`` tracker, which continues its run
+    when ``resume`` (what :func:`job_resume` decided) is set. ``shape`` (FLOPs per token,
+    ``seq_len``) gives the MFU and token rates."""
     from shardwise.checkpoint import CheckpointManager
     from shardwise.checkpoint.faults import Fault
     from shardwise.train import PlotCurves, Trainer, warmup_cosine
@@ -141,6 +143,7 @@ def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], 
         scale_lr=t.scale_lr,
         lr_scheduler=warmup_cosine(warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),  # total steps from fit
         callbacks=[PlotCurves(), WriteConfig(config, run_dir), *callbacks],
+        loggers=tracker_loggers(config, resume=resume is not None),
         seed=config.run.seed,
         max_steps=t.max_steps or None,
         max_epochs=t.max_epochs or None,
