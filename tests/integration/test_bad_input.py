@@ -47,17 +47,20 @@ Prepare = Callable[[Path], None]
 
 @dataclass(frozen=True)
 class Case:
-    """One bad command line; ``expect`` is a regex the single stderr line must match."""
+    """One bad command line; ``expect`` is a regex the single stderr line must match. ``env``: extra
+    environment variables, where ``{home}`` stands for a fresh directory outside the work directory."""
 
     name: str
     args: tuple[str, ...]
     expect: str
     prepare: tuple[Prepare, ...] = ()
     unprivileged: bool = False
+    env: tuple[tuple[str, str], ...] = ()
 
 
-def case(name: str, args: list[str], expect: str, *prepare: Prepare, unprivileged: bool = False) -> Case:
-    return Case(name, tuple(args), expect, tuple(prepare), unprivileged)
+def case(name: str, args: list[str], expect: str, *prepare: Prepare, unprivileged: bool = False,
+         env: dict[str, str] | None = None) -> Case:
+    return Case(name, tuple(args), expect, tuple(prepare), unprivileged, tuple((env or {}).items()))
 
 
 # -- preparing files -----------------------------------------------------------------------------
@@ -165,6 +168,34 @@ TRAIN_CASES_RUN_DIR = [
 TRAIN_CASES_HANG_TIMEOUT = [
     case("hang-timeout-negative", ["train", "--nproc", "2", "--run.name=h", "--hang-timeout", "-5"], r"--hang-timeout -5 is negative"),
     case("hang-timeout-negative-one-process", ["train", "--nproc", "1", "--run.name=h", "--hang-timeout", "-5"], r"--hang-timeout -5 is negative"),
+]
+
+# The [log] tracker: what would fail inside a worker after the processes started (an option the
+# tracker does not read, a package that cannot be imported, a store MLflow cannot open or write, a
+# server that does not answer, W&B online without a login) is refused before anything starts.
+NO_MLFLOW = write("shadow/mlflow/__init__.py", "raise ModuleNotFoundError(\"No module named 'mlflow'\", name='mlflow')\n")
+MLFLOW = ["train", "--nproc", "1", "--run.name=m", "--log.tracker", "mlflow"]
+FILE_STORE = {"MLFLOW_ALLOW_FILE_STORE": "true"}
+TRAIN_CASES_TRACKER = [
+    case("tracker-unknown", ["train", "--nproc", "1", "--log.tracker", "comet"], r"'log\.tracker'.*'comet' is not one of none, mlflow, wandb"),
+    case("tracker-option-without-tracker", ["train", "--nproc", "1", "--log.tracking_uri", "file:///tmp/mlruns"],
+         r"'log\.tracking_uri' is set, but log\.tracker is 'none'"),
+    case("tracker-option-of-the-other-tracker", ["train", "--nproc", "1", "--log.tracker", "wandb", "--log.tracking_uri", "mlruns"],
+         r"'log\.tracking_uri' is set, but log\.tracker is 'wandb'"),
+    case("tracker-experiment-empty", [*MLFLOW, "--log.experiment="], r"'log\.experiment' is empty"),
+    case("mlflow-not-installed", [*MLFLOW, "--log.tracking_uri", "mlruns"], r"log\.tracker 'mlflow' needs the mlflow package",
+         NO_MLFLOW, env={"PYTHONPATH": "shadow"}),
+    case("mlflow-uri-unknown-scheme", [*MLFLOW, "--log.tracking_uri", "bogus://x"], r"'bogus://x'.*MLflow has no tracking store for this scheme"),
+    case("mlflow-uri-not-a-uri", [*MLFLOW, "--log.tracking_uri", "http://[::1"], r"'http://\[::1' is not a URI"),
+    case("mlflow-file-store-switched-off", [*MLFLOW, "--log.tracking_uri", "mlruns"], r"file store.*MLFLOW_ALLOW_FILE_STORE=true",
+         env={"MLFLOW_ALLOW_FILE_STORE": "false"}),
+    case("mlflow-file-store-not-writable", [*MLFLOW, "--log.tracking_uri", "ro/mlruns"], r"'ro/mlruns'.*is not writable",
+         mkdir("ro", 0o555), unprivileged=True, env=FILE_STORE),
+    case("mlflow-file-store-under-a-file", [*MLFLOW, "--log.tracking_uri", "file:afile/mlruns"], r"'afile' is a file, not a directory",
+         write("afile", "x"), env=FILE_STORE),
+    case("mlflow-server-not-answering", [*MLFLOW, "--log.tracking_uri", "http://127.0.0.1:9"], r"no tracking server answers at 127\.0\.0\.1:9"),
+    case("wandb-online-without-login", ["train", "--nproc", "1", "--log.tracker", "wandb", "--log.wandb_mode", "online"],
+         r"'wandb' in online mode needs a W&B login", env={"HOME": "{home}", "WANDB_API_KEY": ""}),
 ]
 
 RUN_CASES = [
@@ -278,7 +309,7 @@ GENERATE_CASES = [
 ]
 
 TABLES = {
-    "train": TRAIN_CASES + TRAIN_CASES_RUN_DIR + TRAIN_CASES_HANG_TIMEOUT, "run": RUN_CASES, "slurm": SLURM_CASES,
+    "train": TRAIN_CASES + TRAIN_CASES_RUN_DIR + TRAIN_CASES_HANG_TIMEOUT + TRAIN_CASES_TRACKER, "run": RUN_CASES, "slurm": SLURM_CASES,
     "doctor": DOCTOR_CASES, "verify": VERIFY_CASES, "plan": PLAN_CASES, "calibrate": CALIBRATE_CASES, "inspect": INSPECT_CASES,
     "consolidate": CONSOLIDATE_CASES, "generate": GENERATE_CASES,
 }
@@ -352,7 +383,8 @@ def run_case(c: Case, template: Path, scratch: Path) -> Outcome:
     for prepare in c.prepare:
         prepare(root)
     before = snapshot(root)
-    env = _environment(Path(tempfile.mkdtemp(dir=scratch)))
+    home = Path(tempfile.mkdtemp(dir=scratch))
+    env = {**_environment(home), **{key: value.format(home=home) for key, value in c.env}}
     returncode, out, err = shardwise(c.args, root, env=env, unprivileged=c.unprivileged)
     return Outcome(returncode, out, err, _diff(before, snapshot(root)))
 

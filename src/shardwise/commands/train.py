@@ -33,11 +33,13 @@ EXAMPLES = """examples:
   shardwise train --model.hf DIR --data.files 'data/**/*.txt'   fine-tune a Hugging Face model on local text
   shardwise train --print-config > run.toml         write the resolved configuration, start nothing
   shardwise train --max-restarts 2                  restart after a crash, resuming from the newest checkpoint
+  shardwise train --log.tracker mlflow --log.tracking_uri file:///abs/mlruns   also log to MLflow (or: --log.tracker wandb)
 
 precedence: defaults < the --config TOML file < the command line (the shortcut flags --nproc,
 --max-steps, --plan and --resume are the same as parallel.nproc, train.max_steps, parallel.plan and
 checkpoint.resume and are applied last). In TOML each section is a table:  [train]  lr = 2e-3
-logs: <run.runs_dir>/<run.name>/ holds metrics.csv, curves.png, config.toml, summary.json, sample.txt
+logs: <run.runs_dir>/<run.name>/ holds metrics.csv, curves.png, config.toml, summary.json, sample.txt;
+--log.tracker mlflow|wandb also sends the metrics, this configuration and the plan to a tracker (a resume continues its run)
 pre-emption: SIGTERM or SIGUSR1 saves a checkpoint at the next step and exits 128 + signal (143, 138),
 printing the command that resumes the run
 multi-node: shardwise run --nnodes 2 ... -m shardwise.jobs.train --config run.toml
@@ -132,6 +134,7 @@ def _main(args: argparse.Namespace) -> int:
     from shardwise.errors import StoppedBySignal
     from shardwise.jobs.outcome import exit_status, newest_checkpoint, read_summary, resume_command
     from shardwise.jobs.common import check_fresh_start, check_run_dir, default_run_name, format_summary
+    from shardwise.jobs.tracking import check_tracker
 
     from shardwise.launch.options import hang_timeout_env
 
@@ -155,6 +158,7 @@ def _main(args: argparse.Namespace) -> int:
     check_run_dir(run_dir)
     if config.checkpoint.resume != "auto":
         check_fresh_start(run_dir)
+    check_tracker(config.log)  # last of the checks: an MLflow database store is created when it is checked
     if plan is None:
         print(f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed below)", flush=True)
     else:

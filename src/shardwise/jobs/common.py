@@ -1,6 +1,7 @@
 """What both jobs of ``shardwise train`` share (the built-in GPT, :mod:`shardwise.jobs.train`, and
-Hugging Face fine-tuning, :mod:`shardwise.jobs.hf_train`): the summary, the optimizer factory, the
-run directory's checks and the resolved configuration file, the run name all ranks agree on."""
+Hugging Face fine-tuning, :mod:`shardwise.jobs.hf_train`): the Trainer they build from the job's
+configuration, the summary, the optimizer factory, the run directory's checks and the resolved
+configuration file, the run name all ranks agree on."""
 
 from __future__ import annotations
 
@@ -8,15 +9,23 @@ import math
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Iterable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from shardwise.callback import Callback
-from shardwise.config import TrainJobConfig, to_toml
+from shardwise.config import TrainJobConfig, check_output_dir, to_toml
 from shardwise.errors import ConfigError
+from shardwise.jobs.tracking import tracker_loggers
+from shardwise.shape import TransformerShape
+
+if TYPE_CHECKING:
+    from shardwise.checkpoint.hf_load import Pretrained
+    from shardwise.runtime.detect import RuntimeEnv
+    from shardwise.train import Trainer
 
 
 @dataclass(frozen=True)
@@ -82,16 +91,7 @@ class WriteConfig(Callback):
 
 def check_run_dir(run_dir: str) -> None:
     """One line, before anything is written, when the run directory cannot be created or written."""
-    probe = run_dir
-    while probe and not os.path.exists(probe):
-        probe = os.path.dirname(probe)
-    probe = probe or "."
-    if not os.path.isdir(probe):
-        raise ConfigError(f"run directory {run_dir!r}: {probe!r} is a file, not a directory",
-                          hint="choose another --run.runs_dir or --run.name")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"run directory {run_dir!r} is not writable ({probe!r} is read-only for this user)",
-                          hint="choose a writable --run.runs_dir")
+    check_output_dir(run_dir, what="run directory", hint="choose another --run.runs_dir or --run.name")
 
 
 def check_fresh_start(run_dir: str) -> None:
@@ -103,6 +103,59 @@ def check_fresh_start(run_dir: str) -> None:
     if newest is not None:
         raise ConfigError(f"run directory {run_dir!r} already holds checkpoints (newest: step {newest.step})",
                           hint="add --resume auto to continue that run, or choose another --run.name")
+
+
+def job_resume(config: TrainJobConfig, env: RuntimeEnv, run_dir: str) -> str | None:
+    """``"auto"`` when the job continues its run: ``checkpoint.resume = "auto"``, or a restarted
+    attempt (the elastic agent's restart count is above 0), whatever the setting says. Otherwise
+    None, once the run directory is known to hold no other run's checkpoints."""
+    resume = "auto" if config.checkpoint.resume == "auto" or env.settings.restart_count > 0 else None
+    if resume is None:
+        check_fresh_start(run_dir)
+    return resume
+
+
+def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], torch.Tensor], config: TrainJobConfig, env: RuntimeEnv,
+                run_dir: str, shape: TransformerShape, resume: str | None, callbacks: Sequence[Callback] = ()) -> Trainer:
+    """The Trainer of both jobs, built from ``config`` (whose ``run.name`` all ranks agreed on):
+    AdamW with decay on matrices, warmup + cosine over the steps ``fit`` counts, the plan the
+    command resolved (``auto``: the Trainer plans), ``train.precision`` as an override of the
+    plan's, clipping, limits, evaluation and logging cadence, checkpoints in
+    ``<run_dir>/checkpoints`` (with this attempt's injected fault, recovery tests only), the loss
+    curves, ``config.toml``, then ``callbacks``; the ``[log]`` tracker, which continues its run
+    when ``resume`` (what :func:`job_resume` decided) is set. ``shape`` (FLOPs per token,
+    ``seq_len``) gives the MFU and token rates."""
+    from shardwise.checkpoint import CheckpointManager
+    from shardwise.checkpoint.faults import Fault
+    from shardwise.train import PlotCurves, Trainer, warmup_cosine
+
+    t, ckpt = config.train, config.checkpoint
+    fault = Fault.for_attempt(env.settings.fault, env.settings.restart_count)
+    return Trainer(
+        model,
+        loss_fn=loss_fn,
+        optimizer=partial(adamw, lr=t.lr, weight_decay=t.weight_decay),
+        plan=config.parallel.plan,
+        precision=precision_override(t.precision),
+        global_batch_size=t.global_batch_size,
+        grad_accum_steps=t.grad_accum_steps,
+        clip_grad_norm=t.clip_grad_norm or None,
+        scale_lr=t.scale_lr,
+        lr_scheduler=warmup_cosine(warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),  # total steps from fit
+        callbacks=[PlotCurves(), WriteConfig(config, run_dir), *callbacks],
+        loggers=tracker_loggers(config, resume=resume is not None),
+        seed=config.run.seed,
+        max_steps=t.max_steps or None,
+        max_epochs=t.max_epochs or None,
+        eval_every=t.eval_every or None,
+        log_every=t.log_every,
+        num_workers=config.data.num_workers,
+        run_dir=run_dir,
+        flops_per_sample=shape.flops_per_token() * shape.seq_len,
+        tokens_per_sample=shape.seq_len,
+        checkpoint=CheckpointManager(os.path.join(run_dir, "checkpoints"), every_n_steps=ckpt.every_n_steps or None,
+                                     keep_last_n=ckpt.keep_last_n, async_save=ckpt.async_save, fault=fault),
+    )
 
 
 def cut_short_line(summary: JobSummary, resume_command: str) -> str | None:

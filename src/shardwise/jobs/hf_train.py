@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict
-from functools import partial
 from typing import Any
 
 from shardwise.callback import Callback
@@ -70,19 +69,16 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     """Fine-tune ``config.model.hf`` on ``config.data.files`` (module doc) in the joined group
     ``env`` (:func:`shardwise.jobs.train.run_job` holds the pre-emption handlers); the summary on
     rank 0. A restarted attempt resumes, as the built-in job does."""
-    from shardwise.checkpoint import CheckpointManager
-    from shardwise.checkpoint.faults import Fault
     from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.data.corpus import CharWindows
     from shardwise.data.text import load_text_corpus
-    from shardwise.jobs.common import (JobSummary, WriteConfig, _agree_on_name, _with_name, adamw, check_fresh_start, check_run_dir,
-                                       default_run_name, precision_override, stop_fields)
+    from shardwise.jobs.common import JobSummary, _agree_on_name, _with_name, check_run_dir, default_run_name, job_resume, job_trainer, stop_fields
     from shardwise.models.hf import lm_loss, load_tokenizer, read_config, shape_of
-    from shardwise.train import PlotCurves, Trainer, warmup_cosine
 
     if not config.data.files:
         raise ConfigError("model.hf needs data to fine-tune on", hint="pass --data.files 'path/**/*.txt' (text or JSONL files)")
     name = _agree_on_name(config.run.name or default_run_name().replace("gpt-stdlib", "hf"))
+    config = _with_name(config, name)
     run_dir = os.path.join(config.run.runs_dir, name)
     check_run_dir(run_dir)
     model_config = read_config(config.model.hf)
@@ -93,36 +89,9 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
                               val_fraction=config.data.val_fraction, text_key=config.data.text_key)
     train_set, val_set = CharWindows(corpus.train, seq), CharWindows(corpus.val, seq)
     shape = shape_of(model_config, seq_len=seq)
-    t = config.train
-    checkpoints = os.path.join(run_dir, "checkpoints")
-    fault = Fault.for_attempt(env.settings.fault, env.settings.restart_count)
-    resume = "auto" if config.checkpoint.resume == "auto" or env.settings.restart_count > 0 else None
-    if resume is None:
-        check_fresh_start(run_dir)
-    trainer = Trainer(
-        Pretrained(config.model.hf),
-        loss_fn=lm_loss,
-        optimizer=partial(adamw, lr=t.lr, weight_decay=t.weight_decay),
-        plan=config.parallel.plan,
-        precision=precision_override(t.precision),
-        global_batch_size=t.global_batch_size,
-        grad_accum_steps=t.grad_accum_steps,
-        clip_grad_norm=t.clip_grad_norm or None,
-        scale_lr=t.scale_lr,
-        lr_scheduler=warmup_cosine(warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),
-        callbacks=[PlotCurves(), WriteConfig(_with_name(config, name), run_dir), KeepModelFiles(config.model.hf, checkpoints)],
-        seed=config.run.seed,
-        max_steps=t.max_steps or None,
-        max_epochs=t.max_epochs or None,
-        eval_every=t.eval_every or None,
-        log_every=t.log_every,
-        num_workers=config.data.num_workers,
-        run_dir=run_dir,
-        flops_per_sample=shape.flops_per_token() * seq,
-        tokens_per_sample=seq,
-        checkpoint=CheckpointManager(checkpoints, every_n_steps=config.checkpoint.every_n_steps or None,
-                                     keep_last_n=config.checkpoint.keep_last_n, async_save=config.checkpoint.async_save, fault=fault),
-    )
+    resume = job_resume(config, env, run_dir)
+    trainer = job_trainer(Pretrained(config.model.hf), loss_fn=lm_loss, config=config, env=env, run_dir=run_dir, shape=shape,
+                          resume=resume, callbacks=[KeepModelFiles(config.model.hf, os.path.join(run_dir, "checkpoints"))])
     trainer.setup(train_set)  # plan="auto": chosen from the training data (a no-op for other plans)
     if env.is_main:
         if trainer.auto_choice is not None:

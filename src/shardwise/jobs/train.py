@@ -39,7 +39,6 @@ import json
 import os
 import sys
 from dataclasses import asdict
-from functools import partial
 from typing import Any, Sequence
 
 import torch
@@ -49,9 +48,8 @@ from torch.utils.data import Subset
 
 from shardwise.callback import Callback
 from shardwise.config import TrainJobConfig, load_config, override_keys
-from shardwise.jobs.common import (  # noqa: F401 - the command imports these from here
-    JobSummary, WriteConfig, _agree_on_name, _with_name, adamw, check_fresh_start, check_run_dir, default_run_name, format_summary,
-    precision_override, stop_fields)
+from shardwise.jobs.common import (  # noqa: F401 - format_summary: the tests import it from here
+    JobSummary, _agree_on_name, _with_name, check_run_dir, default_run_name, format_summary, job_resume, job_trainer, stop_fields)
 from shardwise.data.corpus import CharVocab, CharWindows, load_stdlib_corpus
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.models.gpt import GPT, GPTConfig
@@ -101,11 +99,8 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
 
 
 def _train(config: TrainJobConfig, env: RuntimeEnv) -> JobSummary | None:
-    from shardwise.checkpoint import CheckpointManager
-    from shardwise.checkpoint.faults import Fault
-    from shardwise.train import PlotCurves, Trainer, warmup_cosine
-
     name = _agree_on_name(config.run.name or default_run_name())
+    config = _with_name(config, name)
     run_dir = os.path.join(config.run.runs_dir, name)
     check_run_dir(run_dir)
     corpus = load_stdlib_corpus(max_chars=config.data.max_chars, val_fraction=config.data.val_fraction)
@@ -118,38 +113,10 @@ def _train(config: TrainJobConfig, env: RuntimeEnv) -> JobSummary | None:
     val_set = CharWindows(corpus.val, shape.seq_len)
     if t.eval_windows and t.eval_windows < len(val_set):
         val_set = Subset(val_set, range(t.eval_windows))
-    fault = Fault.for_attempt(env.settings.fault, env.settings.restart_count)  # recovery tests only
-    # A restarted attempt continues the run it replaces, whatever checkpoint.resume says.
-    resume = "auto" if config.checkpoint.resume == "auto" or env.settings.restart_count > 0 else None
-    if resume is None:
-        check_fresh_start(run_dir)
+    resume = job_resume(config, env, run_dir)  # a restarted attempt continues the run it replaces
     checkpoints = os.path.join(run_dir, "checkpoints")
-    trainer = Trainer(
-        model,
-        loss_fn=lm_loss,
-        optimizer=partial(adamw, lr=t.lr, weight_decay=t.weight_decay),
-        plan=config.parallel.plan,  # resolved by the command ("auto": the Trainer plans, once)
-        precision=precision_override(t.precision),
-        global_batch_size=t.global_batch_size,
-        grad_accum_steps=t.grad_accum_steps,
-        clip_grad_norm=t.clip_grad_norm or None,
-        scale_lr=t.scale_lr,
-        lr_scheduler=warmup_cosine(warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),  # total steps from fit
-        callbacks=[PlotCurves(), WriteConfig(_with_name(config, name), run_dir),
-                   KeepGPTFiles(model.config, corpus.tokenizer, checkpoints)],
-        seed=config.run.seed,
-        max_steps=t.max_steps or None,
-        max_epochs=t.max_epochs or None,
-        eval_every=t.eval_every or None,
-        log_every=t.log_every,
-        num_workers=config.data.num_workers,
-        run_dir=run_dir,
-        flops_per_sample=shape.flops_per_token() * shape.seq_len,
-        tokens_per_sample=shape.seq_len,
-        checkpoint=CheckpointManager(checkpoints, every_n_steps=config.checkpoint.every_n_steps or None,
-                                     keep_last_n=config.checkpoint.keep_last_n, async_save=config.checkpoint.async_save,
-                                     fault=fault),
-    )
+    trainer = job_trainer(model, loss_fn=lm_loss, config=config, env=env, run_dir=run_dir, shape=shape, resume=resume,
+                          callbacks=[KeepGPTFiles(model.config, corpus.tokenizer, checkpoints)])
     trainer.setup(train_set)  # plan="auto": chosen from the training data (a no-op for other plans)
     if env.is_main:
         if trainer.auto_choice is not None:

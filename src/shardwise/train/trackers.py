@@ -18,6 +18,8 @@ the same tracker run: MLflow finds the newest run of the experiment tagged with 
 logged after ``S`` (before it stopped) are redone by the resumed run with the same values (resume
 is exact), so each is logged once only: a step at or below the newest step the run already holds
 is skipped. MLflow's store is read for that; W&B's newest step is kept in the same JSON file.
+``resume=True`` continues that run even when training starts at step 0: a restarted attempt that
+found no checkpoint redoes the steps its predecessor logged, so they are skipped the same way.
 
 Offline use (how the tests run): MLflow with a local file store (``tracking_uri="file:///path"``;
 MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true`` or a ``sqlite:///`` store), W&B with
@@ -55,8 +57,9 @@ def _numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
 class _Tracker:
     """What both trackers share: rank 0 only, the run description, predicted-vs-measured time."""
 
-    def __init__(self, *, run_name: str | None, config: Mapping[str, Any] | None) -> None:
+    def __init__(self, *, run_name: str | None, config: Mapping[str, Any] | None, resume: bool) -> None:
         self.run_name = run_name
+        self.resume = resume  # continue the run of this name even from step 0
         self.config = dict(config or {})
         self.info: dict[str, Any] = {}
         self.active = _is_rank0()
@@ -99,7 +102,7 @@ class _Tracker:
         if not self.active or self._begun:
             return
         self._steps_now: set[int] = set()
-        self._open(resume=step > 0)
+        self._open(resume=step > 0 or self.resume)
         self._begun = True
 
     # per tracker
@@ -109,7 +112,7 @@ class _Tracker:
 
 
 class MLflowLogger(_Tracker):
-    """``MLflowLogger(tracking_uri=None, experiment="shardwise", run_name=None, config=None)``.
+    """``MLflowLogger(tracking_uri=None, experiment="shardwise", run_name=None, config=None, resume=False)``.
 
     ``tracking_uri``: where runs are stored (``file:///abs/mlruns``, ``sqlite:///mlflow.db``, a server;
     default: MLflow's own, ``MLFLOW_TRACKING_URI``). ``run_name`` (default: the Trainer's run
@@ -117,8 +120,8 @@ class MLflowLogger(_Tracker):
     """
 
     def __init__(self, tracking_uri: str | None = None, *, experiment: str = "shardwise", run_name: str | None = None,
-                 config: Mapping[str, Any] | None = None) -> None:
-        super().__init__(run_name=run_name, config=config)
+                 config: Mapping[str, Any] | None = None, resume: bool = False) -> None:
+        super().__init__(run_name=run_name, config=config, resume=resume)
         self.tracking_uri, self.experiment = tracking_uri, experiment
         self.run_id: str | None = None
         self._client: Any = None
@@ -168,7 +171,7 @@ class MLflowLogger(_Tracker):
 
 
 class WandbLogger(_Tracker):
-    """``WandbLogger(project="shardwise", run_name=None, dir=None, mode=None, config=None)``.
+    """``WandbLogger(project="shardwise", run_name=None, dir=None, mode=None, config=None, resume=False)``.
 
     ``dir``: where W&B writes (and where ``wandb_run.json`` keeps the run id for a resume); default:
     the Trainer's run directory. ``mode``: ``"online"``, ``"offline"`` (default: ``WANDB_MODE``).
@@ -177,8 +180,8 @@ class WandbLogger(_Tracker):
     STATE = "wandb_run.json"
 
     def __init__(self, project: str = "shardwise", *, run_name: str | None = None, dir: str | os.PathLike | None = None,
-                 mode: str | None = None, config: Mapping[str, Any] | None = None) -> None:
-        super().__init__(run_name=run_name, config=config)
+                 mode: str | None = None, config: Mapping[str, Any] | None = None, resume: bool = False) -> None:
+        super().__init__(run_name=run_name, config=config, resume=resume)
         self.project, self.mode = project, mode
         self.dir = os.fspath(dir) if dir is not None else None
         self.run_id: str | None = None

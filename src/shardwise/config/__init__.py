@@ -18,12 +18,12 @@ metadata; :func:`describe_keys` turns that into the reference table printed by
 from __future__ import annotations
 
 import difflib
-import os
 import sys
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Literal, Mapping, Sequence, TypeVar
 
+from shardwise.config.paths import check_input_file, check_output_dir, check_output_file
 from shardwise.errors import ConfigError
 from shardwise.shape import TransformerShape
 
@@ -134,6 +134,17 @@ class CheckpointSection(_Section):
 
 
 @dataclass(frozen=True)
+class LogSection(_Section):
+    section: ClassVar[str] = "log"
+    tracker: Literal["none", "mlflow", "wandb"] = opt("none", "experiment tracker that also gets the metrics, this configuration and the plan")
+    experiment: str = opt("shardwise", "the MLflow experiment or the W&B project the run is logged under")
+    tracking_uri: str = opt("", "MLflow's store: file:///abs/mlruns, sqlite:///mlflow.db, http://host:5000 (empty: MLFLOW_TRACKING_URI "
+                                "or MLflow's default)")
+    wandb_mode: Literal["auto", "online", "offline"] = opt("auto", "W&B's mode ('offline': only files under <run dir>/wandb; "
+                                                           "'auto': WANDB_MODE, else online)")
+
+
+@dataclass(frozen=True)
 class TrainJobConfig:
     """Everything ``shardwise train`` needs; one attribute per TOML table."""
 
@@ -145,6 +156,7 @@ class TrainJobConfig:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     sample: SampleSection = field(default_factory=SampleSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
 
 
 # -- loading -----------------------------------------------------------------------------------
@@ -188,6 +200,13 @@ def to_toml(config: Any) -> str:
     return "\n".join(lines)
 
 
+def flatten(config: Any) -> dict[str, Any]:
+    """``{"section.key": value}`` for every configurable key, in table order (the parameters an
+    experiment tracker records for the run)."""
+    return {f"{s.name}.{f.name}": getattr(getattr(config, s.name), f.name) for s in fields(config)
+            for f in section_fields(type(config), s.name)}
+
+
 def describe_keys(cls: type = TrainJobConfig) -> str:
     """One line per key: ``section.key = default   help``."""
     rows = []
@@ -224,34 +243,6 @@ def override_keys(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             rest.append(arg)
         i += 1
     return overrides, rest
-
-
-def check_input_file(path: str, *, option: str) -> None:
-    """Refuse an input path that is not a readable file before any work starts: the readers would
-    otherwise stop with a traceback (IsADirectoryError, PermissionError)."""
-    if not os.path.exists(path):
-        raise ConfigError(f"{option} {path!r} does not exist", hint="check the path")
-    if os.path.isdir(path):
-        raise ConfigError(f"{option} {path!r} is a directory", hint="give the path of a file")
-    try:
-        with open(path, "rb") as fh:
-            fh.read(1)
-    except OSError as err:
-        raise ConfigError(f"{option} {path!r} cannot be read: {err.strerror or err}", hint="check its permissions") from None
-
-
-def check_output_file(path: str, *, option: str) -> None:
-    """Refuse an output path that cannot be written, before the work that produces it starts: a
-    measurement or an export should not fail at its last step, nor leave a partial file behind."""
-    if os.path.isdir(path):
-        raise ConfigError(f"{option} {path} is a directory", hint="give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{option} {path}: directory {parent} does not exist", hint="create it first, or choose another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option} {path}: directory {parent} is not writable", hint="choose another path")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise ConfigError(f"{option} {path} is not writable", hint="choose another path, or change its permissions")
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -372,14 +363,13 @@ def _toml_value(value: Any) -> str:
 def replace(config: T, **section_values: Mapping[str, Any]) -> T:
     """``replace(cfg, train={"max_steps": 5})``: a copy with some keys changed (checked like overrides)."""
     values = {f"{section}.{k}": v for section, kv in section_values.items() for k, v in kv.items()}
-    base = {f"{s.name}.{f.name}": getattr(getattr(config, s.name), f.name) for s in fields(config)
-            for f in section_fields(type(config), s.name)}
-    return load_config(type(config), values={**base, **values})
+    return load_config(type(config), values={**flatten(config), **values})
 
 
 __all__ = [
     "ConfigError",
     "DataSection",
+    "LogSection",
     "MODEL_KEYS",
     "ModelSection",
     "ParallelSection",
@@ -388,8 +378,10 @@ __all__ = [
     "TrainJobConfig",
     "TrainSection",
     "check_input_file",
+    "check_output_dir",
     "check_output_file",
     "describe_keys",
+    "flatten",
     "load_config",
     "override_keys",
     "replace",
