@@ -14,7 +14,7 @@ import pytest
 from shardwise.checkpoint.signals import PreemptionSignal
 from shardwise.errors import ShardwiseError, StoppedBySignal
 from shardwise.jobs.outcome import exit_status, read_summary, resume_command
-from shardwise.jobs.train import JobSummary, format_summary
+from shardwise.jobs.summary import JobSummary, format_summary
 from shardwise.launch.forward import child_pids, forward_signals
 from shardwise.launch.sbatch import SbatchSpec, render_sbatch
 from shardwise.runtime.settings import read_settings

@@ -111,7 +111,7 @@ def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
     ``auto``: the Trainer plans): the degrees the plan leaves out are filled in
     (:func:`shardwise.layout.resolve_plan`), and the global batch must split over its data-parallel
     ranks and accumulation steps. Bad input is one line naming the fix."""
-    from shardwise.jobs.common import precision_override
+    from shardwise.jobs.summary import precision_override
     from shardwise.layout import resolve_plan
 
     if config.parallel.plan.strip().lower() == "auto":
@@ -133,9 +133,8 @@ def _main(args: argparse.Namespace) -> int:
 
     from shardwise.errors import StoppedBySignal
     from shardwise.jobs.outcome import exit_status, newest_checkpoint, read_summary, resume_command
-    from shardwise.jobs.common import check_fresh_start, check_run_dir, default_run_name, format_summary
+    from shardwise.jobs.summary import check_fresh_start, check_run_dir, default_run_name, format_summary
     from shardwise.jobs.tracking import check_tracker
-
     from shardwise.launch.options import hang_timeout_env
 
     if args.max_restarts < 0:

@@ -81,9 +81,9 @@ class RunSection(_Section):
 @dataclass(frozen=True)
 class DataSection(_Section):
     section: ClassVar[str] = "data"
-    files: str = opt("", "text or JSONL files to train on: comma-separated globs, e.g. 'data/**/*.txt' (needs model.hf; "
+    files: str = opt("", "text, JSONL or parquet files to train on: comma-separated globs, e.g. 'data/**/*.txt' (needs model.hf; "
                          "empty: the standard library's source)")
-    text_key: str = opt("text", "the field of each JSONL line that holds the text")
+    text_key: str = opt("text", "the field of each JSONL line (or the parquet column) that holds the text")
     max_chars: int = opt(1_000_000, "characters of standard-library source to read", min=1000)
     val_fraction: float = opt(0.1, "last fraction of the text kept for validation", min=0.001, max=0.49)
     num_workers: int = opt(0, "DataLoader worker processes per rank", min=0)

@@ -72,7 +72,8 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.data.corpus import CharWindows
     from shardwise.data.text import load_text_corpus
-    from shardwise.jobs.common import JobSummary, _agree_on_name, _with_name, check_run_dir, default_run_name, job_resume, job_trainer, stop_fields
+    from shardwise.jobs.common import _agree_on_name, _with_name, job_resume, job_trainer
+    from shardwise.jobs.summary import JobSummary, check_run_dir, default_run_name, stop_fields
     from shardwise.models.hf import lm_loss, load_tokenizer, read_config, shape_of
 
     if not config.data.files:

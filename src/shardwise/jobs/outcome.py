@@ -16,7 +16,7 @@ import shlex
 import signal
 
 from shardwise.checkpoint import commit as cm
-from shardwise.jobs.common import JobSummary
+from shardwise.jobs.summary import JobSummary
 
 
 def read_summary(run_dir: str, *, since: float) -> JobSummary | None:

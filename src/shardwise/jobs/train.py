@@ -48,8 +48,8 @@ from torch.utils.data import Subset
 
 from shardwise.callback import Callback
 from shardwise.config import TrainJobConfig, load_config, override_keys
-from shardwise.jobs.common import (  # noqa: F401 - format_summary: the tests import it from here
-    JobSummary, _agree_on_name, _with_name, check_run_dir, default_run_name, format_summary, job_resume, job_trainer, stop_fields)
+from shardwise.jobs.common import _agree_on_name, _with_name, job_resume, job_trainer
+from shardwise.jobs.summary import JobSummary, check_run_dir, default_run_name, stop_fields
 from shardwise.data.corpus import CharVocab, CharWindows, load_stdlib_corpus
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.models.gpt import GPT, GPTConfig
