@@ -1,6 +1,8 @@
 """``Trainer.predict`` under sharded plans equals one process: the logits of every sample, in
 dataset order, on rank 0 (13 samples, so the data-parallel shards differ in length and the last
-batch is partial), and the same outputs when each shard is written to a file instead."""
+batch is partial), and the same outputs when each shard is written to a file instead; under
+context parallelism each rank's zig-zag chunks are put back into whole sequences, and evaluation
+of a model that has not trained yet equals one process's too."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ def _data() -> TensorDataset:
     return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def predict_under(plan: str, output_dir: str | None = None) -> dict:
+def predict_under(plan: str, output_dir: str | None = None, evaluate: bool = False) -> dict:
     import torch.distributed as dist
 
     from shardwise.models.gpt import GPT, GPTConfig
@@ -27,8 +29,9 @@ def predict_under(plan: str, output_dir: str | None = None) -> dict:
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, layers=2, hidden=16, heads=2), seed=5)
     trainer = Trainer(model, loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.1), plan=plan, global_batch_size=4, seed=1, progress_bar=False)
+    loss = trainer.evaluate(_data())["loss"] if evaluate else None  # before any step: a fresh model
     out = trainer.predict(_data(), batch_size=3, output_dir=output_dir)
-    return {"out": out, "rank": dist.get_rank() if dist.is_initialized() else 0, "plan": trainer.plan}
+    return {"out": out, "rank": dist.get_rank() if dist.is_initialized() else 0, "plan": trainer.plan, "loss": loss}
 
 
 def test_predict_gathers_in_order_under_dp_tp_pp(pools, tmp_path) -> None:
@@ -62,3 +65,11 @@ def test_predict_under_zero3_equals_one_process(pools) -> None:
     assert [r["rank"] for r in results] == [0, 1] and results[1]["out"] is None
     assert (results[0]["plan"].zero, results[0]["plan"].shard) == (3, 2)
     torch.testing.assert_close(results[0]["out"], ref, rtol=1e-5, atol=1e-6)
+
+
+def test_predict_and_evaluate_under_context_parallel_equal_one_process(pools) -> None:
+    ref = pools(1).run(predict_under, "dp", None, True)[0]
+    results = pools(2).run(predict_under, "cp=2", None, True)
+    assert results[0]["plan"].cp == 2 and results[1]["out"] is None
+    torch.testing.assert_close(results[0]["out"], ref["out"], rtol=1e-5, atol=1e-6)
+    assert all(abs(r["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]) for r in results)

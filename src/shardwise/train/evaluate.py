@@ -42,8 +42,8 @@ def evaluate(
         raise ConfigError("evaluation with a pipeline needs a runner with eval_loss(inputs, targets)", hint="evaluate without pp, or use a pipeline runner that supports evaluation")
     acc = SumCount()
 
-    def forward(batch: Any) -> tuple[torch.Tensor, Any, Any]:
-        inputs, targets, extra = pm.shard_batch(*split_batch(batch))
+    def forward(part: tuple[Any, Any, dict[str, Any]]) -> tuple[torch.Tensor, Any, Any]:
+        inputs, targets, extra = part
         if pipeline_eval is not None:
             return pipeline_eval(inputs, targets, **extra), None, targets
         outputs = module(inputs, **extra)
@@ -58,7 +58,8 @@ def evaluate(
                 total, count = fn(outputs, targets)
                 acc.add(name, total, count)
 
-    run_batches(pm, loader, forward=forward, collect=collect, precision=precision, device=device, non_blocking=non_blocking)
+    run_batches(pm, loader, shard=lambda batch: pm.shard_batch(*split_batch(batch)), forward=forward, collect=collect,
+                precision=precision, device=device, non_blocking=non_blocking)
     names = ["loss", *(metrics if pipeline_eval is None else ())]
     # Context-parallel ranks each hold the mean over their (equally many) tokens of the same
     # samples: reducing over dp x cp averages them into the mean over every token.

@@ -8,9 +8,11 @@ forwards: the count of batches is agreed by one all-reduce MAX over the world, a
 fewer batches repeats its last one (or, with an empty shard, a batch of the dataset's first
 sample) and drops the result. Without such communication each rank runs only its own batches.
 
-Per step, in eval mode and under ``no_grad``: ``output = forward(batch)`` under autocast and the
-plan's step context (:meth:`~shardwise.parallel.parallelize.ParallelModel.step_context`), then,
-for a real batch only and outside those contexts, ``collect(output)``.
+Per step, in eval mode and under ``no_grad``: ``part = shard(batch)`` (this rank's part of the
+batch: under context parallelism its sequence chunks, which the split attention needs before the
+step context opens), ``output = forward(part)`` under autocast and the plan's step context
+(:meth:`~shardwise.parallel.parallelize.ParallelModel.step_context`), then, for a real batch only
+and outside those contexts, ``collect(output)``.
 """
 
 from __future__ import annotations
@@ -49,10 +51,10 @@ def _agreed_steps(pm: ParallelModel, n_local: int, device: torch.device) -> int:
 
 
 @torch.no_grad()
-def run_batches(pm: ParallelModel, loader: DataLoader, *, forward: Callable[[Any], Any], collect: Callable[[Any], None],
-                precision: str, device: torch.device, non_blocking: bool = False) -> None:
-    """``forward`` on every batch behind ``loader`` (and the extra lockstep forwards), ``collect``
-    on the real ones (see the module doc); the module's train/eval mode is restored after."""
+def run_batches(pm: ParallelModel, loader: DataLoader, *, shard: Callable[[Any], Any], forward: Callable[[Any], Any],
+                collect: Callable[[Any], None], precision: str, device: torch.device, non_blocking: bool = False) -> None:
+    """``forward(shard(batch))`` on every batch behind ``loader`` (and the extra lockstep forwards),
+    ``collect`` on the real ones (see the module doc); the module's train/eval mode is restored after."""
     module = forward_module(pm)
     was_training = module.training
     module.eval()
@@ -65,8 +67,9 @@ def run_batches(pm: ParallelModel, loader: DataLoader, *, forward: Callable[[Any
                 last = move_batch(next(it), device, non_blocking)
             elif last is None:  # this rank's shard is empty: borrow one sample for the forward
                 last = move_batch(loader.collate_fn([loader.dataset[0]]), device, non_blocking)
+            part = shard(last)
             with autocast(precision, device.type), pm.step_context():
-                output = forward(last)
+                output = forward(part)
             if real:
                 collect(output)
     finally:

@@ -16,8 +16,11 @@ per group reports them: tensor-parallel rank 0 of the last pipeline stage. Then 
   (``{"indices": LongTensor, "outputs": [tensor per batch]}``), and nothing crosses the network.
 
 Outputs are the model's tensor output, or the ``logits`` of a Hugging Face ``ModelOutput``,
-moved to the CPU; a vocabulary-sharded (loss-parallel) DTensor is gathered first.
-Context parallelism splits each sequence over ranks and is refused here.
+moved to the CPU; a vocabulary-sharded (loss-parallel) DTensor is gathered first. Under context
+parallelism each rank of a cp group computes the outputs of its zig-zag sequence chunks
+(``[B, S / cp, ...]``); one all-gather over the cp group (in rank order, the order of
+:meth:`~shardwise.parallel.cp.ContextParallel.key_positions`) and a scatter by those positions
+give every rank the whole sequence ``[B, S, ...]``.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.cp import ContextParallel
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.train.lockstep import forward_module, run_batches
 
@@ -48,7 +52,8 @@ def batch_inputs(batch: Any) -> Any:
 
 
 def output_tensor(output: Any) -> torch.Tensor:
-    """A plain CPU tensor of one forward's output (logits of a ``ModelOutput``; DTensors gathered)."""
+    """A plain tensor of one forward's output (logits of a ``ModelOutput``; a DTensor gathered, so
+    every rank of its mesh calls this), on the output's device."""
     if not isinstance(output, torch.Tensor):
         logits = getattr(output, "logits", None)
         if not isinstance(logits, torch.Tensor):
@@ -56,7 +61,18 @@ def output_tensor(output: Any) -> torch.Tensor:
         output = logits
     if isinstance(output, DTensor):
         output = output.full_tensor()
-    return output.detach().cpu()
+    return output.detach()
+
+
+def whole_sequence(cp: ContextParallel, local: torch.Tensor) -> torch.Tensor:
+    """The outputs ``[B, S, ...]`` of the whole sequences from this rank's chunks ``[B, S / cp, ...]``
+    (module doc): all-gather over the cp group, then each gathered position put where it belongs."""
+    parts = [torch.empty_like(local) for _ in range(cp.size)]
+    dist.all_gather(parts, local.contiguous(), group=cp.group)
+    gathered = torch.cat(parts, dim=1)
+    whole = torch.empty_like(gathered)
+    whole[:, cp.key_positions(gathered.shape[1]).to(gathered.device)] = gathered
+    return whole
 
 
 def _is_holder(pm: ParallelModel) -> bool:
@@ -71,22 +87,25 @@ def _is_holder(pm: ParallelModel) -> bool:
 def predict(pm: ParallelModel, loader: DataLoader, *, dp_rank: int, dp_size: int, precision: str, device: torch.device,
             output_dir: str | None = None, non_blocking: bool = False) -> torch.Tensor | list[torch.Tensor] | None:
     """The outputs for every sample behind ``loader`` (this rank's shard), see the module doc."""
-    if pm.plan.cp_enabled:
-        raise ConfigError(f"predict does not run under context parallelism (plan {pm.plan})",
-                          hint="predict under the same plan without cp (dp, zero, tp and pp all work)")
     module = forward_module(pm)
     holder = _is_holder(pm)
     batches: list[torch.Tensor] = []
 
-    def forward(batch: Any) -> Any:
-        inputs = batch_inputs(batch)
-        return pm.pipeline.predict_outputs(inputs) if pm.pipeline is not None else module(inputs)
+    def forward(part: tuple[Any, Any, dict[str, Any]]) -> Any:
+        inputs, _, extra = part
+        return pm.pipeline.predict_outputs(inputs, **extra) if pm.pipeline is not None else module(inputs, **extra)
 
     def collect(output: Any) -> None:
+        if output is None:  # a pipeline stage before the last
+            return
+        tensor = output_tensor(output)  # on every rank: a loss-parallel DTensor is gathered over tp
+        if pm.context_parallel is not None:  # every rank of the cp group takes part
+            tensor = whole_sequence(pm.context_parallel, tensor)
         if holder:
-            batches.append(output_tensor(output))
+            batches.append(tensor.cpu())
 
-    run_batches(pm, loader, forward=forward, collect=collect, precision=precision, device=device, non_blocking=non_blocking)
+    run_batches(pm, loader, shard=lambda batch: pm.shard_batch(batch_inputs(batch), None), forward=forward, collect=collect,
+                precision=precision, device=device, non_blocking=non_blocking)
     indices = list(range(dp_rank, len(loader.dataset), dp_size))  # type: ignore[arg-type]
     if output_dir is not None:
         if holder:
