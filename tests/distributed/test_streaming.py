@@ -213,3 +213,26 @@ def test_a_large_token_file_is_read_a_window_at_a_time_and_its_position_is_small
     resumed.position.load_state_dict(state)
     x, _ = next(iter(resumed))
     assert x[0].tolist() == tokens[GBS * 128: GBS * 128 + 127].tolist()
+
+
+def fit_auto_stream(files: list[str], directory: str) -> dict:
+    from shardwise.train import Trainer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))  # (the Recorder's forward reads values: not on meta)
+    trainer = Trainer(model, loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.5), plan="auto", cluster="cpu", certify=True,
+                      global_batch_size=GBS, max_steps=3, log_every=1, seed=3, progress_bar=False, run_dir=directory)
+    result = trainer.fit(PackedStream(files, seq_len=SEQ, eos_id=0))
+    choice = trainer.auto_choice  # rank 0's (it decides and broadcasts)
+    return {"plan": str(trainer.plan), "steps": result.step, "certificate": choice.certificate if choice is not None else None}
+
+
+def test_plan_auto_sizes_and_certifies_on_a_stream(pools, tmp_path) -> None:
+    """plan="auto" reads the sample shape and the certification batches from a fresh pass of the
+    stream (it has no length and no index); training then reads it from the start."""
+    results = pools(2).run(fit_auto_stream, _token_files(str(tmp_path)), str(tmp_path / "run"))
+    assert [r["steps"] for r in results] == [3, 3] and results[0]["plan"] == results[1]["plan"]
+    certificate = results[0]["certificate"]
+    assert certificate is not None and certificate["certified"] == results[0]["plan"], certificate  # certified on the stream's first batches
+    assert (tmp_path / "run" / "auto_plan.json").is_file()

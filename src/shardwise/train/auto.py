@@ -3,7 +3,8 @@
 The Trainer chooses an automatic plan when ``fit`` (or ``Trainer.setup``) sees the training data,
 because two of its inputs come from there:
 
-- **the per-sample shape**: the first sample of the dataset, collated as a batch of one with the
+- **the per-sample shape**: the first sample of the dataset (of a streaming dataset, the first
+  of a fresh pass; the Trainer's own pass starts over), collated as a batch of one with the
   Trainer's ``collate_fn`` (:func:`first_inputs`); its sequence length is dimension 1 of integer
   inputs (token ids), 1 for anything else, unless ``tokens_per_sample`` says otherwise
   (:func:`shardwise.models.measure.sample_stats`);
@@ -19,13 +20,14 @@ measured (the first time, about a minute) and the plan ranked with its real figu
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
-from torch.utils.data import default_collate
+from torch.utils.data import IterableDataset, default_collate
 
 from shardwise.checkpoint.hf_load import Pretrained
 from shardwise.errors import ConfigError, ShardwiseError
@@ -52,11 +54,23 @@ class AutoData:
     def certifying(self) -> bool:
         return self.certify.wanted(self.total_steps)
 
+    def samples(self, count: int) -> list[Any]:
+        """The first ``count`` samples (fewer when there are fewer): by index, or for a streaming
+        dataset by reading a fresh pass of it (the Trainer's own pass starts over)."""
+        if isinstance(self.dataset, IterableDataset):
+            return list(itertools.islice(iter(self.dataset), count))
+        return [self.dataset[i] for i in range(min(count, len(self.dataset)))]
+
     def collate(self, indices: Sequence[int]) -> tuple[Any, Any]:
-        """``(inputs, targets)`` of the samples at ``indices``, collated like the Trainer's loader."""
-        n = len(self.dataset)
+        """``(inputs, targets)`` of the samples at ``indices`` (modulo the data's length), collated
+        like the Trainer's loader."""
         try:
-            items = [self.dataset[i % n] for i in indices]
+            first = self.samples(max(indices) + 1)
+            if not first:
+                raise ConfigError("the training data is empty", hint="pass a dataset with at least one global batch of samples")
+            items = [first[i % len(first)] for i in indices]
+        except ShardwiseError:
+            raise
         except Exception as exc:  # the user's dataset: one line naming it
             raise ConfigError(f"the training data's sample {indices[0]} cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
                               hint="check the dataset's __getitem__") from None
@@ -71,9 +85,7 @@ class AutoData:
 
 def first_inputs(data: AutoData) -> Any:
     """The inputs of the first sample, as a batch of one (what the model's forward takes)."""
-    if len(data.dataset) == 0:
-        raise ConfigError("the training data is empty", hint="pass a dataset with at least one global batch of samples")
-    return data.collate([0])[0]
+    return data.collate([0])[0]  # an empty dataset fails there, as one line
 
 
 def device_spec(env: RuntimeEnv) -> ClusterSpec:
