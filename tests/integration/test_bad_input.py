@@ -148,6 +148,12 @@ TRAIN_CASES = [
          write("bin.toml", b"\xff\xfe\x00[train]")),
     case("config-wrong-type", ["train", "--config", "c.toml"], r"'train\.lr' \(from c\.toml\): 'fast' is not a number",
          write("c.toml", "[train]\nlr = 'fast'\n")),
+    # [data] options that only work together
+    case("streaming-without-model-hf", ["train", "--nproc", "1", "--data.streaming", "true"], r"data\.streaming are for fine-tuning a Hugging Face"),
+    case("val-files-without-streaming", ["train", "--nproc", "1", "--model.hf", "m", "--data.files", "a.txt", "--data.val_files", "a.txt"],
+         r"data\.val_files is an option of a streamed dataset.*--data\.streaming true", write("a.txt", "text")),
+    case("streaming-without-max-steps", ["train", "--nproc", "1", "--model.hf", "m", "--data.files", "a.txt", "--data.streaming", "true",
+                                         "--max-steps", "0"], r"no length known before training.*--max-steps", write("a.txt", "text")),
 ]
 
 # A refused resume or an unusable run directory: these used to truncate metrics.csv, rewrite

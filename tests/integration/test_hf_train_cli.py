@@ -3,7 +3,8 @@ BPE tokenizer made locally, fine-tuned on local text and JSONL files on 2 proces
 ``--plan auto`` (the planner reads the shape from ``config.json``; the ``cpu`` cluster preset keeps
 the machine from being measured); a run killed after its step-2 checkpoint and continued with
 ``--resume auto`` reproduces an uninterrupted run exactly (losses and final weights, compared
-through ``shardwise checkpoint export --format hf``). Three runs of ~20 s each.
+through ``shardwise checkpoint export --format hf``); the same with the text read as a stream
+and a validation file (three more runs). Runs of ~20 s each.
 """
 
 from __future__ import annotations
@@ -81,3 +82,23 @@ def test_finetune_plan_auto_and_exact_resume(workdir: str) -> None:
     a, b = _export(workdir, "full"), _export(workdir, "resumed")
     assert set(a) == set(b)
     assert all(a[k].equal(b[k]) for k in a)
+
+
+def test_finetune_streaming_with_validation_files_resumes_exactly(workdir: str) -> None:
+    """``--data.streaming true``: the text files are read as a packed stream (file order and a
+    shuffle buffer reshuffled per epoch), the JSONL file is the validation split, ``--plan auto``
+    sizes the model from the stream; a run killed at step 3 and resumed from its step-2 checkpoint
+    trains on exactly the uninterrupted run's windows (the same losses, bitwise)."""
+    stream = ("--data.streaming", "true", "--data.files", f"{workdir}/data/**/*.txt", "--data.val_files", f"{workdir}/data/*.jsonl",
+              "--data.shuffle_windows", "8", "--train.eval_every=2")
+    full = _train(workdir, "stream-full", *stream)
+    assert full.returncode == 0, full.stdout + full.stderr
+    assert "3 file(s) streamed; validation 1 file(s)" in full.stdout and "nats/token" in full.stdout, full.stdout
+    killed = _train(workdir, "stream-cut", *stream, env={"SHARDWISE_FAULT": "rank=0,step=3,how=raise"})
+    assert killed.returncode != 0
+    resumed = _train(workdir, "stream-cut", *stream, "--resume", "auto")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    want, got = _losses(workdir, "stream-full"), _losses(workdir, "stream-cut")
+    assert sorted(want) == [1, 2, 3, 4] and [got[s] for s in (3, 4)] == [want[s] for s in (3, 4)]
+    summaries = [json.loads(open(os.path.join(workdir, "runs", n, "summary.json")).read()) for n in ("stream-full", "stream-cut")]
+    assert summaries[0]["val_loss"] == summaries[1]["val_loss"] and summaries[0]["unigram_entropy"] > 0

@@ -133,7 +133,7 @@ def _main(args: argparse.Namespace) -> int:
 
     from shardwise.errors import StoppedBySignal
     from shardwise.jobs.outcome import exit_status, newest_checkpoint, read_summary, resume_command
-    from shardwise.jobs.summary import check_fresh_start, check_run_dir, default_run_name, format_summary
+    from shardwise.jobs.summary import check_data_options, check_fresh_start, check_run_dir, default_run_name, format_summary
     from shardwise.jobs.tracking import check_tracker
     from shardwise.launch.options import hang_timeout_env
 
@@ -143,6 +143,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.print_config:
         print(to_toml(config), end="")
         return 0
+    check_data_options(config)
     if config.model.hf:  # a missing directory, tokenizer or data file: one line, before any process starts
         from shardwise.jobs.hf_train import check_hf_job
 

@@ -87,6 +87,10 @@ class DataSection(_Section):
     max_chars: int = opt(1_000_000, "characters of standard-library source to read", min=1000)
     val_fraction: float = opt(0.1, "last fraction of the text kept for validation", min=0.001, max=0.49)
     num_workers: int = opt(0, "DataLoader worker processes per rank", min=0)
+    streaming: bool = opt(False, "read data.files as a stream: packed as read, sharded over ranks and workers, resumed exactly "
+                                 "(needs model.hf and train.max_steps; validation from data.val_files)")
+    val_files: str = opt("", "with data.streaming: files loaded whole as the validation split (empty: no validation)")
+    shuffle_windows: int = opt(0, "with data.streaming: shuffle the windows within blocks of this many (0: in order)", min=0)
 
 
 @dataclass(frozen=True)

@@ -89,15 +89,12 @@ class TextCorpus:
     @property
     def unigram_entropy(self) -> float:
         """Entropy of the training split's token frequencies, in nats/token (a context-free baseline)."""
-        counts = torch.bincount(self.train, minlength=self.vocab_size).double()
-        p = counts[counts > 0] / counts.sum()
-        return float(-(p * p.log()).sum())
+        return unigram_entropy(self.train, self.vocab_size)
 
 
-def load_text_corpus(patterns: str, *, tokenize: Callable[[str], list[int]], eos_id: int | None, vocab_size: int,
-                     val_fraction: float = 0.1, text_key: str = "text") -> TextCorpus:
-    """Steps 1-3 of the module doc."""
-    files = find_files(patterns)
+def load_tokens(files: Sequence[str], *, tokenize: Callable[[str], list[int]], eos_id: int | None, vocab_size: int,
+                text_key: str = "text") -> tuple[torch.Tensor, int]:
+    """Steps 2-3 of the module doc without the split: ``(the packed token stream, documents)``."""
     docs = read_documents(files, text_key=text_key)
     ids: list[int] = []
     for doc in docs:
@@ -108,7 +105,22 @@ def load_text_corpus(patterns: str, *, tokenize: Callable[[str], list[int]], eos
     if len(tokens) and int(tokens.max()) >= vocab_size:
         raise ConfigError(f"the tokenizer produced id {int(tokens.max())}, outside the model's vocabulary of {vocab_size}",
                           hint="use the tokenizer saved with the model")
+    return tokens, len(docs)
+
+
+def unigram_entropy(tokens: torch.Tensor, vocab_size: int) -> float:
+    """Entropy of the token frequencies, in nats/token (a context-free baseline)."""
+    counts = torch.bincount(tokens, minlength=vocab_size).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def load_text_corpus(patterns: str, *, tokenize: Callable[[str], list[int]], eos_id: int | None, vocab_size: int,
+                     val_fraction: float = 0.1, text_key: str = "text") -> TextCorpus:
+    """Steps 1-3 of the module doc."""
+    files = find_files(patterns)
+    tokens, documents = load_tokens(files, tokenize=tokenize, eos_id=eos_id, vocab_size=vocab_size, text_key=text_key)
     n_val = max(1, int(math.floor(len(tokens) * val_fraction)))
     if len(tokens) - n_val < 2:
         raise ConfigError(f"the data files hold only {len(tokens)} tokens", hint="add more text")
-    return TextCorpus(train=tokens[:-n_val], val=tokens[-n_val:], files=tuple(files), documents=len(docs), vocab_size=vocab_size)
+    return TextCorpus(train=tokens[:-n_val], val=tokens[-n_val:], files=tuple(files), documents=documents, vocab_size=vocab_size)

@@ -7,7 +7,8 @@ the model and data swapped):
 1. join the process group and agree on the run name;
 2. tokenize the data files with the directory's own tokenizer and pack them into windows of
    ``seq_len + 1`` tokens (:mod:`shardwise.data.text`; ``seq_len`` is ``model.seq_len``, at most
-   the model's ``max_position_embeddings``);
+   the model's ``max_position_embeddings``), or with ``data.streaming`` read them as a packed
+   stream (:func:`job_data`);
 3. ``Trainer(Pretrained(DIR), ...)``: the model is built on meta, parallelized by the plan (``auto``
    plans with the shape read from ``config.json``) and each rank reads only its own slices of the
    weights; AdamW, warmup + cosine, gradient clipping, as the built-in job;
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
+
+import numpy as np
 
 from shardwise.callback import Callback
 from shardwise.config import TrainJobConfig
@@ -56,7 +59,15 @@ def check_hf_job(config: TrainJobConfig) -> None:
         raise ConfigError(f"model directory {config.model.hf!r} holds no tokenizer", hint="save one there with tokenizer.save_pretrained(dir)")
     if not config.data.files:
         raise ConfigError("model.hf needs data to fine-tune on", hint="pass --data.files 'path/**/*.txt' (text or JSONL files)")
-    find_files(config.data.files)
+    files = find_files(config.data.files)
+    if config.data.streaming:  # the stream's own checks (torchdata, suffixes, parquet columns), reading no data
+        from shardwise.data.documents import document_source
+        from shardwise.data.streaming import require_torchdata
+
+        require_torchdata()
+        document_source(files, text_key=config.data.text_key, has_tokenizer=True, bin_dtype=np.dtype("uint16"), shuffle=True, seed=0)
+        if config.data.val_files:
+            find_files(config.data.val_files)
 
 
 def window_length(requested: int, config: dict[str, Any]) -> int:
@@ -65,13 +76,57 @@ def window_length(requested: int, config: dict[str, Any]) -> int:
     return min(requested, int(limit)) if limit else requested
 
 
+@dataclass(frozen=True)
+class JobData:
+    """The job's training and validation data, what the log says of them, and the unigram entropy
+    (nats/token) its validation loss is compared with."""
+
+    train: Any
+    val: Any
+    description: str
+    unigram_entropy: float | None  # None: no validation split
+
+
+def job_data(config: TrainJobConfig, tokenizer: Any, *, vocab_size: int, seq: int) -> JobData:
+    """Step 2 of the module doc: windows of ``seq + 1`` tokens of ``data.files``, tokenized whole
+    into a map-style dataset (the last ``data.val_fraction`` for validation), or with
+    ``data.streaming`` a :class:`~shardwise.data.streaming.PackedStream` of them (file order and,
+    with ``data.shuffle_windows``, windows shuffled per epoch, seeded by ``run.seed``) and the
+    windows of ``data.val_files`` for validation."""
+    from shardwise.data.corpus import CharWindows
+    from shardwise.data.streaming import PackedStream
+    from shardwise.data.text import find_files, load_text_corpus, load_tokens, unigram_entropy
+
+    d = config.data
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    eos = tokenizer.eos_token_id
+    if not d.streaming:
+        corpus = load_text_corpus(d.files, tokenize=encode, eos_id=eos, vocab_size=vocab_size, val_fraction=d.val_fraction,
+                                  text_key=d.text_key)
+        return JobData(CharWindows(corpus.train, seq), CharWindows(corpus.val, seq),
+                       f"{len(corpus.files)} file(s), {corpus.documents} document(s), {len(corpus.train):,} training / "
+                       f"{len(corpus.val):,} validation tokens", corpus.unigram_entropy)
+    files = find_files(d.files)
+    stream = PackedStream(files, seq_len=seq, tokenize=encode, eos_id=eos, text_key=d.text_key, shuffle=True, seed=config.run.seed,
+                          shuffle_windows=d.shuffle_windows)
+    if not d.val_files:
+        return JobData(stream, None, f"{len(files)} file(s) streamed, no validation (data.val_files)", None)
+    val_paths = find_files(d.val_files)
+    tokens, documents = load_tokens(val_paths, tokenize=encode, eos_id=eos, vocab_size=vocab_size, text_key=d.text_key)
+    if len(tokens) < seq + 1:
+        raise ConfigError(f"data.val_files hold {len(tokens)} tokens, less than one window of {seq + 1}", hint="add validation text")
+    return JobData(stream, CharWindows(tokens, seq), f"{len(files)} file(s) streamed; validation {len(val_paths)} file(s), "
+                   f"{documents} document(s), {len(tokens):,} tokens", unigram_entropy(tokens, vocab_size))
+
+
 def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     """Fine-tune ``config.model.hf`` on ``config.data.files`` (module doc) in the joined group
     ``env`` (:func:`shardwise.jobs.train.run_job` holds the pre-emption handlers); the summary on
     rank 0. A restarted attempt resumes, as the built-in job does."""
     from shardwise.checkpoint.hf_load import Pretrained
-    from shardwise.data.corpus import CharWindows
-    from shardwise.data.text import load_text_corpus
     from shardwise.jobs.common import _agree_on_name, _with_name, job_resume, job_trainer
     from shardwise.jobs.summary import JobSummary, check_run_dir, default_run_name, stop_fields
     from shardwise.models.hf import lm_loss, load_tokenizer, read_config, shape_of
@@ -84,11 +139,8 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     check_run_dir(run_dir)
     model_config = read_config(config.model.hf)
     seq = window_length(config.model.seq_len, model_config)
-    tokenizer = load_tokenizer(config.model.hf)
-    corpus = load_text_corpus(config.data.files, tokenize=lambda text: tokenizer.encode(text, add_special_tokens=False),
-                              eos_id=tokenizer.eos_token_id, vocab_size=int(model_config["vocab_size"]),
-                              val_fraction=config.data.val_fraction, text_key=config.data.text_key)
-    train_set, val_set = CharWindows(corpus.train, seq), CharWindows(corpus.val, seq)
+    data = job_data(config, load_tokenizer(config.model.hf), vocab_size=int(model_config["vocab_size"]), seq=seq)
+    train_set, val_set = data.train, data.val
     shape = shape_of(model_config, seq_len=seq)
     resume = job_resume(config, env, run_dir)
     trainer = job_trainer(Pretrained(config.model.hf), loss_fn=lm_loss, config=config, env=env, run_dir=run_dir, shape=shape,
@@ -98,16 +150,15 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
         if trainer.auto_choice is not None:
             print(f"plan=auto chose {trainer.plan}:\n  " + trainer.plan.describe().replace("\n", "\n  "), flush=True)
         load = trainer.model.extras.get("load")
-        print(f"data: {len(corpus.files)} file(s), {corpus.documents} document(s), {len(corpus.train):,} training / "
-              f"{len(corpus.val):,} validation tokens, windows of {seq} tokens", flush=True)
+        print(f"data: {data.description}, windows of {seq} tokens", flush=True)
         print(f"model: {model_config.get('model_type')} from {config.model.hf}, {shape.layers} layers x {shape.hidden} hidden, "
               f"{load.elements_total:,} parameters; rank 0 read {load.elements_read:,} of them", flush=True)
-    result = trainer.fit(train_set, val_set, resume=resume)
+    result = trainer.fit(train_set, val_set, resume=resume)  # no validation split: val_set is None
     if not env.is_main:
         return None
     summary = JobSummary(run_dir=run_dir, steps=result.step, world_size=env.world_size, plan=str(trainer.plan),
                          val_loss=result.val_metrics.get("val_loss"), train_loss=result.train_loss,
-                         unigram_entropy=corpus.unigram_entropy, elapsed_s=result.elapsed_s, params=trainer.model.extras["load"].elements_total,
+                         unigram_entropy=data.unigram_entropy, elapsed_s=result.elapsed_s, params=trainer.model.extras["load"].elements_total,
                          sample="", unit="token", **stop_fields(trainer, result.stop))
     with open(os.path.join(run_dir, "summary.json"), "w") as fh:
         json.dump(asdict(summary), fh, indent=2)

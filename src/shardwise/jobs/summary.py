@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from shardwise.config import check_output_dir
+from shardwise.config import TrainJobConfig, check_output_dir
 from shardwise.errors import ConfigError
 
 
@@ -25,7 +25,7 @@ class JobSummary:
     plan: str
     val_loss: float | None
     train_loss: float | None
-    unigram_entropy: float
+    unigram_entropy: float | None  # None: no validation data to compare with
     elapsed_s: float
     params: int
     sample: str
@@ -50,6 +50,18 @@ def precision_override(precision: str) -> str | None:
 
 def default_run_name() -> str:
     return time.strftime("gpt-stdlib-%Y%m%d-%H%M%S")
+
+
+def check_data_options(config: TrainJobConfig) -> None:
+    """The ``[data]`` options that only work together, checked before any process starts."""
+    data = config.data
+    if (data.files or data.streaming) and not config.model.hf:
+        raise ConfigError("data.files and data.streaming are for fine-tuning a Hugging Face model", hint="pass --model.hf DIR too, or drop them")
+    if not data.streaming and (data.val_files or data.shuffle_windows):
+        given = "data.val_files" if data.val_files else "data.shuffle_windows"
+        raise ConfigError(f"{given} is an option of a streamed dataset", hint="add --data.streaming true, or drop it")
+    if data.streaming and not config.train.max_steps:
+        raise ConfigError("a streamed dataset has no length known before training", hint="set --max-steps N")
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -87,7 +99,7 @@ def format_summary(summary: JobSummary, resume_command: str = "shardwise train -
     short = cut_short_line(summary, resume_command)
     if short is not None:
         lines.append(short)
-    if summary.val_loss is not None and summary.stopped != "preempted":
+    if summary.val_loss is not None and summary.unigram_entropy and summary.stopped != "preempted":
         ratio = summary.val_loss / summary.unigram_entropy
         lines.append(f"validation loss {summary.val_loss:.4f} nats/{unit} ({summary.val_loss / math.log(2):.3f} bits/{unit}) after "
                      f"{summary.steps} steps in {summary.elapsed_s:.0f} s; the corpus's unigram entropy is "

@@ -49,9 +49,9 @@ from torch.utils.data import Subset
 from shardwise.callback import Callback
 from shardwise.config import TrainJobConfig, load_config, override_keys
 from shardwise.jobs.common import _agree_on_name, _with_name, job_resume, job_trainer
-from shardwise.jobs.summary import JobSummary, check_run_dir, default_run_name, stop_fields
+from shardwise.jobs.summary import JobSummary, check_data_options, check_run_dir, default_run_name, stop_fields
 from shardwise.data.corpus import CharVocab, CharWindows, load_stdlib_corpus
-from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.errors import ShardwiseError
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.runtime.detect import RuntimeEnv
 from shardwise.runtime.env import init, shutdown
@@ -87,8 +87,7 @@ def run_job(config: TrainJobConfig) -> JobSummary | None:
     """
     from shardwise.checkpoint.signals import process_signal
 
-    if config.data.files and not config.model.hf:
-        raise ConfigError("data.files is for fine-tuning a Hugging Face model", hint="pass --model.hf DIR too, or drop --data.files")
+    check_data_options(config)  # the command checked them; a direct start of this module too
     env = init()
     with process_signal():  # held from here until the job ends (see the module doc)
         if config.model.hf:
