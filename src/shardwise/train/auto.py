@@ -54,21 +54,23 @@ class AutoData:
     def certifying(self) -> bool:
         return self.certify.wanted(self.total_steps)
 
-    def samples(self, count: int) -> list[Any]:
-        """The first ``count`` samples (fewer when there are fewer): by index, or for a streaming
-        dataset by reading a fresh pass of it (the Trainer's own pass starts over)."""
+    def _items(self, indices: Sequence[int]) -> list[Any]:
+        """The samples at ``indices`` (modulo the data's length): by index, or for a streaming
+        dataset from the start of a fresh pass of it (the Trainer's own pass starts over)."""
         if isinstance(self.dataset, IterableDataset):
-            return list(itertools.islice(iter(self.dataset), count))
-        return [self.dataset[i] for i in range(min(count, len(self.dataset)))]
+            pool = list(itertools.islice(iter(self.dataset), max(indices) + 1))
+            n = len(pool)
+        else:
+            pool, n = self.dataset, len(self.dataset)
+        if n == 0:
+            raise ConfigError("the training data is empty", hint="pass a dataset with at least one global batch of samples")
+        return [pool[i % n] for i in indices]
 
     def collate(self, indices: Sequence[int]) -> tuple[Any, Any]:
         """``(inputs, targets)`` of the samples at ``indices`` (modulo the data's length), collated
         like the Trainer's loader."""
         try:
-            first = self.samples(max(indices) + 1)
-            if not first:
-                raise ConfigError("the training data is empty", hint="pass a dataset with at least one global batch of samples")
-            items = [first[i % len(first)] for i in indices]
+            items = self._items(indices)
         except ShardwiseError:
             raise
         except Exception as exc:  # the user's dataset: one line naming it
