@@ -49,7 +49,7 @@ def validation_loss(source: str) -> float:
     """The loaded model's mean loss on the run's validation windows (the first 4, as the run's)."""
     from shardwise.data.corpus import CharWindows, load_stdlib_corpus
     from shardwise.jobs.train import lm_loss
-    from shardwise.layout import resolve_plan
+    from shardwise.resolve import resolve_plan
     from shardwise.parallel.mesh import build_mesh
     from shardwise.train.generate import load_model
 

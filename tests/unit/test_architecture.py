@@ -26,6 +26,7 @@ MAX_UPWARD = 2
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "version", "callback"),  # leaves: import nothing of ours
     ("layout", "shape"),  # the value objects every layer passes around
+    ("resolve",),  # a plan for a world (fills in and re-plans Plans)
     ("config", "runtime"),
     ("launch",),
     ("plan",),  # the pure cost model: no torch

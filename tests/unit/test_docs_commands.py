@@ -147,7 +147,7 @@ def test_the_fill_in_table_is_what_the_rules_do() -> None:
     """docs/planner.md's table of plan strings: each `you write` on `N` processes becomes the plan
     it shows (or fails with the error it quotes; `...` stands for the part left out)."""
     from shardwise.errors import ConfigError
-    from shardwise.layout import resolve_plan
+    from shardwise.resolve import resolve_plan
 
     page = (ROOT / "docs" / "planner.md").read_text()
     section = page.split("## Plan strings", 1)[1].split("\n## ", 1)[0]

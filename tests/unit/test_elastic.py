@@ -1,4 +1,4 @@
-"""Elastic jobs without processes: re-planning for a changed world (``layout.replan``), the
+"""Elastic jobs without processes: re-planning for a changed world (``resolve.replan``), the
 settings and launch variables that switch it on, and the lines the log prints."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import pytest
 
 from shardwise.errors import ConfigError, LaunchError
 from shardwise.launch.options import RunOptions, parse_rdzv_conf, resolve
-from shardwise.layout import Plan, replan, resolve_plan
+from shardwise.layout import Plan
+from shardwise.resolve import replan, resolve_plan
 from shardwise.runtime.settings import read_settings
 from shardwise.train.elastic import Node, WorldRecord, describe_change, nodes_of, read_record, write_record
 

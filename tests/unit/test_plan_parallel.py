@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from shardwise.errors import ConfigError
-from shardwise.layout import Plan, resolve_plan
+from shardwise.layout import Plan
+from shardwise.resolve import resolve_plan
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,7 @@ def generate_worker(source: str, plan_text: str, prompt: str | None, prompt_ids:
     """One rank of ``shardwise generate`` (also what the tests call): ``{"ids", "new", "text"}``."""
     import torch
 
-    from shardwise.layout import resolve_plan
+    from shardwise.resolve import resolve_plan
     from shardwise.parallel.mesh import build_mesh
     from shardwise.runtime import env as runtime
     from shardwise.train.generate import check_context, generate_ids, load_model

@@ -109,10 +109,10 @@ def nproc_of(config: TrainJobConfig) -> int:
 def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
     """The plan the job runs on ``nproc`` processes, resolved once before anything starts (None for
     ``auto``: the Trainer plans): the degrees the plan leaves out are filled in
-    (:func:`shardwise.layout.resolve_plan`), and the global batch must split over its data-parallel
+    (:func:`shardwise.resolve.resolve_plan`), and the global batch must split over its data-parallel
     ranks and accumulation steps. Bad input is one line naming the fix."""
     from shardwise.jobs.summary import precision_override
-    from shardwise.layout import resolve_plan
+    from shardwise.resolve import resolve_plan
 
     if config.parallel.plan.strip().lower() == "auto":
         return None

@@ -36,7 +36,8 @@ from torch import nn
 from shardwise.checkpoint.hf_load import Pretrained, load_parallel
 from shardwise.runtime import env as runtime
 from shardwise.errors import ConfigError
-from shardwise.layout import Plan, resolve_plan
+from shardwise.layout import Plan
+from shardwise.resolve import resolve_plan
 from shardwise.parallel.ddp import DDPOptions
 from shardwise.parallel.fsdp import FSDPOptions
 from shardwise.parallel.mesh import Meshes, build_mesh
@@ -96,7 +97,7 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
                                    pipelines_allowed=pipelines_allowed, cluster=cluster, tokens_per_sample=tokens_per_sample,
                                    data=data, loss_fn=loss_fn, loss_parallel=bool(tp and tp.loss_parallel))
     # An elastic job (--nnodes MIN:MAX) may come back on fewer or more processes than the plan
-    # was written for: re-plan it (layout.replan) instead of refusing it.
+    # was written for: re-plan it (resolve.replan) instead of refusing it.
     resolved = resolve_plan(plan, env.world_size, precision=precision, elastic=env.settings.elastic is not None)
     if check is not None:
         check(resolved, env.device.type)

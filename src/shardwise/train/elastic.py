@@ -5,7 +5,7 @@ Under ``shardwise run --nnodes MIN:MAX`` torch's elastic agent re-forms the worl
 dies (the survivors' workers fail on the broken collective and are restarted) or comes back (its
 agent waits in the rendezvous and the running workers are stopped with SIGTERM, which the
 checkpoint callback turns into a save at the next step boundary). Each new world starts the
-script again: the Trainer re-plans for the new world size (:func:`shardwise.layout.replan`) and
+script again: the Trainer re-plans for the new world size (:func:`shardwise.resolve.replan`) and
 resumes the newest complete checkpoint, resharded, with the exact data position. This callback
 only explains it:
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from shardwise.callback import Callback
 from shardwise.errors import ConfigError
-from shardwise.layout import resolve_plan
+from shardwise.resolve import resolve_plan
 from shardwise.runtime.logging import get_logger
 
 log = get_logger("train")

@@ -17,7 +17,8 @@ from typing import Any, Callable
 import torch
 
 from shardwise.checkpoint.hf_load import Pretrained, load_parallel
-from shardwise.layout import Plan, resolve_plan
+from shardwise.layout import Plan
+from shardwise.resolve import resolve_plan
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.runtime import env as runtime
