@@ -5,8 +5,10 @@ PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
+# pytest-xdist options for the test targets, e.g. XDIST="-n 2 --dist loadfile" (empty: one process).
+XDIST  ?=
 
-.PHONY: setup train test doctor clean
+.PHONY: setup train test test-fast doctor clean
 
 setup: $(VENV)/.installed
 
@@ -22,8 +24,16 @@ train: setup
 doctor: setup
 	$(BIN)/shardwise doctor --nproc 2
 
+# The whole suite (what CI runs).
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(XDIST)
+
+# The edit-test loop (under 2 minutes on 2 idle cores): the unit tests and the quick
+# multi-process ones (real Gloo process groups: the pool, the runtime, Trainer and TP parity).
+FAST := tests/unit tests/distributed/test_harness.py tests/distributed/test_runtime.py \
+        tests/distributed/test_trainer_parity.py tests/distributed/test_tp.py
+test-fast: setup
+	$(BIN)/python -m pytest -q $(XDIST) $(FAST)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

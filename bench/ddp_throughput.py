@@ -1,20 +1,23 @@
-"""Throughput of the Trainer's data-parallel loop against a plain hand-written DDP loop (target: >= 0.98).
+"""Throughput of the Trainer's data-parallel loop, and of a plain loop over ``shardwise.prepare()``,
+against a plain hand-written DDP loop (target: >= 0.99 for both).
 
-Both loops train the same GPT (same seed) on the same standard-library windows, with the same
+The loops train the same GPT (same seed) on the same standard-library windows, with the same
 global batch, optimizer (AdamW) and precision, on the same processes: 2 Gloo processes on a CPU;
 on a GPU machine, bf16 autocast on min(2, GPUs) processes (one GPU: one process, no DDP in
 either loop), and then MFU is reported for both. The plain loop is the reference guides' DDP
 script done well: DistributedSampler, DataLoader, DDP (same bucket settings as the Trainer),
 zero_grad / forward / backward / step, rank 0 reading the loss every 10 steps; the Trainer logs
-every 10 steps too (a global loss all-reduce), without its progress bar.
+every 10 steps too (a global loss all-reduce), without its progress bar; the ``prepare()`` loop is
+the plain loop on the model, optimizer and loader ``shardwise.prepare`` returns.
 
-Repetitions are interleaved (trainer, plain, plain, trainer, ...) so that machine noise hits both
-alike; each repetition times steps ``warmup..steps`` (samples / seconds, measured on rank 0 after
-a device synchronization). The result is the median of the per-pair ratios (the two runs of a
-pair are adjacent in time, so slow drifts of the machine cancel); the ratio of the medians is
-printed too, and the samples per CPU-second of rank 0 (what the loop costs in
-compute, which a machine shared with other jobs does not distort the way it distorts wall time).
-Writes ``bench/results/ddp_throughput.json``.
+Repetitions are interleaved (each repetition runs the three loops back to back, in an order that
+rotates from one repetition to the next) so that machine noise hits them alike; each run times
+steps ``warmup..steps`` (samples / seconds, measured on rank 0 after a device synchronization).
+The result for a loop is the median over the repetitions of its ratio to the plain loop of the
+same repetition (adjacent in time, so slow drifts of the machine cancel), with the spread of those
+ratios (quartiles, min, max); the ratio of the medians is printed too, and the same figures per
+CPU-second of rank 0 (what the loop costs in compute, which a machine shared with other jobs does
+not distort the way it distorts wall time). Writes ``bench/results/ddp_throughput.json``.
 
     python bench/ddp_throughput.py [--reps 15] [--steps 20] [--warmup 5]
 """
@@ -22,13 +25,15 @@ Writes ``bench/results/ddp_throughput.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -109,12 +114,30 @@ def run_plain(spec: BenchSpec, dataset: CharWindows, vocab: int, env: Any) -> tu
     sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(dataset, batch_size=spec.global_batch // env.world_size, sampler=sampler, drop_last=True,
                         pin_memory=env.device.type == "cuda")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
+
+    def epochs() -> Iterator[DataLoader]:
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield loader
+
+    return _loop(spec, model, torch.optim.AdamW(model.parameters(), lr=spec.lr), epochs(), env)
+
+
+def run_prepared(spec: BenchSpec, dataset: CharWindows, vocab: int, env: Any) -> tuple[float, float, float]:
+    """The plain loop on what ``shardwise.prepare`` returns (its loader moves to the next epoch by
+    itself); same measurement."""
+    model, _ = _model(spec, vocab)
+    model, optimizer, loader = shardwise.prepare(model, lambda p: torch.optim.AdamW(p, lr=spec.lr), dataset,
+                                                 batch_size=spec.global_batch // env.world_size, seed=0)
+    return _loop(spec, model, optimizer, itertools.repeat(loader), env)
+
+
+def _loop(spec: BenchSpec, model: Any, optimizer: torch.optim.Optimizer, epochs: Iterator[Any], env: Any) -> tuple[float, float, float]:
+    """zero_grad / forward / backward / step over the epochs' batches until ``spec.steps``; rank 0
+    reads the loss every 10 steps. Returns the rates of steps warmup..steps and the last loss."""
     dtype = torch.bfloat16 if spec.precision == "bf16" else None
     step, marks, last = 0, {}, float("nan")  # marks: step -> (wall, CPU) seconds
-    epoch = 0
-    while step < spec.steps:
-        sampler.set_epoch(epoch)
+    for loader in epochs:
         for x, y in loader:
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             with torch.autocast(env.device.type, dtype=dtype, enabled=dtype is not None):
@@ -129,9 +152,11 @@ def run_plain(spec: BenchSpec, dataset: CharWindows, vocab: int, env: Any) -> tu
                 _sync(env.device)
                 marks[step] = (time.perf_counter(), time.process_time())
             if step == spec.steps:
-                break
-        epoch += 1
-    return (*_rates(spec, marks), last)
+                return (*_rates(spec, marks), last)
+    raise AssertionError("not reached: the epochs never end")
+
+
+KINDS = ("trainer", "plain", "prepare")
 
 
 def worker(spec: BenchSpec) -> dict[str, Any]:
@@ -140,12 +165,17 @@ def worker(spec: BenchSpec) -> dict[str, Any]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     corpus = load_stdlib_corpus(max_chars=400_000)
     dataset = CharWindows(corpus.train, spec.seq_len)
-    rates: dict[str, list[float]] = {"trainer": [], "plain": []}
-    cpu_rates: dict[str, list[float]] = {"trainer": [], "plain": []}
-    losses: dict[str, list[float]] = {"trainer": [], "plain": []}
+    rates: dict[str, list[float]] = {k: [] for k in KINDS}
+    cpu_rates: dict[str, list[float]] = {k: [] for k in KINDS}
+    losses: dict[str, list[float]] = {k: [] for k in KINDS}
     for rep in range(spec.reps):
-        for kind in (("trainer", "plain") if rep % 2 == 0 else ("plain", "trainer")):
-            rate, cpu_rate, loss = run_trainer(spec, dataset, corpus.vocab_size) if kind == "trainer" else run_plain(spec, dataset, corpus.vocab_size, env)
+        for kind in KINDS[rep % 3:] + KINDS[:rep % 3]:  # each loop first, second and third in turn
+            if kind == "trainer":
+                rate, cpu_rate, loss = run_trainer(spec, dataset, corpus.vocab_size)
+            elif kind == "plain":
+                rate, cpu_rate, loss = run_plain(spec, dataset, corpus.vocab_size, env)
+            else:
+                rate, cpu_rate, loss = run_prepared(spec, dataset, corpus.vocab_size, env)
             rates[kind].append(rate)
             cpu_rates[kind].append(cpu_rate)
             losses[kind].append(loss)
@@ -176,24 +206,30 @@ def main() -> None:
                          reps=args.reps, precision="fp32")
     started = time.time()
     result = shardwise.launch(worker, nprocs=args.nproc, args=(spec,), timeout_s=900)[0]
-    rates = result["rates"]
+    rates, cpu_rates = result["rates"], result["cpu_rates"]
     med = {k: statistics.median(v) for k, v in rates.items()}
-    pair_ratios = [t / p for t, p in zip(rates["trainer"], rates["plain"])]
-    cpu_med = {k: statistics.median(v) for k, v in result["cpu_rates"].items()}
+    cpu_med = {k: statistics.median(v) for k, v in cpu_rates.items()}
+    ratios = {k: spread([a / b for a, b in zip(rates[k], rates["plain"])]) for k in ("trainer", "prepare")}
+    cpu_ratios = {k: spread([a / b for a, b in zip(cpu_rates[k], cpu_rates["plain"])]) for k in ("trainer", "prepare")}
     report: dict[str, Any] = {
+        "command": "OMP_NUM_THREADS=1 python bench/ddp_throughput.py " + " ".join(sys.argv[1:]),
         "spec": asdict(spec),
         "device": result["device_name"],
         "world_size": result["world_size"],
         "params": result["params"],
         "samples_per_s": rates,
         "median_samples_per_s": med,
-        "ratio_of_medians": med["trainer"] / med["plain"],
-        "median_of_pair_ratios": statistics.median(pair_ratios),
-        "samples_per_cpu_s_rank0": result["cpu_rates"],
-        "cpu_ratio_of_medians": cpu_med["trainer"] / cpu_med["plain"],
+        "ratio_to_plain": ratios,  # per repetition: loop / plain loop of the same repetition
+        "ratio_of_medians": {k: med[k] / med["plain"] for k in ("trainer", "prepare")},
+        # the fastest repetition of each loop: the one least disturbed by other jobs (timeit's rule)
+        "ratio_of_best": {k: max(rates[k]) / max(rates["plain"]) for k in ("trainer", "prepare")},
+        "samples_per_cpu_s_rank0": cpu_rates,
+        "cpu_ratio_to_plain": cpu_ratios,
+        "cpu_ratio_of_medians": {k: cpu_med[k] / cpu_med["plain"] for k in ("trainer", "prepare")},
         "final_losses": result["losses"],
         "torch": torch.__version__,
         "host": platform.node(),
+        "load_average": os.getloadavg(),
         "wall_s": time.time() - started,
     }
     peak = result["peak_flops_per_device"]
@@ -205,14 +241,23 @@ def main() -> None:
         json.dump(report, fh, indent=2)
     print(f"{result['world_size']} process(es) on {result['device_name']}, {spec.precision}, GPT {result['params']:,} params, "
           f"global batch {spec.global_batch} x {spec.seq_len} tokens, {args.reps} interleaved repetitions of {spec.steps - spec.warmup} timed steps")
-    for kind in ("trainer", "plain"):
+    for kind in KINDS:
         mfu = f", MFU {report['mfu'][kind]:.1%}" if "mfu" in report else ""
         print(f"  {kind:<8} median {med[kind]:8.1f} samples/s  (reps: {', '.join(f'{r:.1f}' for r in rates[kind])}){mfu}; "
               f"{cpu_med[kind]:.1f} samples per CPU-second of rank 0")
-    print(f"throughput ratio trainer / plain DDP: {report['median_of_pair_ratios']:.3f} (median of the {len(pair_ratios)} "
-          f"interleaved pair ratios; target >= 0.98); ratio of the medians {report['ratio_of_medians']:.3f}; "
-          f"per CPU-second of rank 0 {report['cpu_ratio_of_medians']:.3f}")
+    for kind in ("trainer", "prepare"):
+        r, c = ratios[kind], cpu_ratios[kind]
+        print(f"{kind} / plain DDP: {r['median']:.3f} wall (median of {args.reps} interleaved ratios; quartiles {r['q1']:.3f}-{r['q3']:.3f}, "
+              f"range {r['min']:.3f}-{r['max']:.3f}; target >= 0.99), ratio of the medians {report['ratio_of_medians'][kind]:.3f}, "
+              f"of the fastest repetitions {report['ratio_of_best'][kind]:.3f}; "
+              f"per CPU-second of rank 0 {c['median']:.3f} (quartiles {c['q1']:.3f}-{c['q3']:.3f})")
     print(f"wrote {args.out}")
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, quartiles and range of ``values``."""
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
+    return {"median": statistics.median(values), "q1": q1, "q3": q3, "min": min(values), "max": max(values), "n": len(values)}
 
 
 if __name__ == "__main__":

@@ -5,7 +5,16 @@ the published throughput in tokens/s per GPU (each source's own FLOP formula, as
 
 Everything here is read from the row's own fields and text (``gpu``, ``fsdp_or_zero``,
 ``recompute``, ``precision``, ``notes``), never from a table of runs: a held-out row of the same
-format maps the same way. Context parallelism (``cp > 1``) is ``cp`` data-parallel ranks of
+format maps the same way.
+
+Each row maps twice: ``cli_fixed`` is the published layout as ``shardwise plan --fixed`` keys with
+nothing else set (shardwise's own runtime, its options searched; an FP8 run names
+``precision=fp8``), the headline of the benchmark; ``fixed`` with ``run`` and ``policy`` is the
+same layout under the way that row's framework ran it (the second column). A published selective
+recomputation is another framework's policy (torchtitan's per-op or per-layer checkpointing,
+Megatron-LM's attention-core recomputation), which keeps less or more than shardwise's
+``recompute=selective`` (every matmul output), so the headline lets the planner choose shardwise's
+selective or full recomputation there (``cli_recompute``), whichever fits. Context parallelism (``cp > 1``) is ``cp`` data-parallel ranks of
 sequence slices (:class:`~shardwise.plan.policy.RunPolicy` ``context_parallel``). A row that the
 cost model cannot represent (an unknown GPU, an unknown metric) maps to a ``Skip`` with the reason.
 """
@@ -24,6 +33,7 @@ from shardwise.plan.stats import ModelStats, transformer_stats
 from shardwise.shape import TransformerShape
 
 GB = 1e9
+H100_NVL_BF16 = 835e12  # NVIDIA H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity, half of it dense
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,8 @@ class Case:
     published_tps: float  # tokens/s per GPU
     formula: str  # how the published metric became tokens/s per GPU
     setup: tuple[Any, ...]  # rows with the same model, GPUs and batch: the free search's comparison set
+    cli_fixed: str = ""  # the layout as `shardwise plan --fixed` keys for shardwise's runtime (the headline)
+    cli_recompute: tuple[str, ...] = ()  # recomputation levels the headline may choose ((): the one in cli_fixed)
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,14 @@ def cluster_of(row: dict[str, Any]) -> ClusterSpec | str:
     mem = re.findall(r"(\d+)\s*GB", gpu, flags=re.I)
     if mem and key not in ("a100-40gb", "a100-80gb") and 8 <= float(mem[-1]) <= 256:
         spec = replace(spec, memory_bytes=float(mem[-1]) * GB)
+    if key == "h100" and "hbm2e" in low:  # Meta's H100 variant: 2.4 TB/s (torchao/testing/training/roofline_utils.py)
+        spec = replace(spec, memory_bw=2.4e12)
+    if key == "h100" and re.search(r"lower tdp|low tdp|limited tdp", low):
+        # torchtitan's benchmarks ran on lower-TDP H100s whose "actual peak TFLOPs number is between
+        # SXM and NVL" (docs/performance.md): the midpoint of the SXM's 989 and the NVL's 835 dense
+        # bf16 TFLOP/s (NVIDIA H100 NVL datasheet), and the same share of the FP8 peak
+        scale = (H100_NVL_BF16 + spec.peak("bf16")) / 2 / spec.peak("bf16")
+        spec = replace(spec, peak_flops={k: v * scale if k in ("bf16", "fp16", "fp8", "tf32") else v for k, v in spec.peak_flops.items()})
     return spec
 
 
@@ -255,13 +275,28 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
     async_tp = "async tp" in fields or bool(re.search(r"optimizations?( column)?:[^.]*async tp", notes))
     run = RunPolicy.sixteen_bit(selective=selective, grad_reduce_overlap=not framework_old, linear_dtype="fp8" if fp8 else "",
                                 async_tp=async_tp, zero3_unit="linear" if "deepspeed" in low and zero == 3 else "block",
-                                context_parallel=cp)
+                                context_parallel=cp, sp_saves_shard="megatron" in low,
+                                fused_grad_accumulation="megatron" in low and year is not None and year >= 2022)
     policy = StatePolicy.torch("bf16", reduce_bytes=2.0 if "pure" in low else 4.0) if zero >= 2 or "fsdp" in low else StatePolicy.megatron()
     fixed = ",".join(f"{k}={str(v).lower()}" for k, v in keys.items())
+    cli = dict(keys)
+    cli_recompute: tuple[str, ...] = ()
+    if recompute == "selective":  # another framework's selective policy (see the module doc)
+        del cli["recompute"]
+        cli_recompute = ("selective", "full")
+    if re.search(r"compile\s*=\s*true|torch\.compile\b(?! limitations)", low):  # the run compiled its blocks
+        cli["compile"] = True
+    if fp8:
+        cli["precision"] = "fp8"
+        if "rowwise" in low:
+            cli["fp8_recipe"] = "rowwise"
+    cli_fixed = ",".join(f"{k}={str(v).lower()}" for k, v in cli.items())
     setup = (stats.name, int(row["seq"]), str(row.get("gpu")), cluster.devices, gb)
     label = f"{row.get('model')} s{row['seq']} {cluster.devices}x{cluster.name} {fixed}"
     return Case(index=index, source=source, label=label, stats=stats, cluster=cluster, global_batch=gb, fixed=fixed, run=run,
-                policy=policy, precision=precision, published_tps=tps[0], formula=tps[1], setup=setup)
+                policy=policy, precision=precision, published_tps=tps[0], formula=tps[1], setup=setup, cli_fixed=cli_fixed,
+                cli_recompute=cli_recompute)
+
 
 
 def cases(rows: list[dict[str, Any]]) -> list[Case | Skip]:

@@ -6,6 +6,10 @@
 The family is one of llama, qwen2, mistral, gemma, phi, gpt2, mixtral (4 layers, hidden 32, 4 heads,
 2 key/value heads, vocabulary 64; dropout and the KV cache off). verify trains it under the plan and
 as one process from the same seed on the same batches and prints the largest divergence.
+
+The targets carry ragged loss masks, as instruction data does (each sample keeps one random span of
+its targets, the rest -100: a prompt before, padding after): with verify's default
+``--loss-reduction tokens`` every plan must match one process on them.
 """
 
 import os
@@ -13,6 +17,7 @@ import os
 import torch
 
 from shardwise.models import hf
+from shardwise.verify.workloads import ragged_mask
 
 FAMILY = os.environ.get("SHARDWISE_HF_FAMILY", "llama")
 CONFIG = hf.tiny_config(FAMILY)
@@ -26,7 +31,7 @@ def build_model(seed: int) -> torch.nn.Module:
 def make_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(0, CONFIG.vocab_size, (size, SEQ + 1), generator=gen)
-    return ids[:, :-1], ids[:, 1:]
+    return ids[:, :-1], ragged_mask(ids[:, 1:], gen)
 
 
 loss_fn = hf.lm_loss

@@ -1,4 +1,5 @@
-"""Shared fixtures: process pools that live for the whole session (see shardwise.testing)."""
+"""Shared fixtures: process pools that live for the whole session (see shardwise.testing); the guard
+that fails a test taking over 90 s without an allowance (tests/time_limit.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Callable, Iterator
 import pytest
 
 from shardwise.testing import WorkerPool
+from tests.time_limit import pytest_configure, pytest_runtest_makereport  # noqa: F401 - the slow-test guard (its doc)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:

@@ -18,6 +18,7 @@ from shardwise.errors import ShardwiseError, StoppedBySignal
 COMMANDS = (
     "shardwise.commands.train",
     "shardwise.commands.run",
+    "shardwise.commands.rendezvous",
     "shardwise.commands.slurm",
     "shardwise.commands.doctor",
     "shardwise.commands.verify",

@@ -37,11 +37,13 @@ from shardwise.errors import ConfigError
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 Recompute = Literal["none", "selective", "full"]
-Precision = Literal["fp32", "bf16", "fp16"]
+Precision = Literal["fp32", "bf16", "fp16", "fp8"]
+Fp8Recipe = Literal["tensorwise", "rowwise"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise")
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 _ALIASES = {
@@ -57,6 +59,8 @@ _ALIASES = {
     "activation_checkpointing": "recompute",
     "context_parallel": "cp",
     "expert_parallel": "ep",
+    "sharded_accum": "sharded_accumulation",
+    "fused_loss": "chunked_loss",
 }
 
 
@@ -92,6 +96,11 @@ class Plan:
     precision: Precision = "fp32"
     cpu_offload: bool = False
     compile: bool = False
+    # Runtime options that change memory and time but not the math (the planner models each one):
+    params16: bool = False  # 16-bit parameters for compute (FSDP2 param_dtype), fp32 masters and reductions
+    chunked_loss: bool = False  # LM head + cross-entropy per chunk of tokens: full logits never held
+    sharded_accumulation: bool = False  # ZeRO-2/3: reduce-scatter after every micro-batch
+    fp8_recipe: Fp8Recipe = "tensorwise"  # with precision="fp8": torchao float8 scaling
 
     def __post_init__(self) -> None:
         if self.microbatches == 0 and isinstance(self.pp, int) and isinstance(self.virtual_stages, int):
@@ -110,6 +119,13 @@ class Plan:
             raise ConfigError(f"plan recompute={self.recompute!r} is unknown", hint=f"use one of {', '.join(RECOMPUTE)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"plan precision={self.precision!r} is unknown", hint=f"use one of {', '.join(PRECISIONS)}")
+        if self.fp8_recipe not in FP8_RECIPES:
+            raise ConfigError(f"plan fp8_recipe={self.fp8_recipe!r} is unknown", hint=f"use one of {', '.join(FP8_RECIPES)}")
+        if self.params16 and self.precision == "fp32":
+            raise ConfigError("plan params16 needs a 16-bit precision", hint="add precision=bf16 (or fp16, fp8), or drop params16")
+        if self.sharded_accumulation and self.zero < 2:
+            raise ConfigError(f"plan sharded_accumulation needs sharded gradients (zero=2 or 3), not zero={self.zero}",
+                              hint="add zero=3 (or 2), or drop sharded_accumulation")
         if self.virtual_stages > 1 and self.schedule != "interleaved_1f1b":
             raise ConfigError(
                 f"plan virtual_stages={self.virtual_stages} needs the interleaved schedule",
@@ -204,12 +220,18 @@ class Plan:
         - ``zero=N`` with neither: shard over all data-parallel ranks, the rest of the world after tp and pp;
         - ``zero=N`` with ``shard`` but no ``dp``: ``dp`` replicas of the shard group (HSDP) fill the rest;
         - no ZeRO and no ``dp``: ``dp`` takes the rest of the world;
+        - ``ep=N`` names no degree of its own (experts split over the data-parallel ranks): with
+          ``world_size`` data parallelism fills the rest as above; without one, the data-parallel
+          ranks it needs (``dp=N``, or ``shard=N`` under ZeRO) are filled in, as ``tp=N`` alone
+          means a world of N;
         - ``pp`` without ``microbatches``: one microbatch per stage and virtual stage (the planner
           chooses instead where it has the model: ``shardwise plan --fixed``).
         """
         out = _normalized(values)
         if world_size is not None:
             out = _fill_degrees(out, world_size)
+        else:
+            out = _fill_expert_ranks(out)
         return cls(**out)
 
     def to_dict(self) -> dict[str, Any]:
@@ -244,6 +266,8 @@ class Plan:
             if value != f.default or f.name in ("dp",):
                 if f.name == "schedule" and not self.pp_enabled:
                     continue
+                if f.name == "fp8_recipe" and self.precision != "fp8":
+                    continue
                 if f.name == "microbatches" and value == default_microbatches(self.pp, self.virtual_stages):
                     continue
                 parts.append(f.name if value is True else f"{f.name}={value}")
@@ -263,6 +287,14 @@ class Plan:
             ("activation recompute", self.recompute),
             ("precision", self.precision + (" (fp32 master weights and reductions)" if self.precision != "fp32" else "")),
         ]
+        if self.precision == "fp8":
+            rows.append(("fp8 recipe", f"{self.fp8_recipe} (torchao float8 linear layers)"))
+        if self.params16:
+            rows.append(("parameter storage", "16-bit for compute, fp32 sharded masters"))
+        if self.chunked_loss:
+            rows.append(("loss", "LM head + cross-entropy chunked over tokens"))
+        if self.sharded_accumulation:
+            rows.append(("gradient accumulation", "into shards (reduce-scatter every micro-batch)"))
         if self.cpu_offload:
             rows.append(("cpu offload", "parameters and optimizer state"))
         if self.compile:
@@ -329,6 +361,17 @@ def _fill_degrees(values: dict[str, Any], world_size: int) -> dict[str, Any]:
             out["dp"] = rest // shard
     elif "dp" not in out:
         out["dp"] = rest
+    return out
+
+
+def _fill_expert_ranks(values: dict[str, Any]) -> dict[str, Any]:
+    """Without a world size: ``ep=N`` alone asks for the N data-parallel ranks its experts are
+    split over (``dp=N``, or ``shard=N`` under ZeRO), the smallest world that runs it."""
+    out = dict(values)
+    ep = out.get("ep", 1)
+    if not isinstance(ep, int) or ep <= 1 or "dp" in out or "shard" in out:
+        return out
+    out["shard" if isinstance(out.get("zero", 0), int) and out.get("zero", 0) > 0 else "dp"] = ep
     return out
 
 

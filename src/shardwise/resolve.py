@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 from shardwise.errors import ConfigError
-from shardwise.layout import Plan
+from shardwise.layout import Plan, named_keys
 
 
 def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = None, elastic: bool = False) -> Plan:
@@ -24,6 +24,9 @@ def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = N
     regained under ``--nnodes MIN:MAX``), so a plan that no longer fits is re-planned with
     :func:`replan` instead of refused.
     """
+    if isinstance(plan, str) and precision is not None and plan.strip().lower() not in ("dp", "ddp", "", "single", "none"):
+        if "precision" not in named_keys(plan):  # before parsing: "zero=3,params16" needs the precision it is checked against
+            plan = f"{plan},precision={precision}"
     if isinstance(plan, str):
         if plan.strip().lower() in ("dp", "ddp"):
             plan = Plan(dp=world_size)

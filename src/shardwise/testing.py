@@ -94,7 +94,11 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent
             conn.send_bytes(pickle.dumps(reply))
         except Exception:  # noqa: BLE001 - an unpicklable result is a test error too
             conn.send_bytes(pickle.dumps(("err", traceback.format_exc(), 0)))
-    dist.destroy_process_group()
+    # Leave without destroy_process_group(): tearing down Gloo's groups waits on the other ranks
+    # (seconds per pool, each time one closes or recycles), and the process is ending anyway.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:

@@ -34,6 +34,18 @@ class SmallCNN(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+class Wrapped(nn.Module):
+    """forward(ids) -> logits around an HF model, with an .item() in it."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 if ids.min().item() >= 0 else 0.0
+        return self.model(ids).logits * scale
+
+
 def make(kind: str) -> tuple[nn.Module, TensorDataset, object]:
     g = torch.Generator().manual_seed(0)
     ce = nn.functional.cross_entropy
@@ -46,6 +58,12 @@ def make(kind: str) -> tuple[nn.Module, TensorDataset, object]:
         return SmallCNN(), TensorDataset(x, (x.mean((1, 2, 3)) > 0).long() + 2 * (x[:, 0, 0, 0] > 0).long()), ce
     from shardwise.models.hf import build_causal_lm, lm_loss, tiny_config
 
+    if kind == "wrapped":  # a user's wrapper: eager attention and a data-dependent op, which the meta forward cannot run
+        config = tiny_config("llama", layers=3, hidden=32, heads=4, kv_heads=2, vocab=64, seq=32)
+        config._attn_implementation = "eager"
+        model = Wrapped(build_causal_lm(config, seed=0))
+        tokens = torch.randint(0, 64, (64, 17), generator=g)
+        return model, TensorDataset(tokens[:, :-1], tokens[:, 1:]), lm_loss
     model = build_causal_lm(tiny_config(kind, layers=3, hidden=32, heads=4, kv_heads=2, vocab=64, seq=32), seed=0)
     tokens = torch.randint(0, 64, (64, 17), generator=g)
     return model, TensorDataset(tokens[:, :-1], tokens[:, 1:]), lm_loss
@@ -80,7 +98,8 @@ def corrupt_first_plan(pm, plan) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,world", [("mlp", 2), ("mlp", 4), ("cnn", 2), ("cnn", 4), ("llama", 2), ("gpt2", 2), ("mixtral", 2)])
+@pytest.mark.parametrize("kind,world", [("mlp", 2), ("mlp", 4), ("cnn", 2), ("cnn", 4), ("llama", 2), ("gpt2", 2), ("mixtral", 2),
+                                        ("wrapped", 2)])
 def test_auto_trains_any_model_with_a_certified_plan(pools, tmp_path, kind: str, world: int) -> None:
     results = pools(world).run(fit_auto, kind, str(tmp_path))
     plan = Plan.parse(results[0]["plan"])
@@ -91,7 +110,7 @@ def test_auto_trains_any_model_with_a_certified_plan(pools, tmp_path, kind: str,
     assert cert["certified"] == results[0]["plan"] == str(Plan.from_dict(saved["plan"]))
     assert cert["rtol"] == 1e-5 and cert["seconds"] > 0 and cert["candidates"][-1]["passed"]
     assert cert["compared"]["steps"] == 3 and "of the training data" in cert["compared"]["samples"]
-    if kind in ("llama", "gpt2", "mixtral"):
+    if kind in ("llama", "gpt2", "mixtral", "wrapped"):
         assert "of 3 layers" in cert["compared"]["model"] or "2 of 3 blocks" in cert["compared"]["model"]
 
 

@@ -1,4 +1,4 @@
-"""Layouts on one 2-D mesh against one process (fp32, 20 steps, rtol 1e-5 as in test_fsdp/test_tp):
+"""Layouts on one 2-D mesh against one process (fp32, 4 steps, rtol 1e-5 as in test_fsdp/test_tp):
 DP2 x TP2, FSDP2 x TP2 (2-D DTensor parameters), activation recompute under them, and models
 built on the meta device, parallelized, then materialized shard by shard."""
 
@@ -8,7 +8,7 @@ from shardwise.verify.parity import GPTWorkload, Run, Training, parity_worker
 from tests.distributed.test_tp import LargeModelWorkload
 
 RTOL = 1e-5
-TRAINING = Training(steps=20, global_batch=8)
+TRAINING = Training(steps=4, global_batch=8)  # same rtol as at 20 steps; steps 2-4 use the momentum buffers (sharded, where the layout shards them)
 
 
 def _check(per_rank):

@@ -10,6 +10,7 @@ from shardwise.plan.search import search
 from shardwise.plan.stats import TransformerSpec, transformer_stats
 
 
+@pytest.mark.slow_allowed(seconds=150, why="a whole calibration of this machine (about 45 s on two idle cores)")
 @pytest.mark.timeout(480)
 def test_calibration_yields_a_usable_spec(dist2, tmp_path) -> None:
     # A whole calibration (about 45 s alone here): longer than the pool's default deadline on a busy host.

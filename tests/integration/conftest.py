@@ -147,3 +147,12 @@ def sshd() -> Iterator[LoopbackSshd]:
             server.kill()
         log.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def elastic_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The per-step losses of the node-loss job (tests/integration/nodes_harness.py) run as one
+    uninterrupted process: the reference of every node-loss test, computed once."""
+    from tests.integration.nodes_harness import SAVE_EVERY, STEPS, reference
+
+    return reference(tmp_path_factory.mktemp("elastic-reference"), steps=STEPS, save_every=SAVE_EVERY)

@@ -8,15 +8,24 @@ checkpoint of a model-less job. Every file's bytes and every directory are snaps
 after, so a leftover ``.tmp``, a truncated log or a changed shard fails the case as surely as a
 traceback does.
 
-Each case is a fresh interpreter that imports torch (seconds of CPU), so the selected cases run
-concurrently, one per core. Cases marked ``unprivileged`` need a file the command cannot read or
-a directory it cannot write: as root they run without the capabilities that bypass permissions.
+A fresh interpreter spends seconds of CPU importing torch before it reads its arguments, so most
+cases run the way the documented commands do (tests/forkrun.py): one process imports torch and
+shardwise once and forks a child per case that runs ``shardwise.cli.main(argv)`` (what ``python
+-m shardwise`` runs), in the case's directory, with its own stdout/stderr files and timeout. The
+first case of every table, and every case that needs a fresh interpreter, still runs ``python -m
+shardwise`` as a subprocess: those marked ``unprivileged`` (they need a file the command cannot
+read or a directory it cannot write: as root they run without the capabilities that bypass
+permissions, dropped before exec) and those with their own environment (``PYTHONPATH``, ``HOME``,
+read at start-up). The first cases show that a fresh interpreter's start-up prints nothing on
+stderr (no import-time warning), which the forked children, started after the imports, cannot.
+All selected cases run concurrently, one per core.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import json
 import os
 import pickle
@@ -32,6 +41,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+
+from tests.forkrun import run_phases
 
 TIMEOUT_S = 60
 PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2  # <linux/prctl.h>, <linux/capability.h>
@@ -149,11 +160,35 @@ TRAIN_CASES = [
     case("config-wrong-type", ["train", "--config", "c.toml"], r"'train\.lr' \(from c\.toml\): 'fast' is not a number",
          write("c.toml", "[train]\nlr = 'fast'\n")),
     # [data] options that only work together
-    case("streaming-without-model-hf", ["train", "--nproc", "1", "--data.streaming", "true"], r"data\.streaming are for fine-tuning a Hugging Face"),
+    case("streaming-without-model-hf", ["train", "--nproc", "1", "--data.streaming", "true"], r"data\.streaming and data\.format are for fine-tuning a Hugging Face"),
     case("val-files-without-streaming", ["train", "--nproc", "1", "--model.hf", "m", "--data.files", "a.txt", "--data.val_files", "a.txt"],
          r"data\.val_files is an option of a streamed dataset.*--data\.streaming true", write("a.txt", "text")),
     case("streaming-without-max-steps", ["train", "--nproc", "1", "--model.hf", "m", "--data.files", "a.txt", "--data.streaming", "true",
                                          "--max-steps", "0"], r"no length known before training.*--max-steps", write("a.txt", "text")),
+]
+
+# Instruction data for --model.hf (a chat model and one without a chat template are in the template
+# directory): one line naming the file and line, before any process starts.
+GOOD_CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
+FT = ("train", "--nproc", "1", "--run.name=ft", "--model.seq_len=32")
+TRAIN_CASES_INSTRUCT = [
+    case("instruct-line-not-json", [*FT, "--model.hf", "chatmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
+         r"c\.jsonl:2 is not JSON", write("c.jsonl", GOOD_CHAT + "\n{oops\n")),
+    case("instruct-record-without-the-field", [*FT, "--model.hf", "chatmodel", "--data.format", "prompt_completion", "--data.files", "p.jsonl"],
+         r"p\.jsonl:1 has no field 'completion'.*--data\.completion_key", write("p.jsonl", '{"prompt": "a"}\n')),
+    case("chat-without-an-assistant-turn", [*FT, "--model.hf", "chatmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
+         r"c\.jsonl:2: the chat has no assistant turn", write("c.jsonl", GOOD_CHAT + '\n{"messages": [{"role": "user", "content": "x"}]}\n')),
+    case("tokenizer-without-a-chat-template", [*FT, "--model.hf", "plainmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
+         r"the tokenizer has no chat template", write("c.jsonl", GOOD_CHAT + "\n")),
+    case("every-prompt-fills-the-context", [*FT, "--model.hf", "chatmodel", "--data.format", "prompt_completion", "--data.files", "p.jsonl",
+                                            "--model.seq_len=8"], r"none of the 2 record\(s\) leaves a target to learn within the 8-token context",
+         write("p.jsonl", "".join(json.dumps({"prompt": "hello " * 20, "completion": "x"}) + "\n" for _ in range(2)))),
+    case("packing-text", [*FT, "--model.hf", "chatmodel", "--data.files", "a.txt", "--data.packing", "true"],
+         r"data\.packing is an option of prompt_completion and chat", write("a.txt", "text")),
+    case("packing-under-cp", [*FT[:2], "2", *FT[3:], "--plan", "cp=2", "--model.hf", "chatmodel", "--data.format", "chat",
+                              "--data.files", "c.jsonl", "--data.packing", "true"], r"context parallel's split attention cannot keep packed",
+         write("c.jsonl", GOOD_CHAT + "\n")),
+    case("instruct-format-without-model-hf", ["train", "--nproc", "1", "--data.format", "chat"], r"data\.format are for fine-tuning"),
 ]
 
 # A refused resume or an unusable run directory: these used to truncate metrics.csv, rewrite
@@ -241,6 +276,7 @@ VERIFY_CASES = [
     case("rtol-nan", ["verify", "--plan", "dp=2", "--rtol", "nan"], r"--rtol nan must be a non-negative number"),
     case("timeout-zero", ["verify", "--plan", "dp=2", "--timeout", "0"], r"--timeout 0 must be a positive number"),
     case("script-is-a-directory", ["verify", "--plan", "dp=2", "--script", "adir"], r"--script 'adir' is a directory", mkdir("adir")),
+
 ]
 
 PLAN_CASES = [
@@ -315,11 +351,15 @@ GENERATE_CASES = [
 ]
 
 TABLES = {
-    "train": TRAIN_CASES + TRAIN_CASES_RUN_DIR + TRAIN_CASES_HANG_TIMEOUT + TRAIN_CASES_TRACKER, "run": RUN_CASES, "slurm": SLURM_CASES,
+    "train": TRAIN_CASES + TRAIN_CASES_RUN_DIR + TRAIN_CASES_HANG_TIMEOUT + TRAIN_CASES_TRACKER
+    + (TRAIN_CASES_INSTRUCT if importlib.util.find_spec("transformers") else []), "run": RUN_CASES, "slurm": SLURM_CASES,
     "doctor": DOCTOR_CASES, "verify": VERIFY_CASES, "plan": PLAN_CASES, "calibrate": CALIBRATE_CASES, "inspect": INSPECT_CASES,
     "consolidate": CONSOLIDATE_CASES, "generate": GENERATE_CASES,
 }
 ALL = [(command, c) for command, cases in TABLES.items() for c in cases]
+# the first case of each table runs in a fresh interpreter (the module doc)
+FIRST_OF_TABLE = {cases[0] for cases in (TRAIN_CASES, TRAIN_CASES_INSTRUCT, TRAIN_CASES_RUN_DIR, TRAIN_CASES_HANG_TIMEOUT,
+                                         TRAIN_CASES_TRACKER, *list(TABLES.values())[1:])}
 
 
 # -- the harness -------------------------------------------------------------------------------------
@@ -383,16 +423,53 @@ def shardwise(args: tuple[str, ...], cwd: Path, *, env: dict[str, str], unprivil
         return None, out, err
 
 
-def run_case(c: Case, template: Path, scratch: Path) -> Outcome:
+@dataclass(frozen=True)
+class Prepared:
+    """A case's directory, ready to run in, and the snapshot taken before the run."""
+
+    case: Case
+    root: Path
+    home: Path
+    before: dict[str, str]
+
+
+def prepare_case(c: Case, template: Path, scratch: Path) -> Prepared:
     root = Path(tempfile.mkdtemp(dir=scratch))
     shutil.copytree(template, root, dirs_exist_ok=True, symlinks=True)
     for prepare in c.prepare:
         prepare(root)
     before = snapshot(root)
-    home = Path(tempfile.mkdtemp(dir=scratch))
-    env = {**_environment(home), **{key: value.format(home=home) for key, value in c.env}}
-    returncode, out, err = shardwise(c.args, root, env=env, unprivileged=c.unprivileged)
-    return Outcome(returncode, out, err, _diff(before, snapshot(root)))
+    return Prepared(c, root, Path(tempfile.mkdtemp(dir=scratch)), before)
+
+
+def run_case(p: Prepared) -> Outcome:
+    """``python -m shardwise`` in a fresh interpreter."""
+    env = {**_environment(p.home), **{key: value.format(home=p.home) for key, value in p.case.env}}
+    returncode, out, err = shardwise(p.case.args, p.root, env=env, unprivileged=p.case.unprivileged)
+    return Outcome(returncode, out, err, _diff(p.before, snapshot(p.root)))
+
+
+def needs_fresh_interpreter(c: Case, first_of_table: bool) -> bool:
+    return first_of_table or c.unprivileged or bool(c.env)
+
+
+def run_forked(prepared: list[Prepared], scratch: Path) -> dict[Case, Outcome]:
+    """The cases forked from one process that imported torch and shardwise (tests/forkrun.py)."""
+    if not prepared:
+        return {}
+    jobs = [{"id": str(i), "kind": "shardwise", "argv": list(p.case.args), "cwd": str(p.root), "timeout_s": TIMEOUT_S,
+             "env": {"MPLCONFIGDIR": str(p.home / ".mpl")}, "stdout": str(p.home / "stdout"), "stderr": str(p.home / "stderr")}
+            for i, p in enumerate(prepared)]
+    server_env: dict[str, str | None] = {k: None for k in os.environ}
+    server_env.update(_environment(scratch))
+    results = run_phases([jobs], env=server_env, preload=("shardwise.checkpoint", "shardwise.train.generate"),
+                         timeout_s=TIMEOUT_S * (len(jobs) + 4))
+    outcomes = {}
+    for i, p in enumerate(prepared):
+        rc = results[str(i)]["rc"]
+        outcomes[p.case] = Outcome(None if rc == "timeout" else rc, (p.home / "stdout").read_text(errors="replace"),
+                                   (p.home / "stderr").read_text(errors="replace"), _diff(p.before, snapshot(p.root)))
+    return outcomes
 
 
 class _Counter:
@@ -416,6 +493,11 @@ def _make_template(root: Path) -> None:
 
     assert CheckpointManager(str(root / "counters")).save({"counter": _Counter()}, step=1)
     (root / "ok.py").write_text("pass\n")
+    if importlib.util.find_spec("transformers"):  # a model with a chat template and one without (the instruction-data cases)
+        from shardwise.models import hf
+
+        for name, chat in (("chatmodel", True), ("plainmodel", False)):
+            hf.save_tiny(str(root / name), texts=["hello there, " * 20], vocab=140, seq=32, chat=chat)
     shutil.rmtree(root / ".mpl", ignore_errors=True)
 
 
@@ -438,10 +520,16 @@ def outcomes(request: pytest.FixtureRequest, scratch: Path) -> Iterator[Callable
     _make_template(template)
     selected = [item.callspec.params["case"] for item in request.session.items
                 if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})]
-    pool = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)))
-    futures: dict[Case, Future[Outcome]] = {c: pool.submit(run_case, c, template, scratch) for c in selected}
+    prepared = [prepare_case(c, template, scratch) for c in selected]
+    fresh = [p for p in prepared if needs_fresh_interpreter(p.case, p.case in FIRST_OF_TABLE)]
+    forked = [p for p in prepared if p not in fresh]
+    # one worker forks the cases from one pre-imported process (two at a time, one per core);
+    # the other runs the fresh interpreters one after the other
+    pool = ThreadPoolExecutor(max_workers=2)
+    batch = pool.submit(run_forked, forked, scratch)
+    futures: dict[Case, Future[Outcome]] = {p.case: pool.submit(run_case, p) for p in fresh}
     try:
-        yield lambda c: futures[c].result()
+        yield lambda c: futures[c].result() if c in futures else batch.result()[c]
     finally:
         pool.shutdown(cancel_futures=True)  # after -x or ^C, the cases not started yet are dropped
 

@@ -102,7 +102,14 @@ def test_stopping_the_launcher_stops_every_host(sshd: LoopbackSshd, tmp_path: Pa
         pids = _recorded_pids(tmp_path)
         assert len(pids) == 4, launcher.communicate(timeout=60)
         launcher.send_signal(getattr(signal, how))
-        out, err = launcher.communicate(timeout=90)
+        sent = time.monotonic()
+        try:
+            out, err = launcher.communicate(timeout=90)
+        except subprocess.TimeoutExpired:  # say where it was stuck: its output, and the processes still alive
+            launcher.kill()
+            out, err = launcher.communicate(timeout=30)
+            pytest.fail(f"the launcher had not exited {time.monotonic() - sent:.0f} s after {how}; still alive: "
+                        f"{[p for p in pids if _alive(p)]}\nstderr:\n{err[-4000:]}\nstdout:\n{out[-2000:]}")
         assert launcher.returncode == (130 if how == "SIGINT" else -signal.SIGKILL), err[-3000:]
         if how == "SIGINT":
             assert err.strip().splitlines()[-1] == "shardwise run: interrupted; every host was stopped", err
@@ -146,3 +153,27 @@ def test_doctor_checks_collectives_across_hosts(sshd: LoopbackSshd) -> None:
     for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
         assert re.search(rf"\[127\.0\.0\.1\]\s+{op}\s+ok", proc.stdout), proc.stdout
     assert "all checks passed" in proc.stdout
+
+
+def test_elastic_job_keeps_its_rendezvous_store_on_the_launcher(sshd: LoopbackSshd) -> None:
+    """``--nnodes 1:2``: the store lives in this launcher (no node is special), every host reaches it."""
+    proc = subprocess.run(SHARDWISE + ["run", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config), "--nnodes", "1:2",
+                                       "--max-restarts", "1", "--rdzv-timeout", "60", "--rdzv-conf", "last_call_timeout=2",
+                                       str(SCRIPTS / "report_world.py")], capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"pre-flight ok on 2 host\(s\) .* elastic 1:2 nodes, rendezvous id \w+, rendezvous store on this machine, "
+                     r"port \d+$", proc.stderr, re.M), proc.stderr
+    assert sorted(re.findall(r"WORLD rank=(\d) world=2 .* sum=3", proc.stdout)) == ["0", "1"], proc.stdout
+
+
+def test_unreachable_rendezvous_store_is_one_line_per_host_before_anything_starts(sshd: LoopbackSshd) -> None:
+    port = free_port()  # nothing listens there
+    proc = subprocess.run(SHARDWISE + ["run", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config), "--nnodes", "1:2",
+                                       "--rdzv-store", f"127.0.0.1:{port}", str(SCRIPTS / "report_world.py")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[0] == "shardwise run: error: pre-flight found 2 problems, nothing was started:", proc.stderr
+    for host, line in zip(("127.0.0.1", "localhost"), lines[1:]):
+        assert line.startswith(f"  host {host}: cannot reach the rendezvous store at 127.0.0.1:{port}: Connection refused; "), line
+    assert len(lines) == 3 and "WORLD" not in proc.stdout

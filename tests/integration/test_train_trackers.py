@@ -19,26 +19,53 @@ import glob
 import json
 import os
 import struct
-import subprocess
-import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from shardwise.config import TrainJobConfig, flatten
+from tests.forkrun import run_phases
 
 TINY = ["--nproc", "1", "--model.layers=1", "--model.hidden=32", "--model.heads=2", "--model.seq_len=16", "--data.max_chars=20000",
         "--train.global_batch_size=4", "--train.warmup_steps=2", "--train.eval_every=0", "--train.eval_windows=4", "--sample.chars=0",
         "--train.log_every=1", "--checkpoint.every_n_steps=3"]
 
 
-def _train(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    inherited = {k: v for k, v in os.environ.items() if k != "SHARDWISE_FAULT"}
-    full_env = {**inherited, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true",
-                **(env or {})}
-    return subprocess.run([sys.executable, "-m", "shardwise", "train", *TINY, *args], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=240)
+ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true"}
+
+
+@dataclass(frozen=True)
+class Done:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _job(cwd: Path, name: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    return {"id": name, "kind": "shardwise", "argv": ["train", *TINY, *args], "cwd": str(cwd), "env": {**ENV, **(env or {})},
+            "stdout": str(cwd / f"{name}.out"), "stderr": str(cwd / f"{name}.err"), "timeout_s": 240}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The three invocations, as `python -m shardwise train` runs them but forked from one process
+    that imported torch and shardwise once (tests.forkrun): the MLflow run's first invocation (with
+    its restart) beside the W&B run, then the MLflow run's resume."""
+    mlflow_dir, wandb_dir = tmp_path_factory.mktemp("mlflow"), tmp_path_factory.mktemp("wandb")
+    store = (mlflow_dir / "mlruns").as_uri()
+    mlflow = ["--run.name=tracked", "--log.tracker", "mlflow", "--log.tracking_uri", store, "--log.experiment", "cli"]
+    phases = [[_job(mlflow_dir, "first", *mlflow, "--max-steps", "5", "--max-restarts", "1", env={"SHARDWISE_FAULT": "rank=0,step=3,how=raise"}),
+               _job(wandb_dir, "wandb", "--run.name=wb", "--max-steps", "2", "--log.tracker", "wandb", "--log.wandb_mode", "offline",
+                    "--log.experiment", "cli", env={"WANDB_MODE": "online"})],  # the option wins over the environment
+              [_job(mlflow_dir, "second", *mlflow, "--max-steps", "8", "--resume", "auto")]]
+    results = run_phases(phases, env={"SHARDWISE_FAULT": None}, preload=("mlflow.tracking", "wandb"), timeout_s=600)
+    done = {}
+    for name, cwd in (("first", mlflow_dir), ("wandb", wandb_dir), ("second", mlflow_dir)):
+        rc = results[name]["rc"]
+        done[name] = Done(rc if isinstance(rc, int) else -9, (cwd / f"{name}.out").read_text(), (cwd / f"{name}.err").read_text())
+    return {"store": store, "mlflow_dir": mlflow_dir, "wandb_dir": wandb_dir, **done}
 
 
 def _csv_losses(run_dir: Path) -> dict[int, float]:
@@ -47,16 +74,13 @@ def _csv_losses(run_dir: Path) -> dict[int, float]:
 
 
 @pytest.mark.timeout(600)
-def test_mlflow_run_survives_a_restart_and_a_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mlflow_run_survives_a_restart_and_a_resume(runs: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store behind this switch
     from mlflow.tracking import MlflowClient
 
-    store = (tmp_path / "mlruns").as_uri()
-    mlflow = ["--run.name=tracked", "--log.tracker", "mlflow", "--log.tracking_uri", store, "--log.experiment", "cli"]
-    first = _train(tmp_path, *mlflow, "--max-steps", "5", "--max-restarts", "1", env={"SHARDWISE_FAULT": "rank=0,step=3,how=raise"})
+    store, tmp_path, first, second = runs["store"], runs["mlflow_dir"], runs["first"], runs["second"]
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "injected fault" in first.stdout + first.stderr  # the restart happened
-    second = _train(tmp_path, *mlflow, "--max-steps", "8", "--resume", "auto")
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "checkpoint: resumed from step 5" in second.stdout
 
@@ -104,9 +128,8 @@ def _wandb_records(path: str) -> list[Any]:
 
 
 @pytest.mark.timeout(300)
-def test_wandb_offline_run_holds_the_configuration(tmp_path: Path) -> None:
-    done = _train(tmp_path, "--run.name=wb", "--max-steps", "2", "--log.tracker", "wandb", "--log.wandb_mode", "offline",
-                  "--log.experiment", "cli", env={"WANDB_MODE": "online"})  # the option wins over the environment
+def test_wandb_offline_run_holds_the_configuration(runs: dict[str, Any]) -> None:
+    tmp_path, done = runs["wandb_dir"], runs["wandb"]
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = tmp_path / "runs" / "wb"
     state = json.loads((run_dir / "wandb_run.json").read_text())

@@ -102,3 +102,61 @@ def test_plan_model_script_and_model_hf_print_the_trainers_table(tmp_path) -> No
         stats_from_model_script(str(tmp_path / "empty.py"))
     data = json.loads(_plan("--model.hf", str(tmp_path), *common, "--json"))
     assert data["seq"] == 32 and data["model"] == "llama"  # without --seq: the config's context length
+
+
+class _Wrapped(nn.Module):
+    """A user's two-line wrapper around an HF model, with a data-dependent op in its forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        scale = 1.0 if ids.max().item() >= 0 else 0.0  # .item(): the meta device cannot run it
+        return self.model(ids).logits * scale
+
+
+class _ItemMLP(nn.Module):
+    """Repeated blocks and an .item() in the forward, no config anywhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)) for _ in range(4))
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for block in self.blocks:
+            x = x + block(x) * (1.0 if x.abs().max().item() < 1e9 else 0.0)
+        return self.head(x)
+
+
+def test_auto_sizing_falls_back_when_the_meta_forward_fails(caplog: pytest.LogCaptureFixture) -> None:
+    """HF config in the tree, then one real CPU forward and backward at a short length scaled to
+    the real one, then the parameter count; each logs which one sized the model."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="shardwise")
+    config = hf.tiny_config("llama", seq=256)
+    config._attn_implementation = "eager"
+    wrapped = _Wrapped(hf.build_causal_lm(config, seed=0))
+    stats = sample_stats(wrapped, torch.zeros(1, 256, dtype=torch.long))
+    assert stats.seq == 256 and stats.blocks == 4 and stats.params_total == pytest.approx(sum(p.numel() for p in wrapped.parameters()), rel=0.05)
+    assert "from the Hugging Face config inside it" in caplog.text and "item" in caplog.text  # and why the meta forward failed
+    caplog.clear()
+    mlp = _ItemMLP()
+    ids = torch.randint(0, 32, (1, 256))
+    stats = sample_stats(mlp, ids)
+    assert stats.seq == 256 and stats.blocks == 4 and stats.params_total == sum(p.numel() for p in mlp.parameters())
+    short = sample_stats(mlp, ids[:, :64])  # the CPU run is at 64 tokens: 256 scales its activations by 4
+    assert stats.act_bytes_per_block == pytest.approx(4 * short.act_bytes_per_block) and stats.act_bytes_per_block > 0
+    assert "by one forward and backward on the CPU (2 of its blocks, 64 of 256 tokens" in caplog.text
+    caplog.clear()
+    on_meta = _ItemMLP().to("meta")
+    stats = sample_stats(on_meta, ids)
+    assert stats.blocks == 4 and stats.act_bytes_per_block == 34 * 64 * 256 and "from its parameter count" in caplog.text
+    with pytest.raises(ConfigError, match=r"cannot run its first training sample .*on the meta device .*on the CPU"):
+        sample_stats(_ItemMLP(), torch.zeros(1, 4))  # float ids: cannot run at all
+    small, what = shrink(wrapped, blocks=2)  # certification's copy: the HF config inside says 2 layers
+    assert "2 of 4 blocks" in what and small.model.config.num_hidden_layers == 2 and wrapped.model.config.num_hidden_layers == 4

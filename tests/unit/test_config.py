@@ -53,7 +53,7 @@ def test_types_are_coerced_and_checked(tmp_path) -> None:
         ("train.lrr=1", r"unknown config key 'train.lrr'.*did you mean 'train.lr'"),
         ("trian.lr=1", r"unknown config section 'trian'.*did you mean 'train'"),
         ("train.lr=fast", r"config key 'train.lr' \(from the command line\): 'fast' is not a number"),
-        ("train.precision=fp64", r"'train.precision'.*'fp64' is not one of fp32, bf16, fp16"),
+        ("train.precision=fp64", r"'train.precision'.*'fp64' is not one of fp32, bf16, fp16, fp8"),
         ("model.layers=0", r"'model.layers'.*0 is below the minimum 1"),
         ("data.val_fraction=0.9", r"'data.val_fraction'.*above the maximum"),
         ("lr=1", r"override key 'lr' is not section.key"),
@@ -101,7 +101,7 @@ def test_override_keys_splits_the_command_line() -> None:
 
 def test_describe_keys_lists_every_key_with_its_default() -> None:
     text = describe_keys()
-    assert "train.lr = 0.003" in text and "train.precision = \"fp32\"" in text and "(fp32|bf16|fp16)" in text
+    assert "train.lr = 0.003" in text and "train.precision = \"fp32\"" in text and "(fp32|bf16|fp16|fp8)" in text
     assert len(text.splitlines()) == sum(len(section_fields(TrainJobConfig, f.name)) for f in fields(TrainJobConfig))
     assert "model.seq_len = 128" in text and "model.vocab_size" not in text  # the job sets the vocabulary
 

@@ -1,9 +1,9 @@
-"""The planner's pages cannot go stale: every ```console block of docs/planner.md (and README.md,
-should it show one) is run and its output compared with the page, line for line; every other
-`shardwise ...` command docs/planner.md shows, and the README's planner commands (inline, in tables
-and shell blocks: commands that measure a machine or train), must parse with the real command line;
-and the published-runs table and figures in docs/planner.md must equal the ones
-bench/planner_published.py makes from the committed results.
+"""The pages cannot go stale: every ```console block of docs/planner.md (and README.md, should it
+show one) is run and its output compared with the page, line for line; every command the README,
+docs/*.md and the --help texts show (:mod:`tests.doc_commands`) names only flags, files and make
+targets that exist (tests/integration/test_docs_run.py runs them); and the published-runs table and
+figures in docs/planner.md must equal the ones bench/planner_published.py makes from the committed
+results.
 
 A console block is ``$ shardwise ...`` (continued with a trailing backslash) followed by exactly
 what the command prints. The planner is a pure function of its inputs, so the output is the same on
@@ -22,28 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from shardwise.cli import build_parser, main
+from shardwise.cli import main
+from tests.doc_commands import ROOT, _blocks, all_commands, parse_error
 
-ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "docs" / "planner.md", ROOT / "README.md"]
-# which commands of a page are checked: all of the planner's page, the planner's in the README
-CHECKED = {"planner.md": None, "README.md": ("plan", "calibrate")}
-FENCE = re.compile(r"^```(\w*)\s*$")
-
-
-def _blocks(path: Path) -> list[tuple[str, int, list[str]]]:
-    """(language, first line number, lines) of every fenced block."""
-    out, lang, start, body = [], None, 0, []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        m = FENCE.match(line)
-        if m and lang is None:
-            lang, start, body = m.group(1), number, []
-        elif line.strip() == "```" and lang is not None:
-            out.append((lang, start, body))
-            lang = None
-        elif lang is not None:
-            body.append(line)
-    return out
 
 
 def console_examples() -> list[tuple[str, str, list[str]]]:
@@ -95,37 +77,42 @@ def test_console_blocks_print_what_the_page_shows(where: str, command: str, expe
     assert got == expected, f"{where}: `{command}` now prints:\n" + "\n".join(got)
 
 
-def _inline_commands(path: Path) -> list[str]:
-    """`shardwise ...` commands outside console blocks: in code spans and in bash blocks."""
-    text = path.read_text()
-    found = [m.group(1) for m in re.finditer(r"`(shardwise [^`]+)`", text)]
-    for lang, _, body in _blocks(path):
-        if lang in ("bash", "sh", "shell", ""):
-            joined = "\n".join(body).replace("\\\n", " ")
-            for line in joined.splitlines():
-                line = line.split("#", 1)[0].strip()
-                if line.startswith("shardwise "):
-                    found.append(line)
-    return found
+USER_SCRIPTS = ("train.py", "my_model.py")  # what the docs call the user's own files
 
 
-@pytest.mark.parametrize("path", PAGES, ids=[p.name for p in PAGES])
-def test_every_other_shardwise_command_on_the_page_parses(path: Path) -> None:
-    subcommands = CHECKED[path.name]
-    commands = [c for c in _inline_commands(path) if subcommands is None or c.split()[1] in subcommands]
-    assert commands
-    parser = build_parser()
-    for command in commands:
-        argv = shlex.split(command)[1:]
-        if "..." in command or "[" in command or len(argv) < 2:  # a usage pattern or a name, not an invocation
-            continue
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-            try:
-                parser.parse_args(argv)
-            except SystemExit as exc:
-                if exc.code:
-                    pytest.fail(f"{path.name}: `{command}` does not parse: {err.getvalue().strip()}")
+DOCUMENTED = all_commands()
+
+
+def test_the_docs_and_the_help_show_commands() -> None:
+    sources = {c.source for c in DOCUMENTED}
+    assert sources == {"block", "prose", "help"} and len(DOCUMENTED) >= 80
+    helps = {w.split(" --help")[0] for c in DOCUMENTED for w in c.where if w.endswith("--help")}
+    assert {"shardwise train", "shardwise run", "shardwise plan", "shardwise checkpoint"} <= helps
+
+
+@pytest.mark.parametrize("cmd", DOCUMENTED, ids=[f"{c.where[0]} {c.text[:60]}" for c in DOCUMENTED])
+def test_every_documented_command_names_what_exists(cmd) -> None:
+    """Every documented command (README, docs/*.md, every --help's examples; patterns too, with
+    ``...`` and the brackets taken out) names flags the command line has, files that exist and
+    make targets the Makefile has. A page that shows a command refused (its output an error line)
+    is checked by tests/integration/test_docs_run.py, which runs every command."""
+    where = ", ".join(cmd.where)
+    if cmd.program == "shardwise":
+        error = parse_error(cmd.parse_argv())
+        if error and not cmd.error:
+            # a reference in prose may leave out required arguments; no command may name a flag that does not exist
+            assert cmd.pattern and "unrecognized arguments" not in error and "invalid choice" not in error, f"{where}: `{cmd.text}`: {error}"
+    elif cmd.program in ("python", "python3"):
+        target = cmd.words[1:]
+        if target[:1] == ["-m"]:
+            import importlib.util
+
+            assert importlib.util.find_spec(target[1]) is not None, f"{where}: `{cmd.text}`: no module {target[1]}"
+        else:
+            assert target[0] in USER_SCRIPTS or (ROOT / target[0]).is_file(), f"{where}: `{cmd.text}`: {target[0]} does not exist"
+    elif cmd.program == "make":
+        targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M)
+        assert cmd.words[1] in targets, f"{where}: `{cmd.text}`: the Makefile has no target {cmd.words[1]!r}"
 
 
 def test_the_published_runs_table_is_the_committed_result() -> None:

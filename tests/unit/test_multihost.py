@@ -135,7 +135,8 @@ def test_judge_master_port_in_use_on_node_0() -> None:
     assert problems == ["host a: the master port 29500 is in use there; pick another --master-port"] and port == 29500
 
 
-def test_probe_runs_here(tmp_path) -> None:
+def test_probe_runs_here(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the probe changes directory (it runs as its own process over ssh)
     (tmp_path / "train.py").write_text("")
     facts = probe(str(tmp_path), "train.py", False, "127.0.0.1", None, True)
     assert facts["chdir_ok"] and facts["script_ok"] and facts["master_resolves"] and facts["free_port"] > 0
@@ -234,3 +235,43 @@ def test_stdin_lifeline_stops_the_node_and_its_children(tmp_path) -> None:
         time.sleep(0.1)
     else:
         pytest.fail("the child outlived its node")
+
+
+def _interrupted_sessions(script: str, signals: int, grace_s: float) -> tuple[str, float]:
+    """Run Sessions in a child process, Ctrl-C it ``signals`` times once its session started;
+    return the child's stdout and the seconds from the first SIGINT to its exit."""
+    code = ("import sys\n"
+            "from shardwise.launch.sessions import Session, Sessions\n"
+            f"with Sessions([Session('a', ('sh', '-c', {script!r}))], stop_grace_s={grace_s}) as s:\n"
+            "    print('READY', flush=True)\n"
+            "    o = s.wait()\n"
+            "print('OUTCOME', o.exit_code, o.interrupted, flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        time.sleep(0.5)  # the child is in wait(), polling its session
+        start = time.monotonic()
+        for _ in range(signals):
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        out, err = proc.communicate(timeout=60)
+        return out, time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_ctrl_c_stops_the_sessions_and_says_interrupted() -> None:
+    """SIGINT is counted, not raised mid-poll: the session (which ends when its stdin closes) is
+    stopped in its grace period and the outcome is 130, interrupted."""
+    out, took = _interrupted_sessions("cat >/dev/null; exit 0", signals=1, grace_s=30)
+    assert "OUTCOME 130 True" in out, out
+    assert took < 10, took
+
+
+def test_a_second_ctrl_c_skips_the_grace_period() -> None:
+    """A session that ignores its stdin closing is killed at once after a second Ctrl-C, not after
+    the 30 s grace period."""
+    out, took = _interrupted_sessions("exec sleep 60", signals=2, grace_s=30)
+    assert "OUTCOME 130 True" in out, out
+    assert took < 15, took

@@ -89,3 +89,24 @@ def test_plan_fixed_prices_layouts_the_runtime_refuses_and_says_so(capsys: pytes
     (plan,) = out["plans"]
     assert (plan["zero_stage"], plan["tp"], plan["pp"]) == (1, 2, 2)
     assert "cannot run it" in out["explanation"] and "ZeroRedundancyOptimizer" in out["explanation"]
+
+
+def test_ep_alone_fills_data_parallel_in_every_entry_point(capsys: pytest.CaptureFixture) -> None:
+    """`ep=N` names no degree of its own: the experts are split over data-parallel ranks, which are
+    filled in as for `tp` and `pp` alone (docs/planner.md: `ep=2` on 2 processes is `dp=2,ep=2`)."""
+    assert Plan.parse("ep=2") == Plan(dp=2, ep=2)  # verify without --nproc, a plan file, Trainer(plan=Plan.parse(...))
+    assert Plan.parse("ep=2", world_size=4) == Plan(dp=4, ep=2)
+    assert Plan.parse("zero=3,ep=2") == Plan(shard=2, zero=3, ep=2)
+    assert Plan.parse("tp=2,ep=2", world_size=4) == Plan(dp=2, tp=2, ep=2)
+    from shardwise.resolve import resolve_plan
+
+    assert resolve_plan("ep=2", 2) == Plan(dp=2, ep=2)  # the Trainer's build step
+    config = load_config(values={"parallel.plan": "ep=2", "parallel.nproc": "4", "train.global_batch_size": 8})
+    assert job_plan(config, 4) == Plan(dp=4, ep=2)  # shardwise train
+    with pytest.raises(ConfigError, match="ep=4 does not divide dp=2"):
+        Plan.parse("ep=4", world_size=2)
+    assert main(["verify", "--plan", "ep=2", "--nproc", "3"]) == 2  # dp=3 is not a multiple of ep=2: one line
+    assert "ep=2 does not divide dp=3" in capsys.readouterr().err
+    moe = '{"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 64, "experts": 4, "top_k": 2}'
+    out = _plan_json(capsys, "--model-spec", moe, "--devices", "4", "--device-type", "cpu", "--fixed", "ep=2")  # shardwise plan
+    assert out["plans"] and all((p["ep"], p["dp"] * max(1, p.get("shard", 1))) == (2, 4) for p in out["plans"])

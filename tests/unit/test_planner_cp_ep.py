@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 
 import pytest
@@ -10,6 +12,7 @@ from shardwise.cli import main
 from shardwise.layout import Plan
 from shardwise.plan.cluster import resolve
 from shardwise.plan.cost import estimate
+from shardwise.plan.policy import RunPolicy
 from shardwise.plan.search import SearchOptions, search
 from shardwise.plan.stats import slice_stats, transformer_stats
 from shardwise.shape import TransformerShape
@@ -41,9 +44,11 @@ def test_cp_divides_activations_and_pays_the_kv_all_gather() -> None:
 
 def test_a_sequence_that_fits_only_with_cp_gets_cp() -> None:
     stats, cluster = transformer_stats(LONG, gated_mlp=True), resolve("h100", devices=16)
-    without = search(stats, cluster, global_batch=2, options=SearchOptions(fixed={"cp": 1}))
+    # without the runtime options (the chunked loss alone fits tp=8 here), the loss vocabulary-parallel
+    plain = SearchOptions(runtime_options=(), run=RunPolicy(loss_parallel=True))
+    without = search(stats, cluster, global_batch=2, options=replace(plain, fixed={"cp": 1}))
     assert not without.plans  # no layout of 256k-token sequences fits without splitting them
-    best = search(stats, cluster, global_batch=2).best
+    best = search(stats, cluster, global_batch=2, options=plain).best
     assert best.plan.cp > 1 and best.fits
 
 
@@ -72,8 +77,10 @@ def test_plan_cli_reads_moe_and_long_sequence_specs(capsys: pytest.CaptureFixtur
     assert main(["plan", "--model-spec", json.dumps(spec), "--devices", "64", "--global-batch", "256", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plans"][0]["ep"] > 1
-    spec = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "vocab": 128256, "seq": 262144, "ffn": 14336,
+    spec = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "vocab": 32000, "seq": 262144, "ffn": 14336,
             "learned_positions": False, "bias": False, "gated_mlp": True}
-    assert main(["plan", "--model-spec", json.dumps(spec), "--devices", "16", "--global-batch", "2"]) == 0
+    # without the runtime options (with them the chunked loss alone fits tp=8 at this length)
+    assert main(["plan", "--model-spec", json.dumps(spec), "--devices", "16", "--global-batch", "2", "--top", "3",
+                 "--fixed", "params16=false,chunked_loss=false"]) == 0
     text = capsys.readouterr().out
     assert " cp " in text.splitlines()[1]  # the cp column appears when a plan uses it

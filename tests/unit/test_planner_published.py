@@ -63,14 +63,20 @@ def test_rows_the_model_cannot_represent_are_skipped_with_the_reason() -> None:
 
 
 def test_the_given_runs_meet_the_targets() -> None:
-    """Median absolute error <= 10%, at least 75% within +-15%, and every run that ran fits."""
+    """With the CLI's defaults (shardwise's runtime, its options searched): median absolute error
+    <= 8%, at least 75% within +-15%, and every run that ran fits, on the whole memory and within
+    the CLI's 10% headroom. Under each framework's own policy (what the efficiencies are fitted on)
+    every source's median error is at most 10% and every run fits too."""
     usable = [c for c in cases(RUNS) if isinstance(c, Case)]
     assert len(usable) == len(RUNS) == 110
     rows = evaluate(usable, free=False)
     total = summary(rows)
-    assert total["median_abs_error"] <= 0.10 and total["within_15"] >= 0.75 and total["fit_misses"] == 0, total
+    assert total["median_abs_error"] <= 0.08 and total["within_15"] >= 0.75, total
+    assert total["fit_misses"] == total["fit_misses_usable"] == total["framework_fit_misses"] == 0, total
     for source in {r["source"] for r in rows}:
-        assert summary([r for r in rows if r["source"] == source])["median_abs_error"] <= 0.10, source
+        assert summary([r for r in rows if r["source"] == source])["framework_median_abs_error"] <= 0.10, source
+    # the runtime options are what make them fit: without them some published layouts do not
+    assert any(r["options"] for r in rows) and any("sharded_accumulation" in r["options"] for r in rows)
 
 
 def test_runs_file_of_the_same_format(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -240,15 +240,16 @@ def test_runtime_conflicts_name_the_fix() -> None:
 def test_no_hidden_microbatch_cap() -> None:
     """Every microbatch count that divides the per-replica batch is tried (the docs say so): at
     Megatron-LM's 529.6B layout (dp=9, tp=8, pp=35, 280 sequences per replica) the best plan runs
-    280 microbatches, which a cap of 128 used to hide."""
+    280 microbatches (Megatron-LM's fused gradient accumulation: a microbatch adds no pass over the
+    gradients), which a cap of 128 used to hide."""
     from shardwise.plan.policy import RunPolicy
     from shardwise.plan.search import fixed_options
 
     spec = TransformerSpec(layers=105, hidden=20480, heads=128, vocab_size=51200, seq_len=2048, attention="eager", dropout=0.1)
-    options = fixed_options("dp=9,tp=8,pp=35,recompute=full", SearchOptions(run=RunPolicy.sixteen_bit(), top=3))
+    options = fixed_options("dp=9,tp=8,pp=35,recompute=full", SearchOptions(run=RunPolicy.sixteen_bit(fused_grad_accumulation=True), top=3))
     assert options.max_microbatches is None
     result = search(transformer_stats(spec), resolve("a100-80gb", devices=2520, devices_per_node=8), global_batch=2520, options=options)
     assert result.best.plan.microbatches == 280 and result.best.fits
     capped = search(transformer_stats(spec), resolve("a100-80gb", devices=2520, devices_per_node=8), global_batch=2520,
                     options=replace(options, max_microbatches=128))
-    assert capped.best.plan.microbatches <= 128 and capped.best.step_time_s > 1.1 * result.best.step_time_s
+    assert capped.best.plan.microbatches <= 128 and capped.best.step_time_s > 1.05 * result.best.step_time_s

@@ -34,7 +34,7 @@ from shardwise.errors import ConfigError
 
 HF_DIR = "hf"  # inside a checkpoint directory: the config and tokenizer of the model trained
 _KEEP = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-         "vocab.json", "merges.txt", "tokenizer.model")
+         "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
 def keep_model_files(model_dir: str, checkpoint_dir: str) -> None:

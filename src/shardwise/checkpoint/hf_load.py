@@ -26,9 +26,6 @@ FSDP *and* TP) are read one whole tensor at a time and sliced (counted as such).
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import re
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -37,10 +34,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from shardwise.checkpoint.safetensors_files import Region, SafetensorsFiles, conversions, merged_shape, read_merged
 from shardwise.errors import ConfigError
 from shardwise.models.hf import read_config, require_transformers
 
-Region = tuple[slice, ...]
 
 
 @dataclass(frozen=True)
@@ -48,10 +45,16 @@ class Pretrained:
     """A local Hugging Face model directory, to be built on meta and loaded per rank.
 
     Pass it where a model goes (``Trainer(Pretrained("dir"), ...)``), or use
-    :func:`shardwise.from_pretrained`.
+    :func:`shardwise.from_pretrained`. ``lora`` (a :class:`~shardwise.models.lora.LoRA` or a
+    ``peft.LoraConfig``) adds adapters to the meta model before it is parallelized; they start as
+    ``get_peft_model`` makes them after ``torch.manual_seed(seed)`` on the real model, and the base
+    is still read slice by slice. With ``LoRA(base="nf4")`` the frozen projections are quantized
+    to 4 bits as they are read (:mod:`shardwise.models.nf4`).
     """
 
     path: str
+    lora: Any = None
+    seed: int = 0
 
     def config(self) -> Any:
         read_config(self.path)  # one line if the directory or its config.json is missing
@@ -64,7 +67,17 @@ class Pretrained:
         tf = require_transformers()
         config = self.config()
         with parameters_on_meta():
-            return tf.AutoModelForCausalLM.from_config(config)
+            model = tf.AutoModelForCausalLM.from_config(config)
+        if self.lora is not None:
+            from shardwise.models.lora import add_adapters
+
+            model = add_adapters(model, self.lora, seed=self.seed)  # real CPU adapters on the meta base
+        return model
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the frozen base is stored in NF4 (``LoRA(base="nf4")``)."""
+        return getattr(self.lora, "base", None) == "nf4"
 
 
 @contextlib.contextmanager
@@ -103,121 +116,6 @@ class LoadStats:
     @property
     def fraction_read(self) -> float:
         return self.elements_read / max(1, self.elements_total)
-
-
-# -- the files ------------------------------------------------------------------------------------
-class SafetensorsFiles:
-    """The tensors of a model directory, by key, read by region (module doc)."""
-
-    def __init__(self, directory: str) -> None:
-        index = os.path.join(directory, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as fh:
-                files = {key: os.path.join(directory, name) for key, name in json.load(fh)["weight_map"].items()}
-        else:
-            names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-            if not names:
-                raise ConfigError(f"{directory!r} holds no *.safetensors weights", hint="save the model with save_pretrained(dir)")
-            from safetensors import safe_open
-
-            files = {}
-            for name in names:
-                with safe_open(os.path.join(directory, name), framework="pt") as f:
-                    files.update({key: os.path.join(directory, name) for key in f.keys()})
-        self.directory, self.files = directory, files
-        self._open: dict[str, Any] = {}
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> SafetensorsFiles:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.close()
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handle(key).get_slice(key).get_shape())
-
-    def read(self, key: str, region: Region | None = None) -> torch.Tensor:
-        part = self._handle(key).get_slice(key)
-        return part[region] if region is not None else part[:]
-
-    def _handle(self, key: str) -> Any:
-        path = self.files[key]
-        if path not in self._open:
-            from safetensors import safe_open
-
-            self._open[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._open[path]
-
-
-@dataclass(frozen=True)
-class _Merged:
-    """A target tensor transformers builds by stacking experts (dim 0) and concatenating pieces."""
-
-    pieces: tuple[tuple[str, ...], ...]  # pieces[i][e]: the checkpoint key of piece i of expert e
-    cat_dim: int | None  # the target dim the pieces are concatenated along (None: one piece)
-
-
-def _conversions(model_type: str, keys: Sequence[str]) -> tuple[dict[str, str], dict[str, _Merged]]:
-    """Module key -> checkpoint key (renamed), and module key -> merged sources, following
-    transformers' conversion table for ``model_type`` (renames, expert stacking, concatenation)."""
-    from transformers.conversion_mapping import Concatenate, MergeModulelist, WeightConverter, WeightRenaming, get_checkpoint_conversion_mapping
-
-    renamed = {key: key for key in keys}
-    merged: dict[str, _Merged] = {}
-    for rule in get_checkpoint_conversion_mapping(model_type) or []:
-        if isinstance(rule, WeightRenaming):
-            for src, dst in zip(rule.source_patterns, rule.target_patterns):
-                renamed = {re.sub(src, dst, new): old for new, old in renamed.items()}
-        elif isinstance(rule, WeightConverter):
-            ops = list(rule.operations)
-            cat = next((op.dim for op in ops if isinstance(op, Concatenate)), None)
-            if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0 or len(ops) > 1 + (cat is not None):
-                continue  # not a layout we assemble; such a key is reported missing if the model needs it
-            found: dict[str, list[dict[int, str]]] = {}
-            for i, pattern in enumerate(rule.source_patterns):
-                regex = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)") + "$")
-                for new, old in renamed.items():
-                    m = regex.search(new)
-                    if m:
-                        target = new[: m.start()] + rule.target_patterns[0]
-                        found.setdefault(target, [{} for _ in rule.source_patterns])[i][int(m.group(1))] = old
-            for target, pieces in found.items():
-                merged[target] = _Merged(tuple(tuple(p[e] for e in sorted(p)) for p in pieces), cat)
-    return {new: old for new, old in renamed.items()}, merged
-
-
-def _merged_shape(files: SafetensorsFiles, spec: _Merged) -> tuple[int, ...]:
-    """One expert's shape after concatenating its pieces."""
-    shapes = [files.shape(piece[0]) for piece in spec.pieces]
-    if spec.cat_dim is None:
-        return shapes[0]
-    d = spec.cat_dim - 1
-    return (*shapes[0][:d], sum(s[d] for s in shapes), *shapes[0][d + 1:])
-
-
-def _read_merged(files: SafetensorsFiles, spec: _Merged, region: Region) -> torch.Tensor:
-    """``region`` of stack(experts) / cat(pieces) without reading anything outside it."""
-    experts = range(*region[0].indices(len(spec.pieces[0])))
-    rows = []
-    for e in experts:
-        parts = []
-        offset = 0
-        for piece in spec.pieces:
-            key = piece[e]
-            shape = files.shape(key)
-            sub = list(region[1:])
-            if spec.cat_dim is not None:
-                d = spec.cat_dim - 1  # the dim inside one expert's tensor
-                lo, hi, _ = region[spec.cat_dim].indices(10**18)
-                lo, hi = max(lo - offset, 0), min(hi - offset, shape[d])
-                offset += shape[d]
-                if lo >= hi:
-                    continue
-                sub[d] = slice(lo, hi)
-            parts.append(files.read(key, tuple(sub)))
-        rows.append(torch.cat(parts, dim=spec.cat_dim - 1) if spec.cat_dim is not None else parts[0])
-    return torch.stack(rows)
 
 
 # -- regions of a local shard --------------------------------------------------------------------
@@ -278,31 +176,43 @@ def _tensors(modules: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
 
 @torch.no_grad()
 def load_into(modules: Sequence[nn.Module], directory: str, *, model_type: str, aliases: dict[str, tuple[str, ...]],
-              total: int) -> LoadStats:
+              total: int, values: dict[str, torch.Tensor] | None = None) -> LoadStats:
     """Fill the (allocated) parameters and persistent buffers of ``modules`` from ``directory``
-    (module doc, step 4). ``aliases``: every name of each tied weight."""
+    (module doc, step 4). ``aliases``: every name of each tied weight. ``values``: whole tensors
+    held in memory by name (LoRA adapters), sliced into their shards like the files are. A LoRA
+    model's base parameters are looked up under their names in the original model
+    (:func:`~shardwise.models.lora.base_key`)."""
+    from shardwise.models.lora import base_key
+
+    values = values or {}
     read = largest = whole = local_total = 0
     with SafetensorsFiles(directory) as files:
-        keys, merged = _conversions(model_type, list(files.files))
+        keys, merged = conversions(model_type, list(files.files))
         missing = []
         for name, tensor in _tensors(modules):
             name = name.removeprefix("module.")
-            candidates = [name, *aliases.get(name, ())]
+            candidates = [base_key(c) for c in (name, *aliases.get(name, ()))]
             key = next((keys[c] for c in candidates if c in keys), None)
             spec = next((merged[c] for c in candidates if c in merged), None)
-            if key is None and spec is None:
+            held_value = values.get(name)
+            if held_value is not None:
+                key, spec = None, None
+            elif key is None and spec is None:
                 if isinstance(tensor, nn.Parameter):
                     missing.append(name)
                 continue
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             local_total += local.numel()
             held = tuple(tensor.shape)
-            if key is not None:
+            if held_value is not None:
+                stored = tuple(held_value.shape)
+                reader = lambda region, v=held_value: v[region]  # noqa: E731
+            elif key is not None:
                 stored = files.shape(key)
                 reader = lambda region, key=key: files.read(key, region)  # noqa: E731
             else:
-                stored = (len(spec.pieces[0]), *_merged_shape(files, spec))
-                reader = lambda region, spec=spec: _read_merged(files, spec, region)  # noqa: E731
+                stored = (len(spec.pieces[0]), *merged_shape(files, spec))
+                reader = lambda region, spec=spec: read_merged(files, spec, region)  # noqa: E731
             regions = _regions(tensor)
             if regions is None:  # read whole, keep the local part (no communication)
                 full = _read_viewed(reader, stored, held, tuple(slice(0, n) for n in held))
@@ -358,15 +268,39 @@ def load_parallel(source: Pretrained, plan: Any, meshes: Any, *, device: torch.d
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     aliases = tied_aliases(model)
     total = sum(p.numel() for p in model.parameters())
-    if plan.dp_enabled and plan.zero < 2 and not plan.tp_enabled and not plan.pp_enabled:
+    held = _to_meta(model)  # LoRA adapters: made on the CPU, sliced into their shards after allocation
+    whole_first = plan.dp_enabled and plan.zero < 2 and not plan.tp_enabled and not plan.pp_enabled
+    if whole_first or source.quantized:
+        # QLoRA: the 4-bit base is made from the whole weights (then ZeRO shards the 4-bit codes)
         allocate(model, device=device, buffers=buffers)
-        stats = load_into([model], source.path, model_type=model_type, aliases=aliases, total=total)
+        stats = load_into([model], source.path, model_type=model_type, aliases=aliases, total=total, values=held)
+        if source.quantized:
+            from shardwise.models.nf4 import quantize_base
+
+            quantize_base(model)
         pm = parallelize(model, plan, meshes, **options)
     else:
         pm = parallelize(model, plan, meshes, **options)
         modules = stage_modules(pm.module) if plan.pp_enabled else [pm.module]
         for module in modules:
             allocate(module, device=device, buffers=buffers)
-        stats = load_into(modules, source.path, model_type=model_type, aliases=aliases, total=total)
+        stats = load_into(modules, source.path, model_type=model_type, aliases=aliases, total=total, values=held)
     pm.extras["load"] = stats
+    if source.lora is not None:  # for the checkpoints' base reference and exports
+        from shardwise.models.lora import peft_model_of
+
+        peft_model = peft_model_of(model)
+        if peft_model is not None:
+            pm.extras["lora_config"] = peft_model.peft_config["default"].to_dict()
     return pm
+
+
+def _to_meta(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Move the model's real parameters (adapters made on the CPU) to meta; return their values by name."""
+    held: dict[str, torch.Tensor] = {}
+    for module_name, module in model.named_modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and not p.is_meta:
+                held[f"{module_name}.{name}" if module_name else name] = p.detach().clone()
+                module._parameters[name] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+    return held

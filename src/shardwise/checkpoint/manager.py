@@ -8,6 +8,9 @@ What goes where (one step directory, see :mod:`shardwise.checkpoint.commit` for 
   the coordinator writes the global index ``.metadata``. No tensor is gathered to rank 0.
 - **everything else** (LR scheduler, grad scaler, counters, data position, RNG states, user extra
   state) is small and may differ per rank: each rank writes its own ``ranks/rank_<r>.pt``.
+- a model with LoRA adapters saves and loads its trainable parameters only (the frozen base is
+  referenced, not written: :mod:`shardwise.checkpoint.adapters`); a component with a ``check``
+  method (that base reference) may refuse the checkpoint before any tensor is read.
 
 Communication: a save is one broadcast (agree on the step directory) plus DCP's own plan
 gather/scatter and final gather; a load is one broadcast (agree on the checkpoint) plus DCP's
@@ -40,6 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from shardwise.checkpoint import commit as cm
+from shardwise.checkpoint.adapters import state_options
 from shardwise.checkpoint.faults import Fault
 from shardwise.checkpoint.stage_names import StageNames
 from shardwise.checkpoint.safe_io import SafeFileSystemReader, check_compatible, encode_for_weights_only, load_rank_file, safe_load
@@ -271,7 +275,7 @@ class CheckpointManager:
             if optims:
                 raise ConfigError("an optimizer is checkpointed without its model", hint="add the model to the components")
             return {}, None
-        msd, osd = get_state_dict(model, optims)
+        msd, osd = get_state_dict(model, optims, options=state_options(model))  # LoRA: the adapters only
         names = StageNames(model, msd)  # several local pipeline stages: their original names
         msd, osd = names.model_out(msd), names.optim_out(osd)
         if not optims:
@@ -284,7 +288,7 @@ class CheckpointManager:
 
     @staticmethod
     def _plain_model_state(model: nn.Module) -> dict[str, Any]:
-        msd = get_model_state_dict(model)
+        msd = get_model_state_dict(model, options=state_options(model))
         return StageNames(model, msd).model_out(msd)
 
     def _write_rank_file(self, path: str, others: Mapping[str, Any], param_groups: Any) -> None:
@@ -364,6 +368,9 @@ class CheckpointManager:
         model, optims, others = _split(components)
         reader = SafeFileSystemReader(info.path)
         rank_payload = load_rank_file(os.path.join(info.path, RANK_DIR), rank=self.rank, saved_world=marker.world_size)
+        for name, obj in others.items():  # a LoRA run's base reference: refused before anything is read
+            if callable(getattr(obj, "check", None)):
+                obj.check(rank_payload["components"].get(name), where=info.path)
         # Checked before the optimizer's state dict is built: torch initializes an empty optimizer's
         # state (a zero-lr step) in get_state_dict, and a refused checkpoint must change nothing.
         probe = {"model": self._plain_model_state(model)} if model is not None else {}
@@ -380,9 +387,9 @@ class CheckpointManager:
             osd = {}
             if groups_now is not None:
                 osd = {"state": state["optim"]["state"], "param_groups": _merge_groups(groups_now, rank_payload["param_groups"], info.path)}
-            names = StageNames(model, get_model_state_dict(model))
+            names = StageNames(model, get_model_state_dict(model, options=state_options(model)))
             set_state_dict(model, optims, model_state_dict=names.model_in(state["model"]),
-                           optim_state_dict=names.optim_in(osd) if osd else osd)
+                           optim_state_dict=names.optim_in(osd) if osd else osd, options=state_options(model, loading=True))
         resharded = marker.world_size != self.world_size or marker.dp_size != self.dp_size
         # The data position is a count of global samples (ShardedSampler), the same under any
         # data-parallel size: it loads unchanged (see shardwise.checkpoint.reshard).

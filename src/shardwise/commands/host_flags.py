@@ -33,4 +33,4 @@ def host_launch_from_args(args: argparse.Namespace, hang_timeout_s: float | None
 
     ssh = SshOptions(config_file=args.ssh_config, options=tuple(args.ssh_option), connect_timeout_s=args.ssh_timeout)
     return HostLaunch(hosts=hosts_from(args.hostfile, args.hosts), ssh=ssh, env_names=tuple(args.env), chdir=args.chdir,
-                      python=args.python, hang_timeout_s=hang_timeout_s)
+                      python=args.python, hang_timeout_s=hang_timeout_s, rdzv_store=getattr(args, "rdzv_store", None))

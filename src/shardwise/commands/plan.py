@@ -1,9 +1,10 @@
 """``shardwise plan``: rank the parallel layouts of a model on a cluster (a dry run: no devices used).
 
 ``--fixed KEYS`` fixes only the plan keys it names and searches the others (``--fixed
-dp=24,tp=8,pp=8`` chooses the ZeRO layout, microbatches, schedule and recomputation);
-``--explain`` names the dominant terms of each plan's step and, with ``--fixed``, how the free
-search compares; ``--params N`` with ``--memory-convention zero-paper`` prints the model-state
+dp=24,tp=8,pp=8`` chooses the ZeRO layout, microbatches, schedule, recomputation and shardwise's
+runtime options: 16-bit parameters, the chunked loss, sharded accumulation); ``--explain`` names
+the dominant terms of each plan's step, the runtime option that made the difference and, with
+``--fixed``, how the free search compares; ``--precision fp8`` plans torchao's FP8 linears; ``--params N`` with ``--memory-convention zero-paper`` prints the model-state
 memory of every ZeRO stage as the ZeRO paper counts it (its table 1).
 """
 
@@ -48,7 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-type", default="h100", help="a100-40gb, a100-80gb, h100, h200, cpu, or a spec file from `shardwise calibrate`")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: 4 x devices)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default=None, help="compute precision (default: bf16 on GPUs, fp32 on CPUs)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
+                   help="compute precision (default: bf16 on GPUs, fp32 on CPUs); fp8: torchao's float8 linears on a device with "
+                        "FP8 tensor cores (h100, h200, h800)")
     p.add_argument("--precision-policy", choices=("autocast", "16bit"), default="autocast",
                    help="how mixed precision runs: autocast over fp32 parameters (shardwise's Trainer, the default) or "
                         "16-bit parameters and activations (Megatron-LM, torchtitan, llm-foundry)")
@@ -60,6 +63,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="bytes per parameter of the model states: torch (fp32 master = parameter, 4+4+8 with Adam; the default), "
                         "zero-paper (2+2+12, the ZeRO paper's table 1), megatron (2+4+12)")
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd", "sgd_nomomentum"))
+    p.add_argument("--lora.r", dest="lora_r", type=int, default=0, metavar="R",
+                   help="LoRA adapters of rank R on every projection of a frozen base (0: full fine-tuning)")
+    p.add_argument("--lora.base", dest="lora_base", choices=("fp32", "nf4"), default="fp32",
+                   help="how the frozen base is stored: fp32, or nf4 (QLoRA's 4-bit base)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free (default 0.1)")
     p.add_argument("--top", type=int, default=None, help="how many plans to show (default 5; 1 with --fixed)")
     p.add_argument("--fixed", default=None, help="fix these plan keys and search the rest, e.g. dp=24,tp=8,pp=8 (a complete plan: evaluate it)")
@@ -110,8 +117,10 @@ def _main(args: argparse.Namespace) -> int:
         return _states_table(args)
     from dataclasses import replace
 
+    from shardwise.plan.cost import estimate
     from shardwise.plan.explain import dominant_terms, explain_gap
     from shardwise.plan.memory import StatePolicy
+    from shardwise.plan.options import RUNTIME_OPTIONS, option_notes
     from shardwise.plan.planner import cluster_of, spec_from_text, stats_of
     from shardwise.plan.policy import RunPolicy
     from shardwise.plan.search import SearchOptions, candidates, fixed_options, search
@@ -140,16 +149,28 @@ def _main(args: argparse.Namespace) -> int:
         stats = stats_of_config(read_config(args.model_hf), seq=args.seq)
     else:
         stats = stats_of(args.model, seq=args.seq)
+    if args.lora_r:  # adapters on every projection of a frozen base (shardwise.plan.adapters)
+        from shardwise.plan.adapters import with_lora
+
+        stats = with_lora(stats, r=args.lora_r, base=args.lora_base)
+    elif args.lora_base != "fp32":
+        raise ConfigError("--lora.base nf4 is QLoRA's 4-bit base under adapters", hint="add --lora.r 16 (or another rank)")
     global_batch = args.global_batch if args.global_batch is not None else 4 * args.devices
     if global_batch < 1:
         raise ConfigError(f"--global-batch {global_batch} must be a positive integer")
     precision = args.precision or ("fp32" if cluster.device_type == "cpu" else "bf16")
+    if precision == "fp8" and "fp8" not in cluster.peak_flops:
+        raise ConfigError(f"--precision fp8 needs FP8 tensor cores, which {cluster.name} does not have",
+                          hint="use --device-type h100, h200 or h800 (or a spec with an fp8 peak), or --precision bf16")
     run = RunPolicy.named(args.precision_policy)
     if args.selective:
         run = replace(run, selective=args.selective)
     top = args.top or (1 if args.fixed else 5)
+    # shardwise's runtime options are searched for shardwise's runtime; a framework's 16-bit policy
+    # has its own (16-bit parameters, a fused loss, sharded accumulation) always on
     options = SearchOptions(precision=precision, headroom=args.headroom, top=top, run=run,
-                            policy=StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer))
+                            policy=StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer),
+                            runtime_options=RUNTIME_OPTIONS if args.precision_policy == "autocast" else ())
     free = None
     if args.fixed:
         constrained = fixed_options(args.fixed, options)
@@ -181,12 +202,17 @@ def _main(args: argparse.Namespace) -> int:
         if not result.plans:
             raise result.no_fit_error()
         estimates, explanation = result.plans, result.explanation
+    def notes(e: object) -> list[str]:  # what each runtime option the plan turns on did for it
+        return option_notes(e, lambda plan: estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy,
+                                                     headroom=args.headroom, run=run))
+
     if args.json:
         out = {"model": stats.name, "params": stats.params_total, "devices": cluster.devices, "device_type": cluster.name,
                "global_batch": global_batch, "seq": stats.seq, "precision_policy": run.precision,
                "memory_convention": args.memory_convention, "plans": [e.to_json() for e in estimates], "explanation": explanation}
         if args.explain:
             out["terms"] = [dominant_terms(e, k=4) for e in estimates]
+            out["runtime_options"] = [notes(e) for e in estimates]
             if free is not None:
                 out["free_search"] = {"plan": str(free.plan), "speedup": estimates[0].step_time_s / free.step_time_s,
                                       "why": explain_gap(free, estimates[0])}
@@ -194,12 +220,16 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     print(f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {global_batch}, "
           f"{cluster.devices} x {cluster.name} ({cluster.devices_per_node} per node, {cluster.memory_bytes / 1e9:.0f} GB, "
-          f"{100 * (1 - args.headroom):.0f}% usable), {precision} ({run.precision})")
+          f"{100 * (1 - args.headroom):.0f}% usable), {precision} ({run.precision}"
+          + ("; runtime options searched)" if options.runtime_options else ")"))
     print(format_table(estimates))
     print(explanation)
     if args.explain:
         for i, e in enumerate(estimates, 1):
             print(f"#{i} {dominant_terms(e, k=4)}")
+            said = notes(e)
+            if said:
+                print(f"#{i} runtime options: " + "; ".join(said))
         if free is not None:
             gain = estimates[0].step_time_s / free.step_time_s
             if gain > 1.0 + 1e-9:
@@ -233,11 +263,22 @@ def _model_spec_text(value: str) -> str:
         raise ConfigError(f"--model-spec {value!r} is not a text file", hint="give a JSON file") from None
 
 
+def options_text(plan: object) -> str:
+    """The runtime options of a plan, short: ``16`` params16, ``C`` chunked loss, ``S`` sharded
+    accumulation, ``8t``/``8r`` FP8 linears (tensorwise / rowwise); ``-`` none."""
+    marks = [m for m, on in (("16", getattr(plan, "params16", False)), ("C", getattr(plan, "chunked_loss", False)),
+                             ("S", getattr(plan, "sharded_accumulation", False))) if on]
+    if getattr(plan, "precision", "") == "fp8":
+        marks.append("8" + str(getattr(plan, "fp8_recipe", "tensorwise"))[0])
+    return ",".join(marks) or "-"
+
+
 def format_table(estimates: list) -> str:
-    """The ranked plans; ``cp`` and ``ep`` columns appear when a plan uses them."""
+    """The ranked plans; ``cp`` and ``ep`` columns appear when a plan uses them; ``options``: the
+    runtime options (:func:`options_text`)."""
     extra = [k for k in ("cp", "ep") if any(getattr(e.plan, k) > 1 for e in estimates)]
     head = (f"{'#':>2} {'dp':>5} {'zero':>4} {'tp':>3} {'pp':>3} " + "".join(f"{k:>3} " for k in extra)
-            + f"{'mbs':>4} {'m':>4} {'schedule':<12} {'recompute':<9} "
+            + f"{'mbs':>4} {'m':>4} {'schedule':<12} {'recompute':<9} {'options':<9} "
             f"{'mem GB':>8} {'step s':>9} {'compute':>9} {'comm':>9} {'bubble':>9} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
     lines = [head]
     for i, e in enumerate(estimates, 1):
@@ -246,7 +287,7 @@ def format_table(estimates: list) -> str:
         sched = (p.schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")) if p.pp > 1 else "-"
         degrees = "".join(f"{getattr(p, k):>3} " for k in extra)
         lines.append(f"{i:>2} {dp:>5} {p.zero:>4} {p.tp:>3} {p.pp:>3} {degrees}{e.micro_batch_size:>4} {p.microbatches:>4} {sched:<12} "
-                     f"{p.recompute:<9} {e.memory_total / 1e9:>8.2f} {e.step_time_s:>9.4g} {e.time['compute']:>9.3g} "
+                     f"{p.recompute:<9} {options_text(p):<9} {e.memory_total / 1e9:>8.2f} {e.step_time_s:>9.4g} {e.time['compute']:>9.3g} "
                      f"{e.time['communication']:>9.3g} {e.time['bubble']:>9.3g} {e.tokens_per_s:>10.4g} "
                      f"{e.tflops_per_device:>8.3g} {100 * e.mfu:>5.1f}%")
     return "\n".join(lines)

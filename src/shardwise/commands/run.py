@@ -23,7 +23,11 @@ EXAMPLES = """examples:
   # every node from here over ssh (hostfile lines 'node1 slots=8'; pre-flight checks each host first):
   shardwise run --hostfile hosts.txt train.py --lr 3e-4
   shardwise run --hosts node1:8,node2:8 --env WANDB_API_KEY --chdir /shared/proj train.py
-  shardwise run --hostfile hosts.txt --nnodes 1:2 --max-restarts 3 train.py   # keeps training if a node is lost
+  shardwise run --hostfile hosts.txt --nnodes 1:2 --max-restarts 3 train.py   # keeps training if any node is lost
+  # the rendezvous store on a machine that does not train (start 'shardwise rendezvous' there first):
+  shardwise run --nnodes 1:4 --rdzv-endpoint login1:29400 --rdzv-conf is_host=0 --rdzv-id job7 --max-restarts 3 train.py
+  # each line whole, behind its rank; every rank's output also in its own file:
+  shardwise run --nproc-per-node 4 --log-prefix '[${rank}]: ' --log-dir logs train.py
 """
 
 
@@ -44,7 +48,13 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="KEY=VALUE,...",
                    help="more rendezvous settings, e.g. last_call_timeout=5,keep_alive_interval=2,is_host=1")
     g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the group this many times on failure")
-    g.add_argument("--log-dir", "--log_dir", default=None, help="write each rank's stdout/stderr under this directory")
+    g.add_argument("--log-dir", "--log_dir", default=None,
+                   help="also keep each rank's stdout/stderr in a file under this directory "
+                        "(DIR/<run id>/attempt_<n>/<local rank>/stdout.log)")
+    g.add_argument("--log-prefix", "--log-line-prefix-template", "--log_line_prefix_template", default=None, metavar="TEMPLATE",
+                   help="start each line of a worker's output with this, e.g. '[${rank}]: ' (${rank}, ${local_rank}, "
+                        "${role_name}; default: $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, else none, or torch's "
+                        "[shardwise<local rank>]: with --log-dir)")
     g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
                    help="a collective or step without progress for this long makes every rank dump its stack, name the "
                         "stuck rank and exit non-zero (default: $SHARDWISE_HANG_TIMEOUT, else 300; 0 disables)")
@@ -67,6 +77,7 @@ def options_from_args(args: argparse.Namespace, script: str, script_args: list[s
         rdzv_conf=args.rdzv_conf,
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
+        log_prefix=args.log_prefix if args.log_prefix is not None else (os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None),
     )
 
 
@@ -80,6 +91,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_launch_flags(p)
     add_host_flags(p)
+    p.add_argument("--rdzv-store", default=None, metavar="launcher[:PORT]|node0|HOST:PORT",
+                   help="with --hostfile/--hosts and a world that can re-form: where the rendezvous store lives; 'launcher' "
+                        "(default: this machine, so that any node may be lost), 'node0' (the first host, as torchrun), or "
+                        "HOST:PORT of a running 'shardwise rendezvous'; pre-flight checks that every host reaches it")
     p.add_argument("--stop-with-stdin", action="store_true",
                    help="stop every process of this node when stdin closes (what --hostfile runs on each host)")
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
@@ -100,6 +115,9 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.rdzv_store and not (args.hostfile or args.hosts):
+        raise LaunchError("--rdzv-store needs --hostfile or --hosts",
+                          hint="on one node, use --rdzv-endpoint HOST:PORT --rdzv-conf is_host=0 of a running 'shardwise rendezvous'")
     if args.hostfile or args.hosts:  # every node from here, over ssh
         from shardwise.launch.multihost import launch_on_hosts
 
@@ -112,7 +130,9 @@ def _main(args: argparse.Namespace) -> int:
         stop_with_stdin()
     from shardwise.launch.forward import forward_for_this_process
     from shardwise.launch.run import run_launch  # torch's elastic agent: only when launching
+    from shardwise.launch.worker_main import line_buffered_output
 
+    line_buffered_output()  # the lines torch's agent copies from the workers' files leave whole and on time
     _check_flags(args)
     hang_env = hang_timeout_env(args.hang_timeout)
     forwarded = forward_for_this_process()  # SIGUSR1 (Slurm's warning) never kills the launcher

@@ -16,6 +16,7 @@ restarts the workers after a failure; a restarted attempt resumes from the newes
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import typing
 from dataclasses import fields
@@ -31,9 +32,12 @@ EXAMPLES = """examples:
   shardwise train --config run.toml --train.precision=bf16
   shardwise train --plan auto                       the planner picks the layout
   shardwise train --model.hf DIR --data.files 'data/**/*.txt'   fine-tune a Hugging Face model on local text
+  shardwise train --model.hf DIR --data.files 'd/*.txt' --lora.r 16 [--lora.base nf4]   LoRA (QLoRA) adapters on a frozen base
   shardwise train --print-config > run.toml         write the resolved configuration, start nothing
   shardwise train --max-restarts 2                  restart after a crash, resuming from the newest checkpoint
-  shardwise train --log.tracker mlflow --log.tracking_uri file:///abs/mlruns   also log to MLflow (or: --log.tracker wandb)
+  shardwise train --log.tracker mlflow                also log to MLflow (its default store: ./mlflow.db)
+  shardwise train --log.tracker mlflow --log.tracking_uri file:///abs/mlruns   a file store (MLflow 3's opt-in is set for the run)
+  shardwise train --log.tracker wandb --log.wandb_mode offline   W&B without an account: files under <run dir>/wandb
 
 precedence: defaults < the --config TOML file < the command line (the shortcut flags --nproc,
 --max-steps, --plan and --resume are the same as parallel.nproc, train.max_steps, parallel.plan and
@@ -114,9 +118,13 @@ def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
     from shardwise.jobs.summary import precision_override
     from shardwise.resolve import resolve_plan
 
-    if config.parallel.plan.strip().lower() == "auto":
+    text = config.parallel.plan_text()  # with parallel.params16, .chunked_loss, .sharded_accumulation
+    if text.lower() == "auto":
         return None
-    plan = resolve_plan(config.parallel.plan, nproc, precision=precision_override(config.train.precision))
+    plan = resolve_plan(text, nproc, precision=precision_override(config.train.precision))
+    if plan.precision == "fp8" and importlib.util.find_spec("torchao") is None:  # before any process starts
+        raise ConfigError("precision=fp8 needs torchao (the float8 training API)",
+                          hint="pip install 'shardwise[fp8]' (torchao 0.18), or use --train.precision=bf16")
     if config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
         raise ConfigError(
             f"config key 'train.global_batch_size': {config.train.global_batch_size} does not split into "
@@ -158,7 +166,11 @@ def _main(args: argparse.Namespace) -> int:
     check_run_dir(run_dir)
     if config.checkpoint.resume != "auto":
         check_fresh_start(run_dir)
-    check_tracker(config.log)  # last of the checks: an MLflow database store is created when it is checked
+    tracker_env = check_tracker(config.log)  # last of the checks: an MLflow database store is created when it is checked
+    for key, value in tracker_env.items():  # MLflow 3's file-store switch, for the file store the user named
+        os.environ[key] = value  # this process and (inherited) the workers
+        print(f"log.tracking_uri: a file store was asked for, so {key}={value} is set for this run (MLflow 3 keeps "
+              "file stores switched off by default)", flush=True)
     if plan is None:
         print(f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed below)", flush=True)
     else:

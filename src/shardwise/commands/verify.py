@@ -6,6 +6,11 @@ global batches, and prints the largest divergence of the loss, the global gradie
 weights with a pass/fail verdict at ``--rtol`` (float32 tolerance by default). The engine is
 :mod:`shardwise.verify.parity`.
 
+The built-in workload's targets carry ragged ``-100`` masks (:mod:`shardwise.verify.workloads`),
+and each micro-step's loss is weighted by its valid targets (``--loss-reduction tokens``, the
+default), as ``Trainer(loss_reduction="tokens")`` does; ``--loss-reduction samples`` weighs every
+micro-step the same, for per-sample losses (the built-in workload then has no masked targets).
+
 ``--nproc N`` fills in what the plan leaves out for a world of ``N`` processes, with the same rules as
 ``shardwise train`` and the Trainer (:meth:`shardwise.layout.Plan.parse`: the unnamed data-parallel
 degree takes the rest, ``zero=N`` without ``shard`` shards over all data-parallel ranks, a pipeline
@@ -32,6 +37,7 @@ EXAMPLES = """examples:
   shardwise verify --plan tp=2,sp --script my_model.py     # defines build_model(seed), make_batch(step, size)
   shardwise verify --plan dp=2,cp=2                         # context parallel: zig-zag chunks of each sequence
   shardwise verify --plan dp=2,ep=2 --experts 4             # expert parallel on the built-in MoE GPT
+  shardwise verify --plan dp=2 --accumulation 2 --loss-reduction samples   # per-sample weighting, targets unmasked
 """
 
 
@@ -51,6 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
     p.add_argument("--meta-init", action="store_true", help="build on the meta device and materialize only local shards")
     p.add_argument("--loss-parallel", action="store_true", help="keep the LM head's logits vocabulary-sharded (TP)")
+    p.add_argument("--loss-reduction", choices=["tokens", "samples"], default="tokens",
+                   help="weigh each micro-step's loss by its valid targets (tokens; the built-in workload's targets are ragged-masked) "
+                        "or equally (samples; for per-sample losses, targets unmasked) (default %(default)s)")
     p.add_argument("--rtol", type=float, default=1e-5, help="pass if every relative divergence is at most this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the processes are given up")
@@ -101,15 +110,18 @@ def _main(args: argparse.Namespace) -> int:
 
     from shardwise.verify.parity import SMALL_GPT
 
-    workload = ScriptWorkload(args.script) if args.script else GPTWorkload(replace(SMALL_GPT, experts=args.experts, top_k=args.top_k))
+    masked = args.loss_reduction == "tokens"  # ragged masks are what token reduction is for; samples is for per-sample losses
+    workload = ScriptWorkload(args.script) if args.script else GPTWorkload(replace(SMALL_GPT, experts=args.experts, top_k=args.top_k),
+                                                                          masked=masked)
     # Check the plan against the model here, on the meta device: no memory, no processes.
     with torch.device("meta"):
         validate(workload.build(args.seed), plan, tp=TPOptions(loss_parallel=args.loss_parallel))
     training = Training(steps=args.steps, global_batch=args.global_batch, seed=args.seed, optimizer=args.optimizer,
-                        lr=args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3))
+                        lr=args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3), loss_reduction=args.loss_reduction)
     run = Run(str(plan), accumulation=args.accumulation, meta_init=args.meta_init, loss_parallel=args.loss_parallel)
     print(f"verify: {plan.world_size} process(es), plan {plan}, {args.steps} steps, global batch {args.global_batch}, "
-          f"{args.optimizer} lr {training.lr:g}", flush=True)
+          f"{args.optimizer} lr {training.lr:g}, loss_reduction={args.loss_reduction}"
+          + ("" if args.script else f" ({'targets with ragged -100 masks' if masked else 'every target valid'})"), flush=True)
     reports = launch(parity_worker, nprocs=plan.world_size, args=(workload, [run], training), backend="gloo", timeout_s=args.timeout)
     report = reports[0][0]
     print(report.format(args.rtol))

@@ -91,8 +91,16 @@ class PackedStream(IterableDataset):
         self._held: list[np.ndarray] = []
         self._ready: list[np.ndarray] = []
         self._at_epoch = self.epoch
-        self._stream: TokenStream | None = TokenStream(self.documents, tokenize=self.tokenize, eos_id=self.eos_id,
-                                                       epoch=self.epoch, position=position)
+        self._stream: Any = self._open(position)
+
+    def _open(self, position: TokenPosition) -> TokenStream:
+        """The reader of this epoch's windows at ``position`` (``read(n, take)``, ``position``)."""
+        return TokenStream(self.documents, tokenize=self.tokenize, eos_id=self.eos_id, epoch=self.epoch, position=position)
+
+    def _sample(self, window: np.ndarray) -> Any:
+        """A window as the Trainer's sample: ``(inputs, targets) = (w[:-1], w[1:])``."""
+        tokens = torch.from_numpy(window.copy())
+        return tokens[:-1], tokens[1:]
 
     def _worker(self) -> tuple[int, int]:
         info = get_worker_info()
@@ -119,7 +127,7 @@ class PackedStream(IterableDataset):
         state["_stream"] = None  # an open file does not cross into a worker process; __iter__ opens it there
         return state
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> Any:
         block, width = self.block, self.seq_len + 1
         assert self._stream is not None, "iterate the stream (iter()) before reading it"
         while not self._ready:
@@ -141,8 +149,7 @@ class PackedStream(IterableDataset):
                 self._held.append(window)
             if self._next_k % block == 0:  # window k closed a block
                 self._close_block(first, block)
-        window = torch.from_numpy(self._ready.pop(0).copy())
-        return window[:-1], window[1:]
+        return self._sample(self._ready.pop(0))
 
     def _close_block(self, first: int, n: int) -> None:
         """Release this worker's windows of the block of windows ``first .. first + n - 1``: in

@@ -62,18 +62,22 @@ def job_resume(config: TrainJobConfig, env: RuntimeEnv, run_dir: str) -> str | N
 
 
 def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], torch.Tensor], config: TrainJobConfig, env: RuntimeEnv,
-                run_dir: str, shape: TransformerShape, resume: str | None, callbacks: Sequence[Callback] = ()) -> Trainer:
+                run_dir: str, shape: TransformerShape, resume: str | None, callbacks: Sequence[Callback] = (),
+                collate_fn: Callable[[list[Any]], Any] | None = None) -> Trainer:
     """The Trainer of both jobs, built from ``config`` (whose ``run.name`` all ranks agreed on):
     AdamW with decay on matrices, warmup + cosine over the steps ``fit`` counts, the plan the
     command resolved (``auto``: the Trainer plans), ``train.precision`` as an override of the
     plan's, clipping, limits, evaluation and logging cadence, checkpoints in
-    ``<run_dir>/checkpoints`` (with this attempt's injected fault, recovery tests only), the loss
-    curves, ``config.toml``, then ``callbacks``; the ``[log]`` tracker, which continues its run
+    ``<run_dir>/checkpoints`` (with this attempt's injected fault, recovery tests only), the
+    progress bar (lines every ``log.progress_every_s`` without a terminal), the loss curves,
+    ``config.toml``, then ``callbacks``; the ``[log]`` tracker, which continues its run
     when ``resume`` (what :func:`job_resume` decided) is set. ``shape`` (FLOPs per token,
-    ``seq_len``) gives the MFU and token rates."""
+    ``seq_len``) gives the MFU and token rates. Micro-batch losses are weighted by
+    ``train.loss_reduction`` (by default by their valid targets); ``collate_fn`` batches the
+    samples (instruction data: padding)."""
     from shardwise.checkpoint import CheckpointManager
     from shardwise.checkpoint.faults import Fault
-    from shardwise.train import PlotCurves, Trainer, warmup_cosine
+    from shardwise.train import PlotCurves, ProgressBar, Trainer, warmup_cosine
 
     t, ckpt = config.train, config.checkpoint
     fault = Fault.for_attempt(env.settings.fault, env.settings.restart_count)
@@ -88,7 +92,7 @@ def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], 
         clip_grad_norm=t.clip_grad_norm or None,
         scale_lr=t.scale_lr,
         lr_scheduler=warmup_cosine(warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),  # total steps from fit
-        callbacks=[PlotCurves(), WriteConfig(config, run_dir), *callbacks],
+        callbacks=[ProgressBar(every_s=config.log.progress_every_s), PlotCurves(), WriteConfig(config, run_dir), *callbacks],
         loggers=tracker_loggers(config, resume=resume is not None),
         seed=config.run.seed,
         max_steps=t.max_steps or None,
@@ -96,6 +100,8 @@ def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], 
         eval_every=t.eval_every or None,
         log_every=t.log_every,
         num_workers=config.data.num_workers,
+        collate_fn=collate_fn,
+        loss_reduction=t.loss_reduction,
         run_dir=run_dir,
         flops_per_sample=shape.flops_per_token() * shape.seq_len,
         tokens_per_sample=shape.seq_len,

@@ -8,7 +8,8 @@ the model and data swapped):
 2. tokenize the data files with the directory's own tokenizer and pack them into windows of
    ``seq_len + 1`` tokens (:mod:`shardwise.data.text`; ``seq_len`` is ``model.seq_len``, at most
    the model's ``max_position_embeddings``), or with ``data.streaming`` read them as a packed
-   stream (:func:`job_data`);
+   stream (:func:`job_data`); instruction data (``data.format`` ``prompt_completion`` or ``chat``)
+   becomes padded or packed samples with a loss mask (:mod:`shardwise.jobs.instruct_data`);
 3. ``Trainer(Pretrained(DIR), ...)``: the model is built on meta, parallelized by the plan (``auto``
    plans with the shape read from ``config.json``) and each rank reads only its own slices of the
    weights; AdamW, warmup + cosine, gradient clipping, as the built-in job;
@@ -55,11 +56,29 @@ def check_hf_job(config: TrainJobConfig) -> None:
 
     require_transformers()
     read_config(config.model.hf)
+    if config.lora.r:  # the targets against the model's own layers (built on meta), the extras installed
+        from shardwise.checkpoint.hf_load import Pretrained
+
+        lora = lora_spec(config)
+        if lora.base == "nf4":
+            from shardwise.models.nf4 import require_torchao
+
+            require_torchao()
+        lora.peft_config(Pretrained(config.model.hf).build_meta())
     if not any(os.path.exists(os.path.join(config.model.hf, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ConfigError(f"model directory {config.model.hf!r} holds no tokenizer", hint="save one there with tokenizer.save_pretrained(dir)")
     if not config.data.files:
         raise ConfigError("model.hf needs data to fine-tune on", hint="pass --data.files 'path/**/*.txt' (text or JSONL files)")
     files = find_files(config.data.files)
+    if config.data.format != "text":  # options, tokenizer, packing, and the records themselves
+        from shardwise.jobs.instruct_data import check_instruct_job
+
+        print(f"data: {check_instruct_job(config, window=window_length(config.model.seq_len, read_config(config.model.hf)))}", flush=True)
+        if config.data.streaming:
+            from shardwise.data.streaming import require_torchdata
+
+            require_torchdata()
+        return
     if config.data.streaming:  # the stream's own checks (torchdata, suffixes, parquet columns), reading no data
         from shardwise.data.documents import document_source
         from shardwise.data.streaming import require_torchdata
@@ -68,6 +87,17 @@ def check_hf_job(config: TrainJobConfig) -> None:
         document_source(files, text_key=config.data.text_key, has_tokenizer=True, bin_dtype=np.dtype("uint16"), shuffle=True, seed=0)
         if config.data.val_files:
             find_files(config.data.val_files)
+
+
+def lora_spec(config: TrainJobConfig) -> Any:
+    """The :class:`~shardwise.models.lora.LoRA` of the ``[lora]`` table (alpha 0: twice r), or None when ``r`` is 0."""
+    section = config.lora
+    if section.r == 0:
+        return None
+    from shardwise.models.lora import LoRA
+
+    targets = tuple(t.strip() for t in section.targets.split(",") if t.strip()) or None
+    return LoRA(r=section.r, alpha=section.alpha or 2.0 * section.r, dropout=section.dropout, targets=targets, base=section.base)
 
 
 def window_length(requested: int, config: dict[str, Any]) -> int:
@@ -85,6 +115,7 @@ class JobData:
     val: Any
     description: str
     unigram_entropy: float | None  # None: no validation split
+    collate: Any = None  # instruction data: pads the samples of a batch
 
 
 def job_data(config: TrainJobConfig, tokenizer: Any, *, vocab_size: int, seq: int) -> JobData:
@@ -98,6 +129,10 @@ def job_data(config: TrainJobConfig, tokenizer: Any, *, vocab_size: int, seq: in
     from shardwise.data.text import find_files, load_text_corpus, load_tokens, unigram_entropy
 
     d = config.data
+    if d.format != "text":
+        from shardwise.jobs.instruct_data import instruct_job_data
+
+        return JobData(*instruct_job_data(config, tokenizer, seq=seq))
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
@@ -130,6 +165,7 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     from shardwise.jobs.common import _agree_on_name, _with_name, job_resume, job_trainer
     from shardwise.jobs.summary import JobSummary, check_run_dir, default_run_name, stop_fields
     from shardwise.models.hf import lm_loss, load_tokenizer, read_config, shape_of
+    from shardwise.parallel.reduction import LossReduction
 
     if not config.data.files:
         raise ConfigError("model.hf needs data to fine-tune on", hint="pass --data.files 'path/**/*.txt' (text or JSONL files)")
@@ -139,20 +175,31 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     check_run_dir(run_dir)
     model_config = read_config(config.model.hf)
     seq = window_length(config.model.seq_len, model_config)
+    if config.data.format != "text":
+        from shardwise.jobs.instruct_data import sample_length
+
+        seq = sample_length(config, seq)
     data = job_data(config, load_tokenizer(config.model.hf), vocab_size=int(model_config["vocab_size"]), seq=seq)
     train_set, val_set = data.train, data.val
     shape = shape_of(model_config, seq_len=seq)
     resume = job_resume(config, env, run_dir)
-    trainer = job_trainer(Pretrained(config.model.hf), loss_fn=lm_loss, config=config, env=env, run_dir=run_dir, shape=shape,
-                          resume=resume, callbacks=[KeepModelFiles(config.model.hf, os.path.join(run_dir, "checkpoints"))])
+    source = Pretrained(config.model.hf, lora=lora_spec(config), seed=config.run.seed)  # [lora] r > 0: adapters on a frozen base
+    trainer = job_trainer(source, loss_fn=lm_loss, config=config, env=env, run_dir=run_dir, shape=shape,
+                          resume=resume, callbacks=[KeepModelFiles(config.model.hf, os.path.join(run_dir, "checkpoints"))],
+                          collate_fn=data.collate)
     trainer.setup(train_set)  # plan="auto": chosen from the training data (a no-op for other plans)
     if env.is_main:
         if trainer.auto_choice is not None:
             print(f"plan=auto chose {trainer.plan}:\n  " + trainer.plan.describe().replace("\n", "\n  "), flush=True)
         load = trainer.model.extras.get("load")
-        print(f"data: {data.description}, windows of {seq} tokens", flush=True)
+        print(f"data: {data.description}" + (f", windows of {seq} tokens" if config.data.format == "text" else ""), flush=True)
+        print(LossReduction(config.train.loss_reduction).describe(), flush=True)
         print(f"model: {model_config.get('model_type')} from {config.model.hf}, {shape.layers} layers x {shape.hidden} hidden, "
               f"{load.elements_total:,} parameters; rank 0 read {load.elements_read:,} of them", flush=True)
+        if source.lora is not None:
+            trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+            print(f"lora: r={source.lora.r}, alpha={source.lora.alpha:g}, base {source.lora.base}; rank 0 trains {trainable:,} "
+                  "adapter elements, the base is frozen (checkpoints hold the adapters only)", flush=True)
     result = trainer.fit(train_set, val_set, resume=resume)  # no validation split: val_set is None
     if not env.is_main:
         return None

@@ -54,14 +54,22 @@ def default_run_name() -> str:
 
 def check_data_options(config: TrainJobConfig) -> None:
     """The ``[data]`` options that only work together, checked before any process starts."""
+    from shardwise.jobs.instruct_data import check_instruct_options
+
     data = config.data
-    if (data.files or data.streaming) and not config.model.hf:
-        raise ConfigError("data.files and data.streaming are for fine-tuning a Hugging Face model", hint="pass --model.hf DIR too, or drop them")
+    if (data.files or data.streaming or data.format != "text") and not config.model.hf:
+        raise ConfigError("data.files, data.streaming and data.format are for fine-tuning a Hugging Face model",
+                          hint="pass --model.hf DIR too, or drop them")
     if not data.streaming and (data.val_files or data.shuffle_windows):
         given = "data.val_files" if data.val_files else "data.shuffle_windows"
         raise ConfigError(f"{given} is an option of a streamed dataset", hint="add --data.streaming true, or drop it")
     if data.streaming and not config.train.max_steps:
         raise ConfigError("a streamed dataset has no length known before training", hint="set --max-steps N")
+    check_instruct_options(config)
+    if config.lora.r and not config.model.hf:
+        raise ConfigError("lora.r adds adapters to a Hugging Face model", hint="pass --model.hf DIR too, or drop --lora.*")
+    if config.lora.base == "nf4" and not config.lora.r:
+        raise ConfigError("lora.base=nf4 is QLoRA's 4-bit base under LoRA adapters", hint="add --lora.r 16 (or another rank)")
 
 
 def check_run_dir(run_dir: str) -> None:

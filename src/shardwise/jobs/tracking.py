@@ -10,9 +10,14 @@ run's name, so a resumed or restarted run continues the same tracker run.
 
 The checks (:func:`check_tracker`) turn what would otherwise fail inside a worker, after the
 processes started, into one line: an option the chosen tracker does not read, a package that is
-not installed, a tracking URI MLflow cannot use (an unknown scheme, a file store MLflow 3 keeps
-switched off, a directory that cannot be written, a server that does not answer), W&B online
-without a login.
+not installed, a tracking URI MLflow cannot use (an unknown scheme, a file store switched off with
+``MLFLOW_ALLOW_FILE_STORE=false``, a directory that cannot be written, a server that does not
+answer), W&B online without a login.
+
+A file store the user names (``log.tracking_uri`` or ``MLFLOW_TRACKING_URI`` set to ``file:///...``
+or a directory) is what they asked for: MLflow 3 opens one only with ``MLFLOW_ALLOW_FILE_STORE=true``,
+so :func:`check_tracker` returns that switch for the run (the command sets it for itself and its
+workers and says so in one line) unless the variable is set already.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ USES = {"none": (), "mlflow": ("experiment", "tracking_uri"), "wandb": ("experim
 CONNECT_TIMEOUT_S = 5.0
 DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")  # MLflow's SQLAlchemy stores
 PROFILES = ("databricks", "databricks-uc", "uc")  # whole URIs MLflow reads as a scheme
+FILE_STORE_SWITCH = "MLFLOW_ALLOW_FILE_STORE"  # MLflow 3 opens a file store only when this is true
 
 
 def tracker_loggers(config: TrainJobConfig, *, resume: bool) -> list[Logger]:
@@ -53,24 +59,27 @@ def tracker_loggers(config: TrainJobConfig, *, resume: bool) -> list[Logger]:
     return []
 
 
-def check_tracker(log: LogSection) -> None:
+def check_tracker(log: LogSection) -> dict[str, str]:
     """One :class:`ConfigError` line when the ``[log]`` table cannot work (module doc). Nothing is
-    written, except by MLflow when it opens a database store (it creates the tables)."""
-    defaults = LogSection()
+    written, except by MLflow when it opens a database store (it creates the tables).
+
+    Returns the environment the run needs on top of this process's: ``MLFLOW_ALLOW_FILE_STORE=true``
+    for a file store the user named (module doc), else nothing."""
+    defaults, tracker_keys = LogSection(), {key for keys in USES.values() for key in keys}
     for f in fields(log):
-        if f.name != "tracker" and f.name not in USES[log.tracker] and getattr(log, f.name) != getattr(defaults, f.name):
+        if f.name in tracker_keys and f.name not in USES[log.tracker] and getattr(log, f.name) != getattr(defaults, f.name):
             readers = " or ".join(t for t, keys in USES.items() if f.name in keys)
             raise ConfigError(f"config key 'log.{f.name}' is set, but log.tracker is {log.tracker!r}",
                               hint=f"log.{f.name} is read with log.tracker {readers}: choose one, or drop log.{f.name}")
     if log.tracker == "none":
-        return
+        return {}
     if not log.experiment.strip():
         raise ConfigError("config key 'log.experiment' is empty", hint="name the experiment (W&B: the project), e.g. --log.experiment gpt")
     _require(log.tracker)
     if log.tracker == "mlflow":
-        _check_mlflow_uri(log.tracking_uri)
-    else:
-        _check_wandb_login(log.wandb_mode)
+        return _check_mlflow_uri(log.tracking_uri)
+    _check_wandb_login(log.wandb_mode)
+    return {}
 
 
 def _require(package: str) -> None:
@@ -81,12 +90,14 @@ def _require(package: str) -> None:
                           hint=f"pip install 'shardwise[{package}]'") from None
 
 
-def _check_mlflow_uri(tracking_uri: str) -> None:
-    """The store behind ``tracking_uri`` (empty: MLflow's default) can be opened and written."""
+def _check_mlflow_uri(tracking_uri: str) -> dict[str, str]:
+    """The store behind ``tracking_uri`` (empty: MLflow's default) can be opened and written; the
+    file-store switch when the user named a file store (module doc)."""
     import mlflow
 
     uri = tracking_uri or mlflow.get_tracking_uri()
     what = f"log.tracking_uri {uri!r}" if tracking_uri else f"MLflow's default tracking URI {uri!r} (log.tracking_uri is empty)"
+    named = bool(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
     try:
         scheme = uri if uri in PROFILES else urlparse(uri).scheme
         if scheme in ("http", "https"):
@@ -94,19 +105,23 @@ def _check_mlflow_uri(tracking_uri: str) -> None:
     except ValueError as err:
         raise ConfigError(f"{what} is not a URI ({err})", hint="for example file:///abs/mlruns or http://host:5000") from None
     if scheme in ("", "file"):
-        _check_file_store(uri, what)
-    elif scheme in ("http", "https"):
+        return _check_file_store(uri, what, named=named)
+    if scheme in ("http", "https"):
         _check_reachable(uri, what)
     else:
         _check_store(uri, what, database=scheme.split("+")[0] in DATABASE_SCHEMES)
+    return {}
 
 
-def _check_file_store(uri: str, what: str) -> None:
+def _check_file_store(uri: str, what: str, *, named: bool) -> dict[str, str]:
     from mlflow import environment_variables
 
     switch = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)  # MLflow 3: off by default
+    env = {}
+    if switch is not None and named and FILE_STORE_SWITCH not in os.environ:  # asked for by name: switch it on for this run
+        env = {FILE_STORE_SWITCH: "true"}
     try:
-        allowed = switch is None or switch.get()
+        allowed = switch is None or bool(env) or switch.get()
     except ValueError as err:
         raise ConfigError(f"{what}: {err}", hint="set MLFLOW_ALLOW_FILE_STORE=true") from None
     if not allowed:
@@ -117,6 +132,7 @@ def _check_file_store(uri: str, what: str) -> None:
         raise ConfigError(f"{what} names the host {parsed.netloc!r}", hint="a file store is a local directory: file:///abs/path")
     path = url2pathname(unquote(parsed.path)) if parsed.scheme == "file" else uri
     check_output_dir(path, what=f"{what}: directory", hint="choose a directory this user can write, e.g. file:///tmp/mlruns")
+    return env
 
 
 def _check_reachable(uri: str, what: str) -> None:

@@ -170,7 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(path=args.config, overrides=overrides)
         run_job(config)
     except ShardwiseError as err:
-        print(f"shardwise train: error: {err}", file=sys.stderr)
+        from shardwise.launch.worker_errors import record_failure
+
+        if not record_failure(err):  # under a launcher, it prints the line once for all ranks
+            print(f"shardwise train: error: {err}", file=sys.stderr)
         return 2
     finally:
         shutdown()

@@ -19,13 +19,21 @@ from shardwise.launch.options import free_port
 
 
 def _worker(fn: Callable[..., Any], backend: str | None, timeout_s: float, *args: Any) -> Any:
+    from shardwise.launch.worker_main import line_buffered_output
     from shardwise.runtime.env import init, shutdown
 
-    init(backend=backend, timeout_s=timeout_s)
+    line_buffered_output()  # each printed line whole, as in shardwise run's workers
     try:
-        return fn(*args)
-    finally:
-        shutdown()
+        init(backend=backend, timeout_s=timeout_s)
+        try:
+            return fn(*args)
+        finally:
+            shutdown()
+    except Exception as exc:  # noqa: BLE001 - reported once by the launcher (shardwise.launch.worker_errors)
+        from shardwise.launch.worker_errors import exit_for_launcher
+
+        exit_for_launcher(exc)
+        raise
 
 
 def launch(

@@ -6,9 +6,11 @@ What happens, in order:
 2. pre-flight checks every host over ssh (:mod:`shardwise.launch.preflight`); any problem stops
    here, one line per problem, nothing started;
 3. one ssh session per host runs the ordinary ``shardwise run`` there with that node's flags
-   (``--nnodes``, ``--node-rank``, ``--master-addr/--master-port``; for ``--nnodes MIN:MAX`` the
-   ``c10d`` rendezvous at the master with node 0 hosting its store), the forwarded environment,
-   in the same working directory (or ``--chdir``), with ``--stop-with-stdin``;
+   (``--nnodes``, ``--node-rank``, ``--master-addr/--master-port``; for ``--nnodes MIN:MAX`` or
+   restarts the ``c10d`` rendezvous, its store on a machine that does not train: by default this
+   launcher, which must live as long as the job anyway, so that no node is special; see
+   :func:`store_choice`), the forwarded environment, in the same working directory (or
+   ``--chdir``), with ``--stop-with-stdin``;
 4. each host's output is printed with a ``[host]`` prefix (:mod:`shardwise.launch.sessions`);
    Ctrl-C or a failed host stops every host, and the exit code is the job's.
 
@@ -31,6 +33,7 @@ from shardwise.launch.options import RunOptions, parse_nnodes
 from shardwise.launch.preflight import Preflight, Target, check, run_preflight
 from shardwise.launch.sessions import DEFAULT_STOP_GRACE_S, Session, Sessions
 from shardwise.launch.ssh import SshOptions, forwarded_env, remote_command, resolve_hostname, ssh_argv
+from shardwise.launch.store import parse_endpoint
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -46,6 +49,47 @@ class HostLaunch:
     python: str | None = None  # default: this interpreter's path
     hang_timeout_s: float | None = None
     stop_grace_s: float = DEFAULT_STOP_GRACE_S
+    rdzv_store: str | None = None  # --rdzv-store: launcher[:PORT], node0 or HOST:PORT (see store_choice)
+
+
+@dataclass(frozen=True)
+class StoreChoice:
+    """Where the c10d rendezvous store lives: ``node0`` (hosted by the first host's agent, as
+    torchrun does: losing that node ends the job), ``launcher`` (this process, at ``port``, 0 for
+    a free one) or ``host`` (a running ``shardwise rendezvous`` at ``host:port``)."""
+
+    kind: str
+    host: str | None = None
+    port: int = 0
+
+
+def uses_c10d(options: RunOptions, elastic: bool) -> bool:
+    """Whether the nodes meet through the c10d rendezvous (a world that can re-form)."""
+    return elastic or options.rdzv_backend == "c10d" or options.max_restarts > 0
+
+
+def store_choice(value: str | None, *, dynamic: bool) -> StoreChoice:
+    """``--rdzv-store`` (default: the launcher when the world can re-form, else nothing to host)."""
+    if value is None:
+        return StoreChoice("launcher") if dynamic else StoreChoice("node0")
+    if value == "node0":
+        return StoreChoice("node0")
+    if not dynamic:
+        raise LaunchError(f"--rdzv-store {value} needs a world that can re-form",
+                          hint="add --nnodes MIN:MAX or --max-restarts N (a fixed world uses node 0's static rendezvous)")
+    if value == "launcher":
+        return StoreChoice("launcher")
+    if value.startswith("launcher:"):
+        port = value.partition(":")[2]
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise LaunchError(f"--rdzv-store {value!r}: {port!r} is not a port", hint="for example --rdzv-store launcher:29400")
+        return StoreChoice("launcher", port=int(port))
+    host, port = parse_endpoint(value, "--rdzv-store")
+    return StoreChoice("host", host, port)
+
+
+def endpoint(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -57,6 +101,7 @@ class World:
     master_addr: str
     master_port: int
     run_id: str
+    store_endpoints: tuple[str, ...] = ()  # per node: where it reaches a store off the nodes (else node 0 hosts it)
 
 
 def check_topology(options: RunOptions, hosts: Sequence[Host]) -> tuple[str, bool]:
@@ -65,7 +110,7 @@ def check_topology(options: RunOptions, hosts: Sequence[Host]) -> tuple[str, boo
         raise LaunchError("--node-rank cannot be combined with --hostfile/--hosts", hint="the order of the hosts gives each its node rank")
     if options.rdzv_endpoint:
         raise LaunchError("--rdzv-endpoint cannot be combined with --hostfile/--hosts",
-                          hint="the first host is the rendezvous; use --master-addr/--master-port to change its address")
+                          hint="use --rdzv-store HOST:PORT for a running 'shardwise rendezvous' (by default this launcher hosts the store)")
     low, high = parse_nnodes(options.nnodes or str(len(hosts)))
     if low == high and low != len(hosts):
         raise LaunchError(f"--nnodes {low} but {len(hosts)} hosts are listed", hint="drop --nnodes, or list that many hosts")
@@ -79,18 +124,22 @@ def node_args(options: RunOptions, host: Host, node_rank: int, world: World, *, 
     """The ``shardwise run`` arguments of node ``node_rank`` (after ``python -m shardwise run``)."""
     args = ["--stop-with-stdin", "--nproc-per-node", str(host.slots or options.nproc_per_node), "--nnodes", world.nnodes,
             "--rdzv-timeout", str(options.rdzv_timeout_s), "--max-restarts", str(options.max_restarts)]
-    if world.elastic or options.rdzv_backend == "c10d" or options.max_restarts > 0:
+    if uses_c10d(options, world.elastic):
         # The c10d rendezvous, so that a restart re-forms the whole world (the static one cannot
-        # restart across nodes). Node 0 hosts its store: no guessing from host names (aliases).
-        conf = ",".join(filter(None, [options.rdzv_conf, f"is_host={1 if node_rank == 0 else 0}"]))
-        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{world.master_addr}:{world.master_port}",
-                 "--rdzv-id", world.run_id, "--rdzv-conf", conf]
+        # restart across nodes). Its store lives off the nodes (every node a client), or node 0
+        # hosts it: no guessing from host names (aliases).
+        hosts_store = not world.store_endpoints and node_rank == 0
+        where = world.store_endpoints[node_rank] if world.store_endpoints else f"{world.master_addr}:{world.master_port}"
+        conf = ",".join(filter(None, [options.rdzv_conf, f"is_host={int(hosts_store)}"]))
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", where, "--rdzv-id", world.run_id, "--rdzv-conf", conf]
     else:
         args += ["--node-rank", str(node_rank), "--master-addr", world.master_addr, "--master-port", str(world.master_port)]
         if options.rdzv_conf:
             args += ["--rdzv-conf", options.rdzv_conf]
     if options.log_dir:
         args += ["--log-dir", options.log_dir]
+    if options.log_prefix:
+        args += ["--log-prefix", options.log_prefix]
     if hang_timeout_s is not None:
         args += ["--hang-timeout", f"{hang_timeout_s:g}"]
     if options.module:
@@ -98,11 +147,13 @@ def node_args(options: RunOptions, host: Host, node_rank: int, world: World, *, 
     return args + [options.script, *options.script_args]
 
 
-def preflight(options: RunOptions, launch: HostLaunch) -> tuple[Preflight, Target]:
+def preflight(options: RunOptions, launch: HostLaunch, *, store: str | None = None,
+              store_client_port: int | None = None) -> tuple[Preflight, Target]:
     """Pre-flight of every host for this job (raises one LaunchError listing the problems)."""
     target = Target(python=launch.python or sys.executable, chdir=launch.chdir or os.getcwd(), script=options.script,
                     module=options.module, master_addr=options.master_addr or resolve_hostname(launch.hosts[0].name, launch.ssh),
-                    master_port=options.master_port, env=forwarded_env(os.environ, launch.env_names))
+                    master_port=options.master_port, env=forwarded_env(os.environ, launch.env_names), store=store,
+                    store_client_port=store_client_port)
     return check(run_preflight(launch.hosts, target, launch.ssh)), target
 
 
@@ -119,14 +170,29 @@ def host_lines(pre: Preflight) -> list[str]:
 def launch_on_hosts(options: RunOptions, launch: HostLaunch, *, show_hosts: bool = False) -> int:
     """Pre-flight, start every node, stream, stop together; returns the job's exit code."""
     nnodes, elastic = check_topology(options, launch.hosts)
-    pre, target = preflight(options, launch)
+    choice = store_choice(launch.rdzv_store, dynamic=uses_c10d(options, elastic))
+    hosted = None
+    if choice.kind == "launcher":  # torch's TCPStore in this process, alive as long as the job (see shardwise.launch.store)
+        from shardwise.launch.store import host_store
+
+        hosted = host_store(choice.port)
+    store = endpoint(choice.host, choice.port) if choice.kind == "host" and choice.host else None
+    pre, target = preflight(options, launch, store=store, store_client_port=hosted.port if hosted else None)
     if show_hosts:
         print("pre-flight:\n" + "\n".join(host_lines(pre)), flush=True)
+    if hosted is not None:  # each host reaches this machine at the address its ssh session comes from
+        endpoints = tuple(endpoint(str((f.facts or {})["store_addr"]), hosted.port) for f in pre.facts)
+        where = f"rendezvous store on this machine, port {hosted.port}"
+    else:
+        endpoints = (store,) * len(launch.hosts) if store else ()
+        where = f"rendezvous store at {store}" if store else "rendezvous store on node 0"
     world = World(nnodes=nnodes, elastic=elastic, master_addr=target.master_addr,
-                  master_port=pre.master_port or DEFAULT_MASTER_PORT, run_id=options.rdzv_id or uuid.uuid4().hex[:12])
+                  master_port=pre.master_port or DEFAULT_MASTER_PORT, run_id=options.rdzv_id or uuid.uuid4().hex[:12],
+                  store_endpoints=endpoints)
     print(f"shardwise run: pre-flight ok on {len(launch.hosts)} host(s) ({pre.versions()}); master "
           f"{world.master_addr}:{world.master_port}, " + (f"elastic {nnodes} nodes, rendezvous id {world.run_id}" if elastic
-                                                           else f"{nnodes} node(s)"), file=sys.stderr, flush=True)
+                                                           else f"{nnodes} node(s)")
+          + (f", {where}" if uses_c10d(options, elastic) else ""), file=sys.stderr, flush=True)
     sessions = []
     for rank, host in enumerate(launch.hosts):
         argv = [target.python, "-m", "shardwise", "run", *node_args(options, host, rank, world, hang_timeout_s=launch.hang_timeout_s)]
@@ -138,6 +204,7 @@ def launch_on_hosts(options: RunOptions, launch: HostLaunch, *, show_hosts: bool
         sessions.append(Session(host.name, tuple(ssh_line), rejoin=rejoin))
     with Sessions(sessions, stop_grace_s=launch.stop_grace_s) as running:
         outcome = running.wait(min_alive=parse_nnodes(nnodes)[0] if elastic else None)
+    del hosted  # the store lived until every host had stopped
     if outcome.interrupted:
         print("shardwise run: interrupted; every host was stopped", file=sys.stderr, flush=True)
     elif outcome.exit_code != 0:

@@ -12,11 +12,13 @@ without starting a process. The rendezvous rules follow torchrun:
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import math
 import os
 import socket
 import sys
+import tempfile
 import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from torch.distributed.launcher.api import LaunchConfig
 
 DEFAULT_RDZV_TIMEOUT_S = 300
+WORKER_MAIN = "shardwise.launch.worker_main"  # each worker's entry: line-buffered output, then the target
 MAX_AUTO_CPU_PROCS = 4
 
 
@@ -54,6 +57,7 @@ class RunOptions:
     rdzv_conf: str | None = None  # torchrun's --rdzv-conf "key=value,key=value"
     max_restarts: int = 0
     log_dir: str | None = None
+    log_prefix: str | None = None  # torch's log_line_prefix_template: ${rank}, ${local_rank}, ${role_name}
     monitor_interval_s: float = 0.1
 
 
@@ -65,6 +69,7 @@ class ResolvedLaunch:
     entrypoint: str
     args: tuple[str, ...]
     worker_env: Mapping[str, str] = field(default_factory=dict)
+    temp_log_dir: str | None = None  # made for --log-prefix without --log-dir; removed after the run
 
 
 def hang_timeout_env(seconds: float | None) -> dict[str, str]:
@@ -155,7 +160,10 @@ def parse_rdzv_conf(text: str | None) -> dict[str, str]:
 
 def _check_target(options: RunOptions) -> None:
     if options.module:
-        if importlib.util.find_spec(options.script.split(".")[0]) is None:
+        # where `python -m` looks: the current directory first (a console script's own sys.path
+        # starts with its bin/ directory instead), then PYTHONPATH and the installed packages
+        top = options.script.split(".")[0]
+        if importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is None and importlib.util.find_spec(top) is None:
             raise LaunchError(f"module {options.script!r} cannot be imported", hint="check the name and your PYTHONPATH")
     elif not os.path.isfile(options.script):
         raise LaunchError(f"script {options.script!r} does not exist", hint="check the path (it is relative to the current directory)")
@@ -249,8 +257,18 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
     if backend == "static":
         rdzv_configs["rank"] = topo.node_rank
 
+    # Each rank's output: straight to this process's stdout/stderr (inherited), one whole line per
+    # write (shardwise.launch.worker_main). With --log-dir or --log-prefix, torch's agent writes
+    # it to <log_dir>/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log and copies each line
+    # to the console behind the prefix (its default: [shardwise<local rank>]:).
+    if options.log_prefix is not None and not options.log_prefix.strip():
+        raise LaunchError("--log-prefix is empty", hint="for example --log-prefix '[${rank}]: ', or leave it out for no prefix")
+    temp_log_dir = None
     if options.log_dir:
         os.makedirs(options.log_dir, exist_ok=True)
+    elif options.log_prefix:
+        temp_log_dir = tempfile.mkdtemp(prefix="shardwise-logs-")
+    tee = Std.ALL if options.log_dir or options.log_prefix else Std.NONE
     config = LaunchConfig(
         min_nodes=topo.min_nodes,
         max_nodes=topo.max_nodes,
@@ -264,9 +282,10 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
         monitor_interval=options.monitor_interval_s,
         start_method="spawn",
         local_addr=local_addr,
-        logs_specs=DefaultLogsSpecs(log_dir=options.log_dir, redirects=Std.NONE, tee=Std.ALL if options.log_dir else Std.NONE),
+        logs_specs=DefaultLogsSpecs(log_dir=options.log_dir or temp_log_dir, redirects=Std.NONE, tee=tee),
+        log_line_prefix_template=options.log_prefix,
     )
-    args = ["-u"] + (["-m"] if options.module else []) + [options.script, *options.script_args]
+    args = ["-m", WORKER_MAIN] + (["-m"] if options.module else []) + [options.script, *options.script_args]
     worker_env = {}
     if topo.min_nodes != topo.max_nodes:  # the workers' Trainer re-plans when the world changed
         worker_env[ELASTIC_VAR] = f"{topo.min_nodes}:{topo.max_nodes}"
@@ -278,4 +297,4 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
     if "OMP_NUM_THREADS" not in environ:
         # Share the cores between the local processes instead of oversubscribing them.
         worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    return ResolvedLaunch(config=config, entrypoint=sys.executable, args=tuple(args), worker_env=worker_env)
+    return ResolvedLaunch(config=config, entrypoint=sys.executable, args=tuple(args), worker_env=worker_env, temp_log_dir=temp_log_dir)

@@ -9,7 +9,10 @@ the answers:
   (mismatches hang collectives or give wrong results);
 - the working directory and the script (or ``-m`` module) exist there;
 - the master address resolves there, and on node 0 the master port is free (or, with no
-  ``--master-port``, node 0 names a free one).
+  ``--master-port``, node 0 names a free one);
+- the rendezvous store answers there, when it lives off the training nodes (``--rdzv-store``):
+  on the launcher (at the launcher's address as the host sees it, from ``SSH_CONNECTION``) or at
+  ``HOST:PORT``.
 
 Each problem is one line that starts with the host; all of them are reported together, so one
 round trip finds every broken host. Nothing is started unless the list is empty.
@@ -42,6 +45,8 @@ class Target:
     master_addr: str
     master_port: int | None  # None: node 0 picks a free one
     env: Mapping[str, str] = field(default_factory=dict)
+    store: str | None = None  # HOST:PORT of a rendezvous store every host must reach
+    store_client_port: int | None = None  # the store runs on the launcher, at this port
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,10 @@ def _ask(host: Host, node_rank: int, target: Target, ssh: SshOptions, source: by
         args.append("--module")
     if node_rank == 0:
         args += ["--port", str(target.master_port)] if target.master_port is not None else ["--find-port"]
+    if target.store is not None:
+        args += ["--store", target.store]
+    elif target.store_client_port is not None:
+        args += ["--store-client-port", str(target.store_client_port)]
     argv = ssh_argv(host.name, remote_command(args, env=target.env), ssh)
     timeout = ssh.connect_timeout_s + PROBE_EXTRA_S
     try:
@@ -131,6 +140,13 @@ def judge(facts: Sequence[HostFacts], target: Target) -> tuple[list[str], int | 
         elif not got.get("script_ok"):
             what = f"module {target.script!r} cannot be imported" if target.module else f"script {target.script} does not exist"
             problems.append(f"host {name}: {what} in {target.chdir}; copy it there (or use a shared file system)")
+        if (target.store is not None or target.store_client_port is not None) and (
+                got.get("store_error") or not got.get("store_addr")):
+            where = target.store or (f"{got.get('store_addr')}:{target.store_client_port} (this machine, as {name} sees it)"
+                                     if got.get("store_addr") else "this machine")
+            problems.append(f"host {name}: cannot reach the rendezvous store at {where}: {got.get('store_error') or 'no answer'}; "
+                            "open that port to the hosts, or pass --rdzv-store HOST:PORT of a 'shardwise rendezvous' they reach "
+                            "(or --rdzv-store node0)")
         if not got.get("master_resolves"):
             problems.append(f"host {name}: the master address {target.master_addr!r} does not resolve there; "
                             "pass --master-addr with an address every host can reach")

@@ -1,4 +1,5 @@
-"""What pre-flight asks one host: versions, the working directory, the script, the master address.
+"""What pre-flight asks one host: versions, the working directory, the script, the master address,
+and whether the rendezvous store (on the launcher or another host that does not train) answers.
 
 This file is sent as the program text over ssh (``ssh host python - ARGS < probe.py``), so it runs
 even where shardwise is missing or another version: it uses the standard library only, imports
@@ -45,7 +46,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def probe(chdir: str, script: str, module: bool, master_addr: str, port: int | None, find_port: bool) -> dict[str, object]:
+def _reach(host: str, port: int, timeout_s: float = 5.0) -> str | None:
+    """None when ``host:port`` accepts a TCP connection from here, else why not."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
+
+
+def _store(store: str | None, store_client_port: int | None) -> dict[str, object]:
+    """Can this host reach the rendezvous store: at ``HOST:PORT``, or on the machine this ssh
+    session comes from (the launcher, its address as this host sees it) at ``store_client_port``."""
+    if store is not None:
+        host, _, port = store.rpartition(":")
+        return {"store_addr": host.strip("[]"), "store_error": _reach(host.strip("[]"), int(port))}
+    if store_client_port is None:
+        return {}
+    client = os.environ.get("SSH_CONNECTION", "").split()
+    if not client:
+        return {"store_addr": None, "store_error": "SSH_CONNECTION is not set, so the launcher's address is unknown here"}
+    return {"store_addr": client[0], "store_error": _reach(client[0], store_client_port)}
+
+
+def probe(chdir: str, script: str, module: bool, master_addr: str, port: int | None, find_port: bool,
+          store: str | None = None, store_client_port: int | None = None) -> dict[str, object]:
     """The facts of this host; no judgement (that happens on the launching machine)."""
     facts: dict[str, object] = {
         "hostname": socket.gethostname(),
@@ -75,6 +100,7 @@ def probe(chdir: str, script: str, module: bool, master_addr: str, port: int | N
         facts["port_free"] = _port_free(port)
     if find_port:
         facts["free_port"] = _free_port()
+    facts.update(_store(store, store_client_port))
     return facts
 
 
@@ -86,8 +112,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--master-addr", required=True)
     p.add_argument("--port", type=int, default=None, help="is this port free here (node 0)")
     p.add_argument("--find-port", action="store_true", help="report a free port here (node 0)")
+    p.add_argument("--store", default=None, metavar="HOST:PORT", help="can this host reach the rendezvous store there")
+    p.add_argument("--store-client-port", type=int, default=None, metavar="PORT",
+                   help="can this host reach the rendezvous store on the launcher (the ssh client) at this port")
     a = p.parse_args(argv)
-    print(MARKER + json.dumps(probe(a.chdir, a.script, a.module, a.master_addr, a.port, a.find_port)), flush=True)
+    facts = probe(a.chdir, a.script, a.module, a.master_addr, a.port, a.find_port, a.store, a.store_client_port)
+    print(MARKER + json.dumps(facts), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,19 +16,25 @@ signals as what they are (:class:`~shardwise.errors.StoppedBySignal`, exit ``128
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import shutil
 import signal
 import socket
+import sys
+import tempfile
 import time
 from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.launcher.api import LaunchConfig
 
 from shardwise.errors import LaunchError, StoppedBySignal
+from shardwise.launch.agent import launch_agent
 from shardwise.launch.forward import Forwarded, forward_signals
 from shardwise.launch.options import ResolvedLaunch
+from shardwise.launch.worker_errors import ERROR_DIR_VAR, read_records, worker_failure
 
 LAUNCHER_PID_VAR = "SHARDWISE_LAUNCHER_PID"  # read by shardwise.runtime.settings in the workers
 
@@ -49,11 +55,37 @@ def describe_failures(err: ChildFailedError, max_restarts: int) -> str:
     )
 
 
+class _QuietFailures(logging.Filter):
+    """Drops the agent's "failed (exitcode: N) local_rank: ...", "Sending process P closing signal"
+    and "Terminating process P via signal" log lines: the launcher's own line (the workers' one-line error, or
+    :func:`describe_failures`, which counts the workers stopped) says it once, readably."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(noise in message for noise in ("failed (exitcode", "closing signal", "Terminating process"))
+
+
 def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args: tuple[Any, ...]) -> dict[int, Any]:
-    """Start the agent; return the workers' results by global rank, or raise :class:`LaunchError`."""
+    """Start the agent (:class:`shardwise.launch.agent.ShardwiseAgent`: torch's, plus the peer
+    watch); return the workers' results by global rank, or raise :class:`LaunchError`."""
+    errors = tempfile.mkdtemp(prefix="shardwise-errors-")  # the workers' records (shardwise.launch.worker_errors)
+    saved = os.environ.get(ERROR_DIR_VAR)
+    os.environ[ERROR_DIR_VAR] = errors  # the agent copies this process's environment to the workers
+    quiet = _QuietFailures()
+    agent_logs = [logging.getLogger(name) for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")]
+    for agent_log in agent_logs:
+        agent_log.addFilter(quiet)
     try:
-        return elastic_launch(config=config, entrypoint=entrypoint)(*args)
+        return launch_agent(config, entrypoint, args)
+    except LaunchError:  # this node was dropped from the job (shardwise.launch.agent): its own line
+        raise
     except ChildFailedError as err:
+        bad_input, first_traceback = worker_failure(read_records(errors))
+        if bad_input is not None:
+            raise bad_input from None
+        if first_traceback:
+            sys.stderr.write(first_traceback)
+            sys.stderr.flush()
         raise LaunchError(describe_failures(err, config.max_restarts)) from None
     except SignalException as err:  # the agent has already passed the signal on and stopped the workers
         name = signal.Signals(err.sigval).name
@@ -69,15 +101,24 @@ def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
             f"{type(err).__name__}: {first}",
             hint="check that node 0 is up, the address is reachable from every node and the port is open",
         ) from None
+    finally:
+        for agent_log in agent_logs:
+            agent_log.removeFilter(quiet)
+        if saved is None:
+            os.environ.pop(ERROR_DIR_VAR, None)
+        else:
+            os.environ[ERROR_DIR_VAR] = saved
+        shutil.rmtree(errors, ignore_errors=True)
 
 
-def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
+def wait_for_endpoint(endpoint: str, timeout_s: float, *, store_off_nodes: bool = False) -> None:
     """Block until ``host:port`` accepts TCP connections, or fail with one clear line.
 
     A node other than node 0 checks this before starting the agent, so an unreachable master is
     reported as one sentence after ``--rdzv-timeout`` instead of pages of C++ retry logs.
     """
     host, _, port = endpoint.rpartition(":")
+    host = host.strip("[]")
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -85,6 +126,11 @@ def wait_for_endpoint(endpoint: str, timeout_s: float) -> None:
                 return
         except OSError as exc:
             if time.monotonic() >= deadline:
+                if store_off_nodes:
+                    raise LaunchError(
+                        f"the rendezvous store at {endpoint} did not answer within {timeout_s:.0f}s ({exc.strerror or exc})",
+                        hint="start what hosts it first ('shardwise rendezvous', or the node with is_host=1), and check "
+                             "--rdzv-endpoint and firewalls") from None
                 raise LaunchError(
                     f"node 0 at {endpoint} did not answer within {timeout_s:.0f}s ({exc.strerror or exc})",
                     hint="start node 0 first (or together), and check --master-addr/--master-port and firewalls",
@@ -99,8 +145,10 @@ def run_launch(launch: ResolvedLaunch, *, forwarded: Forwarded | None = None) ->
     :func:`~shardwise.launch.forward.forward_for_this_process`, else one for the launch only); a
     launch that received it ends with :class:`~shardwise.errors.StoppedBySignal`."""
     config = launch.config
-    if config.rdzv_backend == "static" and config.rdzv_configs.get("rank", 0) != 0:
-        wait_for_endpoint(config.rdzv_endpoint, float(config.rdzv_configs.get("timeout", 300)))
+    client_only = str(config.rdzv_configs.get("is_host", "")).lower() in ("0", "false", "no")
+    if (config.rdzv_backend == "static" and config.rdzv_configs.get("rank", 0) != 0) or (config.rdzv_backend == "c10d" and client_only):
+        # a node that does not host the store (or a store off the nodes, 'shardwise rendezvous'): one line if nobody answers
+        wait_for_endpoint(config.rdzv_endpoint, float(config.rdzv_configs.get("timeout", 300)), store_off_nodes=client_only)
     worker_env = {**launch.worker_env, LAUNCHER_PID_VAR: str(os.getpid())}
     saved = {k: os.environ.get(k) for k in worker_env}
     os.environ.update(worker_env)  # the agent copies this process's environment to workers
@@ -125,6 +173,8 @@ def run_launch(launch: ResolvedLaunch, *, forwarded: Forwarded | None = None) ->
                                   signum=forwarded.received)
         return results
     finally:
+        if launch.temp_log_dir is not None:
+            shutil.rmtree(launch.temp_log_dir, ignore_errors=True)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)

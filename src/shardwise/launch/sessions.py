@@ -6,6 +6,11 @@ launcher never writes to: closing it is the stop signal, which the remote ``shar
 --stop-with-stdin`` turns into a clean shutdown (:mod:`shardwise.launch.lifeline`). That pipe
 also closes when the launcher dies in any way, so remote processes never outlive it.
 
+Ctrl-C: while the sessions run, SIGINT only counts (:class:`Interrupts`) and the wait loop looks
+at the count. A KeyboardInterrupt raised wherever the main thread happens to be could land inside
+``Popen.poll`` after it took its wait lock and before it could release it; that session would
+then never look finished and the stop would wait out every grace period.
+
 Stopping: close every stdin, wait up to ``stop_grace_s`` for the sessions to end, then SIGTERM
 the ssh clients and finally SIGKILL them (sshd then hangs up on the remote side, which the
 lifeline also sees). A second Ctrl-C skips the wait.
@@ -17,12 +22,14 @@ sessions are alive. All sessions ending with 0 is success.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Sequence
+from typing import IO, Any, Iterator, Sequence
 
 POLL_S = 0.1
 DEFAULT_STOP_GRACE_S = 50.0
@@ -48,6 +55,29 @@ class Outcome:
     interrupted: bool = False
 
 
+class Interrupts:
+    """How many times SIGINT arrived while :meth:`counting` was active (see the module doc)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.count += 1
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[Interrupts]:
+        """Count SIGINT instead of raising KeyboardInterrupt (main thread only; elsewhere a no-op,
+        as only the main thread receives KeyboardInterrupt anyway)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
 def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\r\n")
@@ -66,6 +96,7 @@ class Sessions:
         self.procs: list[subprocess.Popen[bytes]] = []
         self._pumps: list[threading.Thread] = []
         self._lock = threading.Lock()
+        self._interrupts = Interrupts()
 
     def __enter__(self) -> Sessions:
         for s in self.sessions:
@@ -82,10 +113,11 @@ class Sessions:
         self.stop(grace_s=0.0 if exc[0] is KeyboardInterrupt else self.stop_grace_s)
 
     def wait(self, *, min_alive: int | None = None) -> Outcome:
-        """Block until the job ends (see the module doc); Ctrl-C stops every session."""
+        """Block until the job ends (see the module doc); Ctrl-C stops every session, a second
+        one skips the wait for a clean shutdown."""
         lost: list[str] = []
-        try:
-            while True:
+        with self._interrupts.counting():
+            while not self._interrupts.count:
                 codes = [p.poll() for p in self.procs]
                 for s, code in zip(self.sessions, codes):
                     if code not in (None, 0) and s.label not in lost:
@@ -102,12 +134,8 @@ class Sessions:
                         return Outcome(0, lost=tuple(lost))  # an elastic job that finished on the survivors
                     return Outcome(failed[0][1], failed[0][0], failed[0][1], tuple(lost))
                 time.sleep(POLL_S)
-        except KeyboardInterrupt:
             self._say("interrupted: stopping every host")
-            try:
-                self.stop(grace_s=self.stop_grace_s)
-            except KeyboardInterrupt:  # a second Ctrl-C: do not wait for a clean shutdown
-                self.stop(grace_s=0.0)
+            self.stop(grace_s=self.stop_grace_s)  # still counting: a second Ctrl-C ends the grace period
             return Outcome(130, interrupted=True, lost=tuple(lost))
 
     def stop(self, *, grace_s: float) -> None:
@@ -119,7 +147,7 @@ class Sessions:
                 except OSError:
                     pass
         deadline = time.monotonic() + grace_s
-        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline and self._interrupts.count < 2:
             time.sleep(POLL_S)
         for signal_name in ("terminate", "kill"):
             alive = [p for p in self.procs if p.poll() is None]

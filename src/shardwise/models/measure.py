@@ -9,6 +9,25 @@ type; the parameters before them count as the embedding part, those after as the
 A model that carries its :class:`~shardwise.shape.TransformerShape` as ``model.config`` (the
 built-in GPT), or a Hugging Face config (read by :func:`shardwise.models.hf.shape_of`), gets the
 planner's closed forms instead (:func:`shardwise.plan.stats.transformer_stats`).
+
+**When the meta forward fails** (a user's forward with a data-dependent op, ``.item()`` or a mask
+built from values, which the meta device cannot run), :func:`sample_stats` falls back, in order,
+and logs which one sized the model:
+
+1. a Hugging Face ``config`` found anywhere in the module tree (a user's wrapper around an HF
+   model): the closed forms of :func:`shardwise.models.hf.stats_of_config`;
+2. one real forward and backward on the CPU of a copy with at most 2 of the repeated blocks, on the
+   first sample cut to at most :data:`SHORT_SEQ` tokens: parameters are counted on the whole model;
+   the saved-for-backward bytes, FLOPs, block input and logits measured per block at the short
+   length are scaled linearly to the real one (``x seq / short``; the ``s^2`` attention scores of
+   eager attention are under-counted by the same factor, a stated approximation);
+3. a parameter-count estimate, when no such copy can run (the model's values are on ``meta``):
+   ``2 P_block`` FLOPs per token and block forward, and activations of ``34 h`` bytes per token and
+   block (Korthikanti et al. 2022, 16-bit, no recomputation, the attention-score term left out), with
+   ``h`` the widest Linear input in a block.
+
+Only a model whose forward cannot run at all (the real forward fails too) is refused, with that
+error.
 """
 
 from __future__ import annotations
@@ -16,6 +35,7 @@ from __future__ import annotations
 import copy
 import os
 import runpy
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -24,6 +44,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise.errors import ConfigError
 from shardwise.plan.stats import ModelStats, TransformerShape, transformer_stats
+from shardwise.runtime.logging import get_logger
+
+log = get_logger("plan")
 
 
 def module_stats(model: nn.Module, *, seq: int | None = None) -> ModelStats:
@@ -71,14 +94,111 @@ def sample_stats(model: nn.Module, inputs: Any, *, tokens_per_sample: int | None
     example = inputs
     if tokens_per_sample and isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() and inputs.dim() >= 2:
         example = torch.zeros((1, tokens_per_sample) + tuple(inputs.shape[2:]), dtype=inputs.dtype)
+    name = type(model).__name__
     try:
-        return measure_module(lambda: meta, lambda device: _to_device(example, device), seq=seq, name=type(model).__name__)
+        return measure_module(lambda: meta, lambda device: _to_device(example, device), seq=seq, name=name)
     except ConfigError:
         raise
-    except Exception as exc:  # the user's forward on meta: say which model and which input
-        raise ConfigError(f"{type(model).__name__} cannot run its first training sample ({_describe(inputs)}) on the meta device: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+    except Exception as exc:  # the user's forward on meta (a data-dependent op): the fallbacks of the module doc
+        meta_error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+    hf_config = next((c for m in model.modules() for c in [getattr(m, "config", None)]
+                      if hasattr(c, "model_type") and callable(getattr(c, "to_dict", None))), None)
+    if hf_config is not None:
+        from shardwise.models.hf import stats_of_config
+
+        log.info("plan=auto: sized %s from the Hugging Face config inside it (%s); its meta forward failed (%s)",
+                 name, hf_config.model_type, meta_error)
+        return replace(stats_of_config(hf_config, seq=seq), name=name)
+    small = _small_copy(model, blocks=2)
+    if small is None:
+        stats = parameter_stats(model, seq=seq, name=name)
+        log.info("plan=auto: sized %s from its parameter count (%d blocks of %s parameters, activations 34 h bytes per token and "
+                 "block, h=%d); its meta forward failed (%s) and its values are on meta", name, stats.blocks,
+                 f"{stats.params_per_block:,}", stats.hidden, meta_error)
+        return stats
+    short = min(seq, SHORT_SEQ)
+    real = inputs
+    if isinstance(inputs, torch.Tensor) and not inputs.is_floating_point() and inputs.dim() >= 2:
+        real = (inputs if inputs.shape[1] >= short else example)[:, :short]
+        if real.shape[1] < short:  # tokens_per_sample longer than the sample: zeros, as on meta
+            real = torch.zeros((1, short) + tuple(inputs.shape[2:]), dtype=inputs.dtype)
+    else:
+        short = seq  # not a sequence: the sample as it is
+    try:
+        measured = measure_module(lambda: small, lambda device: _to_device(real, device), seq=short, name=name, device="cpu",
+                                  backward=True)
+    except ConfigError:
+        raise
+    except Exception as exc:  # it cannot run at all: refused, with the reason
+        raise ConfigError(f"{name} cannot run its first training sample ({_describe(inputs)}): on the meta device {meta_error}; "
+                          f"on the CPU {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
                           hint="check that the dataset's inputs are what the model's forward takes, or pass an explicit plan") from None
+    stats = _scaled(measured, model, seq=seq, short=short)
+    log.info("plan=auto: sized %s by one forward and backward on the CPU (%d of its blocks, %d of %d tokens, scaled linearly to "
+             "%d); its meta forward failed (%s)", name, min(2, stats.blocks), short, seq, seq, meta_error)
+    return stats
+
+
+SHORT_SEQ = 64  # the longest sample the CPU fallback of sample_stats runs
+
+
+def _small_copy(model: nn.Module, *, blocks: int) -> nn.Module | None:
+    """A CPU copy of ``model`` with at most ``blocks`` of its repeated blocks (Hugging Face configs
+    inside it say the new number of layers), in train mode; None when its values are on meta."""
+    if any(p.is_meta for p in model.parameters()):
+        return None
+    found = _find_blocks(model)
+    holder = next(((n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
+                   and found and list(m.children()) == found), None)
+    if holder is None or len(found) <= blocks:
+        small = copy.deepcopy(model)
+    else:
+        name, container = holder
+        short = type(container)(found[:blocks]) if isinstance(container, nn.ModuleList) else nn.Sequential(*found[:blocks])
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        attr = name.rpartition(".")[2]
+        if not name:
+            small = copy.deepcopy(short)
+        else:
+            setattr(parent, attr, short)
+            try:
+                small = copy.deepcopy(model)
+            finally:
+                setattr(parent, attr, container)
+        for module in small.modules():
+            config = getattr(module, "config", None)
+            if isinstance(getattr(config, "num_hidden_layers", None), int) and callable(getattr(config, "to_dict", None)):
+                config.num_hidden_layers = min(config.num_hidden_layers, blocks)
+    return small.to("cpu").train()
+
+
+def _scaled(measured: ModelStats, model: nn.Module, *, seq: int, short: int) -> ModelStats:
+    """``measured`` (a small copy at ``short`` tokens) for the whole ``model`` at ``seq`` tokens."""
+    full = parameter_stats(model, seq=seq, name=measured.name)
+    k = seq / max(1, short)
+    return replace(measured, blocks=full.blocks, params_per_block=full.params_per_block, params_embed=full.params_embed,
+                   params_head=full.params_head, flops_per_block=measured.flops_per_block * k, flops_head=measured.flops_head * k,
+                   act_bytes_per_block=measured.act_bytes_per_block * k, boundary_bytes=measured.boundary_bytes * k,
+                   logits_bytes=measured.logits_bytes * k, seq=seq, hidden=measured.hidden or full.hidden)
+
+
+def parameter_stats(model: nn.Module, *, seq: int, name: str) -> ModelStats:
+    """Statistics from parameter counts alone (module doc, fallback 3): works on ``meta``."""
+    blocks = _find_blocks(model) or [model]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    params = list(model.parameters())
+    per_block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
+    first = next((i for i, p in enumerate(params) if id(p) in in_blocks), len(params))
+    embed = sum(p.numel() for i, p in enumerate(params) if id(p) not in in_blocks and i < first)
+    head = sum(p.numel() for i, p in enumerate(params) if id(p) not in in_blocks and i >= first)
+    hidden = max((m.in_features for m in blocks[0].modules() if isinstance(m, nn.Linear)), default=0)
+    hidden = hidden or max((p.shape[-1] for p in params if p.dim() >= 2), default=1)
+    return ModelStats(
+        name=name, blocks=len(blocks), params_per_block=per_block, params_embed=embed, params_head=head,
+        flops_per_block=2.0 * per_block * seq, flops_head=2.0 * head * seq, attn_flops_per_block=0.0,
+        act_bytes_per_block=34.0 * hidden * seq, attn_act_bytes_per_block=0.0, boundary_bytes=2.0 * hidden * seq,
+        logits_bytes=0.0, seq=seq, hidden=hidden,
+    )
 
 
 def sample_seq(inputs: Any) -> int:
@@ -148,20 +268,24 @@ def stats_from_model_script(path: str, *, seq: int | None = None) -> ModelStats:
 
 
 def _named(stats: ModelStats, name: str) -> ModelStats:
-    from dataclasses import replace
-
     return replace(stats, name=name)
 
 
-def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, seq: int = 1, name: str = "model") -> ModelStats:
+def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, seq: int = 1, name: str = "model",
+                   device: str = "meta", backward: bool = False) -> ModelStats:
     """Statistics of any model, measured on the ``meta`` device (nothing is allocated).
 
     ``build()`` returns the ``nn.Module`` (it is called under ``torch.device("meta")``);
     ``example(device)`` returns the input of one sample. The repeated blocks are the longest
     ``nn.ModuleList``/``nn.Sequential`` whose children all have the same type; everything else
     counts as the embedding (before the blocks) or head (after) part, split by parameter order.
+    ``device="cpu"``: a real model run for real (``build`` is then called as it is), with a
+    ``backward`` of the output's sum to show that the training step runs too.
     """
-    with torch.device("meta"):
+    if device == "meta":
+        with torch.device("meta"):
+            model = build()
+    else:
         model = build()
     blocks = _find_blocks(model) or [model]  # no repeated blocks: the whole model is one block
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
@@ -192,9 +316,12 @@ def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, s
     logits_bytes = 0
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), counter:
-            out = model(example("meta"))
-            if isinstance(out, torch.Tensor):
-                logits_bytes = out.numel() * 2
+            out = model(example(device))
+            logits = out if isinstance(out, torch.Tensor) else getattr(out, "logits", None)
+            if isinstance(logits, torch.Tensor):
+                logits_bytes = logits.numel() * 2
+        if backward and isinstance(logits, torch.Tensor) and logits.requires_grad:
+            logits.float().sum().backward()
     finally:
         for h in handles:
             h.remove()

@@ -27,10 +27,17 @@ attention kernels).
 during the step's forward (and entered again around each recomputed block under activation
 checkpointing) replaces each ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` call by the all-gathered
 version, and the batch is sharded before the model sees it, with the chunks' global
-``position_ids`` passed as a keyword. Contract: the model's ``forward`` takes ``position_ids``
-(Hugging Face decoders and the built-in GPT do) and its attention calls
-``scaled_dot_product_attention`` with ``is_causal=True`` and no mask (a model that calls nothing
-of the kind is refused after its first forward).
+``position_ids`` passed as a keyword where the outer ``forward`` takes them (by name or through
+``**kwargs``). Every Hugging Face ``PreTrainedModel`` found in the module tree (a user's two-line
+wrapper around one, a peft model, which calls its base model's ``forward`` directly, and the
+decoder inside each) gets a forward pre-hook that, during a step, fills in the chunks'
+``position_ids`` and an all-ones ``attention_mask`` of the local length where the call leaves them
+out: the positions reach the model whatever the wrapper's signature, and without a mask
+transformers would read the jump in the zig-zag positions as packed sequences and build a block
+mask, which cannot be split. Contract: the attention calls ``scaled_dot_product_attention`` with
+``is_causal=True`` and no mask; a Hugging Face model configured for eager attention is refused
+before any process-group work (:func:`check_context_parallel`), and a model that calls no SDPA at
+all after its first forward.
 
 **Loss and gradients.** Each rank's loss is the mean over its ``2c`` tokens of each sample; every
 rank holds the same number of tokens, so the mean over the ``tokens`` mesh (dp x cp) is the
@@ -149,7 +156,11 @@ class ContextParallel:
     # which the split attention uses; without a mask, transformers reads the jump in the zig-zag
     # position_ids as packed sequences and builds a block mask attention cannot be split with.
     pass_attention_mask: bool = False
+    # The model's forward takes ``position_ids`` (by name or ``**kwargs``): shard_batch passes them.
+    # A wrapper that takes neither gets them through the hooks on the Hugging Face models inside.
+    pass_position_ids: bool = True
     attention_calls: int = 0
+    _active: int = field(default=0, repr=False)  # > 0 while a step's forward runs (split_attention)
     _positions: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)  # (local, gathered keys)
     _bias: dict[torch.dtype, torch.Tensor] = field(default_factory=dict, repr=False)  # of the current batch
 
@@ -184,10 +195,25 @@ class ContextParallel:
         local = {k: take(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == ids.shape[1] else v
                  for k, v in inputs.items()} if isinstance(inputs, Mapping) else take(inputs)
         local_targets = take(targets) if isinstance(targets, torch.Tensor) and targets.dim() >= 2 else targets
-        extra = {"position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1)}
+        extra = {"position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1)} if self.pass_position_ids else {}
         if self.pass_attention_mask and not (isinstance(inputs, Mapping) and "attention_mask" in inputs):
             extra["attention_mask"] = torch.ones(ids.shape[0], positions.numel(), dtype=torch.long, device=ids.device)
         return local, local_targets, extra
+
+    def hook_models(self, model: nn.Module) -> int:
+        """Register :meth:`_fill_in` as a forward pre-hook on every Hugging Face model in ``model``'s
+        tree (module doc); returns how many were hooked."""
+        found = hf_models(model)
+        for module in found:
+            module.register_forward_pre_hook(_FillIn(self, module), with_kwargs=True)
+        return len(found)
+
+    def local_targets(self, targets: Any) -> Any:
+        """This rank's chunks of per-token ``targets`` (``[B, S]``, what :meth:`shard_batch` gives the
+        loss), without touching the state of the current batch: for counting them before the step."""
+        if not (isinstance(targets, torch.Tensor) and targets.dim() >= 2):
+            return targets
+        return _take(zigzag_positions(targets.shape[1], self.size, self.rank))(targets)
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The current batch's causal bias in ``dtype``, built once and shared by every layer."""
@@ -209,8 +235,12 @@ class ContextParallel:
         if self._positions is None:
             raise ConfigError("context parallel: shard_batch must run before the forward", hint="call pm.shard_batch(inputs, targets)")
         before = self.attention_calls
-        with _SplitAttention(self):
-            yield
+        self._active += 1
+        try:
+            with _SplitAttention(self):
+                yield
+        finally:
+            self._active -= 1
         if self.attention_calls == before:
             raise ConfigError(f"cp={self.size}: the model's forward called no scaled_dot_product_attention(is_causal=True), "
                               "so its attention cannot be split over the sequence",
@@ -218,13 +248,76 @@ class ContextParallel:
                                    "'sdpa' models do), or drop cp")
 
 
+class _FillIn:
+    """Forward pre-hook of a Hugging Face model under cp (module doc): during a step, the chunks'
+    ``position_ids`` and an all-ones ``attention_mask`` wherever the call passes none (by keyword
+    or position)."""
+
+    def __init__(self, cp: ContextParallel, module: nn.Module) -> None:
+        self.cp = cp
+        names = [n for n, p in inspect.signature(module.forward).parameters.items()
+                 if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self.index = {key: names.index(key) for key in ("input_ids", "attention_mask", "position_ids", "inputs_embeds") if key in names}
+
+    def _given(self, key: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if kwargs.get(key) is not None:
+            return kwargs[key]
+        i = self.index.get(key)
+        return args[i] if i is not None and i < len(args) else None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
+        if self.cp._active <= 0 or self.cp._positions is None:
+            return None
+        local = self.cp._positions[0]
+        source = self._given("input_ids", args, kwargs)
+        if source is None:
+            source = self._given("inputs_embeds", args, kwargs)
+        if not isinstance(source, torch.Tensor) or source.dim() < 2 or source.shape[1] != local.numel():
+            return None  # not this step's chunks (a call with other inputs): left alone
+        batch = source.shape[0]
+        kwargs = dict(kwargs)
+        for key in ("position_ids", "attention_mask"):
+            if self._given(key, args, kwargs) is not None:
+                continue
+            if key in self.index and self.index[key] < len(args):  # passed positionally as None
+                args = args[:self.index[key]] + (None,) + args[self.index[key] + 1:]
+            kwargs.pop(key, None)
+            if key == "position_ids":
+                value = local.to(source.device).unsqueeze(0).expand(batch, -1)
+            else:
+                value = torch.ones(batch, local.numel(), dtype=torch.long, device=source.device)
+            if key in self.index and self.index[key] < len(args):
+                args = args[:self.index[key]] + (value,) + args[self.index[key] + 1:]
+            else:
+                kwargs[key] = value
+        return args, kwargs
+
+
+def is_hf_model(module: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (by class name in its MRO: shardwise never imports transformers here)."""
+    return any(c.__name__ == "PreTrainedModel" for c in type(module).__mro__)
+
+
+def hf_models(model: nn.Module) -> list[nn.Module]:
+    """Every Hugging Face model in ``model``'s tree, outermost first."""
+    return [m for m in model.modules() if is_hf_model(m)]
+
+
 def _take(positions: torch.Tensor) -> Any:
     return lambda t: t.index_select(1, positions.to(t.device))
 
 
 def takes_attention_mask(model: nn.Module) -> bool:
-    """Whether ``model.forward`` has an ``attention_mask`` parameter (Hugging Face models do)."""
-    return "attention_mask" in inspect.signature(model.forward).parameters
+    """Whether ``model.forward`` has an ``attention_mask`` parameter (Hugging Face models do). A peft
+    model forwards its keyword arguments to the model it wraps, which is the one asked."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    return "attention_mask" in inspect.signature(inner.forward).parameters
+
+
+def takes_position_ids(model: nn.Module) -> bool:
+    """Whether ``model.forward`` takes ``position_ids``, by name or through ``**kwargs``."""
+    forward = inspect.signature(model.forward).parameters
+    return "position_ids" in forward or any(p.kind is p.VAR_KEYWORD for p in forward.values())
 
 
 def check_context_parallel(model: nn.Module, cp: int) -> None:
@@ -241,7 +334,16 @@ def check_context_parallel(model: nn.Module, cp: int) -> None:
         raise ConfigError(f"cp={cp} needs a sequence length that is a multiple of 2*cp={2 * cp} (zig-zag chunks), "
                           f"but {type(model).__name__} has seq_len={seq_len}",
                           hint=f"use a seq_len that is a multiple of {2 * cp}, or another cp")
+    inner = hf_models(model)
+    eager = next((m for m in inner if getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"), None)
+    if eager is not None:
+        name = next((n for n, m in model.named_modules() if m is eager), "") or type(model).__name__
+        raise ConfigError(f"cp={cp}: {name} ({type(eager).__name__}) uses eager attention, which context parallel cannot split "
+                          "(it splits scaled_dot_product_attention calls)",
+                          hint="build the model with attn_implementation='sdpa' (config._attn_implementation = 'sdpa'), or drop cp")
     forward = inspect.signature(model.forward).parameters
+    if inner:  # the hooks on the Hugging Face models give them their positions (ContextParallel.hook_models)
+        return
     if "position_ids" not in forward and not any(p.kind is p.VAR_KEYWORD for p in forward.values()):
         raise ConfigError(f"cp={cp}: {type(model).__name__}.forward takes no position_ids, so its chunks cannot know their positions",
                           hint="add a position_ids=None argument used for the position embedding / rotary table, or drop cp")

@@ -29,6 +29,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -106,6 +107,11 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, *, options: DDPOptions) -> 
     if options.sync_batchnorm:
         model = convert_sync_batchnorm(model, dp_mesh)
     device = next(model.parameters()).device
+    # A frozen quantized base (torchao's NF4, QLoRA) is neither broadcast nor reduced: every rank
+    # quantized the same weights, and they get no gradient.
+    quantized = [n for n, p in model.named_parameters() if not p.requires_grad and type(p.data) is not torch.Tensor]
+    if quantized:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, quantized)
     ddp = DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,

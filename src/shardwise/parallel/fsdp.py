@@ -29,6 +29,19 @@ Mixed precision: ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: 
 fp32 parameters are the master weights the optimizer updates; each all-gather casts to bf16 for
 compute, and gradients are reduced in fp32. CPU offload keeps the sharded parameters, gradients
 and optimizer state in host memory (``CPUOffloadPolicy``); the optimizer step then runs on the CPU.
+
+16-bit parameter storage for compute (``Plan.params16``, torchtitan's default): the same policy,
+and nothing else casts: the training loop runs no autocast, so every operator computes in the
+16-bit dtype of the gathered parameters and the activations it saves (the residual stream, norm
+inputs, a pipeline stage's output) are 16-bit. Per rank: the fp32 masters, their fp32 gradients
+and the optimizer state, sharded as the ZeRO stage says; a unit's 16-bit parameters exist from its
+all-gather to its reshard (ZeRO-3: its forward, and again its backward; ZeRO-2: forward to the end
+of backward); its 16-bit gradients until their fp32 reduce-scatter. Without ZeRO-2/3 the
+data-parallel wrapper is ``replicate`` with the same policy (DDP has none in torch's public API),
+which all-reduces fp32 gradients like DDP; with a single token-parallel rank (one process, or tp
+or pp alone) ``replicate`` over that one rank only casts: 16-bit copies of every parameter during
+forward and backward, fp32 masters and gradients, no communication. ZeRO-1 cannot have it
+(``ZeroRedundancyOptimizer`` needs DDP's plain parameters).
 """
 
 from __future__ import annotations
@@ -44,7 +57,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from shardwise.errors import ConfigError
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: what is not converted
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,7 @@ def find_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[nn.Module]:
 
 def _policies(options: FSDPOptions, mesh: DeviceMesh, *, precision: str, cpu_offload: bool) -> dict[str, Any]:
     if precision not in _DTYPES:
-        raise ConfigError(f"precision={precision!r} is unknown", hint="use fp32, bf16 or fp16")
+        raise ConfigError(f"precision={precision!r} is unknown", hint="use fp32, bf16, fp16 or fp8")
     mp = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=options.reduce_dtype)
     # Pinned host memory (fast async copies to the GPU) needs an accelerator; on a CPU mesh the
     # "offloaded" state already lives in host memory and the policy only changes where the step runs.

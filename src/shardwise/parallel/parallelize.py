@@ -4,11 +4,15 @@ The order is fixed, and each step depends on the previous one:
 
 1. **pipeline split** first: it decides which layers this rank owns; everything after works on the
    local stage only;
+1b. **FP8 conversion** (``precision="fp8"``, :mod:`shardwise.parallel.fp8`): each stage's Linear
+   layers become torchao's ``Float8Linear``, which TP's float8 styles and FSDP's FP8 all-gather
+   must see;
 2. **tensor parallel** next: it replaces weights by DTensors sharded over the ``tp`` mesh, which
    activation checkpointing, compile and FSDP must see;
 3. **activation checkpointing** wraps the (TP-sharded) blocks, so recomputation replays the TP
    collectives too;
-4. **compile** (optional) traces the checkpointed, TP-sharded blocks;
+4. **compile** (optional, :mod:`shardwise.parallel.compile`) traces each checkpointed, TP-sharded
+   block (torchtitan's order); FSDP's hooks stay outside the graphs;
 5. **FSDP or DDP** last: data-parallel wrapping must see the final parameters (FSDP shards the TP
    DTensors again over ``dp_shard``, making 2-D DTensors; DDP registers hooks on the final params).
 
@@ -26,13 +30,18 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.annotate import annotated_plan
+from shardwise.parallel.chunked_loss import ChunkedLoss, find_lm_head, install_chunked_head
 from shardwise.parallel.checkpointing import apply_checkpointing
-from shardwise.parallel.cp import ContextParallel, check_context_parallel, takes_attention_mask
+from shardwise.parallel.compile import apply_compile
+from shardwise.parallel.cp import ContextParallel, check_context_parallel, takes_attention_mask, takes_position_ids
 from shardwise.parallel.ddp import DDPOptions, apply_ddp
 from shardwise.parallel.ep import ExpertMeshes, apply_ep, build_expert_meshes, check_expert_parallel
-from shardwise.parallel.fsdp import FSDPOptions, apply_expert_units, apply_fsdp, apply_replicate, build_optimizer, find_blocks
+from shardwise.parallel.fp8 import Fp8Options, apply_fp8, compute_precision, precompute_scales_before_forward
+from shardwise.parallel.fsdp import FSDPOptions, apply_expert_units, apply_fsdp, apply_replicate, build_optimizer
 from shardwise.parallel.mesh import Meshes
 from shardwise.parallel.pipeline import PipelineOptions, build_pipeline, check_pipeline
+from shardwise.parallel.reduction import TokenShare
+from shardwise.parallel.tp_adapters import adapter_plan
 from shardwise.parallel.tp import TPOptions, TPPlan, apply_tp, derive_tp_plan, validate_tp
 from shardwise.layout import Plan
 from shardwise.plan.support import runtime_conflict
@@ -41,8 +50,10 @@ from shardwise.plan.support import runtime_conflict
 class PipelineRunner(Protocol):
     """Runs one optimizer step's forward and backward over all microbatches of a pipeline."""
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0) -> torch.Tensor:
-        """Forward + backward of the batch; returns the batch's mean (unscaled) loss on every rank."""
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0, tokens: TokenShare | None = None,
+             **model_kwargs: Any) -> torch.Tensor:
+        """Forward + backward of the batch; returns the batch's mean (unscaled) loss on every rank
+        (with ``tokens``: the mean over its valid targets, each microbatch weighted by its share)."""
         ...
 
 
@@ -61,6 +72,13 @@ class ParallelModel:
     pipeline: PipelineRunner | None = None
     extras: dict[str, Any] = field(default_factory=dict)
     context_parallel: ContextParallel | None = None
+    lm_head: nn.Module | None = None  # plan.chunked_loss: the head the loss applies chunk by chunk
+
+    def loss_for(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
+        """The loss to call on ``module``'s outputs: :func:`training_loss` of ``loss_fn`` for this
+        plan (the Trainer's step and evaluation call it; the pipeline's is set by
+        :func:`parallelize`). Call it on the ``loss_fn`` of your own loop."""
+        return training_loss(loss_fn, self.plan, head=self.lm_head)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -75,9 +93,16 @@ class ParallelModel:
         """``factory(self.parameters(), **defaults)``; ``factory`` is an optimizer class or a
         callable taking the parameters (``lambda p: AdamW(p, lr=1e-3)``). With ZeRO-1 it is wrapped
         in ``ZeroRedundancyOptimizer`` over ``dp_shard`` (each rank keeps ~1/shard of the state), so
-        build the optimizer through here rather than from ``parameters()`` directly."""
+        build the optimizer through here rather than from ``parameters()`` directly.
+
+        Only trainable parameters go in (``requires_grad``): a frozen base (LoRA) gets no optimizer
+        state, and ZeRO-1 partitions (and broadcasts) only the trainable ones."""
         zero1 = self.plan.zero == 1 and self.plan.shard > 1
-        return build_optimizer(self.parameters(), factory,
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        if not trainable:
+            raise ConfigError("the model has no trainable parameters (every parameter has requires_grad=False)",
+                              hint="unfreeze some parameters, or add LoRA adapters (peft.get_peft_model)")
+        return build_optimizer(trainable, factory,
                                zero_group=self.meshes.shard.get_group() if zero1 else None, **defaults)
 
     def set_loss_scale(self, loss_scale: float) -> None:
@@ -98,6 +123,11 @@ class ParallelModel:
             return inputs, targets, {}
         return self.context_parallel.shard_batch(inputs, targets)
 
+    def local_targets(self, targets: Any) -> Any:
+        """The targets as this rank's loss sees them (its context-parallel chunks; the batch's
+        targets otherwise), for counting valid targets before a step (:mod:`shardwise.parallel.reduction`)."""
+        return targets if self.context_parallel is None else self.context_parallel.local_targets(targets)
+
     @contextlib.contextmanager
     def step_context(self) -> Iterator[None]:
         """Where a step's forward, loss and backward must run: torch's ``loss_parallel()`` when the LM
@@ -117,7 +147,14 @@ class ParallelModel:
         """Turn the data-parallel gradient reduction off for non-boundary accumulation micro-steps.
 
         DDP: ``no_sync()`` (gradients accumulate locally, the all-reduce happens on the boundary
-        step). FSDP2: ``set_requires_gradient_sync(False)`` (no reduce-scatter until the boundary).
+        step). FSDP2: ``set_requires_gradient_sync(False)`` (no reduce-scatter until the boundary:
+        each rank holds the unsharded gradients of its units until then).
+
+        ``plan.sharded_accumulation`` (ZeRO-2/3): every micro-batch reduce-scatters its gradients
+        into the sharded gradient, so no unsharded gradient outlives its unit's backward; under
+        HSDP the all-reduce across replicas waits for the boundary (``set_requires_all_reduce``:
+        FSDP2 sums the reduce-scattered shards meanwhile). ``k`` reduce-scatters per step instead
+        of 1, the same sum: exact.
         """
         if enabled:
             yield
@@ -128,13 +165,48 @@ class ParallelModel:
                 yield
             return
         fsdp_modules = [m for m in module.modules() if hasattr(m, "set_requires_gradient_sync")]
+        sharded = self.plan.sharded_accumulation
+        if sharded and not self.plan.hsdp_enabled:
+            yield
+            return
         for m in fsdp_modules:
-            m.set_requires_gradient_sync(False, recurse=False)
+            if sharded:
+                m.set_requires_all_reduce(False, recurse=False)
+            else:
+                m.set_requires_gradient_sync(False, recurse=False)
         try:
             yield
         finally:
             for m in fsdp_modules:
                 m.set_requires_gradient_sync(True, recurse=False)
+
+
+class _AutocastLoss:
+    """``loss_fn`` under ``torch.autocast`` (see :func:`training_loss`)."""
+
+    def __init__(self, loss_fn: Callable[[Any, Any], torch.Tensor], dtype: torch.dtype) -> None:
+        self.loss_fn, self.dtype = loss_fn, dtype
+
+    def __call__(self, output: Any, targets: Any) -> torch.Tensor:
+        device = targets.device.type if isinstance(targets, torch.Tensor) else "cpu"
+        with torch.autocast(device, dtype=self.dtype):
+            return self.loss_fn(output, targets)
+
+
+def training_loss(loss_fn: Callable[[Any, Any], torch.Tensor], plan: Plan, *, head: nn.Module | None) -> Callable[[Any, Any], torch.Tensor]:
+    """``loss_fn`` as ``plan`` runs it: with ``chunked_loss`` a
+    :class:`~shardwise.parallel.chunked_loss.ChunkedLoss` over ``head`` (the model returns the
+    head's input while training; the loss applies the head and ``loss_fn``'s cross-entropy chunk by
+    chunk); with ``params16`` under autocast (the model runs without it, in its 16-bit parameters'
+    dtype, so its 16-bit logits reach the loss; autocast computes the cross-entropy in fp32, as
+    torchtitan's loss upcasts them). Idempotent."""
+    if isinstance(loss_fn, (ChunkedLoss, _AutocastLoss)):
+        return loss_fn
+    if plan.chunked_loss and head is not None:
+        loss_fn = ChunkedLoss(head, loss_fn)
+    if plan.params16:
+        loss_fn = _AutocastLoss(loss_fn, torch.float16 if plan.precision == "fp16" else torch.bfloat16)
+    return loss_fn
 
 
 def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipeline: PipelineOptions | None = None) -> TPPlan | None:
@@ -149,8 +221,14 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
     check_pipeline(model, plan, options=pipeline)  # too many stages, tied weights across stages, ...
     check_context_parallel(model, plan.cp)  # attention inside torch modules, no position_ids
     check_expert_parallel(model, plan.ep)  # no MoE layers, ep not dividing the experts
+    if plan.chunked_loss:
+        find_lm_head(model)  # a model without an LM head says so before any process-group work
     if not plan.tp_enabled:
         return None
+    quantized = next((n for n, p in model.named_parameters() if type(p.data).__name__ == "NF4Tensor"), None)
+    if quantized is not None:
+        raise ConfigError(f"plan {plan}: tp cannot split the 4-bit NF4 weight {quantized} (torchao splits NF4 tensors along rows "
+                          "only, and a row-wise layer needs its columns split)", hint="use zero=3 (or dp) for QLoRA, or lora.base=bf16 with tp")
     options = tp or TPOptions()
     if options.plan is not None:
         tp_plan = TPPlan.of(options.plan)
@@ -160,6 +238,7 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
         # Expert parallel owns the experts' tensors (split by expert over ep): TP leaves them whole,
         # so the tp ranks of one expert-parallel rank hold, and compute, the same experts.
         tp_plan = TPPlan(tuple((pattern, style) for pattern, style in tp_plan.entries if style != "experts"))
+    tp_plan = adapter_plan(model, tp_plan)  # LoRA layers: base_layer, lora_A, lora_B follow the base's style
     validate_tp(model, tp_plan, tp=plan.tp)
     styles = set(tp_plan.as_dict().values())
     if plan.sequence_parallel and not {"sequence_parallel", "attention_input"} <= styles:
@@ -181,16 +260,24 @@ def parallelize(
     fsdp: FSDPOptions | None = None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     pipeline: PipelineOptions | None = None,
+    fp8: Fp8Options | None = None,
 ) -> ParallelModel:
     """Apply ``plan`` to ``model`` (in place) in the fixed order described in the module doc.
 
     With ``plan.pp > 1``: ``loss_fn(output, target)`` (mean over its microbatch) runs on the last
     stage; it can also be set later as ``pm.pipeline.loss_fn``. ``pipeline`` says where to cut.
+    ``fp8``: how ``precision="fp8"`` converts (:class:`~shardwise.parallel.fp8.Fp8Options`).
     """
     tp_plan = validate(model, plan, tp=tp, pipeline=pipeline)
-    cp = ContextParallel(meshes.cp, pass_attention_mask=takes_attention_mask(model)) if plan.cp_enabled else None
+    # Before the split (the last stage keeps the head object) and before TP (which gives a chunked
+    # head its own style): the head passes its input through while training, the loss applies it.
+    head = install_chunked_head(model) if plan.chunked_loss else None
+    if loss_fn is not None:
+        loss_fn = training_loss(loss_fn, plan, head=head)
+    cp = ContextParallel(meshes.cp, pass_attention_mask=takes_attention_mask(model), pass_position_ids=takes_position_ids(model)) \
+        if plan.cp_enabled else None
     experts = build_expert_meshes(plan, meshes.root) if plan.ep_enabled else None
-    local = {"tp_plan": tp_plan, "ddp": ddp, "tp": tp, "fsdp": fsdp, "context_parallel": cp, "experts": experts}
+    local = {"tp_plan": tp_plan, "ddp": ddp, "tp": tp, "fsdp": fsdp, "context_parallel": cp, "experts": experts, "fp8": fp8}
     runner = None
     if plan.pp_enabled:
         # Step 1: the split; the TP plan (derived on the whole model, names kept) and steps 2-5
@@ -201,10 +288,12 @@ def parallelize(
         )
     else:
         module = apply_local(model, plan, meshes, **local)
+    if cp is not None:
+        cp.hook_models(module)  # positions and mask for Hugging Face models inside any wrapper (shardwise.parallel.cp)
     extras: dict[str, Any] = {}
     if tp_plan is not None:
         extras.update(tp_plan=tp_plan, loss_parallel=(tp or TPOptions()).loss_parallel)
-    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, extras=extras, context_parallel=cp)
+    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, extras=extras, context_parallel=cp, lm_head=head)
 
 
 def apply_local(
@@ -218,8 +307,11 @@ def apply_local(
     fsdp: FSDPOptions | None = None,
     context_parallel: ContextParallel | None = None,
     experts: ExpertMeshes | None = None,
+    fp8: Fp8Options | None = None,
 ) -> nn.Module:
-    """Steps 2-5 of the module doc on one module (the whole model, or one pipeline stage)."""
+    """Steps 1b-5 of the module doc on one module (the whole model, or one pipeline stage)."""
+    if plan.precision == "fp8":
+        apply_fp8(model, recipe=plan.fp8_recipe, options=fp8, device=meshes.root.device_type, fsdp=plan.zero >= 2)
     if tp_plan is not None:
         apply_tp(model, meshes.tp, plan=tp_plan, sequence_parallel=plan.sequence_parallel,
                  loss_parallel=(tp or TPOptions()).loss_parallel)
@@ -230,23 +322,34 @@ def apply_local(
     apply_checkpointing(model, mode=plan.recompute,
                         recompute_context=context_parallel.recompute_context if context_parallel is not None else None)
     if plan.compile:
-        for block in find_blocks(model) or [model]:
-            block.compile()
-    # The plan decides precision and offload; FSDPOptions only what it leaves open.
-    sharding = {"precision": plan.precision, "cpu_offload": plan.cpu_offload, "options": fsdp or FSDPOptions()}
+        apply_compile(model, device_type=meshes.root.device_type)
+    # The plan decides precision and offload; FSDPOptions only what it leaves open. Under fp8,
+    # what is not converted computes in the FP8 options' high precision (bf16 unless told).
+    sharding = {"precision": compute_precision(plan.precision, fp8), "cpu_offload": plan.cpu_offload, "options": fsdp or FSDPOptions()}
+    if plan.params16 and ddp is not None and ddp.comm_hook != "none":
+        raise ConfigError(f"plan params16 runs data parallelism through FSDP2's replicate, which has no DDP comm hook "
+                          f"(comm_hook={ddp.comm_hook!r})", hint="drop params16, or the comm hook (gradients are reduced in fp32)")
     if experts is not None:  # the experts first: their own units over the expert-data-parallel ranks
         apply_expert_units(expert_units, experts.edp, stage=plan.zero, **sharding)
     if plan.zero >= 2:
         # HSDP when both data-parallel degrees are > 1: shard inside a row, all-reduce across rows.
         # Context-parallel ranks hold the same weights: they are folded into the shard dimension.
         mesh = meshes.hsdp if plan.dp > 1 else meshes.shard
-        return apply_fsdp(model, mesh, stage=plan.zero, **sharding)
+        apply_fsdp(model, mesh, stage=plan.zero, **sharding)
+        if plan.precision == "fp8":  # FP8 all-gather: every weight's scale in one all-reduce per forward
+            precompute_scales_before_forward(model)
+        return model
     if plan.token_parallel_size > 1:
-        if tp_plan is not None or plan.pp_enabled or experts is not None:
+        if tp_plan is not None or plan.pp_enabled or experts is not None or plan.params16:
             # DDP cannot wrap DTensor parameters; FSDP2's replicate all-reduces them the same way.
             # Under pipelining DDP's reducer also miscounts the parameters (torch's metadata-
             # inference pass runs a backward outside no_sync), while replicate is supported there.
+            # params16: replicate's mixed precision is torch's 16-bit storage for compute.
             return apply_replicate(model, meshes.tokens, **sharding)
         # ZeRO-1 keeps DDP's all-reduce; the optimizer-state sharding is in build_optimizer.
         return apply_ddp(model, meshes.tokens, options=ddp or DDPOptions())
+    if plan.params16:
+        # One token-parallel rank (one process, tp or pp alone): replicate over that one rank
+        # communicates nothing and gives the same 16-bit compute copies of the fp32 masters.
+        return apply_replicate(model, meshes.tokens, **sharding)
     return model

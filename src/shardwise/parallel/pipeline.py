@@ -21,14 +21,18 @@ broadcast of the scalar loss over the ``pp`` group so every rank reports it. Tru
 the microbatch's inputs as a keyword argument (torch's schedules split keyword arguments into
 microbatches and hand them to every stage; no communication), from which the model's own forward
 recomputes what its blocks need. A weight held by two stages (tied embeddings) costs one more
-all-reduce of its gradient between their ranks per step.
+all-reduce of its gradient between their ranks per step (:mod:`shardwise.parallel.pipeline_ties`).
 
 Loss and gradient scale. The schedule computes ``loss_fn(output_mb, target_mb)`` on the last
 stage for each microbatch ``mb``; backward runs on ``loss_fn(...) * loss_scale / m`` (we tell the
 schedule ``scale_grads=False`` and scale the loss instead, so gradients that accumulate over
 several steps are not divided again). With a mean-reducing loss and equal microbatches the
 gradient is exactly that of ``loss_scale * loss_fn(model(x), y)`` on the whole batch, and the
-reported loss ``mean_mb loss_fn(...)`` equals the single-process loss.
+reported loss ``mean_mb loss_fn(...)`` equals the single-process loss. Under token reduction
+(``tokens=``, :mod:`shardwise.parallel.reduction`) microbatch ``mb`` weighs
+``loss_scale * n_mb * D / N`` instead (``n_mb`` its valid targets, counted on the last stage from
+the target it is handed), and the reported loss is the mean over the batch's valid targets,
+``sum_mb n_mb loss_mb / sum_mb n_mb``.
 """
 
 from __future__ import annotations
@@ -41,14 +45,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.pipeline_split import Balance, Tie, check_ties, split_model, stage_ties
 from shardwise.parallel.pipeline_stage import TrunkStage
+from shardwise.parallel.pipeline_ties import TieSlot, grad_copy, sum_tied_grad, tie_slots
+from shardwise.parallel.reduction import TokenShare
 from shardwise.layout import Plan
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _pipelining() -> Any:
+    """``torch.distributed.pipelining``, imported when a pipeline is built: it imports
+    ``torch._dynamo`` (about 1.4 s of CPU per process), which a run without stages never needs."""
+    import torch.distributed.pipelining as pipelining
+
+    return pipelining
 
 
 @dataclass(frozen=True)
@@ -109,47 +122,6 @@ def split_for_rank(model: nn.Module, pp_mesh: DeviceMesh, *, plan: Plan, options
     return [(i, stages[i]) for i in local_stage_indices(pp_mesh.get_local_rank(), plan.pp, plan.virtual_stages)], ties
 
 
-@dataclass(frozen=True)
-class TieSlot:
-    """This rank's copy of a tied weight: its stage module, its name there, the group of the ranks
-    holding the other copies, and whether it is the copy the gradient norm counts."""
-
-    module: nn.Module
-    name: str
-    group: dist.ProcessGroup
-    counted: bool
-
-
-def tie_slots(ties: Sequence[Tie], pairs: Sequence[tuple[int, nn.Module]], pp_mesh: DeviceMesh, *, plan: Plan) -> list[TieSlot]:
-    """Process groups for the tied weights (collective: every rank calls it with the same ties).
-
-    The mesh puts ``pp`` outermost, so the rank of pipeline stage-rank ``k`` at inner position
-    ``j`` is ``k * inner + j`` (``inner`` = world / pp); a tie between pipeline ranks ``K`` gets
-    one group per ``j``, or the pp group itself when it spans every pipeline rank.
-    """
-    if not ties:
-        return []
-    world, rank = dist.get_world_size(), dist.get_rank()
-    inner = world // plan.pp
-    if dist.get_process_group_ranks(pp_mesh.get_group()) != [k * inner + rank % inner for k in range(plan.pp)]:
-        raise ConfigError("tied weights across pipeline stages need the default mesh layout (pp outermost)",
-                          hint="untie the weights or use pp=1")
-    local = dict(pairs)
-    slots = []
-    for tie in ties:
-        holders = sorted({s % plan.pp for s, _ in tie.holders})
-        group = pp_mesh.get_group() if len(holders) == plan.pp else None
-        if group is None:
-            for j in range(inner):
-                made = dist.new_group([k * inner + j for k in holders])
-                if j == rank % inner:
-                    group = made
-        for index, (s, name) in enumerate(tie.holders):
-            if s in local:
-                slots.append(TieSlot(local[s], name, group, counted=index == 0))
-    return slots
-
-
 class PipelineSchedule:
     """A :class:`~shardwise.parallel.parallelize.PipelineRunner` over a torch pipelining schedule.
 
@@ -176,21 +148,27 @@ class PipelineSchedule:
         self._group = pp_mesh.get_group()
         self._device = torch.device(device)
         num_stages = plan.pp * plan.virtual_stages
-        self.stages = [PipelineStage(module, index, num_stages, self._device, group=self._group) for index, module in modules]
+        if plan.sharded_accumulation:
+            from shardwise.parallel.pipeline_accumulation import ShardedAccumulationStage as stage_class
+        else:
+            stage_class = _pipelining().PipelineStage
+        self.stages = [stage_class(module, index, num_stages, self._device, group=self._group) for index, module in modules]
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         self._losses: list[torch.Tensor] = []
+        self._counts: list[torch.Tensor] = []  # token reduction: valid targets of each microbatch
         self._scale = 1.0
+        self._tokens: TokenShare | None = None
         self._eval_schedule: Any = None
         self._predict_schedule: Any = None
         self._shapes_key: tuple | None = None
         m = plan.microbatches
         if plan.schedule == "gpipe":
-            self._schedule: Any = ScheduleGPipe(self.stages[0], m, loss_fn=self._stage_loss, scale_grads=False)
+            self._schedule: Any = _pipelining().ScheduleGPipe(self.stages[0], m, loss_fn=self._stage_loss, scale_grads=False)
         elif plan.schedule == "1f1b":
-            self._schedule = Schedule1F1B(self.stages[0], m, loss_fn=self._stage_loss, scale_grads=False)
+            self._schedule = _pipelining().Schedule1F1B(self.stages[0], m, loss_fn=self._stage_loss, scale_grads=False)
         elif plan.schedule == "interleaved_1f1b":
-            self._schedule = ScheduleInterleaved1F1B(self.stages, m, loss_fn=self._stage_loss, scale_grads=False)
+            self._schedule = _pipelining().ScheduleInterleaved1F1B(self.stages, m, loss_fn=self._stage_loss, scale_grads=False)
         else:
             raise ConfigError(f"pipeline schedule {plan.schedule!r} is not available", hint="use gpipe, 1f1b or interleaved_1f1b")
 
@@ -199,29 +177,43 @@ class PipelineSchedule:
             raise ConfigError("the pipeline has no loss function", hint="pass loss_fn= to parallelize (or set pm.pipeline.loss_fn)")
         loss = self.loss_fn(output, target)
         self._losses.append(loss.detach())
-        return loss * (self._scale / self.plan.microbatches)
+        if self._tokens is None:
+            return loss * (self._scale / self.plan.microbatches)
+        count = self._tokens.count(target)
+        self._counts.append(count)
+        return loss * (self._tokens.weight(count) * self._scale)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0, **model_kwargs: Any) -> torch.Tensor:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0, tokens: TokenShare | None = None,
+             **model_kwargs: Any) -> torch.Tensor:
         """Forward + backward of the batch through the pipeline; the mean unscaled loss on every rank.
 
         Every rank passes the same ``inputs``/``targets`` (those of its data-parallel group); only
         the first stage reads the inputs and only the last the targets. ``model_kwargs`` (context
         parallel's ``position_ids``) are split into microbatches along dim 0 like the inputs and
         reach the model's forward on every stage that runs it (see :meth:`_stage_kwargs`).
+        ``tokens``: weigh each microbatch by its valid targets (module doc); the loss returned is
+        then the mean over the batch's valid targets.
         """
         check_microbatches(int(inputs.shape[0]), self.plan.microbatches)
         self._prepare(self._schedule, inputs)
-        self._losses, self._scale = [], float(loss_scale)
+        self._losses, self._counts, self._scale, self._tokens = [], [], float(loss_scale), tokens
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
-        before = [_grad_copy(slot) for slot in self.ties]
+        before = [grad_copy(slot) for slot in self.ties]
         self._schedule.step(*args, target=target, return_outputs=False, **self._stage_kwargs(inputs, model_kwargs))
         for slot, grad in zip(self.ties, before):
-            _sum_tied_grad(slot, grad)
+            sum_tied_grad(slot, grad)
         if self.has_last:
             # The last m calls are the microbatches; on the first step the schedule also calls the
             # loss once before them, on a metadata-inference output.
-            loss = torch.stack([_plain(x) for x in self._losses[-self.plan.microbatches :]]).mean().to(torch.float32)
+            m = self.plan.microbatches
+            losses = torch.stack([_plain(x) for x in self._losses[-m:]]).to(torch.float32)
+            if tokens is None:
+                loss = losses.mean()
+            else:  # the token mean: microbatches without valid targets (a loss of 0/0) count nothing
+                counts = torch.stack(self._counts[-m:]).to(losses.device)
+                weighted = torch.where(counts > 0, losses * counts, torch.zeros_like(losses))
+                loss = weighted.sum() / counts.sum().clamp_min(1)
         else:
             loss = torch.zeros((), dtype=torch.float32, device=self._device)
         # The last stage lives on the last pp rank (looped layout); share its loss with all.
@@ -244,13 +236,14 @@ class PipelineSchedule:
         output (the logits) on the ranks that hold the last stage (None elsewhere)."""
         if self._eval_schedule is None:
             if len(self.stages) == 1:
-                self._eval_schedule = ScheduleGPipe(self.stages[0], 1, loss_fn=self._stage_loss, scale_grads=False)
+                self._eval_schedule = _pipelining().ScheduleGPipe(self.stages[0], 1, loss_fn=self._stage_loss, scale_grads=False)
             else:
-                self._eval_schedule = ScheduleLoopedBFS(self.stages, 1, loss_fn=self._stage_loss, scale_grads=False)
+                self._eval_schedule = _pipelining().ScheduleLoopedBFS(self.stages, 1, loss_fn=self._stage_loss, scale_grads=False)
         self._prepare(self._eval_schedule, inputs)
         self._losses, self._scale = [], 1.0
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
+        self._tokens = None
         output = self._eval_schedule.eval(*args, target=target, **self._stage_kwargs(inputs, model_kwargs))
         loss = _plain(self._losses[-1]).float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
         dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
@@ -262,9 +255,9 @@ class PipelineSchedule:
         the last stage, None elsewhere (for ``Trainer.predict``). One microbatch, as in :meth:`eval_outputs`."""
         if self._predict_schedule is None:
             if len(self.stages) == 1:
-                self._predict_schedule = ScheduleGPipe(self.stages[0], 1, loss_fn=None, scale_grads=False)
+                self._predict_schedule = _pipelining().ScheduleGPipe(self.stages[0], 1, loss_fn=None, scale_grads=False)
             else:
-                self._predict_schedule = ScheduleLoopedBFS(self.stages, 1, loss_fn=None, scale_grads=False)
+                self._predict_schedule = _pipelining().ScheduleLoopedBFS(self.stages, 1, loss_fn=None, scale_grads=False)
         self._prepare(self._predict_schedule, inputs)
         args = (inputs.to(self._device),) if self.has_first else ()
         output = self._predict_schedule.eval(*args, **self._stage_kwargs(inputs, model_kwargs))
@@ -298,37 +291,6 @@ class PipelineSchedule:
                 if hasattr(schedule, flag):
                     setattr(schedule, flag, False)
             self._shapes_key = key
-
-
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _grad_copy(slot: TieSlot) -> torch.Tensor | None:
-    grad = _local(slot.module.get_parameter(slot.name).grad)
-    return None if grad is None else grad.detach().clone()
-
-
-@torch.no_grad()
-def _sum_tied_grad(slot: TieSlot, before: torch.Tensor | None) -> None:
-    """Add the other holders' gradient contributions of this step to this copy's gradient.
-
-    Only this step's increment ``g - g_before`` is all-reduced (SUM over the holders), so
-    gradients accumulated over several steps are not summed twice; every holder ends with the
-    same gradient, the one of the single-process model where the weight is used twice.
-    """
-    param = slot.module.get_parameter(slot.name)
-    grad = _local(param.grad)
-    current = grad if grad is not None else torch.zeros_like(_local(param))
-    delta = current - before if before is not None else current.clone()
-    dist.all_reduce(delta, group=slot.group)
-    total = delta if before is None else before + delta
-    if grad is not None:
-        grad.copy_(total)
-    elif isinstance(param, DTensor):
-        param.grad = DTensor.from_local(total, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
-    else:
-        param.grad = total
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:

@@ -295,4 +295,3 @@ class TrunkStage(_StageInit, nn.Module):
             raise ConfigError(f"{type(root).__name__}.forward returned before its block {self._trunk_name}.{self._unit_names[self._range[1] - 1]}",
                               hint="pass explicit stages with shardwise.PipelineStages(...)")
         return output_tensor(out)
-

@@ -17,11 +17,17 @@ embedding_colwise   Embedding split by embedding dim; output all-gathered
 pos_embedding       (SP only) positional embedding output sliced to the local sequence chunk
 sequence_parallel   (SP only) norm/dropout region computed on the local sequence chunk
 attention_input     (SP only) all-gather the sequence before a colwise group (attention, MLP)
+adapter_input       (SP only) a LoRA adapter's dropout takes that gathered input as a local tensor
+                    (:mod:`shardwise.parallel.tp_adapters`: how adapters follow their base layer)
+adapter_sequence    (SP only) the replicated lora_B of a rowwise base, on the local sequence chunk
 lm_head             colwise output projection; output all-gathered, or with ``loss_parallel``
                     left sharded over the vocabulary for torch's ``loss_parallel()``
 replicate           leave the module replicated (its math is repeated on every TP rank)
 colwise_fused2/3    colwise for a projection fused from 2 or 3 equal pieces (gate|up, q|k|v): each
                     rank holds its share of every piece (whole heads of q, k and v)
+colwise_grouped     q|k|v fused with fewer key/value heads than query heads (Phi-3's qkv_proj under
+                    GQA): each rank computes whole heads of q, k and v; the weight is held whole
+                    and its gradient all-reduced over tp (:mod:`shardwise.parallel.tp_layers`)
 experts             MoE experts held as 3-D tensors: every expert's MLP split like a dense one
 ==================  ==============================================================================
 
@@ -49,6 +55,7 @@ its head count in an attribute named ``n_head``/``n_heads``/``num_heads``/``n_kv
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from torch import nn
@@ -56,6 +63,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -64,7 +72,9 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.tp_layers import ColumnSplit, ExpertSplit, RowSplit, fused_pieces, is_conv1d
+from shardwise.parallel.chunked_loss import ChunkedHeadParallel, is_chunked_head
+from shardwise.parallel.fp8 import float8_tp_style
+from shardwise.parallel.tp_layers import ColumnSplit, ExpertSplit, GroupedColumnSplit, RowSplit, fused_pieces, is_conv1d, qkv_widths
 from shardwise.parallel.tp_plan import (HEAD_ATTRS, STYLES, TPOptions, TPPlan, derive_tp_plan, tp_share,  # noqa: F401 - re-exported
                                         validate_tp)
 from shardwise.runtime.logging import get_logger
@@ -134,7 +144,26 @@ def _style(style: str, *, sp: bool, loss_parallel: bool) -> ParallelStyle | None
         return SequenceParallel()
     if style == "attention_input":
         return _GatherSequence()
+    if style == "adapter_sequence":
+        return SequenceParallel(use_local_output=True)
+    if style == "adapter_input":
+        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=True)
     return None
+
+
+def _module_style(module: nn.Module, style: str, *, sp: bool, loss_parallel: bool) -> ParallelStyle | None:
+    """torch's style for ``style`` (:func:`_style`), except for a head that ``chunked_loss``
+    prepared (its own colwise style, whose output is the replicated hidden states while the head
+    passes them through) and an FP8 layer that takes torchao's float8 counterpart with the same
+    layouts (:func:`shardwise.parallel.fp8.float8_tp_style`)."""
+    if style == "lm_head" and is_chunked_head(module):
+        return ChunkedHeadParallel(sequence_parallel=sp, loss_parallel=loss_parallel)
+    base = _style(style, sp=sp, loss_parallel=loss_parallel)
+    if isinstance(base, (ColwiseParallel, RowwiseParallel)):
+        fp8 = float8_tp_style(module, style, input_layouts=base.input_layouts[0], output_layouts=base.output_layouts[0])
+        if fp8 is not None:
+            return fp8
+    return base
 
 
 def to_torch_plan(plan: TPPlan, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
@@ -147,10 +176,17 @@ def to_torch_plan(plan: TPPlan, *, sequence_parallel: bool, loss_parallel: bool)
     return out
 
 
-def _own_style(module: nn.Module, style: str) -> ParallelStyle | None:
-    """shardwise's style for a Conv1D, a fused projection or MoE experts (None: torch's)."""
+def _own_style(module: nn.Module, style: str, parent: nn.Module | None = None) -> ParallelStyle | None:
+    """shardwise's style for a Conv1D, a fused projection or MoE experts (None: torch's); ``parent``
+    (the attention module) gives a grouped q|k|v its widths."""
     if style == "experts":
         return ExpertSplit()
+    if style == "colwise_grouped":
+        widths = qkv_widths(parent) if parent is not None else None
+        if widths is None or sum(widths) != getattr(module, "out_features", -1):
+            raise ConfigError(f"TP style 'colwise_grouped' on {type(module).__name__} needs its attention module's head counts "
+                              "and head_dim to split q|k|v", hint="mark it 'replicate' (and its partner), or use dp/zero/pp instead of tp")
+        return GroupedColumnSplit(widths)
     if style.startswith("colwise_fused"):
         return ColumnSplit(fused_pieces(style))
     if is_conv1d(module):
@@ -195,7 +231,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: TPPlan, sequence_pa
     tp = tp_mesh.size()
     validate_tp(model, plan, tp=tp)
     matched = plan.matches(model)
-    own = {name: _own_style(module, style) for name, (module, style) in matched.items()}
+    own = {name: _own_style(module, style, model.get_submodule(name.rpartition(".")[0]) if "." in name else model)
+           for name, (module, style) in matched.items()}
     own = {name: style for name, style in own.items() if style is not None}
     if own and sequence_parallel:
         first = next(iter(own))
@@ -204,23 +241,46 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: TPPlan, sequence_pa
     share, replicated = tp_share(model, plan, tp=tp)
     ties = _ties(model)
     torch_plan = {name: style for name, (module, style_name) in matched.items() if name not in own
-                  for style in [_style(style_name, sp=sequence_parallel, loss_parallel=loss_parallel)] if style is not None}
+                  for style in [_module_style(module, style_name, sp=sequence_parallel, loss_parallel=loss_parallel)] if style is not None}
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, {**torch_plan, **own})
+    # torch's SequenceParallel re-registers norm parameters as trainable: a frozen base stays frozen
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     _retie(model, ties)
     for module, style in matched.values():
         if style == "vocab_embedding":
             module.register_forward_pre_hook(_GradLikeWeight())
         if style == "attention_input":
-            fused = any(s.startswith("colwise_fused") for n, (_, s) in matched.items() if n.startswith(_name_of(model, module) + "."))
+            fused = any(s.startswith("colwise_fused") or s == "colwise_grouped"
+                        for n, (_, s) in matched.items() if n.startswith(_name_of(model, module) + "."))
             for attr in HEAD_ATTRS + (_WIDTH_ATTRS if fused else ()):
                 if isinstance(getattr(module, attr, None), int):
                     setattr(module, attr, getattr(module, attr) // tp)
+            if fused:
+                _local_config(module, tp)
     big = [(n, c) for n, c in replicated if c >= 0.01 * sum(p.numel() for p in model.parameters())]
     if big and tp_mesh.get_local_rank() == 0:
         names = ", ".join(f"{n or type(model).__name__} ({c:,})" for n, c in big[:4]) + (f" and {len(big) - 4} more" if len(big) > 4 else "")
         log.warning("tp=%d keeps %.1f%% of the parameters on every rank; replicated (no TP style covers them): %s",
                     tp, 100 * share, names)
     return model
+
+
+def _local_config(module: nn.Module, tp: int) -> None:
+    """An attention module that slices its fused q|k|v by the head counts of its (shared) model
+    config (Phi-3: ``qkv[..., :config.num_attention_heads * head_dim]``) gets a copy of the config
+    with the local head counts; the model's own config is left as it is."""
+    config = getattr(module, "config", None)
+    counts = {a: getattr(config, a, None) for a in ("num_attention_heads", "num_key_value_heads")}
+    if config is None or not any(isinstance(v, int) for v in counts.values()):
+        return
+    local = copy.copy(config)
+    for attr, value in counts.items():
+        if isinstance(value, int):
+            setattr(local, attr, value // tp)
+    module.config = local
 
 
 def _name_of(model: nn.Module, target: nn.Module) -> str:

@@ -20,6 +20,15 @@ model has them) and computes on the local shards (Megatron-LM's column/row split
   ``(in, k w)`` — the same elements in the same order (a ``reshape`` restores it), and a plain
   ``Shard`` that DCP checkpoints, reshards and ``full_tensor()`` handle (``_StridedShard``, which
   would keep the shape, is not one contiguous chunk per rank, which DCP requires);
+- **fused q|k|v of unequal widths** (grouped-query attention: Phi-3's ``qkv_proj`` with fewer
+  key/value heads than query heads): rank ``r`` computes the ``r``-th 1/tp of each of q, k and v,
+  ``[q_r | k_r | v_r]`` — query heads ``r H/tp ..``, which use exactly the key/value heads
+  ``r K/tp ..`` that it holds. No single ``Shard`` of the fused dimension holds those rows (q's
+  slice is wider than k's), and a reordered global layout would no longer be the model's own in
+  checkpoints and exports, so the weight stays whole on every rank (one parameter, the original
+  layout) and each rank computes with its rows only; the weight's gradient (each rank's rows,
+  zero elsewhere) is all-reduced over tp in backward. It costs that layer's memory on every rank
+  and one all-reduce of its gradient per step; the activations are split as for any column split;
 - **experts** (``gate_up_proj`` of shape (E, 2I, H), ``down_proj`` (E, H, I), applied with
   ``F.linear`` per expert): every expert's MLP is split like a dense MLP — gate and up by rows of
   I (fused, ``k = 2``: ``gate_up_proj`` becomes (E, 2, I, H)), down by its I columns — and the
@@ -45,6 +54,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel.style import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
+
+from shardwise.parallel.local import local_tensor
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -103,6 +114,8 @@ def inner_sizes(module: nn.Module, style: str) -> dict[str, int]:
     if style.startswith("colwise_fused") and shape:
         pieces = fused_pieces(style)
         return {f"out_features/{pieces}": shape[1] // pieces}
+    if style == "colwise_grouped" and shape:
+        return {"out_features": shape[1]}
     if style == "experts":
         roles = expert_weights(module) or {}
         return {f"{n}.dim{d}" + ("/2" if r == "fused" else ""): getattr(module, n).shape[d] // (2 if r == "fused" else 1)
@@ -124,10 +137,6 @@ def copy_in(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
 def reduce_out(y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """All-reduce of the ranks' partial sums forward; identity backward."""
     return DTensor.from_local(y, mesh, [Partial()], run_check=False).redistribute(mesh, [Replicate()]).to_local()
-
-
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class _LocalStyle(ParallelStyle):
@@ -182,7 +191,7 @@ class ColumnSplit(_LocalStyle):
 
         def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
             x = copy_in(x, mesh)
-            w, b = _local(module.weight), _local(module.bias)
+            w, b = local_tensor(module.weight), local_tensor(module.bias)
             if fused:
                 w, b = _unfused(w, 1 if is_conv1d(module) else 0), _unfused(b, 0)
             if is_conv1d(module):
@@ -201,11 +210,62 @@ class RowSplit(_LocalStyle):
 
     def forward(self, mesh: DeviceMesh) -> Callable[..., Any]:
         def run(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-            y = reduce_out((x.reshape(-1, x.shape[-1]) @ _local(module.weight)), mesh).view(*x.shape[:-1], -1)
-            b = _local(module.bias)
+            y = reduce_out((x.reshape(-1, x.shape[-1]) @ local_tensor(module.weight)), mesh).view(*x.shape[:-1], -1)
+            b = local_tensor(module.bias)
             return y if b is None else y + b
 
         return run
+
+
+def qkv_widths(attention: nn.Module) -> tuple[int, int, int] | None:
+    """(q, k, v) widths of an attention module's fused projection, from its head counts and
+    ``head_dim`` (attributes, else its ``config``: ``num_attention_heads``, ``num_key_value_heads``);
+    None when they are not all there."""
+    config = getattr(attention, "config", None)
+
+    def count(*names: str) -> int | None:
+        for holder in (attention, config):
+            for name in names:
+                value = getattr(holder, name, None)
+                if isinstance(value, int) and value > 0:
+                    return value
+        return None
+
+    heads = count("num_heads", "num_attention_heads", "n_head", "n_heads")
+    kv = count("num_key_value_heads", "num_kv_heads", "n_kv_heads") or heads
+    head_dim = count("head_dim")
+    if heads is None or kv is None or head_dim is None:
+        return None
+    return heads * head_dim, kv * head_dim, kv * head_dim
+
+
+class GroupedColumnSplit(ParallelStyle):
+    """Column split of a Linear fused from pieces of unequal ``widths`` (q|k|v under grouped-query
+    attention, module doc): the weight stays whole, each rank computes with the ``r``-th 1/tp of
+    every piece, and the weight's gradient is all-reduced over tp."""
+
+    def __init__(self, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.widths = tuple(widths)
+
+    def rows(self, rank: int, tp: int) -> torch.Tensor:
+        starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
+        return torch.cat([torch.arange(s + rank * (w // tp), s + (rank + 1) * (w // tp)) for s, w in zip(starts, self.widths)])
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        rows = self.rows(device_mesh.get_local_rank(), device_mesh.size())
+        cache: dict[torch.device, torch.Tensor] = {}
+
+        def run(mod: nn.Module, x: torch.Tensor) -> torch.Tensor:
+            w = mod.weight
+            index = cache.setdefault(w.device, rows.to(w.device))
+            x = copy_in(x, device_mesh)
+            w = copy_in(w, device_mesh).index_select(0, index)  # backward: the rows' gradients, summed over tp
+            b = None if mod.bias is None else copy_in(mod.bias, device_mesh).index_select(0, index)
+            return F.linear(x, w, b)
+
+        module.forward = types.MethodType(run, module)
+        return module
 
 
 def expert_weights_sharded(module: nn.Module) -> dict[str, str]:
@@ -234,7 +294,7 @@ class ExpertSplit(_LocalStyle):
             view.__dict__ = dict(module.__dict__)
             view.__dict__["_parameters"] = {n: p for n, p in module._parameters.items() if n not in roles}
             for n, role in roles.items():
-                local = _local(module._parameters[n])
+                local = local_tensor(module._parameters[n])
                 view.__dict__[n] = _unfused(local, 1) if role == "fused" else local
             floating = lambda a: copy_in(a, mesh) if isinstance(a, torch.Tensor) and a.is_floating_point() else a  # noqa: E731
             out = original(view, *[floating(a) for a in args], **{k: floating(v) for k, v in kwargs.items()})

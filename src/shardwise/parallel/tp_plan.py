@@ -20,13 +20,16 @@ from typing import Mapping
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.tp_layers import expert_weights, in_out, inner_sizes, is_conv1d
+from shardwise.models.lora import see_through
+from shardwise.parallel.tp_layers import expert_weights, in_out, inner_sizes, is_conv1d, qkv_widths
 
 STYLES = (
     "colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise",
-    "pos_embedding", "sequence_parallel", "attention_input", "lm_head", "replicate", "colwise_fused2", "colwise_fused3", "experts",
+    "pos_embedding", "sequence_parallel", "attention_input", "lm_head", "replicate", "colwise_fused2", "colwise_fused3", "colwise_grouped",
+    "experts",
+    "adapter_input", "adapter_sequence",
 )
-_OWN = ("colwise_fused2", "colwise_fused3", "experts")  # always shardwise's styles (tp_layers)
+_OWN = ("colwise_fused2", "colwise_fused3", "colwise_grouped", "experts")  # always shardwise's styles (tp_layers)
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 
 _COL = {"q", "k", "v", "wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "qkv", "c_attn", "query", "key", "value",
@@ -95,7 +98,8 @@ def derive_tp_plan(model: nn.Module, *, tp: int) -> TPPlan:
     plan: dict[str, str] = {}
     paired: set[str] = set()
     for parent_name, parent in model.named_modules():
-        linears = [(n, m) for n, m in parent.named_children() if in_out(m) is not None]
+        # a peft LoRA layer is derived as the layer it wraps (shardwise.parallel.tp_adapters splits its pieces)
+        linears = [(n, see_through(m)) for n, m in parent.named_children() if in_out(see_through(m)) is not None]
         cols = [n for n, _ in linears if n in _COL]
         rows = [n for n, _ in linears if n in _ROW]
         if not (cols and rows):
@@ -108,9 +112,9 @@ def derive_tp_plan(model: nn.Module, *, tp: int) -> TPPlan:
                 continue
         prefix = f"{parent_name}." if parent_name else ""
         sizes = dict(linears)
-        fused = _fused_pieces(sizes, cols, rows, prefix, tp=tp)
+        fused = _fused_pieces(sizes, cols, rows, prefix, tp=tp, parent=parent)
         for n in cols:
-            plan[prefix + n] = f"colwise_fused{fused}" if fused > 1 else "colwise"
+            plan[prefix + n] = "colwise_grouped" if fused < 0 else f"colwise_fused{fused}" if fused > 1 else "colwise"
         for n in rows:
             plan[prefix + n] = "rowwise"
         paired.update(prefix + n for n in cols + rows)
@@ -144,11 +148,13 @@ def derive_tp_plan(model: nn.Module, *, tp: int) -> TPPlan:
 _FUSED_QKV = ("qkv", "c_attn", "query_key_value", "wqkv")
 
 
-def _fused_pieces(sizes: dict[str, nn.Module], cols: list[str], rows: list[str], prefix: str, *, tp: int) -> int:
-    """How many equal projections one column layer fuses (1: none): a lone column layer whose width
-    differs from its row partner's input is q|k|v (named like ``c_attn``/``qkv_proj``: 3 equal
-    pieces) or gate|up (``gate_up_proj``: 2 equal pieces); anything else (grouped-query q|k|v,
-    whose pieces differ) cannot be split head-aligned and is named in the error."""
+def _fused_pieces(sizes: dict[str, nn.Module], cols: list[str], rows: list[str], prefix: str, *, tp: int,
+                  parent: nn.Module | None = None) -> int:
+    """How many equal projections one column layer fuses (1: none; -1: q|k|v of unequal widths): a
+    lone column layer whose width differs from its row partner's input is q|k|v (named like
+    ``c_attn``/``qkv_proj``: 3 equal pieces, or grouped-query q|k|v whose widths the attention
+    module's head counts and ``head_dim`` give, ``colwise_grouped``) or gate|up (``gate_up_proj``:
+    2 equal pieces); anything else cannot be split head-aligned and is named in the error."""
     if len(cols) != 1 or len(rows) != 1:
         return 1
     out, inner = in_out(sizes[cols[0]])[1], in_out(sizes[rows[0]])[0]  # type: ignore[index]
@@ -158,6 +164,9 @@ def _fused_pieces(sizes: dict[str, nn.Module], cols: list[str], rows: list[str],
     pieces = 3 if any(k in name for k in _FUSED_QKV) else 2 if "gate_up" in name else 0
     if pieces and out == pieces * inner:
         return pieces
+    widths = qkv_widths(parent) if pieces == 3 and parent is not None else None
+    if widths is not None and sum(widths) == out and widths[0] == inner:
+        return -1
     raise ConfigError(f"tp={tp} cannot shard {prefix}{cols[0]}: it fuses projections of unequal widths ({out} outputs "
                       f"feed {prefix}{rows[0]}'s {inner} inputs)",
                       hint="pass a TP plan that marks it 'replicate' (and its partner 'replicate'), or use dp/zero/pp instead of tp")
@@ -219,6 +228,9 @@ def validate_tp(model: nn.Module, plan: TPPlan, *, tp: int) -> None:
     sizes: list[tuple[str, int]] = []
     for name, (module, style) in plan.matches(model).items():
         linear_like = isinstance(module, nn.Linear) or (is_conv1d(module) and style in ("colwise", "rowwise"))
+        if style == "colwise_grouped" and not isinstance(module, nn.Linear):
+            raise ConfigError(f"TP style 'colwise_grouped' on {name} needs an nn.Linear, not {type(module).__name__}",
+                              hint="mark this module 'replicate'")
         if style in ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "lm_head", "colwise_fused2", "colwise_fused3") and not (
                 linear_like or (style.startswith("colwise_fused") and in_out(module))):
             raise ConfigError(f"TP style {style!r} on {name} needs an nn.Linear, not {type(module).__name__} (or GPT-2's Conv1D)",
@@ -244,7 +256,8 @@ def tp_share(model: nn.Module, plan: TPPlan, *, tp: int) -> tuple[float, list[tu
     of the plan names at all (``(module name, parameters)``, largest first): layers replicated
     without anyone having asked for it (a norm, a positional embedding or a 'replicate' entry is
     replicated on purpose and not listed)."""
-    sharding = {"colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise", "lm_head", *_OWN}
+    sharding = {"colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise", "lm_head", *_OWN} - {
+        "colwise_grouped"}  # computed split, held whole (tp_layers.GroupedColumnSplit)
     matched = plan.matches(model)
     covered = {id(p) for _, (m, style) in matched.items() if style in sharding for p in m.parameters(recurse=False)
                if not (is_conv1d(m) and style == "rowwise" and p.dim() == 1) and not (style == "experts" and p.dim() < 3)}

@@ -72,6 +72,7 @@ class ClusterSpec:
     oversubscription: float = 1.0  # processes per compute unit: a lone busy process runs this much faster
     # Physical efficiencies of a preset's compute model (shardwise.plan.compute); 0: achievable_fraction.
     gemm_efficiency: float = 0.0  # a large GEMM's fraction of the tensor-core peak
+    fp8_gemm_efficiency: float = 0.0  # an FP8 GEMM's fraction of the FP8 peak (0: gemm_efficiency)
     attention_efficiency: float = 0.0  # fused (Flash) attention's fraction of the peak, forward + backward
     memory_efficiency: float = 1.0  # a streaming kernel's fraction of memory_bw
     device_type: str = "cuda"
@@ -96,7 +97,7 @@ class ClusterSpec:
             raise ConfigError(f"cluster oversubscription={self.oversubscription} must be >= 1", hint="1 when every process has its own device")
         if not 0 < self.achievable_fraction <= 1 or not 0 <= self.overlap <= 1:
             raise ConfigError(f"cluster achievable_fraction={self.achievable_fraction} and overlap={self.overlap} must lie in (0, 1]")
-        for key in ("gemm_efficiency", "attention_efficiency"):
+        for key in ("gemm_efficiency", "attention_efficiency", "fp8_gemm_efficiency"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ConfigError(f"cluster {key}={getattr(self, key)} must lie in [0, 1]", hint="0 means: use achievable_fraction")
         if not 0 < self.memory_efficiency <= 1:
@@ -109,6 +110,16 @@ class ClusterSpec:
     @property
     def gemm_efficiency_(self) -> float:
         return self.gemm_efficiency or self.achievable_fraction
+
+    @property
+    def fp8_gemm_efficiency_(self) -> float:
+        return self.fp8_gemm_efficiency or self.gemm_efficiency_
+
+    @property
+    def fp8_capable(self) -> bool:
+        """Whether the device has FP8 tensor cores (an ``fp8`` peak): where the search considers
+        ``precision="fp8"`` by default."""
+        return "fp8" in self.peak_flops and self.device_type == "cuda"
 
     @property
     def attention_efficiency_(self) -> float:
@@ -181,6 +192,15 @@ class ClusterSpec:
             return (group - 1 - hops_inter) * intra + hops_inter * inter
         return math.ceil(math.log2(group)) * (inter if nodes > 1 else intra)
 
+    def link_share(self, group: int, *, stride: int = 1) -> float:
+        """The data rate of a collective over ``group`` ranks spaced ``stride`` apart, as a share of
+        the intra-node link's: 1 inside a node, ``g inter_bw / intra_bw`` (at most 1) across nodes
+        with ``g`` of the group's ranks per node (what NCCL's kernels then take from compute)."""
+        if group <= 1 or group * stride <= self.devices_per_node:
+            return 1.0
+        g = self.ranks_per_node(group, stride)
+        return min(1.0, g * self.inter_bw / self.intra_bw)
+
     def collective_latency(self, op: str, group: int, *, stride: int = 1) -> float:
         """Seconds of one tiny collective: the calibrated fit's intercept for ``op`` when the spec
         has one (``measurements["fits"]``), else ``latency * ceil(log2 group)``."""
@@ -247,7 +267,7 @@ MEMORY_EFFICIENCY = 0.85  # STREAM-like copy kernels: ~1.3 of 1.555 TB/s on an A
 # Per-chip efficiencies of the compute model (shardwise.plan.compute) and the overlap fraction
 # (shardwise.plan.comm). A100: fitted on 107 published A100 runs of four sources, each source
 # weighted once (`bench/planner_published.py --fit`; leave-one-source-out in docs/planner.md).
-A100 = {"gemm": 0.725, "attention": 0.30, "overlap": 0.7}
+A100 = {"gemm": 0.75, "attention": 0.275, "overlap": 0.2}
 # H100 / H200 (same compute die): no published H100 runs to fit here but three on a lower-power
 # variant, so each figure is carried over from the A100 by a measured or published ratio:
 # - gemm: the A100's training GEMM efficiency times the ratio of the two chips' best-GEMM fractions,
@@ -257,10 +277,19 @@ A100 = {"gemm": 0.725, "attention": 0.30, "overlap": 0.7}
 #   ~35% of peak forward, ~25-29% backward): causal forward + backward ~0.25;
 # - overlap: a property of the software (NCCL beside the compute kernels), the A100's.
 H100 = {"gemm": round(A100["gemm"] * 0.715 / 0.85, 3), "attention": 0.25, "overlap": A100["overlap"]}
+# FP8 GEMMs (H100 / H200 / H800): 0.87 of the fraction of its peak a bf16 GEMM reaches. From
+# torchao's published float8 microbenchmark on an H100 (torchao/float8/README.md: a linear of
+# M, K, N = 4096, 8192, 16384 runs forward + backward 1.39x faster in float8 than in bf16, the
+# casts included): with the casts' traffic of torchao's own roofline at the 2.4 TB/s of the H100
+# variant it measured on, 1.39x leaves the FP8 GEMMs at 0.87 of bf16's fraction (the tensor cores
+# at the power limit clock lower under FP8). The same model gives 0.74x for its small example
+# (1024, 2048, 1024; measured 0.80x: leave it in bf16), tests/unit/test_cost_fp8.py.
+FP8_RELATIVE_EFFICIENCY = 0.87
 
 
 def _gpu(name: str, *, memory_gb: float, fp32: float, bf16: float, tf32: float, nvlink: float, ib: float, hbm: float,
          gemm: float, attention: float, overlap: float, fp8: float = 0.0) -> ClusterSpec:
+    # fp8: the dense FP8 tensor-core peak (H100 SXM datasheet: 1,979 TFLOP/s); 0 on chips without FP8
     # nvlink/ib in GB/s per direction per GPU; nccl-tests reach ~80% of it as bus bandwidth.
     peaks = {"fp32": fp32 * 1e12, "tf32": tf32 * 1e12, "bf16": bf16 * 1e12, "fp16": bf16 * 1e12}
     if fp8:
@@ -270,6 +299,7 @@ def _gpu(name: str, *, memory_gb: float, fp32: float, bf16: float, tf32: float, 
         achievable_fraction=gemm, intra_bw=0.8 * nvlink * GB, intra_latency_s=8e-6, inter_bw=0.8 * ib * GB,
         inter_latency_s=15e-6, memory_bw=hbm * GB, overlap=overlap, device_type="cuda", kernel_overhead_s=8e-6,
         gemm_efficiency=gemm, attention_efficiency=attention, memory_efficiency=MEMORY_EFFICIENCY,
+        fp8_gemm_efficiency=round(gemm * FP8_RELATIVE_EFFICIENCY, 3) if fp8 else 0.0,
     )
 
 

@@ -23,12 +23,14 @@ selective policies (``matmuls``, ``op``) are not measured and are priced like fu
   reaches 50-73% of an A100's; Shah et al. 2024, FlashAttention-3, sec. 1);
 - *eager attention* (Megatron-LM before FlashAttention): ``q k^T`` and ``a v`` as batched GEMMs over
   the full ``s x s`` square, and the ``s^2`` scores written and read by the softmax, dropout and
-  the weighted sum at memory bandwidth (8 bytes per score forward and 10 backward in 16 bits;
-  13 and 15 with dropout);
+  the weighted sum at memory bandwidth (with Megatron's fused softmax 8 bytes per score forward
+  and 10 backward in 16 bits, 13 and 15 with dropout; as plain torch ops the scaling and the mask
+  are two more passes each way, ``EAGER_SCORE_BYTES``);
 - *pointwise work* at memory bandwidth: two norms (read the residual, write the normalized input),
   two residual adds, the activation function (GELU reads and writes ``f``; SwiGLU ``5 f``),
   dropout, rotary embeddings, autocast's casts (of the weights, every microbatch, and of each
-  projection's input); backward moves twice the forward's bytes; the loss over the logits
+  projection's input); backward moves the forward's bytes again plus what the norms' and the
+  activation function's gradients read beside the incoming gradient; the loss over the logits
   (24 bytes per logit with a fused kernel, 32 unfused);
 - a fixed cost per operator launch (``kernel_overhead_s``, ~20 per layer forward, twice that
   backward): on a GPU the host launches asynchronously, so a layer costs the larger of its device
@@ -36,21 +38,52 @@ selective policies (``matmuls``, ``op``) are not measured and are priced like fu
 
 Recomputation replays, per mode (:mod:`shardwise.plan.memory`): ``full`` one forward of every
 layer; ``layer`` half of that; ``op`` every other matmul and all pointwise work; ``matmuls`` the
-pointwise work; ``attention`` the attention core (eager: its matmuls and ``s^2`` traffic; fused:
+pointwise work (with eager attention: its softmax and dropout over the scores); ``attention`` the attention core (eager: its matmuls and ``s^2`` traffic; fused:
 nothing, FlashAttention recomputes internally anyway).
+
+**FP8 linears** (``Plan.precision="fp8"``, torchao float8 training): each block projection whose
+per-rank ``K`` and ``N`` are multiples of 16 runs its three GEMMs (forward, data and weight
+gradient) at the FP8 peak times ``ClusterSpec.fp8_gemm_efficiency_`` with 1-byte operands, plus
+the memory traffic of the casts as torchao's own roofline counts it
+(``torchao/testing/training/roofline_utils.py``, no fusion with the previous op): tensorwise
+scaling reads an input or output gradient twice (the amax pass, then the cast writing the row- and
+column-major copies: 2 + 2 + 2 bytes per element) and a weight four times (2 + (2 + 1) + (2 + 1));
+rowwise scaling 8 bytes per element of an input or output gradient and 10 of a weight (a transpose
+between the two casts). Compiled (``Plan.compile``), the amax pass fuses into the op before it
+(2 bytes less per element) and separate q/k/v projections share one cast of their input; under
+FSDP's FP8 all-gather each rank casts only its weight shard, once per step. The LM head and the attention core stay bf16 (torchao's and torchtitan's
+filter), as does any layer whose shape the FP8 kernels cannot take.
+
+**Chunked loss** (``Plan.chunked_loss``, :mod:`shardwise.parallel.linear_ce`): the same three head
+GEMMs and the loss traffic of a fused loss, no recomputation, plus a launch cost per chunk
+(``C = N d / (V/t)`` tokens a chunk; ~8 operators each way).
+
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.memory import layer_tensors, recompute_mode
-from shardwise.plan.policy import RunPolicy
+from shardwise.plan.policy import RunPolicy, compute_precision
 from shardwise.plan.stats import ModelStats
 
 KERNELS_PER_LAYER = 20  # operators of one transformer layer's forward (matmuls, norms, adds, attention)
+# Bytes per attention score that eager attention moves (16-bit), (forward, backward), by (fused
+# softmax, dropout): Megatron-LM's fused scale-mask-softmax kernel writes and reads the scores once
+# per op (the bmm writes 2, the softmax reads 2 and writes 2, dropout reads 2 and writes 2 + a 1-byte
+# mask, the second bmm reads 2); plain torch ops (a model's own eager attention) add the scaling and
+# the causal mask as two more read-write passes, forward and backward.
+EAGER_SCORE_BYTES = {(True, False): (8.0, 10.0), (True, True): (13.0, 15.0), (False, False): (16.0, 18.0), (False, True): (21.0, 23.0)}
+CHUNK_KERNELS = 8  # operators of one chunk of the chunked loss, each way (head matmul, upcast, log-softmax, loss, gradient)
+FP8_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each operand to be multiples of 16
+# Bytes moved per element by torchao's casts for FP8 training, per recipe (its roofline model,
+# torchao/testing/training/roofline_utils.py): (input or output gradient, weight), forward and
+# backward together.
+FP8_CAST_BYTES = {"tensorwise": (6.0, 8.0), "rowwise": (8.0, 10.0)}
 GEMM_K0 = 128  # a GEMM tile's fixed prologue/epilogue, in inner-dimension elements (about two k-steps of 64)
 CAUSAL_BLOCK = 128  # query/key tile of FlashAttention's causal kernel
 
@@ -72,7 +105,7 @@ def microbatch_time(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: Ru
     """Forward and backward of one microbatch of ``mbs`` samples over ``layers`` blocks plus the
     LM head (see the module doc)."""
     dim = (mbs * stats.seq * max(stats.hidden, 1) * max(stats.hidden / plan.tp, 1)) ** (1 / 3) if stats.hidden else 1024.0
-    block_rate = cluster.block_flops(plan.precision, dim) if stats.hidden else None
+    block_rate = cluster.block_flops(compute_precision(plan.precision), dim) if stats.hidden else None
     if block_rate:
         return _calibrated(stats, cluster, plan, run, mbs=mbs, layers=layers, dim=dim, rate=block_rate)
     if not stats.ffn:
@@ -87,7 +120,7 @@ def _calibrated(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPol
     memory-bound (the logits written and read once each way)."""
     t = plan.tp
     act_scale = 2.0 if plan.precision == "fp32" else 1.0
-    flops = cluster.matmul_flops(plan.precision, dim)
+    flops = cluster.matmul_flops(compute_precision(plan.precision), dim)
     layer_fwd = mbs * layers * stats.flops_per_block / t
     head_fwd = mbs * stats.flops_head / t
     loss_traffic = mbs * stats.logits_bytes / t * (act_scale + 2.0) / cluster.memory_bw
@@ -99,7 +132,7 @@ def _calibrated(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPol
     # pointwise work they replay on a CPU): priced like full recomputation, never as free.
     if mode in ("matmuls", "op"):
         mode, extra = "full", layer_fwd
-    replay_rate = cluster.block_flops(plan.precision, dim, recompute=True) if mode == "full" else None
+    replay_rate = cluster.block_flops(compute_precision(plan.precision), dim, recompute=True) if mode == "full" else None
     # At the rate measured under full recomputation when there is one (model FLOPs: the replay
     # shows as a lower rate), else the replayed FLOPs at the plain rate.
     layers_s = 3 * layer_fwd / replay_rate if replay_rate else (3 * layer_fwd + extra) / rate
@@ -115,7 +148,7 @@ def _generic(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy
     from shardwise.plan.memory import layer_bytes
 
     t = plan.tp
-    flops = cluster.matmul_flops(plan.precision, dim)
+    flops = cluster.matmul_flops(compute_precision(plan.precision), dim)
     fwd_flops = mbs * (layers * stats.flops_per_block + stats.flops_head) / t
     mode = recompute_mode(plan, run)
     extra = {"full": mbs * layers * stats.flops_per_block / t, "layer": mbs * layers * stats.flops_per_block / t / 2}.get(mode, 0.0)
@@ -130,15 +163,23 @@ def _generic(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy
     return MicrobatchTime(fwd, bwd, {"gemm": (3 * fwd_flops + extra) / flops, "pointwise": 2 * traffic, "launch": 3 * launches})
 
 
-def gemm_time(cluster: ClusterSpec, m: float, n: float, k: float, *, peak: float, elem: float) -> float:
-    """Roofline time of one ``(m x k) @ (k x n)`` GEMM with ``elem``-byte operands."""
+def gemm_time(cluster: ClusterSpec, m: float, n: float, k: float, *, peak: float, elem: float,
+              efficiency: float | None = None, out_elem: float | None = None) -> float:
+    """Roofline time of one ``(m x k) @ (k x n)`` GEMM with ``elem``-byte operands (and
+    ``out_elem``-byte output, default ``elem``)."""
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
     # Each output tile runs k / k_step steps plus a fixed prologue and epilogue, so a short inner
     # dimension reaches less of the peak: efficiency x k / (k + GEMM_K0).
-    compute = 2 * m * n * k / (peak * cluster.gemm_efficiency_) * (k + GEMM_K0) / k
-    memory = elem * (m * k + k * n + m * n) / (cluster.memory_bw * cluster.memory_efficiency)
+    compute = 2 * m * n * k / (peak * (efficiency or cluster.gemm_efficiency_)) * (k + GEMM_K0) / k
+    memory = (elem * (m * k + k * n) + (out_elem or elem) * m * n) / (cluster.memory_bw * cluster.memory_efficiency)
     return max(compute, memory)
+
+
+def fp8_gemm_time(cluster: ClusterSpec, m: float, n: float, k: float) -> float:
+    """One FP8 GEMM (``torch._scaled_mm``): 1-byte operands, a 16-bit output, at the FP8 peak
+    times the chip's FP8 GEMM efficiency."""
+    return gemm_time(cluster, m, n, k, peak=cluster.peak("fp8"), elem=1.0, efficiency=cluster.fp8_gemm_efficiency_, out_elem=2.0)
 
 
 def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, layers: int) -> MicrobatchTime:
@@ -150,9 +191,8 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     autocast = run.autocast and not fp32
     r = 4.0 if (autocast or fp32) else 2.0  # bytes of a residual-stream element
     bw = cluster.memory_bw * cluster.memory_efficiency
-    fp8 = run.linear_dtype == "fp8" and "fp8" in cluster.peak_flops
-    peak_lin = cluster.peak("fp8" if fp8 else plan.precision)
-    peak = cluster.peak(plan.precision)
+    fp8 = run.fp8 and "fp8" in cluster.peak_flops
+    peak = cluster.peak(compute_precision(plan.precision))
 
     # -- GEMMs of one layer, forward, in forward order (for the per-op recompute policy) --------
     if stats.qkv_input_copies > 1:
@@ -169,12 +209,35 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     else:
         shapes += [(h, f / t), (h, f / t), (f / t, h)] if stats.gated_mlp else [(h, f / t), (f / t, h)]
         rows += [tokens] * (3 if stats.gated_mlp else 2)
-    elem = 1.0 if fp8 else c
-    gemms = [gemm_time(cluster, m_, n_, k_, peak=peak_lin, elem=elem) for m_, (k_, n_) in zip(rows, shapes)]
+    # The block's own Linear layers (an MoE layer's router among them; its experts are 3-D weights)
+    dense = len(proj) + 1 + (1 if stats.experts else (3 if stats.gated_mlp else 2))
+    # Under FSDP with FP8 all-gather (tensorwise) each rank casts its weight shard once per step
+    # before the gather (amax + cast: 5 bytes per element of the 1/shard) and backward transposes
+    # the gathered FP8 weight (read 1, write 1); otherwise every forward casts the whole weight.
+    gathered_fp8 = run.fp8_all_gather and run.fp8_recipe == "tensorwise" and plan.zero >= 2 and plan.shard > 1
+    weight_cast = (5.0 / plan.shard / max(1, plan.microbatches) + 2.0) if gathered_fp8 else None
+    # Compiled (Plan.compile), the amax pass over an input or output gradient fuses into the op
+    # that produced it (torchao's roofline, fuse_with_prev: 4 bytes where eager moves 6) and the
+    # separate q, k, v projections share one cast of their common input (identical ops, one kernel).
+    fused_casts = plan.compile
+    gemms, gemm_bwd, casts_fwd, casts_bwd = [], 0.0, 0.0, 0.0
+    for i, (m_, (k_, n_)) in enumerate(zip(rows, shapes)):
+        # Forward (m x k) @ (k x n); backward the data gradient (m x n) @ (n x k) and the weight
+        # gradient (k x m) @ (m x n). FP8 for the Linear layers whose shapes the kernels take (an
+        # MoE layer's grouped expert GEMMs stay bf16: torchao's float8 converts nn.Linear layers).
+        if fp8 and i < dense and k_ % FP8_MULTIPLE == 0 and n_ % FP8_MULTIPLE == 0:
+            gemms.append(fp8_gemm_time(cluster, m_, n_, k_))
+            gemm_bwd += fp8_gemm_time(cluster, m_, k_, n_) + fp8_gemm_time(cluster, k_, n_, m_)
+            act, weight = FP8_CAST_BYTES[run.fp8_recipe]
+            weight = weight if weight_cast is None else weight_cast
+            act -= 2.0 if fused_casts else 0.0
+            shared = fused_casts and stats.qkv_input_copies > 1 and 0 < i < len(proj)  # k and v reuse q's input cast
+            casts_fwd += ((0.0 if shared else act * m_ * k_) + weight * k_ * n_) / bw  # the input's and the weight's casts
+            casts_bwd += act * m_ * n_ / bw  # the output gradient's
+        else:
+            gemms.append(gemm_time(cluster, m_, n_, k_, peak=peak, elem=c))
+            gemm_bwd += gemm_time(cluster, m_, k_, n_, peak=peak, elem=c) + gemm_time(cluster, k_, n_, m_, peak=peak, elem=c)
     gemm_fwd = sum(gemms)
-    if fp8:  # each projection casts its input (forward) and its output's gradient (backward) to fp8:
-        # 3 bytes (read 2, write 1) per element of K and N; a third of it here, as gemm_fwd counts 3 x
-        gemm_fwd += tokens * sum(k_ + n_ for k_, n_ in shapes) / bw
 
     # -- attention core --------------------------------------------------------------------------
     heads_local = max(stats.heads // t, 1) if stats.heads else 1
@@ -184,8 +247,9 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
         batch = mbs * heads_local
         attn_fwd = batch * (gemm_time(cluster, s, ctx, head_dim, peak=peak, elem=c) + gemm_time(cluster, s, head_dim, ctx, peak=peak, elem=c))
         scores = mbs * heads_local * s * ctx * (c / 2)
-        attn_fwd_traffic = scores * (13.0 if stats.dropout else 8.0) / bw
-        attn_bwd = 2 * attn_fwd + scores * (15.0 if stats.dropout else 10.0) / bw
+        fwd_bytes, bwd_bytes = EAGER_SCORE_BYTES[(run.fused_softmax, stats.dropout)]
+        attn_fwd_traffic = scores * fwd_bytes / bw
+        attn_bwd = 2 * attn_fwd + scores * bwd_bytes / bw
         attn_fwd += attn_fwd_traffic
     else:
         causal = min(1.0, (1 + CAUSAL_BLOCK / ctx) / 2)
@@ -205,8 +269,17 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     if autocast:  # each projection casts its fp32 input (the norm's output) to 16 bits: read 4, write 2
         casts = 6.0 * (h * stats.qkv_input_copies + h) / shard_norm
     pointwise_fwd = tokens * (norms + adds + act + drop + rotary + casts) / bw
+    # Backward moves the same bytes once more, plus what each gradient kernel reads beside its
+    # incoming gradient: a norm's input (read x and the gradient, write the input's gradient:
+    # 2 r + c where forward moved r + c) and the activation function's input (GELU: read the
+    # gradient and the input, write one: 3 c per element where forward moved 2 c). A residual add's
+    # gradient is the incoming one (its accumulation is counted like the forward add), dropout's
+    # reads the mask, a cast's casts back.
+    act_elems = stats.top_k * stats.expert_ffn / (1 if plan.ep > 1 else t) if stats.experts else f / t
+    pointwise_bwd = pointwise_fwd + tokens * (2 * r * h / shard_norm + c * act_elems) / bw
     if autocast and plan.zero <= 1:  # autocast casts every weight once per microbatch: read 4, write 2
         pointwise_fwd += 6.0 * stats.params_per_block / t / bw
+        pointwise_bwd += 6.0 * stats.params_per_block / t / bw  # and each weight's gradient back to fp32
 
     launch = KERNELS_PER_LAYER * cluster.kernel_overhead_s
     serial = cluster.device_type == "cpu"  # a CPU runs the dispatch and the kernels on the same cores
@@ -214,8 +287,8 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     def layer(device: float, launches: float) -> float:
         return device + launches if serial else max(device, launches)
 
-    fwd_layer = layer(gemm_fwd + attn_fwd + pointwise_fwd, launch)
-    bwd_layer = layer(2 * gemm_fwd + attn_bwd + 2 * pointwise_fwd, 2 * launch)
+    fwd_layer = layer(gemm_fwd + casts_fwd + attn_fwd + pointwise_fwd, launch)
+    bwd_layer = layer(gemm_bwd + casts_bwd + attn_bwd + pointwise_bwd, 2 * launch)
     mode = recompute_mode(plan, run)
     if mode == "full":
         replay = fwd_layer
@@ -225,8 +298,8 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
         names = [x for x in layer_tensors(stats) if x.matmul]
         even = sum(g for g, x in zip(gemms, names) if x.matmul % 2 == 0)
         replay = even + pointwise_fwd
-    elif mode == "matmuls":
-        replay = pointwise_fwd
+    elif mode == "matmuls":  # the pointwise work, and eager attention's softmax and dropout over the scores
+        replay = pointwise_fwd + attn_fwd_traffic
     elif mode == "attention":
         replay = attn_fwd if stats.attention == "eager" else 0.0
     else:
@@ -234,15 +307,30 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
 
     # -- LM head and loss on the last stage -------------------------------------------------------
     head_fwd = gemm_time(cluster, tokens, v / t, h, peak=peak, elem=c) if v else mbs * stats.flops_head / t / (peak * cluster.gemm_efficiency_)
-    loss = tokens * v / t * (24.0 if run.fused_loss else 32.0) / bw if v else 0.0
+    # the loss over this rank's logits: a vocabulary-parallel (or chunked) loss V/t of them, else all V
+    vocab_rank = v / t if (run.loss_parallel or run.chunked_loss) else v
+    loss = tokens * vocab_rank * (24.0 if run.fused_loss or run.chunked_loss else 32.0) / bw if v else 0.0
+    if run.chunked_loss and v:  # each chunk's forward and backward launches
+        chunks = math.ceil(v / t / max(h, 1))  # C = N h / (V/t) tokens a chunk
+        loss = layer(loss, chunks * 2 * CHUNK_KERNELS * cluster.kernel_overhead_s)
     fwd = layers * fwd_layer + head_fwd + loss / 2
     bwd = layers * (bwd_layer + replay) + 2 * head_fwd + loss / 2
     parts = {
-        "gemm": layers * 3 * gemm_fwd, "attention": layers * (attn_fwd + attn_bwd), "pointwise": layers * 3 * pointwise_fwd,
+        "gemm": layers * (gemm_fwd + gemm_bwd), "attention": layers * (attn_fwd + attn_bwd), "pointwise": layers * (pointwise_fwd + pointwise_bwd),
         "head": 3 * head_fwd + loss, "recompute": layers * replay,
-        "launch": max(0.0, layers * (fwd_layer + bwd_layer) - layers * (3 * gemm_fwd + attn_fwd + attn_bwd + 3 * pointwise_fwd)),
+        "launch": max(0.0, layers * (fwd_layer + bwd_layer)
+                      - layers * (gemm_fwd + gemm_bwd + casts_fwd + casts_bwd + attn_fwd + attn_bwd + pointwise_fwd + pointwise_bwd)),
     }
+    if fp8:
+        parts["fp8_casts"] = layers * (casts_fwd + casts_bwd)
     return MicrobatchTime(fwd, bwd, parts)
+
+
+def accumulate_time(cluster: ClusterSpec, *, grad_elems: float, grad_bytes: float) -> float:
+    """Seconds to add one microbatch's weight gradients into the accumulated ones: read both and
+    write the sum, ``3 x grad_bytes`` per local gradient element at the memory bandwidth (under
+    sharded accumulation only the reduce-scattered shard is accumulated)."""
+    return 3 * grad_bytes * grad_elems / (cluster.memory_bw * cluster.memory_efficiency)
 
 
 def optimizer_time(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, stage_params: float, stage_tensors: int) -> float:
@@ -259,4 +347,4 @@ def optimizer_time(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, stage
     return optimizer_params * 28.0 / (cluster.memory_bw * cluster.memory_efficiency)
 
 
-__all__ = ["KERNELS_PER_LAYER", "MicrobatchTime", "gemm_time", "microbatch_time", "optimizer_time"]
+__all__ = ["FP8_CAST_BYTES", "accumulate_time", "KERNELS_PER_LAYER", "MicrobatchTime", "fp8_gemm_time", "gemm_time", "microbatch_time", "optimizer_time"]

@@ -20,7 +20,8 @@ sequential); on the last stage one (GPipe ``m``) plus the logits — plus one re
 recomputation, the stage's input and communication buffers. The busiest stage is reported.
 
 **Step time** = ``compute + bubble + exposed communication + optimizer``: compute is ``m``
-microbatches of :func:`shardwise.plan.compute.microbatch_time`; the bubble is ``(p-1)/v``
+microbatches of :func:`shardwise.plan.compute.microbatch_time` and the gradient accumulation of the
+``m - 1`` after the first (:func:`~shardwise.plan.compute.accumulate_time`); the bubble is ``(p-1)/v``
 microbatch times, i.e. the fraction ``(p-1)/(v m + p - 1)`` of the pipelined step (on an
 oversubscribed host ``max(m t, (m + (p-1)/v) t / o)``); communication is
 :mod:`shardwise.plan.comm`'s tensor-parallel, pipeline and data-parallel terms.
@@ -36,10 +37,11 @@ from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.comm import cp_time, dp_time, ep_time, pp_time, tp_time
-from shardwise.plan.compute import microbatch_time, optimizer_time
-from shardwise.plan.memory import (StatePolicy, buffer_bytes, expert_param_count, layer_bytes, logits_bytes, model_state_bytes,
-                                   stage_param_count, weight_copy_bytes)
-from shardwise.plan.policy import RunPolicy
+from shardwise.plan.compute import accumulate_time, microbatch_time, optimizer_time
+from shardwise.plan.memory import (StatePolicy, buffer_bytes, expert_param_count, gathered_bytes, layer_bytes, logits_bytes,
+                                   model_state_bytes, modules_per_block, stage_param_count, weight_copy_bytes)
+from shardwise.plan.adapters import lora_microbatch, lora_state_bytes
+from shardwise.plan.policy import RunPolicy, compute_precision
 from shardwise.plan.stats import ModelStats, slice_stats
 
 __all__ = ["Estimate", "RunPolicy", "StatePolicy", "bubble_fraction", "estimate", "micro_batch_size", "model_state_bytes",
@@ -91,6 +93,8 @@ class Estimate:
             "micro_batch_size": self.micro_batch_size, "num_microbatches": p.microbatches,
             "schedule": p.schedule if p.pp > 1 else "none", "virtual_stages": p.virtual_stages,
             "sequence_parallel": p.sequence_parallel, "recompute": p.recompute, "precision": p.precision, "plan": str(p),
+            "params16": p.params16, "chunked_loss": p.chunked_loss, "sharded_accumulation": p.sharded_accumulation,
+            **({"fp8_recipe": p.fp8_recipe} if p.precision == "fp8" else {}),
             "precision_policy": self.run.precision, "selective_mode": self.run.selective,
             "memory_per_device_bytes": int(self.memory_total),
             "memory_breakdown": {k: int(v) for k, v in self.memory.items()},
@@ -129,7 +133,7 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     """Memory and time of one training step of ``plan`` (see the module doc for every term)."""
     if plan.cp > 1:
         return _context_parallel(stats, cluster, plan, global_batch=global_batch, policy=policy, headroom=headroom, run=run)
-    run = run or RunPolicy()
+    run = (run or RunPolicy()).applied(plan)  # the plan's runtime options (params16, chunked_loss, ...) on
     policy = policy or StatePolicy.torch(plan.precision)
     mbs = micro_batch_size(plan, global_batch)
     t, p, m, v = plan.tp, plan.pp, plan.microbatches, plan.virtual_stages
@@ -146,6 +150,8 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     # that hold the same experts; everything else over the shard group.
     experts = expert_param_count(stats, tp=t, pp=p, ep=plan.ep) if plan.ep > 1 else 0.0
     states = model_state_bytes(stage_params - experts, policy, zero=plan.zero, shard=plan.shard)
+    if stats.lora is not None:  # a frozen base: gradients and optimizer states for the adapters only
+        states = lora_state_bytes(stats, policy, stage_params=stage_params - experts, zero=plan.zero, shard=plan.shard)
     if experts:
         for key, value in model_state_bytes(experts, policy, zero=plan.zero, shard=max(1, plan.shard // plan.ep)).items():
             states[key] += value
@@ -153,19 +159,27 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     kept, replay = layer_bytes(stats, plan, run)
     per_layer = kept * mbs + weight_copy_bytes(stats, plan, run, policy)
     first_in_flight, last_in_flight = _in_flight(plan)
-    logits_kept, logits_grad = logits_bytes(stats, plan, run)
+    logits_kept, logits_transient = logits_bytes(stats, plan, run, mbs=mbs)
     transient = replay * mbs  # one layer replayed at a time during backward
-    first = first_in_flight * layers * per_layer + transient + boundary + (logits_kept * mbs if p == 1 else 0.0)
-    last = last_in_flight * layers * per_layer + transient + boundary + logits_kept * mbs * last_in_flight
+    first = first_in_flight * layers * per_layer + transient + boundary + (logits_kept if p == 1 else 0.0)
+    last = last_in_flight * layers * per_layer + transient + boundary + logits_kept * last_in_flight
     activations = max(first, last)
-    grad_of_logits = logits_grad * mbs if (p == 1 or last >= first) else 0.0  # at the start of the last stage's backward
+    # the logits' gradient at the start of the last stage's backward (a chunked loss: one chunk's)
+    grad_of_logits = logits_transient if (p == 1 or last >= first) else 0.0
     buffers = buffer_bytes(stats, plan, policy, run, layers=layers, boundary=boundary, stage_params=stage_params) + grad_of_logits
     memory = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
               "activations": activations, "buffers": buffers}
 
     # -- time -------------------------------------------------------------------------------
     mb = microbatch_time(stats, cluster, plan, run, mbs=mbs, layers=layers)
-    compute = m * mb.total
+    if stats.lora is not None:  # no weight gradients for the base, the adapters' GEMMs, NF4 dequantization
+        mb = lora_microbatch(stats, mb, cluster, stage_params=stage_params, compute_bytes=policy.compute_bytes)
+    # Every microbatch after the first adds its weight gradients into the accumulated ones
+    # (autograd's AccumulateGrad, FSDP2's unsharded accumulation): read both, write one.
+    grad_elems = stage_params / (plan.shard if run.sharded_grad_accumulation and plan.zero >= 2 else 1)
+    accumulate = 0.0 if run.fused_grad_accumulation else (m - 1) * accumulate_time(cluster, grad_elems=grad_elems, grad_bytes=policy.grad)
+    slot = mb.total + accumulate / m  # one microbatch on a stage, its share of the accumulation included
+    compute = m * slot
     bubble = 0.0
     if p > 1:
         # Critical path: m microbatches plus (p-1)/v fill-and-drain slots. On a host with more
@@ -174,15 +188,17 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         # max(work-conserving bound m t_mb, critical path at solo speed); on GPUs (o = 1) this is
         # the textbook (m + (p-1)/v) t_mb.
         o = max(1.0, cluster.oversubscription)
-        bubble = max(0.0, (m + (p - 1) / v) * mb.total / o - compute)
-    tp_comm = tp_time(cluster, plan, run, boundary=mbs * stats.boundary_bytes * act_scale, layers=layers, compute=compute)
+        bubble = max(0.0, (m + (p - 1) / v) * slot / o - compute)
+    tp_comm = tp_time(cluster, plan, run, boundary=mbs * stats.boundary_bytes * act_scale, layers=layers, compute=compute,
+                      logits=mbs * stats.logits_bytes * act_scale)
     pp_comm = pp_time(cluster, plan, hop_bytes=boundary / (t if plan.sequence_parallel or run.pp_scatter_gather else 1))
     kv_bytes = mbs * (stats.context or stats.seq) * 2 * (stats.kv_hidden or stats.hidden) / t * (4.0 if fp32 else 2.0)
     cp_comm = cp_time(cluster, plan, run, kv_bytes=kv_bytes, layers=layers, attention=m * mb.parts.get("attention", 0.0))
     ep_comm = ep_time(cluster, plan, rows_bytes=mbs * stats.seq * stats.top_k * stats.hidden * (4.0 if fp32 else 2.0), layers=layers)
     stage_tensors = layers * stats.tensors_per_block + stats.tensors_outer
     dp = dp_time(cluster, plan, policy, run, stage_params=stage_params, layers=layers, t_fwd=mb.fwd, t_bwd=mb.bwd,
-                 stage_tensors=stage_tensors)
+                 stage_tensors=stage_tensors, gather_bytes=gathered_bytes(stats, run, policy),
+                 units_per_block=modules_per_block(stats) if run.zero3_unit == "linear" else 1)
     t_opt = optimizer_time(stats, cluster, plan, stage_params=stage_params, stage_tensors=stage_tensors)
 
     communication = tp_comm + pp_comm + cp_comm + ep_comm + dp.dp_exposed
@@ -192,13 +208,15 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     achieved = model_flops / step / plan.world_size
     detail = {"tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm, "dp_comm": dp.dp_total,
               "dp_comm_exposed": dp.dp_exposed,
-              "optimizer": t_opt, "microbatch": mb.total}
+              "optimizer": t_opt, "microbatch": slot}
     detail.update({f"compute_{k}": m * v_ for k, v_ in mb.parts.items()})
+    if accumulate:
+        detail["compute_accumulate"] = accumulate
     return Estimate(
         plan=plan, global_batch=global_batch, micro_batch_size=mbs, memory=memory,
         time={"compute": compute + t_opt, "communication": communication, "bubble": bubble},
         detail=detail, step_time_s=step, memory_limit=cluster.memory_bytes * (1 - headroom), tokens_per_s=tokens / step,
-        tflops_per_device=achieved / 1e12, mfu=achieved / cluster.peak(plan.precision), run=run,
+        tflops_per_device=achieved / 1e12, mfu=achieved / cluster.peak(compute_precision(plan.precision)), run=run,
     )
 
 

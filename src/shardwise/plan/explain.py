@@ -15,6 +15,7 @@ from shardwise.plan.cost import Estimate
 TERM_NAMES = {
     "gemm": "GEMMs", "attention": "attention", "pointwise": "pointwise work", "head": "LM head + loss",
     "recompute": "recomputation", "launch": "launch overhead", "layers": "layers (measured rate)",
+    "accumulate": "gradient accumulation", "fp8_casts": "FP8 casts",
     "bubble": "pipeline bubble", "tp_comm": "tensor-parallel communication", "pp_comm": "pipeline sends", "cp_comm": "context-parallel keys and values",
     "dp_comm_exposed": "exposed data-parallel traffic", "optimizer": "optimizer step",
 }

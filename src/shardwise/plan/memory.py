@@ -13,7 +13,10 @@ up, ``silu(gate)`` and the product, ``4 f``), 1-byte dropout masks and, with eag
 ``s h (34 + 5 a s / h)`` (eager attention with dropout) or ``32 s h`` (fused attention, no dropout).
 Tensor parallelism divides the sharded tensors (``q, k, v, o``, the MLP's inner activations, the
 scores) by ``t``; the LayerNorm region (``x, n1, x2, n2`` and the masks) is divided only with
-sequence parallelism (paper, table 2).
+sequence parallelism (paper, table 2). The normalized inputs ``n1, n2`` of the column-parallel
+layers only where the runtime saves their shard (``RunPolicy.sp_saves_shard``: Megatron-LM, which
+all-gathers them again in backward); torch's DTensor sequence parallelism (shardwise, torchtitan)
+all-gathers them in forward and the linear layers save the gathered, full-size tensor.
 
 Recompute modes (``plan.recompute`` with the policy's ``selective``): ``full`` keeps only ``x``;
 ``attention`` (Korthikanti's selective) drops the ``s^2`` part; ``matmuls`` (shardwise's policy) keeps
@@ -127,7 +130,9 @@ class Saved:
 
     name: str
     elems: float
-    kind: str  # "residual" (fp32 under autocast), "norm" (LayerNorm region), "sharded", "mask" (1 byte)
+    # "residual" (fp32 under autocast), "norm" (LayerNorm region), "gathered" (a normalized input of
+    # column-parallel layers), "sharded", "mask" (1 byte)
+    kind: str
     matmul: int = 0  # 1-based position among the block's matmuls (0: not a matmul output)
     in_none: bool = True  # kept without recomputation
     attention: bool = False  # produced by the attention op (SDPA output)
@@ -138,7 +143,7 @@ def layer_tensors(stats: ModelStats, *, autocast: bool = False) -> list[Saved]:
     projections each keep their own 16-bit copy of the normalized input."""
     h, kv, f = stats.hidden, stats.kv_hidden or stats.hidden, stats.ffn or 4 * stats.hidden
     copies = stats.qkv_input_copies if autocast else 1
-    out = [Saved("x", h, "residual"), Saved("n1", h * copies, "norm")]
+    out = [Saved("x", h, "residual"), Saved("n1", h * copies, "gathered")]
     if stats.qkv_input_copies > 1:  # separate q, k, v projections
         out += [Saved("q", h, "sharded", 1), Saved("k", kv, "sharded", 2), Saved("v", kv, "sharded", 3)]
         nxt = 4
@@ -146,7 +151,7 @@ def layer_tensors(stats: ModelStats, *, autocast: bool = False) -> list[Saved]:
         out += [Saved("qkv", h + 2 * kv, "sharded", 1)]
         nxt = 2
     out += [Saved("o", h, "sharded", attention=True), Saved("attn_out", h, "norm", nxt, in_none=False),
-            Saved("x2", h, "residual"), Saved("n2", h, "norm")]
+            Saved("x2", h, "residual"), Saved("n2", h, "norm" if stats.experts else "gathered")]
     nxt += 1
     if stats.experts:  # router logits, routed rows (sent, received, returned), the k experts' activations
         k, fe = stats.top_k, stats.expert_ffn
@@ -166,11 +171,12 @@ def layer_tensors(stats: ModelStats, *, autocast: bool = False) -> list[Saved]:
     return out
 
 
-def _bytes(t: Saved, *, scale: float, autocast: bool, tp: int, sp: bool) -> float:
+def _bytes(t: Saved, *, scale: float, autocast: bool, tp: int, sp: bool, sp_shards_inputs: bool = True) -> float:
     size = 4.0 if autocast and t.kind == "residual" else 2.0 * scale
     if t.kind == "mask":
         size = 1.0
-    return t.elems * size / (tp if t.kind == "sharded" or sp else 1)
+    split = t.kind == "sharded" or (sp and (t.kind != "gathered" or sp_shards_inputs))
+    return t.elems * size / (tp if split else 1)
 
 
 def recompute_mode(plan: Plan, run: RunPolicy) -> str:
@@ -192,7 +198,7 @@ def layer_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, *, mode: str | No
     scores = stats.attn_act_bytes_per_block * scale / t  # eager attention's s^2 tensors (per sample)
 
     def total(keep: list[Saved]) -> float:
-        return s * sum(_bytes(x, scale=scale, autocast=autocast, tp=t, sp=sp) for x in keep)
+        return s * sum(_bytes(x, scale=scale, autocast=autocast, tp=t, sp=sp, sp_shards_inputs=run.sp_saves_shard) for x in keep)
 
     none = total([x for x in tensors if x.in_none]) + scores
     if mode == "none":
@@ -234,18 +240,56 @@ def _measured_layer_bytes(stats: ModelStats, plan: Plan, mode: str, scale: float
     return none, 0.0
 
 
-def logits_bytes(stats: ModelStats, plan: Plan, run: RunPolicy) -> tuple[float, float]:
-    """(kept, gradient) bytes per sample of the logits on the last stage: a fused loss keeps one
-    copy whose gradient it computes in place (Megatron's vocabulary-parallel cross-entropy keeps
-    the fp32 softmax, the 16-bit logits freed once cast; flash-attn's fused cross-entropy keeps
-    the 16-bit logits and a per-token log-sum-exp): 4 bytes per element; unfused (autocast's
-    ``F.cross_entropy``) the 16-bit logits and the fp32 log-softmax are kept and their gradients
-    (as large again) are allocated at the start of backward."""
-    elems = stats.logits_bytes / 2 / plan.tp
+def logits_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, *, mbs: int = 1) -> tuple[float, float]:
+    """(kept, transient) bytes of the loss on the last stage for a microbatch of ``mbs`` samples
+    (``N`` tokens, ``d`` hidden, ``V/t`` vocabulary entries on this rank, ``c`` the compute dtype):
+
+    - fused (Megatron's vocabulary-parallel cross-entropy keeps the fp32 softmax, the 16-bit logits
+      freed once cast; flash-attn's fused cross-entropy keeps the 16-bit logits and a per-token
+      log-sum-exp): one copy, 4 bytes per element, its gradient computed in place;
+    - unfused (``F.cross_entropy``, in fp32 under autocast, as ``log_softmax`` + ``nll_loss``): kept
+      is the fp32 log-softmax (4 bytes; its backward needs only its output, so the logits
+      themselves are freed once the loss is computed, and autocast's fp32 copy of 16-bit logits
+      is saved by nothing); at the start of backward ``nll_loss``'s gradient and
+      ``log_softmax``'s gradient (4 + 4 bytes) exist beside it, in every precision (12 bytes per
+      element at the peak). On the last pipeline stage ``torch.distributed.pipelining`` keeps the
+      stage's output, the logits in the compute dtype (``c``), in its forward cache until that
+      microbatch's backward. Under tensor parallelism without a vocabulary-parallel loss
+      (``RunPolicy.loss_parallel``, off in shardwise's default TP plan) over the whole vocabulary;
+    - chunked (``Plan.chunked_loss``, :mod:`shardwise.parallel.linear_ce`: the head and the loss
+      ``C = N d / (V/t)`` tokens at a time, each chunk's backward in the same pass): kept is the
+      head input's gradient ``dh`` (``N d``, 4 bytes over fp32 parameters, 2 under ``params16``)
+      and the head's weight gradient, saved from forward to backward (over fp32 parameters its
+      fp32 accumulator, ``4 V/t d``; under ``params16`` its 16-bit copy, ``2 V/t d``); transient
+      while the loss runs: the fp32 accumulator under ``params16`` (``4 V/t d``), autocast's 16-bit
+      copy of the head's weight (``c V/t d``), and one chunk's fp32 logits with, in 16-bit compute,
+      their gradient's 16-bit copy (``(4 + 2) C V/t``); at its backward, over fp32 parameters, the
+      scaled weight gradient it returns (``4 V/t d``), which becomes the stored gradient only where
+      none exists yet (one microbatch) and ZeRO-2/3 does not shard it.
+    """
+    vocab_local = stats.logits_bytes / 2 / stats.seq / plan.tp  # vocabulary entries of one token on this rank
+    tokens = mbs * stats.seq
+    fp32 = plan.precision == "fp32"
+    c = 4.0 if fp32 else 2.0
+    if run.chunked_loss:
+        d = max(stats.hidden, 1)
+        chunk = max(1, min(tokens, math.ceil(tokens * d / max(vocab_local, 1))))
+        head = vocab_local * d
+        params16 = run.precision == "16bit" and not fp32
+        if params16:
+            return tokens * d * 2.0 + 2.0 * head, 4.0 * head + chunk * vocab_local * 6.0
+        autocast = run.autocast and not fp32
+        # dw is saved from forward to backward; backward's scaled copy becomes the stored gradient
+        # only where none exists yet (one microbatch) and it is not sharded
+        copy = 4.0 * head if plan.microbatches > 1 or plan.zero >= 2 else 0.0
+        kept = tokens * d * 4.0 + 4.0 * head
+        return kept, copy + (c * head if autocast else 0.0) + chunk * vocab_local * (4.0 + (2.0 if autocast else 0.0))
+    # without a vocabulary-parallel loss every tensor-parallel rank holds the all-gathered logits
+    elems = tokens * vocab_local * (1 if run.loss_parallel else plan.tp)
     if run.fused_loss:
         return elems * 4.0, 0.0
-    kept = elems * ((2.0 if plan.precision != "fp32" else 4.0) + 4.0)
-    return kept, kept
+    cached = elems * c if plan.pp > 1 else 0.0  # the pipeline schedule's forward cache holds the stage output
+    return elems * 4.0 + cached, elems * 8.0
 
 
 def weight_copy_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, policy: StatePolicy) -> float:
@@ -258,30 +302,64 @@ def weight_copy_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, policy: Sta
     return share * stats.params_per_block / plan.tp * policy.compute_bytes
 
 
+def linear_fraction(stats: ModelStats) -> float:
+    """The share of a block's parameters in its linear layers (what FP8 training converts): all
+    but the norms and the biases tensor parallelism replicates."""
+    if stats.params_per_block <= 0:
+        return 0.0
+    return max(0.0, 1.0 - stats.replicated_per_block / stats.params_per_block)
+
+
+def modules_per_block(stats: ModelStats) -> int:
+    """Modules with parameters in one block: the attention projections (q, k, v separate or fused,
+    the output), the MLP's matrices (or the router and the experts) and the two norms."""
+    attention = (3 if stats.qkv_input_copies > 1 else 1) + 1
+    mlp = 2 if stats.experts else (3 if stats.gated_mlp else 2)
+    return attention + mlp + 2
+
+
+def gathered_bytes(stats: ModelStats, run: RunPolicy, policy: StatePolicy) -> float:
+    """Bytes per parameter of a block as ZeRO-3 / FSDP gathers it: the compute dtype, or FP8 for
+    the linear weights under torchao's FP8 all-gather (tensorwise scaling only)."""
+    if run.fp8 and run.fp8_all_gather and run.fp8_recipe == "tensorwise" and policy.compute_bytes == 2.0:
+        lin = linear_fraction(stats)
+        return lin * 1.0 + (1 - lin) * policy.compute_bytes
+    return policy.compute_bytes
+
+
 def buffer_bytes(stats: ModelStats, plan: Plan, policy: StatePolicy, run: RunPolicy, *, layers: int, boundary: float,
                  stage_params: float) -> float:
     """Temporary communication buffers of the busiest moment.
 
     ZeRO-3 gathers one unit (``run.zero3_unit``: a block, as FSDP wraps each block, or DeepSpeed's
     largest weight matrix) and prefetches the next, holds one unit's unsharded gradients before the
-    reduce-scatter, and keeps the root unit (embeddings, head) gathered from forward to backward; FSDP2's ZeRO-2 keeps every gathered block from forward
-    to backward; accumulating unsharded gradients over microbatches (shardwise) keeps a full-size
-    gradient; TP and PP add their send/receive buffers."""
+    reduce-scatter, and keeps the root unit (embeddings, head) gathered from forward to backward;
+    FSDP2's ZeRO-2 keeps every gathered block from forward to backward; accumulating unsharded
+    gradients over microbatches (shardwise without ``sharded_accumulation``) keeps a full-size
+    gradient; 16-bit parameters without FSDP (``params16`` under DDP/TP: torch's mixed-precision
+    replicate) keep the 16-bit compute copy of the stage's weights from forward to backward, as
+    FSDP2's ZeRO-2 keeps its gathered blocks; FP8 linears without FSDP's FP8 all-gather cast one
+    weight at a time (1 byte per element, transient); TP and PP add their send/receive buffers."""
     block = stats.params_per_block / plan.tp
     root = (stats.params_embed + stats.params_head) / plan.tp
     unit = block
     if run.zero3_unit == "linear" and stats.ffn:  # DeepSpeed fetches module by module: the largest weight matrix
         h, kv, f = stats.hidden, stats.kv_hidden or stats.hidden, stats.ffn
         unit = max(h * (h if stats.qkv_input_copies > 1 else h + 2 * kv), h * f) / plan.tp
+    gathered = gathered_bytes(stats, run, policy)
     out = 0.0
     if plan.zero >= 3 and plan.shard > 1:
-        out += 2 * unit * policy.compute_bytes + unit * policy.reduce_bytes + root * policy.compute_bytes
+        out += 2 * unit * gathered + unit * policy.reduce_bytes + root * policy.compute_bytes
     elif plan.zero == 2 and plan.shard > 1:
         if policy.zero2_shards_params:  # FSDP2 keeps every gathered block from forward to backward
-            out += layers * block * policy.compute_bytes + root * policy.compute_bytes
+            out += layers * block * gathered + root * policy.compute_bytes
         out += block * policy.reduce_bytes  # one reduce-scatter bucket
     elif plan.zero == 1 and plan.shard > 1:
         out += block * policy.param  # the partition being broadcast after the step
+    if plan.zero <= 1 and run.precision == "16bit" and policy.param >= 4 and plan.precision != "fp32":
+        out += stage_params * policy.compute_bytes  # params16 without FSDP: the 16-bit copy of every weight
+    if run.fp8 and not (plan.zero >= 2 and gathered < policy.compute_bytes):
+        out += unit * linear_fraction(stats)  # one weight's FP8 cast (torchao saves the 16-bit weight for backward)
     accumulating = plan.microbatches > 1 and plan.zero >= 2 and plan.shard > 1 and not run.sharded_grad_accumulation
     if accumulating:
         out += stage_params * policy.reduce_bytes * (1 - 1 / plan.shard)  # unsharded gradients until the boundary

@@ -105,12 +105,20 @@ class AutoPlan:
 def auto_plan(model_or_spec: Any, *, world_size: int, cluster: ClusterSpec | str = "cpu", global_batch: int,
               seq: int | None = None, precision: str | None = None, devices_per_node: int | None = None,
               options: SearchOptions | None = None) -> AutoPlan:
-    """The fastest plan that fits ``world_size`` devices of ``cluster`` (raises ConfigError if none)."""
+    """The fastest plan that fits ``world_size`` devices of ``cluster`` (raises ConfigError if none).
+
+    The search turns on shardwise's runtime options where they help (``params16``, ``chunked_loss``,
+    ``sharded_accumulation``; :mod:`shardwise.plan.options`). Without a ``precision`` (and without
+    ``options``) a device with FP8 tensor cores (:attr:`ClusterSpec.fp8_capable`: H100, H200, H800)
+    is searched in bf16 and in ``precision="fp8"`` (torchao's float8 linears), a CPU in fp32, any
+    other GPU in bf16."""
     spec = cluster_of(cluster, world_size=world_size, devices_per_node=devices_per_node)
     stats = stats_of(model_or_spec, seq=seq)
-    opts = options or SearchOptions(precision=precision or ("fp32" if spec.device_type == "cpu" else "bf16"))
+    default = "fp32" if spec.device_type == "cpu" else "bf16"
+    opts = options or SearchOptions(precision=precision or default,
+                                    precisions=("bf16", "fp8") if precision is None and spec.fp8_capable else ())
     if precision and options is not None:
-        opts = SearchOptions(**{**opts.__dict__, "precision": precision})
+        opts = SearchOptions(**{**opts.__dict__, "precision": precision, "precisions": ()})
     result = search(stats, spec, global_batch=global_batch, options=opts)
     best = result.best
     return AutoPlan(plan=best.plan, estimate=best, result=result)

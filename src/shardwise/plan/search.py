@@ -17,7 +17,14 @@ Enumeration, outermost first, with the pruning that keeps a 1,024-device search 
    1F1B, interleaved 1F1B with 2, 3 or 4 virtual stages where the blocks split evenly and
    ``m`` is a multiple of ``pp``, as Megatron-LM requires);
 6. recomputation ``none`` -> ``selective`` -> ``full``: the first that fits wins, because more
-   recomputation is never faster.
+   recomputation is never faster;
+7. inside each recomputation level, shardwise's runtime options (``params16``, ``chunked_loss``,
+   ``sharded_accumulation``; :mod:`shardwise.plan.options`) in their order of preference: the first
+   combination that fits wins; one that costs step time (sharded accumulation) lets the next
+   recomputation level be priced too, which may be faster.
+
+``SearchOptions.precisions`` searches several compute precisions (``plan="auto"`` on a device
+with FP8 tensor cores: bf16 and fp8), each plan with its own.
 
 Sequence parallelism is switched on whenever ``tp > 1`` (same communication volume as plain TP,
 less activation memory; Korthikanti et al. 2022).
@@ -26,7 +33,9 @@ less activation memory; Korthikanti et al. 2022).
 and searches the others: a named ``dp`` without ``zero`` or ``shard`` fixes the data-parallel size
 (DDP, ZeRO or HSDP over it), ``zero=N,dp=D`` means ``shard=D`` (the plan strings' fill-in rule), and
 every other named key (``tp, pp, zero, shard, microbatches, schedule, virtual_stages, recompute,
-sequence_parallel, precision``) must equal its value.
+sequence_parallel, precision, fp8_recipe`` and the runtime options) must equal its value; the
+runtime options a user does not name are searched (``--fixed dp=24,tp=8,pp=8`` may turn on the
+chunked loss or sharded accumulation to make that layout fit).
 """
 
 from __future__ import annotations
@@ -39,11 +48,13 @@ from shardwise.layout import Plan, named_keys
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.cost import Estimate, StatePolicy, estimate, model_state_bytes, stage_param_count
 from shardwise.plan.explain import explain
+from shardwise.plan.options import RUNTIME_OPTIONS, costs_time, option_notes, option_sets
 from shardwise.plan.policy import RunPolicy
 from shardwise.plan.stats import ModelStats
 from shardwise.plan.support import runtime_conflict
 
 SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
+PASSED_THROUGH = ("compile", "cpu_offload", "fp8_recipe")  # plan keys the search never varies: a --fixed value is kept
 VIRTUAL_STAGES = (2, 3, 4)
 
 
@@ -65,6 +76,8 @@ class SearchOptions:
     run: RunPolicy | None = None  # how the step runs (precision policy, selective mode); None: shardwise's Trainer
     fixed: dict[str, Any] = field(default_factory=dict)  # keys a user fixed (layout.named_keys); the rest is searched
     context_parallel: bool = False  # also search cp > 1 (search() does when nothing fits without it)
+    runtime_options: tuple[str, ...] = RUNTIME_OPTIONS  # the runtime options the search may turn on
+    precisions: tuple[str, ...] = ()  # search each of these compute precisions (empty: just ``precision``)
 
 
 @dataclass(frozen=True)
@@ -108,7 +121,12 @@ def search(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, option
     options = options or SearchOptions()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ConfigError(f"global_batch={global_batch!r} must be a positive integer", hint="e.g. --global-batch 64")
-    fitting, evaluated = _enumerate(stats, cluster, global_batch, options)
+    fitting, evaluated = [], 0
+    for precision in options.precisions or (options.precision,):
+        opts = options if precision == options.precision else replace(options, precision=precision)
+        found, count = _enumerate(stats, cluster, global_batch, opts)
+        fitting += found
+        evaluated += count
     if not fitting and "cp" not in options.fixed and _cp_choices(stats, cluster.devices):
         # A sequence that fits on no layout without context parallelism: split it over cp ranks.
         fitting, more = _enumerate(stats, cluster, global_batch, replace(options, context_parallel=True))
@@ -117,7 +135,11 @@ def search(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, option
     top = fitting[: max(1, options.top)]
     if top:
         text = explain(top[0], top[1]) if len(top) > 1 else f"{top[0].plan} is the only plan that fits."
-        return SearchResult(plans=top, evaluated=evaluated, explanation=text)
+        notes = option_notes(top[0], lambda plan: estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy,
+                                                            headroom=options.headroom, run=options.run))
+        if notes:
+            text += " Runtime options: " + "; ".join(notes) + "."
+        return SearchResult(plans=top, evaluated=evaluated, explanation=text, notes=notes)
     smallest = _least_memory(stats, cluster, global_batch, options)
     return SearchResult(plans=[], evaluated=evaluated, smallest=smallest,
                         min_devices=_min_devices(stats, cluster, global_batch, options))
@@ -159,6 +181,8 @@ def fixed_options(text: str, options: SearchOptions) -> SearchOptions:
         extra["schedules"] = (keys["schedule"],)
     if "sequence_parallel" in keys:
         extra["sequence_parallel"] = bool(keys["sequence_parallel"])
+    if "precision" in keys:
+        extra["precisions"] = ()
     return replace(options, **extra)
 
 
@@ -173,8 +197,53 @@ def _matches(plan: Plan, fixed: dict[str, Any]) -> bool:
     return True
 
 
+def _price_options(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions, *, keep_all: bool,
+                   lean: bool, layout: dict[str, Any]) -> tuple[list[Estimate], int, bool]:
+    """Price one layout under the runtime options in their order of preference (step 7 of the
+    module doc): (estimates kept, estimates made, whether more recomputation is pointless). The
+    preferred combination is priced first, then the leanest: when neither fits, nothing between
+    them does, so a layout that does not fit costs at most two estimates per recomputation level."""
+    fixed = options.fixed
+    sets = option_sets(precision=layout["precision"], zero=layout["zero"], shard=layout["shard"], microbatches=layout["microbatches"],
+                       has_logits=stats.logits_bytes > 0, device_type=cluster.device_type, allowed=options.runtime_options, fixed=fixed)
+    leanest = max(sets, key=lambda o: sum(o.values()))  # every option on: each one only lowers the memory
+    count = [0]
+
+    def price(runtime: dict[str, bool]) -> Estimate | None:
+        try:
+            plan = Plan(**layout, **runtime, **{k: fixed[k] for k in PASSED_THROUGH if k in fixed})
+        except ConfigError:
+            return None
+        if (fixed and not _matches(plan, fixed)) or (runtime_conflict(plan) is not None and not fixed):
+            return None
+        if options.supported is not None and not options.supported(plan):
+            return None
+        count[0] += 1
+        return estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom, run=options.run)
+
+    if lean:  # the leanest combination the runtime accepts (``supported`` may refuse an option)
+        for runtime in sorted(sets, key=lambda o: -sum(o.values())):
+            est = price(runtime)
+            if est is not None:
+                return [est], count[0], False
+        return [], count[0], False
+    if keep_all:
+        return [e for e in map(price, sets) if e is not None], count[0], False
+    first = price(sets[0])
+    if first is not None and first.fits:
+        return [first], count[0], not costs_time(sets[0])
+    lean_est = price(leanest) if leanest is not sets[0] else first
+    if lean_est is not None and not lean_est.fits:
+        return [], count[0], False
+    for runtime in sets[1:]:
+        est = lean_est if runtime is leanest else price(runtime)
+        if est is not None and est.fits:
+            return [est], count[0], not costs_time(runtime)
+    return [], count[0], False
+
+
 def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions,
-               *, keep_all: bool = False) -> tuple[list[Estimate], int]:
+               *, keep_all: bool = False, lean: bool = False) -> tuple[list[Estimate], int]:
     world, per_node = cluster.devices, cluster.devices_per_node
     limit = cluster.memory_bytes * (1 - options.headroom)
     policy = options.policy or StatePolicy.torch(options.precision)
@@ -206,25 +275,14 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                         continue
                     for schedule, v in _schedules(stats, pp, m, options):
                         for recompute in options.recompute:
-                            try:
-                                plan = Plan(dp=dp, shard=shard, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, schedule=schedule,
-                                            microbatches=m, virtual_stages=v, sequence_parallel=options.sequence_parallel and tp > 1,
-                                            recompute=recompute, precision=options.precision)
-                            except ConfigError:
-                                continue
-                            if fixed and not _matches(plan, fixed):
-                                continue
-                            if runtime_conflict(plan) is not None and not fixed:
-                                continue
-                            if options.supported is not None and not options.supported(plan):
-                                continue
-                            est = estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy,
-                                           headroom=options.headroom, run=options.run)
-                            evaluated += 1
-                            if keep_all or est.fits:
-                                out.append(est)
-                                if not keep_all:
-                                    break  # more recomputation is only slower
+                            found, count, done = _price_options(stats, cluster, global_batch, options, keep_all=keep_all, lean=lean, layout={
+                                "dp": dp, "shard": shard, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": zero, "schedule": schedule,
+                                "microbatches": m, "virtual_stages": v, "sequence_parallel": options.sequence_parallel and tp > 1,
+                                "recompute": recompute, "precision": options.precision})
+                            out += found
+                            evaluated += count
+                            if done:
+                                break  # more recomputation is only slower
     return out, evaluated
 
 
@@ -289,9 +347,9 @@ def _schedules(stats: ModelStats, pp: int, m: int, options: SearchOptions) -> li
 
 
 def _least_memory(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> Estimate | None:
-    lean = replace(options, recompute=options.recompute if "recompute" in options.fixed else ("full",),
-                   schedules=options.schedules if "schedule" in options.fixed else ("1f1b", "gpipe", "interleaved_1f1b"))
-    every, _ = _enumerate(stats, cluster, global_batch, lean, keep_all=True)
+    leanest = replace(options, recompute=options.recompute if "recompute" in options.fixed else ("full",),
+                      schedules=options.schedules if "schedule" in options.fixed else ("1f1b", "gpipe", "interleaved_1f1b"))
+    every, _ = _enumerate(stats, cluster, global_batch, leanest, keep_all=True, lean=True)
     return min(every, key=lambda e: e.memory_total, default=None)
 
 

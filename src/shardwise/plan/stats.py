@@ -95,6 +95,8 @@ class ModelStats:
     top_k: int = 0
     expert_ffn: int = 0
     expert_params_per_block: int = 0
+    # LoRA adapters on a frozen (possibly 4-bit) base: shardwise.plan.adapters.LoraStats, or None
+    lora: Any = None
 
     @property
     def params_total(self) -> int:

@@ -8,7 +8,9 @@ runtime refuses. The facts are about torch's engines, which is why they are not 
 - ZeRO-1 is torch's ``ZeroRedundancyOptimizer`` over DDP: it cannot wrap tensor-parallel
   DTensors;
 - under pipelining the data-parallel wrapper is FSDP2's replicate, whose DTensor parameters
-  ``ZeroRedundancyOptimizer`` cannot broadcast (torch has no DTensor rule for ``c10d.broadcast_``).
+  ``ZeroRedundancyOptimizer`` cannot broadcast (torch has no DTensor rule for ``c10d.broadcast_``);
+- ``params16`` without ZeRO-2/3 runs through FSDP2's ``replicate`` with a mixed-precision policy,
+  whose parameters ``ZeroRedundancyOptimizer`` (ZeRO-1) cannot take either.
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def runtime_conflict(plan: Plan) -> ConfigError | None:
         return ConfigError(
             f"plan {plan}: zero=1 (ZeroRedundancyOptimizer) cannot shard the experts' DTensor weights",
             hint="use zero=2 or zero=3 with ep, or plain data parallelism with ep",
+        )
+    if plan.zero == 1 and plan.params16:
+        return ConfigError(
+            f"plan {plan}: zero=1 (ZeroRedundancyOptimizer) cannot take params16's 16-bit compute copies (FSDP2's replicate)",
+            hint=f"use zero=2 or zero=3 with params16, e.g. {dataclasses.replace(plan, zero=2)}, or drop params16",
         )
     if plan.zero == 1 and plan.pp_enabled and plan.shard > 1:
         return ConfigError(

@@ -1,7 +1,8 @@
 """What the Trainer attaches around its loop: the callbacks in the order they run and the loggers,
 and the files rank 0 writes into the run directory once a run has started.
 
-Callback order: the progress bar first (rank 0, unless one was given), the user's callbacks, the
+Callback order: the progress bar first (rank 0, unless one was given), the compile log (a no-op
+unless the model was compiled), the user's callbacks, the
 elastic callbacks (under ``--nnodes MIN:MAX``: they explain a changed world and must run before the
 checkpoint's step-end collectives, which fail first when a node is lost), then the checkpoint.
 
@@ -18,7 +19,8 @@ import pathlib
 from typing import Any, Mapping, Sequence
 
 from shardwise.callback import Callback
-from shardwise.train.callbacks import ProgressBar
+from shardwise.observe.compile_log import CompileLog
+from shardwise.train.progress import ProgressBar
 from shardwise.train.elastic import elastic_callbacks
 from shardwise.train.loggers import CSVLogger, Logger, TensorBoardLogger, tensorboard_available
 
@@ -27,6 +29,8 @@ def ordered_callbacks(callbacks: Sequence[Callback], *, progress_bar: bool, is_m
                       elastic: bool, requested_plan: str) -> list[Callback]:
     """The callbacks in the order they run (module doc)."""
     out = list(callbacks)
+    if not any(isinstance(c, CompileLog) for c in out):
+        out.insert(0, CompileLog())
     if progress_bar and is_main and not any(isinstance(c, ProgressBar) for c in out):
         out.insert(0, ProgressBar())
     if elastic:

@@ -35,6 +35,7 @@ from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.planner import cluster_for_device
 from shardwise.runtime.detect import RuntimeEnv
+from shardwise.parallel.reduction import IGNORE_INDEX
 from shardwise.train.batch import split_batch
 from shardwise.verify.certify import Certificate, CertifyOptions, DataWorkload, certify, shrink, shrink_config
 
@@ -102,7 +103,8 @@ def device_spec(env: RuntimeEnv) -> ClusterSpec:
 
 
 def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: RuntimeEnv,
-                  loss_fn: Callable[[Any, Any], torch.Tensor], loss_parallel: bool = False) -> Certificate:
+                  loss_fn: Callable[[Any, Any], torch.Tensor], loss_parallel: bool = False, loss_reduction: str = "samples",
+                  ignore_index: int = IGNORE_INDEX) -> Certificate:
     """Certify ``plans`` in order on a shrunken copy of ``model`` and the first global batches of the
     data (:func:`shardwise.verify.certify.certify`). ``model`` is the user's module, or a Hugging Face
     ``Pretrained`` directory (rebuilt from its config with fewer layers). Collective: every rank."""
@@ -129,4 +131,5 @@ def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: Run
 
     compared = {"samples": f"the first {data.certify.steps * global_batch} of the training data (in order)"}
     return certify(workload_for, plans, options=data.certify, accumulation=accumulation, global_batch=global_batch,
-                   device=str(env.device), loss_parallel=loss_parallel, compared=compared)
+                   device=str(env.device), loss_parallel=loss_parallel, compared=compared, loss_reduction=loss_reduction,
+                   ignore_index=ignore_index)

@@ -2,7 +2,8 @@
 
 A dataset item is ``(input, target)`` (or a mapping with ``"inputs"`` and ``"targets"``); the default
 collate stacks them into a batch of the same shape. ``inputs`` may itself be a tensor, a tuple or a
-mapping of tensors; the model is called as ``model(inputs)``.
+mapping of tensors; the model is called as ``model(inputs)``. A mapping batch's other keys are
+keyword arguments of that call (``model(inputs, position_ids=...)``, :func:`batch_kwargs`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from shardwise.errors import ShardwiseError
+from shardwise.errors import ConfigError, ShardwiseError
 
 
 def move_batch(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -36,6 +37,25 @@ def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
         + (f" of length {len(batch)}" if isinstance(batch, (list, tuple)) else ""),
         hint="make the dataset return (input, target) pairs, or pass a collate_fn that builds them",
     )
+
+
+def batch_kwargs(batch: Any) -> dict[str, Any]:
+    """The keyword arguments of the model's forward a batch carries: a mapping batch's keys other
+    than ``inputs`` and ``targets`` (``position_ids`` of packed documents, :mod:`shardwise.data.instruct`)."""
+    if isinstance(batch, dict) and "inputs" in batch and "targets" in batch:
+        return {k: v for k, v in batch.items() if k not in ("inputs", "targets")}
+    return {}
+
+
+def with_batch_kwargs(batch: Any, extra: dict[str, Any], *, context_parallel: bool) -> dict[str, Any]:
+    """The model's keyword arguments for ``batch``: its own (:func:`batch_kwargs`) and ``extra`` (what
+    sharding adds: context parallel's ``position_ids``). Packed documents' ``position_ids`` under
+    context parallelism are refused: its split attention knows positions, not documents."""
+    own = batch_kwargs(batch)
+    if context_parallel and "position_ids" in own:
+        raise ConfigError("a batch of packed documents (with position_ids) under context parallelism, whose split attention "
+                          "cannot keep the documents apart", hint="use padded batches with cp, or a plan without cp")
+    return {**own, **extra}
 
 
 def batch_size_of(targets: Any) -> int:

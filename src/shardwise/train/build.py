@@ -38,14 +38,18 @@ from shardwise.runtime import env as runtime
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.resolve import resolve_plan
+from shardwise.parallel.chunked_loss import find_lm_head, loss_reduction
 from shardwise.parallel.ddp import DDPOptions
+from shardwise.parallel.fp8 import Fp8Options
 from shardwise.parallel.fsdp import FSDPOptions
 from shardwise.parallel.mesh import Meshes, build_mesh
 from shardwise.parallel.parallelize import ParallelModel, parallelize, validate
 from shardwise.parallel.pipeline import PipelineOptions
+from shardwise.parallel.reduction import IGNORE_INDEX
 from shardwise.parallel.tp import TPOptions
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.planner import AutoPlan, auto_plan, cluster_of
+from shardwise.plan.options import RUNTIME_OPTIONS
 from shardwise.plan.search import SearchOptions
 from shardwise.plan.stats import ModelStats
 from shardwise.runtime.detect import RuntimeEnv
@@ -83,19 +87,22 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
           tokens_per_sample: int | None = None, ddp: DDPOptions | None = None, tp: TPOptions | None = None,
           fsdp: FSDPOptions | None = None, pipeline: PipelineOptions | None = None,
           loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-          check: Callable[[Plan, str], None] | None = None, data: AutoData | None = None) -> Built:
+          check: Callable[[Plan, str], None] | None = None, data: AutoData | None = None,
+          loss_reduction: str = "samples", ignore_index: int = IGNORE_INDEX, fp8: Fp8Options | None = None) -> Built:
     """The steps of the module doc. ``global_batch_size`` is what ``plan="auto"`` plans for;
     ``pipelines_allowed=False`` keeps pipelines out of an automatic choice (a pipeline splits each
     micro-batch again, which gradient accumulation already does). ``check(plan, device_type)``
     runs on the resolved plan before any mesh is built (the caller's own checks: batch splits,
     precision on this device). ``data``: the training data that ``plan="auto"`` takes the sample
-    shape from and certifies on (:mod:`shardwise.train.auto`)."""
+    shape from and certifies on (:mod:`shardwise.train.auto`), weighing micro-batches by
+    ``loss_reduction`` as the training will (:mod:`shardwise.parallel.reduction`)."""
     env = runtime.init()
     choice = None
     if isinstance(plan, str) and plan.strip().lower() == "auto":
         plan, choice = choose_plan(model, env, global_batch_size=global_batch_size, precision=precision,
                                    pipelines_allowed=pipelines_allowed, cluster=cluster, tokens_per_sample=tokens_per_sample,
-                                   data=data, loss_fn=loss_fn, loss_parallel=bool(tp and tp.loss_parallel))
+                                   data=data, loss_fn=loss_fn, loss_parallel=bool(tp and tp.loss_parallel),
+                                   loss_reduction=loss_reduction, ignore_index=ignore_index)
     # An elastic job (--nnodes MIN:MAX) may come back on fewer or more processes than the plan
     # was written for: re-plan it (resolve.replan) instead of refusing it.
     resolved = resolve_plan(plan, env.world_size, precision=precision, elastic=env.settings.elastic is not None)
@@ -105,7 +112,7 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
     # Same seed within one replica (TP/PP ranks hold parts of one model), different across
     # replicas (dropout masks differ per batch).
     seed_everything(seed + meshes.dp.get_local_rank())
-    options = dict(ddp=ddp, tp=tp, fsdp=fsdp, loss_fn=loss_fn, pipeline=pipeline)
+    options = dict(ddp=ddp, tp=tp, fsdp=fsdp, loss_fn=loss_fn, pipeline=pipeline, fp8=fp8)
     if isinstance(model, Pretrained):
         pm = load_parallel(model, resolved, meshes, device=env.device, **options)
     else:
@@ -117,7 +124,8 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
 def choose_plan(model: nn.Module | Pretrained, env: RuntimeEnv, *, global_batch_size: int, precision: str | None,
                 pipelines_allowed: bool, cluster: ClusterArg = None, tokens_per_sample: int | None = None,
                 data: AutoData | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                loss_parallel: bool = False) -> tuple[Plan, AutoPlan | None]:
+                loss_parallel: bool = False, loss_reduction: str = "samples",
+                ignore_index: int = IGNORE_INDEX) -> tuple[Plan, AutoPlan | None]:
     """``plan="auto"`` (see the module doc): the plan on every rank and, on rank 0, the planner's
     choice with its predictions (logged). Check first, measure second: the model's statistics (from
     the first sample of ``data`` when given) and whether any plan fits this device's memory are
@@ -140,7 +148,7 @@ def choose_plan(model: nn.Module | Pretrained, env: RuntimeEnv, *, global_batch_
     if isinstance(model, Pretrained):
         model = model.build_meta()  # validating plans against it costs no memory
     options = dict(world_size=env.world_size, global_batch=global_batch_size, precision=precision or "fp32",
-                   pipelines_allowed=pipelines_allowed)
+                   pipelines_allowed=pipelines_allowed, chunkable=chunkable_loss(model, loss_fn))
     if cluster is None and env.settings.cluster is None:
         try:  # could any plan fit this device's memory at all? (fitting needs no measured speed)
             plan_for_trainer(model, stats, device_spec(env), **options)
@@ -161,7 +169,8 @@ def choose_plan(model: nn.Module | Pretrained, env: RuntimeEnv, *, global_batch_
         raise ConfigError(f"plan='auto' found no plan: {chosen[0]}", hint="pass an explicit plan, e.g. plan='dp' or plan='zero=3,dp=N'")
     plans = chosen[0]
     if data is not None and loss_fn is not None and data.certifying:
-        certificate = certify_plans(source, plans, data=data, env=env, loss_fn=loss_fn, loss_parallel=loss_parallel)
+        certificate = certify_plans(source, plans, data=data, env=env, loss_fn=loss_fn, loss_parallel=loss_parallel,
+                                    loss_reduction=loss_reduction, ignore_index=ignore_index)
         if certificate.plan is None:
             raise ConfigError(f"plan='auto' found no plan: {certificate.summary()}",
                               hint=f"pass an explicit plan, or certify=False to train with {plans[0]} unchecked")
@@ -189,16 +198,35 @@ def model_stats(model: nn.Module | Pretrained, *, tokens_per_sample: int | None,
         from shardwise.models.hf import read_config, stats_of_config
 
         seq = tokens_per_sample or (sample_seq(inputs) if inputs is not None else None)
-        return stats_of_config(read_config(model.path), seq=seq)
+        stats = stats_of_config(read_config(model.path), seq=seq)
+        if model.lora is not None and hasattr(model.lora, "base"):  # a frozen (4-bit) base with adapters
+            from shardwise.plan.adapters import with_lora
+
+            stats = with_lora(stats, r=model.lora.r, base=model.lora.base)
+        return stats
     if inputs is not None:
         return sample_stats(model, inputs, tokens_per_sample=tokens_per_sample)
     return module_stats(model, seq=tokens_per_sample)
 
 
+def chunkable_loss(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> bool:
+    """Whether ``plan.chunked_loss`` can run ``model`` with ``loss_fn``: an LM head, and a loss that
+    is the token cross-entropy of its logits (:mod:`shardwise.parallel.chunked_loss`'s checks,
+    on a random batch; no loss function, as ``prepare()`` plans, cannot be chunked)."""
+    if loss_fn is None:
+        return False
+    try:
+        loss_reduction(loss_fn, find_lm_head(model)[1].out_features)
+    except ConfigError:
+        return False
+    return True
+
+
 def plan_for_trainer(model: nn.Module, stats: ModelStats, spec: ClusterSpec, *, world_size: int, global_batch: int,
-                     precision: str = "fp32", pipelines_allowed: bool = False) -> AutoPlan:
+                     precision: str = "fp32", pipelines_allowed: bool = False, chunkable: bool = True) -> AutoPlan:
     """The fastest plan for ``model`` on ``spec`` that the parallel layer accepts. The trainer
-    accumulates gradients itself, so without pipelines a plan has one microbatch per step."""
+    accumulates gradients itself, so without pipelines a plan has one microbatch per step;
+    ``chunkable``: whether a plan may have ``chunked_loss`` (:func:`chunkable_loss`)."""
 
     def supported(plan: Plan) -> bool:
         if plan.pp > 1 and not pipelines_allowed:
@@ -211,7 +239,8 @@ def plan_for_trainer(model: nn.Module, stats: ModelStats, spec: ClusterSpec, *, 
             return False
         return True
 
-    options = SearchOptions(precision=precision, supported=supported, sequence_parallel=False)
+    allowed = tuple(o for o in RUNTIME_OPTIONS if chunkable or o != "chunked_loss")
+    options = SearchOptions(precision=precision, supported=supported, sequence_parallel=False, runtime_options=allowed)
     return auto_plan(stats, world_size=world_size, cluster=spec, global_batch=global_batch, options=options)
 
 

@@ -1,20 +1,22 @@
-"""The built-in callbacks (progress bar, monitors, early stopping, curves); the protocol and its
-no-op base :class:`~shardwise.callback.Callback` are in :mod:`shardwise.callback`."""
+"""The built-in callbacks (monitors, early stopping, curves; the progress bar or lines are in
+:mod:`shardwise.train.progress`); the protocol and its no-op base :class:`~shardwise.callback.Callback`
+are in :mod:`shardwise.callback`."""
 
 from __future__ import annotations
 
 import math
-import sys
 from typing import TYPE_CHECKING, Any
 
 from shardwise.callback import Callback
 from shardwise.errors import ShardwiseError
 from shardwise.runtime.logging import get_logger
+from shardwise.train.progress import ProgressBar
 
 if TYPE_CHECKING:
     from shardwise.train.trainer import Trainer
 
 log = get_logger("train")
+__all__ = ["Callback", "ProgressBar", "LossMonitor", "ThroughputMonitor", "LearningRateMonitor", "EarlyStopping", "PlotCurves"]
 
 
 def _fmt(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:
@@ -24,42 +26,6 @@ def _fmt(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:
             value = metrics[key]
             parts.append(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}")
     return "  ".join(parts)
-
-
-class ProgressBar(Callback):
-    """A tqdm bar on rank 0 with the loss and throughput of the last logging step."""
-
-    def __init__(self, *, leave: bool = True) -> None:
-        self.leave = leave
-        self.bar: Any = None
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        if not trainer.env.is_main:
-            return
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(total=trainer.total_steps, initial=trainer.step, desc="train", unit="step", leave=self.leave, file=sys.stderr, dynamic_ncols=True)
-
-    def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        if self.bar is None:
-            return
-        self.bar.update(1)
-        if "loss" in metrics:
-            post = {"loss": f"{metrics['loss']:.4f}"}
-            if "samples_per_s" in metrics:
-                post["samples/s"] = f"{metrics['samples_per_s']:.1f}"
-            if "tokens_per_s" in metrics:
-                post["tok/s"] = f"{metrics['tokens_per_s']:.0f}"
-            self.bar.set_postfix(post, refresh=False)
-
-    def on_eval_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
-        if self.bar is not None:
-            self.bar.write(f"step {trainer.step}: " + _fmt(metrics, tuple(k for k in metrics if k.startswith("val_"))))
-
-    def on_fit_end(self, trainer: Trainer) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
 
 
 class LossMonitor(Callback):

@@ -32,6 +32,8 @@ here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 from dataclasses import dataclass
@@ -167,6 +169,32 @@ def encode_chars(vocab: CharVocab, text: str) -> list[int]:
     return vocab.encode(text).tolist()
 
 
+def lora_source(source: str) -> Pretrained | None:
+    """The base directory with the LoRA config of a LoRA run's checkpoint (None for other checkpoints);
+    a base whose files changed since training is refused with one line."""
+    from shardwise.checkpoint.adapters import files_checksum
+    from shardwise.checkpoint.consolidate import resolve_step_dir
+    from shardwise.checkpoint.peft_export import adapter_record
+    from shardwise.models.lora import require_peft
+
+    step_dir = resolve_step_dir(_root(source) if cm.read_marker(source) is None else source)
+    try:
+        record = adapter_record(step_dir)
+    except ConfigError:
+        return None
+    path = record.get("path")
+    if not path or not os.path.isdir(path):
+        raise ConfigError(f"the base of the adapters in {source} ({path or 'a model built in Python'}) is not a model directory here",
+                          hint="export the adapters (--format peft) and load them onto your base with peft")
+    if record.get("sha256") and files_checksum(path) != record["sha256"]:
+        raise ConfigError(f"the base {path} changed since the adapters in {source} were trained (its sha256 differs)",
+                          hint="generate with the base model the adapters were trained on")
+    config_class = require_peft().LoraConfig
+    known = {f.name for f in dataclasses.fields(config_class) if f.init}
+    config = config_class(**{k: v for k, v in record["lora"].items() if k in known})
+    return Pretrained(path, lora=config)
+
+
 def load_model(source: str, plan: Plan, meshes: Any, *, device: torch.device, model_dir: str | None = None,
                step: int | None = None, need_tokenizer: bool = True) -> LoadedLM:
     """The parallelized model of ``source`` (module doc) with its tokenizer (a Hugging Face
@@ -178,6 +206,15 @@ def load_model(source: str, plan: Plan, meshes: Any, *, device: torch.device, mo
     files = gpt_files_of(source) if model_dir is None else None
     if files is not None:
         return load_gpt(source, files, plan, meshes, device=device, step=step)
+    adapters = lora_source(source) if is_checkpoint(source) else None
+    if adapters is not None:  # a LoRA run: its base (checked against the checkpoint), then the trained adapters
+        config_dir = model_dir or adapters.path
+        module = load_parallel(adapters, plan, meshes, device=device).module
+        _load_weights(module, source, step)
+        tokenizer = load_tokenizer(config_dir) if need_tokenizer or os.path.exists(os.path.join(config_dir, "tokenizer.json")) else None
+        eos = getattr(getattr(module, "config", None), "eos_token_id", None)
+        return LoadedLM(module, encode=tokenizer.encode if tokenizer is not None else None,
+                        decode=tokenizer.decode if tokenizer is not None else None, eos_token_id=eos if isinstance(eos, int) else None)
     config_dir = model_files(source, model_dir)
     if not is_checkpoint(source):
         module = load_parallel(Pretrained(source), plan, meshes, device=device).module

@@ -108,7 +108,7 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device).upper()
-    key = "bf16" if precision in ("bf16", "fp16") else "fp32"
+    key = "bf16" if precision in ("bf16", "fp16", "fp8") else "fp32"  # fp8: MFU against the bf16 peak (torchtitan's convention)
     for (gpu, prec), value in PEAK_FLOPS.items():
         if gpu in name and prec == key:
             return value

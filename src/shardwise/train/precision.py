@@ -1,7 +1,14 @@
 """Mixed precision: autocast contexts and a dynamic loss scaler whose decisions agree across ranks.
 
 Weights, gradients and optimizer state stay fp32 ("master weights"); only the forward (and so the
-backward) math runs in 16 bits under ``torch.autocast``.
+backward) math runs in 16 bits under ``torch.autocast``. With ``Plan.params16`` the parameters
+themselves are cast to 16 bits for compute by FSDP2's mixed-precision policy and the loop runs
+no autocast (:func:`autocast_precision`).
+
+``fp8`` converts the Linear layers to FP8 GEMMs (:mod:`shardwise.parallel.fp8`); everything else
+runs under bf16 autocast, as in torchtitan (where FSDP's ``param_dtype`` is bf16 and the FP8 layers
+sit inside it), unless the FP8 options ask for fp32 (``Fp8Options(high_precision="fp32")``; the
+loop then passes ``compute_precision``'s answer, "fp32", here).
 
 fp16 has a narrow range, so small gradients underflow. Dynamic loss scaling (Micikevicius et al.
 2018) multiplies the loss by ``S`` before backward, divides the gradients by ``S`` before the
@@ -25,13 +32,14 @@ import torch
 import torch.distributed as dist
 
 from shardwise.errors import ConfigError
+from shardwise.parallel.local import local_tensor
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     if precision not in DTYPES:
-        raise ConfigError(f"precision={precision!r} is unknown", hint="use fp32, bf16 or fp16")
+        raise ConfigError(f"precision={precision!r} is unknown", hint="use fp32, bf16, fp16 or fp8")
     return DTYPES[precision]
 
 
@@ -46,16 +54,19 @@ def check_precision(precision: str, device_type: str) -> None:
         )
 
 
+def autocast_precision(precision: str, *, params16: bool) -> str:
+    """The precision the loop's autocast runs at: the plan's, except with ``params16`` (16-bit
+    parameter storage, :mod:`shardwise.parallel.fsdp`), whose forward runs in the 16-bit dtype of
+    the parameters FSDP2 casts, with no autocast ("fp32": a no-op context)."""
+    return "fp32" if params16 else precision
+
+
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
     """The forward-pass context for ``precision``: a no-op for fp32."""
     dtype = autocast_dtype(precision)
     if dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class LossScaler:
@@ -94,7 +105,7 @@ class LossScaler:
 
         Communication: one all-reduce (MAX) of a single float over ``group`` (the world).
         """
-        grads = [_local(p.grad) for p in params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         found = torch.zeros(1, device=device)
         if grads:

@@ -12,11 +12,27 @@
 
 ``batch_size`` is per process (as in a plain DDP script); the global batch is ``batch_size *
 dp_size``.
+
+A token-mean loss (masked cross-entropy, ``-100`` for padding and prompts) with accumulation or
+uneven masks: ``prepare(..., loss_reduction="tokens")`` and weigh each micro-batch's loss by
+:meth:`Prepared.loss_weights` before backward, counted once per optimizer step::
+
+    weights = prepared.loss_weights([y for _, y in micro_batches])   # one all-reduce of one integer
+    for i, (x, y) in enumerate(micro_batches):
+        (loss_fn(model(x), y) * weights[i]).backward()                # = one process on the global batch
+
+A plan with runtime options (``params16``, ``chunked_loss``, ``sharded_accumulation``): pass the
+loop's ``loss_fn=`` and call ``prepared.loss_fn(model(x), y)``, the loss as the plan runs it
+(:func:`~shardwise.parallel.parallelize.training_loss`: with ``chunked_loss`` the model returns its
+LM head's input while training and this loss applies the head chunk by chunk, so ``chunked_loss``
+needs it; with ``params16`` it computes under autocast). With ``sharded_accumulation`` leave
+the gradient sync on in every micro-batch (FSDP2 then reduce-scatters each one); without it,
+``with prepared.parallel.gradient_sync(last):`` holds the unsharded gradients until the last.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -29,6 +45,7 @@ from shardwise.parallel.ddp import DDPOptions
 from shardwise.layout import Plan
 from shardwise.parallel.mesh import Meshes
 from shardwise.parallel.parallelize import ParallelModel
+from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss_reduction
 from shardwise.runtime.detect import RuntimeEnv
 from shardwise.train.auto import AutoData
 from shardwise.train.build import build
@@ -38,10 +55,22 @@ class Prepared(tuple):
     """Unpacks as ``model, optimizer, loader``; ``.parallel`` (the ParallelModel), ``.meshes`` and
     ``.env`` are there for inspection."""
 
-    def __new__(cls, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DistributedLoader, *, parallel: ParallelModel, meshes: Meshes, env: RuntimeEnv) -> Prepared:
+    def __new__(cls, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DistributedLoader, *, parallel: ParallelModel, meshes: Meshes,
+                env: RuntimeEnv, reduction: LossReduction = LossReduction(),
+                loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Prepared:
         self = super().__new__(cls, (model, optimizer, loader))
-        self.parallel, self.meshes, self.env = parallel, meshes, env
+        self.parallel, self.meshes, self.env, self.reduction = parallel, meshes, env, reduction
+        self.loss_fn = parallel.loss_for(loss_fn) if loss_fn is not None else None  # the loss as the plan runs it
         return self
+
+    def loss_weights(self, targets: Sequence[Any]) -> list[Any]:
+        """What each micro-batch's mean loss is multiplied by before backward, for the targets of
+        every micro-batch of one optimizer step (as the model sees them: under context parallelism
+        each rank's chunks, ``prepared.parallel.local_targets(y)``). ``loss_reduction="samples"``:
+        ``1 / k``; ``"tokens"``: ``D n_i / N`` (:mod:`shardwise.parallel.reduction`), one all-reduce of
+        one integer over the ranks that hold different tokens. The data-parallel reduction's average
+        then gives one process's update on the whole global batch."""
+        return list(self.reduction.weigh(list(targets), device=self.env.device).weights)
 
     @property
     def model(self) -> nn.Module:
@@ -70,13 +99,19 @@ def prepare(
     num_workers: int | None = None,
     pin_memory: bool | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    loss_reduction: str = "samples",
+    ignore_index: int = IGNORE_INDEX,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> Prepared:
     """Initialize the process group if needed, wrap ``model`` for ``plan``, build the optimizer on
     the wrapped parameters, and shard ``data`` over the data-parallel ranks.
 
     A ``DataLoader`` keeps its batch size (per process), collate function, workers and pinning; its
     sampler is replaced by a distributed one (an epoch ends at the last full global batch).
+    ``loss_reduction`` and ``ignore_index`` set what :meth:`Prepared.loss_weights` gives;
+    ``loss_fn``: the loop's loss, which ``prepared.loss_fn`` gives as the plan runs it (module doc).
     """
+    check_loss_reduction(loss_reduction)
     if isinstance(data, DataLoader):
         dataset = data.dataset
         batch_size = batch_size or data.batch_size
@@ -94,8 +129,13 @@ def prepare(
                           hint="pass batch_size= (samples per process per step) or a DataLoader with one")
     # The Trainer's build step (train/build.py); "auto" plans for batch_size on every process, with
     # the sample shape from the dataset (no loss function here, so nothing to certify with).
+    def check(resolved: Plan, device_type: str) -> None:  # before any mesh or wrapping
+        if resolved.chunked_loss and loss_fn is None:
+            raise ConfigError("plan chunked_loss with prepare() needs loss_fn=: the model returns its LM head's input while training",
+                              hint="prepare(..., loss_fn=your_loss) and call prepared.loss_fn(model(x), y), which applies the head")
+
     built = build(model, optimizer_factory, plan=plan, global_batch_size=batch_size * runtime.init().world_size, seed=seed, ddp=ddp,
-                  data=AutoData(dataset, options.collate_fn))
+                  data=AutoData(dataset, options.collate_fn), check=check)
     pm, meshes, env = built.model, built.meshes, built.env
     dp_rank, dp_size = built.dp_rank, built.dp_size
     optimizer = built.optimizer
@@ -109,4 +149,5 @@ def prepare(
         shuffle=shuffle,
         options=options,
     )
-    return Prepared(pm.module, optimizer, DistributedLoader(loader), parallel=pm, meshes=meshes, env=env)
+    return Prepared(pm.module, optimizer, DistributedLoader(loader), parallel=pm, meshes=meshes, env=env,
+                    reduction=LossReduction.over(meshes.tokens, loss_reduction, ignore_index), loss_fn=loss_fn)

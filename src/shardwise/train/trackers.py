@@ -21,9 +21,11 @@ is skipped. MLflow's store is read for that; W&B's newest step is kept in the sa
 ``resume=True`` continues that run even when training starts at step 0: a restarted attempt that
 found no checkpoint redoes the steps its predecessor logged, so they are skipped the same way.
 
-Offline use (how the tests run): MLflow with a local file store (``tracking_uri="file:///path"``;
-MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true`` or a ``sqlite:///`` store), W&B with
-``WANDB_MODE=offline`` or ``mode="offline"``.
+Offline use (how the tests run): MLflow with a local store, MLflow 3's default ``sqlite:///mlflow.db``
+or a file store named by ``tracking_uri="file:///path"`` (MLflow 3 opens a file store only with
+``MLFLOW_ALLOW_FILE_STORE=true``; a logger given one by name sets that switch for this process, with
+one log line, unless the variable is set already), W&B with ``WANDB_MODE=offline`` or
+``mode="offline"`` (no account needed).
 """
 
 from __future__ import annotations
@@ -33,12 +35,16 @@ import os
 import secrets
 import time
 from typing import Any, Mapping
+from urllib.parse import urlparse
 
 import torch.distributed as dist
 
 from shardwise.errors import ConfigError
+from shardwise.runtime.logging import get_logger
 
 RUN_TAG = "shardwise.run"
+FILE_STORE_SWITCH = "MLFLOW_ALLOW_FILE_STORE"
+log = get_logger("train")
 
 
 def _is_rank0() -> bool:
@@ -111,6 +117,15 @@ class _Tracker:
     def _logged(self, step: int) -> None: ...
 
 
+def _allow_named_file_store(uri: str | None) -> None:
+    """A file store given by name is what the user asked for: switch MLflow 3's opt-in on (module doc)."""
+    if not uri or urlparse(uri).scheme not in ("", "file") or FILE_STORE_SWITCH in os.environ:
+        return
+    os.environ[FILE_STORE_SWITCH] = "true"
+    log.info("MLflow: %s is a file store, so %s=true is set for this run (MLflow 3 keeps file stores off by default)",
+             uri, FILE_STORE_SWITCH)
+
+
 class MLflowLogger(_Tracker):
     """``MLflowLogger(tracking_uri=None, experiment="shardwise", run_name=None, config=None, resume=False)``.
 
@@ -131,6 +146,7 @@ class MLflowLogger(_Tracker):
             from mlflow.tracking import MlflowClient
         except ImportError:
             raise ConfigError("MLflowLogger needs the mlflow package", hint="pip install 'shardwise[mlflow]'") from None
+        _allow_named_file_store(self.tracking_uri)
         client = self._client = MlflowClient(tracking_uri=self.tracking_uri)
         found = client.get_experiment_by_name(self.experiment)
         experiment_id = found.experiment_id if found is not None else client.create_experiment(self.experiment)

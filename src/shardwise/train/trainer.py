@@ -3,16 +3,18 @@
 One optimizer step over ``G = global_batch_size`` samples::
 
     micro_batch = G / (dp_size * k)                 # k = grad_accum_steps
+    w_i = 1 / k, or D n_i / N with loss_reduction="tokens" (n_i: valid targets, see train/step.py)
     for each of the k micro-batches on every dp rank:
         with no gradient all-reduce unless it is the last micro-batch:
             loss = loss_fn(model(x), y)             # mean over the micro-batch, under autocast
-            (loss * loss_scale / k).backward()      # DDP averages over dp ranks at the boundary
-    gradient = (1 / (dp_size * k)) * sum of micro-batch means = mean over all G samples
+            (loss * loss_scale * w_i).backward()    # DDP averages over dp ranks at the boundary
+    gradient = mean over all G samples ("samples"), or over all valid targets of them ("tokens")
     [fp16: unscale, all-reduce(MAX) the inf flag over the world, skip the step if set]
     [clip by the global norm]  ->  optimizer.step()  ->  scheduler.step()
 
 so k micro-steps of batch b on n ranks equal one step of batch k*b*n on one process: every
-micro-batch has the same size because each epoch is cut to whole global batches.
+micro-batch has the same size because each epoch is cut to whole global batches (and under
+``"tokens"`` weighs what its valid targets weigh in the global batch).
 
 Everything optional is a callback or a no-op context; see :mod:`shardwise.train.callbacks`.
 """
@@ -31,14 +33,17 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from shardwise.callback import Callback
+from shardwise.checkpoint.adapters import BaseReference, lora_of
 from shardwise.checkpoint.callback import checkpoint_callback
 from shardwise.data.loader import LoaderOptions, eval_loader
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.parallel.ddp import DDPOptions
+from shardwise.parallel.fp8 import Fp8Options, compute_precision
 from shardwise.parallel.fsdp import FSDPOptions
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.parallel.pipeline import PipelineOptions
+from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss_reduction
 from shardwise.parallel.tp import TPOptions
 from shardwise.runtime import env as runtime
 from shardwise.runtime.logging import get_logger
@@ -51,7 +56,7 @@ from shardwise.train.attachments import default_loggers, open_run_files, ordered
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.loggers import Logger
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics
-from shardwise.train.precision import LossScaler, check_precision
+from shardwise.train.precision import LossScaler, autocast_precision, check_precision
 from shardwise.train.result import FitResult, stop_of
 from shardwise.train.step import OptimizerStep
 from shardwise.train.state import ModelState, OptimizerState, TrainState
@@ -85,6 +90,9 @@ class Trainer:
     Options (all keyword-only):
 
     - ``loss_fn(outputs, targets)``: the mean loss of a micro-batch. Batches are ``(inputs, targets)``.
+    - ``loss_reduction``: ``"samples"`` (each micro-batch weighs the same: per-sample losses) or
+      ``"tokens"`` (each weighs its targets that are not ``ignore_index``: a token-mean loss such as
+      masked cross-entropy gives one process's global-batch update under every plan).
     - ``global_batch_size``: samples per optimizer step over all data-parallel ranks and micro-steps;
       each rank's micro-batch is ``global_batch_size / (dp_size * grad_accum_steps)``.
     - Every other option (optimizer and scheduler factories, plan, precision, accumulation,
@@ -127,6 +135,7 @@ class Trainer:
         tp: TPOptions | None = None,
         fsdp: FSDPOptions | None = None,
         pipeline: PipelineOptions | None = None,
+        fp8: Fp8Options | None = None,
         cluster: ClusterArg = None,
         run_dir: str | os.PathLike[str] | None = None,
         metrics: MetricsArg = None,
@@ -137,6 +146,8 @@ class Trainer:
         progress_bar: bool = True,
         checkpoint: Any = None,
         certify: bool | CertifyOptions | None = None,
+        loss_reduction: str = "samples",
+        ignore_index: int = IGNORE_INDEX,
     ) -> None:
         check_counts(global_batch_size=global_batch_size, grad_accum_steps=grad_accum_steps, log_every=log_every,
                      max_steps=max_steps, max_epochs=max_epochs, eval_every=eval_every, eval_batch_size=eval_batch_size,
@@ -144,6 +155,7 @@ class Trainer:
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn={loss_fn!r} is not callable", hint="pass a function (outputs, targets) -> scalar loss")
         self.loss_fn = scalar_loss(loss_fn)
+        self.loss_reduction, self.ignore_index = check_loss_reduction(loss_reduction), ignore_index
         self.global_batch_size, self.grad_accum_steps = global_batch_size, grad_accum_steps
 
         def check(plan: Plan, device_type: str) -> None:  # before any mesh or wrapping
@@ -156,7 +168,9 @@ class Trainer:
         self._build = partial(build, model, optimizer, plan=plan, global_batch_size=global_batch_size, seed=seed, precision=precision,
                               pipelines_allowed=grad_accum_steps == 1, cluster=cluster, tokens_per_sample=tokens_per_sample,
                               ddp=replace(ddp, sync_batchnorm=ddp.sync_batchnorm or sync_batchnorm), tp=tp, fsdp=fsdp,
-                              pipeline=pipeline, loss_fn=self.loss_fn, check=check)
+                              pipeline=pipeline, loss_fn=self.loss_fn, check=check, loss_reduction=loss_reduction,
+                              ignore_index=ignore_index, fp8=fp8)
+        self._fp8 = fp8
         self.certify = CertifyOptions.of(certify)
         self.clip_grad_norm, self.seed, self.max_steps, self.max_epochs = clip_grad_norm, seed, max_steps, max_epochs
         self.eval_every, self.log_every, self.shuffle = eval_every, log_every, shuffle
@@ -172,6 +186,7 @@ class Trainer:
         # plan="auto" is chosen from the training data (its sample shape, certification), so it is
         # built when fit (or setup) sees the data; every other plan is built now.
         self._pending = isinstance(plan, str) and plan.strip().lower() == "auto"
+        self._lora = lora_of(model)  # (base directory, peft config) of a LoRA run, else None
         self.env = runtime.init()
         if not self._pending:
             self._apply(self._build())
@@ -194,6 +209,8 @@ class Trainer:
         self.optimizer = built.optimizer
         self.dp_rank, self.dp_size = built.dp_rank, built.dp_size
         self.precision = self.plan.precision
+        # fp8: the unconverted ops run in the FP8 options' high precision; params16: no autocast
+        self._autocast = autocast_precision(compute_precision(self.precision, self._fp8), params16=self.plan.params16)
         scale_learning_rates(self.optimizer, self.dp_size, rule=self._scale_lr)
         self.micro_batch_size = self.global_batch_size // (self.dp_size * self.grad_accum_steps)
         self.eval_batch_size = self._eval_batch_size or self.micro_batch_size
@@ -203,6 +220,9 @@ class Trainer:
         self.lr_scheduler = factory(self.optimizer) if factory is not None and not wants_total_steps(factory) else None
         self.scaler = (self._loss_scaler or LossScaler()) if self.precision == "fp16" else None
         self._pending = False
+        # The build step ran (it runs once): drop it and the user's model it holds. A pipeline
+        # stage's parameters are new tensors, so keeping the model would keep a second copy of them.
+        self._build = None
 
     def setup(self, train_data: Dataset) -> None:
         """``plan="auto"``: choose the plan for ``train_data`` (its first sample's shape; certified on
@@ -239,6 +259,8 @@ class Trainer:
             "optimizer": OptimizerState(self.model.module, self.optimizer),
             "train_state": self.state,
         }
+        if self._lora is not None:  # adapters only: the frozen base is referenced (checkpoint/adapters.py)
+            parts["lora_base"] = BaseReference(self.model.module, path=self._lora[0], lora=self._lora[1] or self.model.extras.get("lora_config", {}))
         if self.lr_scheduler is not None:
             parts["lr_scheduler"] = self.lr_scheduler
         if self.scaler is not None:
@@ -291,10 +313,13 @@ class Trainer:
         self._window = LogWindow(tokens.get_group() if tokens.size() > 1 else None, tokens.size(), self.global_batch_size,
                                  self.tokens_per_sample, self.flops_per_sample, self.peak_flops_total)
         last_eval_step, val_metrics, train_loss = -1, {}, None
+        reduction = LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index)
+        if self.env.is_main:
+            log.info(reduction.describe())
         train_step = OptimizerStep(
-            self.model, self.optimizer, self.loss_fn, self.precision, self.env.device, self.loader_options.pin_memory,
+            self.model, self.optimizer, self.model.loss_for(self.loss_fn), self._autocast, self.env.device, self.loader_options.pin_memory,
             self.clip_grad_norm, self.meshes.pp.get_group() if self.plan.pp_enabled else None, self.scaler, self.lr_scheduler,
-            self._window, after_backward=partial(self._call, "on_after_backward"))
+            self._window, after_backward=partial(self._call, "on_after_backward"), reduction=reduction)
 
         while not self._finished():
             sampler.set_epoch(self.state.epoch)  # keeps a restored mid-epoch position
@@ -342,11 +367,12 @@ class Trainer:
         return _evaluate.evaluate(
             self.model,
             loader,
-            loss_fn=self.loss_fn,
+            loss_fn=self.model.loss_for(self.loss_fn),
             metrics=self.metric_fns,
-            precision=self.precision,
+            precision=self._autocast,
             device=self.env.device,
             non_blocking=self.loader_options.pin_memory,
+            reduction=LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index),
         )
 
     def predict(self, data: Dataset, *, batch_size: int | None = None, output_dir: str | os.PathLike | None = None) -> Any:
@@ -359,7 +385,7 @@ class Trainer:
         """
         loader = eval_loader(data, batch_size=batch_size or self.eval_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
                              options=self.loader_options)
-        return _predict.predict(self.model, loader, dp_rank=self.dp_rank, dp_size=self.dp_size, precision=self.precision,
+        return _predict.predict(self.model, loader, dp_rank=self.dp_rank, dp_size=self.dp_size, precision=self._autocast,
                                 device=self.env.device, output_dir=os.fspath(output_dir) if output_dir is not None else None,
                                 non_blocking=self.loader_options.pin_memory)
 
@@ -380,7 +406,8 @@ class Trainer:
                 "run_dir": str(self.run_dir) if self.run_dir is not None else None, "plan": str(self.plan),
                 "world_size": self.env.world_size, "dp_size": self.dp_size, "global_batch_size": self.global_batch_size,
                 "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
-                "precision": self.precision, "seed": self.seed, "max_steps": self.max_steps, "predicted_step_time_s": predicted}
+                "precision": self.precision, "seed": self.seed, "max_steps": self.max_steps, "predicted_step_time_s": predicted,
+                "loss_reduction": self.loss_reduction}
 
     def _finished(self) -> bool:
         return self.should_stop or self._limit_reached()

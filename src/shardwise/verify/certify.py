@@ -40,6 +40,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
+from shardwise.parallel.reduction import IGNORE_INDEX
 from shardwise.verify.parity import Run, Training, run_parallel, run_reference
 
 
@@ -113,7 +114,8 @@ def shrink(model: nn.Module, *, blocks: int) -> tuple[nn.Module, str]:
                 small = copy.deepcopy(model)
             finally:
                 setattr(parent, attr, container)
-        _set_layers(getattr(small, "config", None), blocks)
+        for module in small.modules():  # the model's own config, or those of the HF models inside a user's wrapper
+            _set_layers(getattr(module, "config", None), blocks)
         what = f"{type(model).__name__}, {blocks} of {len(container)} blocks of {repr(name) if name else 'the model'}"
     if any(p.is_meta for p in small.parameters()):
         raise ConfigError(f"the {type(model).__name__} is on the meta device: certification needs its layers' values",
@@ -231,12 +233,13 @@ class Certificate:
 
 def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan], *, options: CertifyOptions,
             accumulation: int = 1, global_batch: int, device: str = "cpu", loss_parallel: bool = False,
-            compared: dict[str, Any] | None = None) -> Certificate:
+            compared: dict[str, Any] | None = None, loss_reduction: str = "samples", ignore_index: int = IGNORE_INDEX) -> Certificate:
     """Certify ``plans`` in order until one passes (module doc). ``workload_for(plan)`` is the
     shrunken copy a plan runs on (a pipeline needs as many blocks as stages); the reference is
     trained once per distinct workload. Collective: every rank of the world."""
     start = time.perf_counter()
-    training = Training(steps=options.steps, global_batch=global_batch, lr=options.lr, optimizer="sgd", device=device)
+    training = Training(steps=options.steps, global_batch=global_batch, lr=options.lr, optimizer="sgd", device=device,
+                        loss_reduction=loss_reduction, ignore_index=ignore_index)
     references: dict[int, Any] = {}
     verdicts: list[Verdict] = []
     chosen: str | None = None
@@ -269,7 +272,7 @@ def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan],
             chosen = str(plan)
             break
     info = {"steps": training.steps, "global_batch": global_batch, "micro_steps": accumulation, "optimizer": f"sgd momentum 0.9 lr {options.lr:g}",
-            "precision": "fp32", "mode": "eval (dropout off, BatchNorm running statistics)",
+            "precision": "fp32", "mode": "eval (dropout off, BatchNorm running statistics)", "loss_reduction": loss_reduction,
             "quantities": ["loss per step", "global gradient norm per step", "every weight after the last step"],
             "reference": "one process, locally on every rank, the whole global batch per step", **(compared or {})}
     if verdicts:

@@ -12,8 +12,14 @@ for ``steps`` optimizer steps twice from the same seed and on the same global ba
   ``plan.microbatches`` pipeline microbatches; the loss computed on the last stage is broadcast to
   every rank of the ``pp`` group).
 
-It compares per-step loss (the parallel loss is averaged over the data-parallel ranks, which is
-the global-batch mean because the slices are equal), per-step global gradient norm (computed
+Each micro-step's loss is weighted as the Trainer weighs it (``Training.loss_reduction``,
+:mod:`shardwise.parallel.reduction`): by default by its valid targets (``"tokens"``), against a
+reference that takes the loss over the whole global batch, the built-in workload's targets carrying
+ragged ``-100`` masks (:mod:`shardwise.verify.workloads`); ``"samples"`` weighs every micro-batch
+the same.
+
+It compares per-step loss (the parallel micro-batches' weighted losses summed and averaged over
+the ranks that see different tokens: the global-batch mean), per-step global gradient norm (computed
 over DTensor shards by :func:`shardwise.verify.grad_norm.reference_grad_norm`, and summed over the
 pipeline stages) and the final weights (gathered with ``full_tensor()``; with pipelining each stage
 compares its own parameters by their original names and the results are gathered over ``pp``). Loss and grad norm are compared relatively; a weight tensor's
@@ -28,11 +34,16 @@ the gradient's scale, so it turns a rounding-noise gradient (like that key bias'
 ``lr``-sized steps of random sign; ``optimizer="adamw"`` works, but then compare loss and grad
 norm, not those weights. The report also carries each rank's parameter, gradient and
 optimizer-state bytes (local shards) next to the single-process figures.
+
+FP8 (plans with ``precision=fp8``): the reference converts its Linear layers with the same
+recipe and :class:`~shardwise.parallel.fp8.Fp8Options` (``Training.fp8``) as the parallel run,
+so both compute the same FP8 GEMMs, and everything not converted runs in fp32 on both sides (the
+options' default here): the comparison then sees only what the layout changes. All runs of one
+call share the reference, so they must share the recipe too.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -40,75 +51,24 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError
-from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.parallel.fp8 import Fp8Options, apply_fp8
 from shardwise.parallel.init import parallelize_on_meta
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import stage_modules
+from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss_reduction
 from shardwise.parallel.tp import TPOptions
 from shardwise.layout import Plan
-from shardwise.shape import TransformerShape
 from shardwise.verify.grad_norm import reference_grad_norm
+from shardwise.verify.workloads import SMALL_GPT, GPTWorkload, ScriptWorkload, ragged_mask
 
-
-# -- workloads ---------------------------------------------------------------------------------
-SMALL_GPT = GPTConfig(vocab_size=64, seq_len=16, layers=2, hidden=32, heads=4)
-
-
-@dataclass(frozen=True)
-class GPTWorkload:
-    """shardwise's GPT of ``shape`` (small by default) on random token ids (next-token cross-entropy)."""
-
-    shape: TransformerShape = SMALL_GPT
-
-    def build(self, seed: int) -> nn.Module:
-        return GPT(self.shape, seed=seed)
-
-    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(10_000 + step)
-        ids = torch.randint(0, self.shape.vocab_size, (size, self.shape.seq_len + 1), generator=gen)
-        return ids[:, :-1], ids[:, 1:]
-
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.flatten(0, 1), target.flatten(0, 1))
-
-
-@dataclass(frozen=True)
-class ScriptWorkload:
-    """A user file defining ``build_model(seed) -> nn.Module``, ``make_batch(step, size) ->
-    (inputs, targets)`` and optionally ``loss_fn(output, target)`` (default: cross-entropy)."""
-
-    path: str
-
-    def _module(self) -> Any:
-        spec = importlib.util.spec_from_file_location("shardwise_verify_user", self.path)
-        if spec is None or spec.loader is None:
-            raise ConfigError(f"--script {self.path} cannot be imported", hint="pass a Python file")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        for name in ("build_model", "make_batch"):
-            if not callable(getattr(module, name, None)):
-                raise ConfigError(f"--script {self.path} defines no {name}()",
-                                  hint="define build_model(seed) and make_batch(step, size); loss_fn is optional")
-        return module
-
-    def build(self, seed: int) -> nn.Module:
-        return self._module().build_model(seed)
-
-    def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._module().make_batch(step, size)
-
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        fn = getattr(self._module(), "loss_fn", None)
-        if fn is not None:
-            return fn(output, target)
-        return F.cross_entropy(output.flatten(0, -2) if output.dim() > 2 else output, target.flatten())
+__all__ = ["SMALL_GPT", "GPTWorkload", "ParityReport", "Run", "ScriptWorkload", "Training", "parity_worker", "ragged_mask",
+           "run_parallel", "run_reference"]
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -157,7 +117,10 @@ def _rel(a: float, b: float) -> float:
 
 # -- the worker --------------------------------------------------------------------------------
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu()
+    whole = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+    if callable(getattr(whole, "get_original_weight", None)):  # a 4-bit NF4 base (QLoRA): its dequantized values
+        whole = whole.get_original_weight()
+    return whole.float().cpu()
 
 
 def _local_bytes(tensors: Any) -> int:
@@ -183,7 +146,8 @@ def _clean(name: str) -> str:
 
 @dataclass(frozen=True)
 class Training:
-    """What both runs share: steps, global batch, optimizer (``sgd`` with momentum or ``adamw``), seed."""
+    """What both runs share: steps, global batch, optimizer (``sgd`` with momentum or ``adamw``), seed,
+    and how the parallel run weighs its micro-batches (``"tokens"`` or ``"samples"``)."""
 
     steps: int = 20
     global_batch: int = 8
@@ -192,6 +156,12 @@ class Training:
     optimizer: str = "sgd"
     weight_floor: float = 1e-2
     device: str = "cpu"  # where both runs compute (the device of the world's backend: "cuda" under NCCL)
+    loss_reduction: str = "tokens"
+    ignore_index: int = IGNORE_INDEX
+    fp8: Fp8Options = Fp8Options(high_precision="fp32")  # how plans with precision=fp8 (and the reference) convert
+
+    def __post_init__(self) -> None:
+        check_loss_reduction(self.loss_reduction)
 
 
 @dataclass(frozen=True)
@@ -224,13 +194,26 @@ def parity_worker(workload: Any, runs: Sequence[Run | str], training: Training =
     Runs on every rank of a world of the plans' size; the reference is computed once per call.
     """
     batches = [workload.batch(step, training.global_batch) for step in range(training.steps)]
-    ref = run_reference(workload, batches, training)
+    ref = run_reference(workload, batches, training, fp8_recipe=_fp8_recipe(runs))
     return [run_parallel(workload, run if isinstance(run, Run) else Run(run), batches, ref, training) for run in runs]
 
 
-def run_reference(workload: Any, batches: list[Any], training: Training) -> _Reference:
-    """The single-process run, on this rank alone (no communication)."""
+def _fp8_recipe(runs: Sequence[Run | str]) -> str | None:
+    """The FP8 recipe every run uses (None: no FP8), or a ConfigError when they differ."""
+    plans = [Plan.parse(run.plan if isinstance(run, Run) else run) for run in runs]
+    recipes = {p.fp8_recipe if p.precision == "fp8" else None for p in plans}
+    if len(recipes) > 1:
+        raise ConfigError(f"parity runs mix FP8 recipes and precisions ({', '.join(sorted(str(r) for r in recipes))}): they share one reference",
+                          hint="check plans of one FP8 recipe (or none) per call")
+    return next(iter(recipes), None)
+
+
+def run_reference(workload: Any, batches: list[Any], training: Training, *, fp8_recipe: str | None = None) -> _Reference:
+    """The single-process run, on this rank alone (no communication); ``fp8_recipe``: its Linear
+    layers converted as the parallel runs' are (module doc)."""
     model = workload.build(training.seed).to(training.device)
+    if fp8_recipe is not None:
+        apply_fp8(model, recipe=fp8_recipe, options=training.fp8, device=training.device, log_it=False)
     batches = [_to(b, training.device) for b in batches]
     opt = _optimizer(training.optimizer)(model.parameters(), lr=training.lr)
     losses, norms = [], []
@@ -283,7 +266,7 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     if training.global_batch % (dp_size * run.accumulation):
         raise ConfigError(f"global batch {training.global_batch} does not split into {dp_size} ranks x {run.accumulation} micro-steps",
                           hint=f"use a multiple of {dp_size * run.accumulation}")
-    options: dict[str, Any] = {"tp": TPOptions(loss_parallel=run.loss_parallel)}
+    options: dict[str, Any] = {"tp": TPOptions(loss_parallel=run.loss_parallel), "fp8": training.fp8}
     if plan.pp_enabled:
         options["loss_fn"] = workload.loss  # runs on the last stage, once per pipeline microbatch
     if run.meta_init:
@@ -291,13 +274,17 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     else:
         pm = parallelize(workload.build(training.seed).to(training.device), plan, meshes, **options)
     opt = pm.build_optimizer(_optimizer(training.optimizer), lr=training.lr)
+    loss_fn = pm.loss_for(workload.loss)  # the plan's runtime options: a chunked head + loss, 16-bit parameters
     params = list(pm.parameters())
     losses, norms = [], []
     memory: dict[str, int] = {}
     # Pipeline stages hold different layers: the norm's sum of squares is completed over pp.
     pp_group = meshes.pp.get_group() if plan.pp_enabled else None
+    reduction = LossReduction.over(meshes.tokens, training.loss_reduction, training.ignore_index)
     for step, (x, y) in enumerate(batches):
         xs, ys = x.chunk(dp_size)[dp_rank].chunk(run.accumulation), y.chunk(dp_size)[dp_rank].chunk(run.accumulation)
+        # "tokens": the valid targets of every micro-step on every rank, counted before the first forward
+        weights = reduction.weigh([pm.local_targets(ym) for ym in ys], device=training.device)
         total = torch.zeros((), device=training.device)
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             xm, ym, extra = pm.shard_batch(xm, ym)  # context parallel: this rank's chunks of the sequence
@@ -305,11 +292,14 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
             with pm.gradient_sync(i == run.accumulation - 1), pm.step_context():
                 if pm.pipeline is not None:
                     # All microbatches' forward and backward; the unscaled mean loss on every rank.
-                    loss = pm.pipeline.step(xm, ym, loss_scale=1.0 / run.accumulation, **extra) / run.accumulation
+                    if weights.share is None:
+                        loss = pm.pipeline.step(xm, ym, loss_scale=1.0 / run.accumulation, **extra)
+                    else:
+                        loss = pm.pipeline.step(xm, ym, tokens=weights.share, **extra)
                 else:
-                    loss = workload.loss(pm.module(xm, **extra), ym) / run.accumulation
-                    loss.backward()
-            total += (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+                    loss = loss_fn(pm.module(xm, **extra), ym)
+                    (loss * weights.weights[i]).backward()
+            total += weights.contribution(i, (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach())
         if after_backward is not None:
             after_backward(pm, plan)
         # the mean over every rank that holds different tokens (dp x cp)
@@ -341,7 +331,7 @@ def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.Proc
     diffs: dict[str, float] = {}
     for module in modules:
         for name, p in module.named_parameters():
-            full, want = _full(p), ref.weights[_clean(name)].float().cpu()
+            full, want = _full(p), _full(ref.weights[_clean(name)])
             full = full.reshape(want.shape)  # a TP-fused weight is held as (in, pieces, width)
             diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(floor))
     if pp_group is None:

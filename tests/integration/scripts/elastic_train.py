@@ -24,13 +24,14 @@ class PrintLoss(Callback):
     finish the step and save at its end; or until a collective of the loop fails (a node was
     killed). Tests act on the ``HOLD`` line instead of racing a running job."""
 
-    def __init__(self, holds: list[tuple[int, int]]) -> None:
-        self.holds = holds
+    def __init__(self, holds: list[tuple[int, int]], step_sleep_s: float = 0.0) -> None:
+        self.holds, self.step_sleep_s = holds, step_sleep_s
 
     def on_step_end(self, trainer, metrics) -> None:
         if trainer.env.is_main:
             print(f"LOSS step={metrics['step']} world={trainer.env.world_size} plan={trainer.plan} loss={metrics['loss']:.9e}",
                   flush=True)
+        time.sleep(self.step_sleep_s)  # a longer job, for trials that strike at random moments
 
     def on_after_backward(self, trainer) -> None:
         if (trainer.step, trainer.env.world_size) not in self.holds:
@@ -49,6 +50,7 @@ def main() -> None:
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--hold-at", action="append", default=[], metavar="STEP:WORLD",
                    help="after STEP steps in a world of WORLD processes, wait (see PrintLoss)")
+    p.add_argument("--step-sleep", type=float, default=0.0, help="seconds every rank sleeps after each step")
     p.add_argument("--dir", required=True)
     args = p.parse_args()
     shardwise.init()  # before the CheckpointManager, which takes its rank from the process group
@@ -65,7 +67,7 @@ def main() -> None:
         log_every=1,
         seed=3,
         progress_bar=False,
-        callbacks=[PrintLoss([tuple(map(int, h.split(":"))) for h in args.hold_at])],
+        callbacks=[PrintLoss([tuple(map(int, h.split(":"))) for h in args.hold_at], args.step_sleep)],
         checkpoint=CheckpointManager(args.dir, every_n_steps=args.save_every, keep_last_n=3),
     )
     trainer.fit(TensorDataset(x, y))

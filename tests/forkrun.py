@@ -1,0 +1,164 @@
+"""Run many short commands fast: one process imports torch and shardwise once, then forks a child
+per command (``python -m tests.forkrun`` reads the jobs as JSON on stdin, answers JSON on stdout).
+
+A ``shardwise`` command started the usual way spends most of a short run importing torch and
+shardwise (4-5 CPU-seconds); a child forked from a process that has imported them starts in
+milliseconds. Nothing has run in the parent (no thread, no OpenMP pool, no process group), so the
+fork is safe; each child gets its own session (so a timeout kills it with everything it started),
+working directory, environment, and stdout/stderr files, then runs ``shardwise.cli.main(argv)``
+(or a Python file, or a function), exactly what the command's entry point does. Processes a
+command starts (the workers of ``shardwise run``) are ordinary new interpreters.
+
+A job: ``{"id", "kind": "shardwise"|"python"|"call", "argv", "cwd", "env", "stdout", "stderr",
+"timeout_s"}`` (``call``: ``argv = [module, function, *args]``). Jobs run ``parallel`` at a time,
+longest expected first (``"cost"``); the answer maps each id to ``{"rc", "seconds", "cpu_s"}``
+(``rc`` is ``"timeout"`` when it was killed; ``cpu_s``: the CPU time of the command and of the
+processes it waited for).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+# what a `shardwise train` run imports (run_phases(preload=...) adds what other commands need)
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api",
+           "shardwise.cli", "shardwise.train", "shardwise.parallel", "shardwise.jobs.train", "shardwise.launch.run",
+           "shardwise.checkpoint.manager", "matplotlib.pyplot")
+
+
+def _child(job: dict[str, Any]) -> int:
+    os.setsid()
+    os.chdir(job["cwd"])
+    os.environ.update(job.get("env", {}))
+    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stdin = open(os.devnull)  # noqa: SIM115
+    argv, kind = list(job["argv"]), job["kind"]
+    try:
+        if kind == "shardwise":
+            from shardwise.cli import main
+
+            sys.argv = ["shardwise", *argv]
+            return int(main(argv) or 0)
+        if kind == "python":
+            import runpy
+
+            sys.argv = argv
+            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            runpy.run_path(argv[0], run_name="__main__")
+            return 0
+        module, function, *args = argv
+        return int(getattr(importlib.import_module(module), function)(*args) or 0)
+    except SystemExit as exc:  # what the interpreter does with it
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - the command's own traceback, as its entry point would print it
+        traceback.print_exc()
+        return 1
+
+
+def _fork(job: dict[str, Any]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    rc = 1
+    try:
+        rc = _child(job)
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(rc if 0 <= rc < 256 else 1)
+    return 0  # not reached
+
+
+def run(jobs: list[dict[str, Any]], parallel: int) -> dict[str, dict[str, Any]]:
+    """Run ``jobs`` (module doc) and return their results by id."""
+    pending = sorted(jobs, key=lambda j: -float(j.get("cost", 1.0)))
+    running: dict[int, tuple[dict[str, Any], float]] = {}
+    results: dict[str, dict[str, Any]] = {}
+    while pending or running:
+        while pending and len(running) < parallel:
+            job = pending.pop(0)
+            running[_fork(job)] = (job, time.monotonic())
+        pid, status, usage = os.wait4(-1, os.WNOHANG)
+        if pid == 0:
+            now = time.monotonic()
+            for pid_, (job, start) in list(running.items()):
+                if now - start > float(job.get("timeout_s", 300)):
+                    try:
+                        os.killpg(pid_, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    os.waitpid(pid_, 0)
+                    del running[pid_]
+                    results[job["id"]] = {"rc": "timeout", "seconds": now - start}
+            time.sleep(0.02)
+            continue
+        if pid in running:
+            job, start = running.pop(pid)
+            try:
+                os.killpg(pid, signal.SIGKILL)  # anything the command left behind in its session
+            except (ProcessLookupError, PermissionError):
+                pass
+            results[job["id"]] = {"rc": os.waitstatus_to_exitcode(status), "seconds": time.monotonic() - start,
+                                  "cpu_s": usage.ru_utime + usage.ru_stime}  # its processes', those it waited for
+    return results
+
+
+def run_phases(phases: list[list[dict[str, Any]]], *, parallel: int | None = None, env: dict[str, str | None] | None = None,
+               preload: tuple[str, ...] = (), timeout_s: float = 1800) -> dict[str, dict[str, Any]]:
+    """From a test: start the server (module doc) in this environment updated with ``env`` (a
+    None value removes the variable), importing PRELOAD and ``preload``, run ``phases`` (lists of
+    jobs, one after the other) and return the results by job id."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    request = {"root": root, "parallel": parallel or os.cpu_count() or 1, "phases": phases, "preload": [*PRELOAD, *preload]}
+    server_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    done = subprocess.run([sys.executable, "-m", "tests.forkrun"], input=json.dumps(request), capture_output=True, text=True,
+                          cwd=root, env=server_env, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"tests.forkrun exited {done.returncode}:\n{done.stderr[-3000:]}")
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    if "error" in answer:
+        raise RuntimeError(answer["error"])
+    return answer["results"]
+
+
+def main() -> None:
+    request = json.load(sys.stdin)
+    sys.path.insert(0, request.get("root", os.getcwd()))
+    for name in request.get("preload", PRELOAD):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    if threading.active_count() != 1:  # a forked child would miss the other threads' locks
+        print(json.dumps({"error": f"{threading.active_count()} threads after the imports: {threading.enumerate()}"}))
+        return
+    results: dict[str, Any] = {}
+    for phase in request["phases"]:  # a phase starts when the one before it has finished
+        results.update(run(phase, int(request.get("parallel", os.cpu_count() or 1))))
+    print(json.dumps({"results": results}))
+
+
+if __name__ == "__main__":
+    main()
