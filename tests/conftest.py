@@ -1,5 +1,7 @@
-"""Shared fixtures: process pools that live for the whole session (see shardwise.testing); the guard
-that fails a test taking over 90 s without an allowance (tests/time_limit.py)."""
+"""Shared fixtures: process pools that live for the whole session (see shardwise.testing), closed
+right after the last test that uses one (an idle pool's Gloo threads wake every few milliseconds:
+about 4% of a core per worker, through the whole rest of the suite); the guard that fails a test
+taking over 90 s without an allowance (tests/time_limit.py)."""
 
 from __future__ import annotations
 
@@ -21,19 +23,39 @@ if REPO not in sys.path:
 os.environ.setdefault("SHARDWISE_CACHE_DIR", tempfile.mkdtemp(prefix="shardwise-test-cache-"))
 
 
+POOL_FIXTURES = frozenset({"pools", "dist2", "dist4"})
+_POOLS = pytest.StashKey[dict[int, WorkerPool]]()
+_LAST_POOL_USER = pytest.StashKey[str]()
+
+
 @pytest.fixture(scope="session")
-def pools() -> Iterator[Callable[[int], WorkerPool]]:
+def pools(request: pytest.FixtureRequest) -> Iterator[Callable[[int], WorkerPool]]:
     """``pools(n)``: a pool of n Gloo processes, created once per session and shared by tests."""
-    cache: dict[int, WorkerPool] = {}
+    cache = request.config.stash.setdefault(_POOLS, {})
 
     def get(world_size: int) -> WorkerPool:
         if world_size not in cache:
             cache[world_size] = WorkerPool(world_size, timeout_s=180.0)
-        return cache[world_size]
+        return cache[world_size]  # a closed pool starts again on its next run
 
     yield get
-    for pool in cache.values():
+    _close_pools(request.config)
+
+
+def _close_pools(config: pytest.Config) -> None:
+    for pool in config.stash.get(_POOLS, {}).values():
         pool.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    users = [item.nodeid for item in items if POOL_FIXTURES & set(getattr(item, "fixturenames", ()))]
+    if users:
+        config.stash[_LAST_POOL_USER] = users[-1]
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if item.nodeid == item.config.stash.get(_LAST_POOL_USER, None):
+        _close_pools(item.config)
 
 
 @pytest.fixture()

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from shardwise.config.schema import Section, opt
+from shardwise.errors import ConfigError
 from shardwise.shape import TransformerShape
 
 # -- the sections of `shardwise train` -------------------------------------------------------

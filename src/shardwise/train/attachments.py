@@ -9,7 +9,7 @@ checkpoint's step-end collectives, which fail first when a node is lost), then t
 Loggers: the user's, plus on rank 0 with a run directory a CSV logger and, when the
 ``tensorboard`` package is installed, a TensorBoard logger (unless ones were given). They open their
 files when ``fit`` starts, after a resume was accepted: a refused resume must leave the run
-directory as it found it.
+directory as it found it; :func:`run_info` is what they are told of the run.
 """
 
 from __future__ import annotations
@@ -66,3 +66,15 @@ def open_run_files(loggers: Sequence[Logger], *, run_dir: pathlib.Path | None, i
         begin = getattr(logger, "begin", None)
         if begin is not None:
             begin(step)
+
+
+def run_info(trainer: Any) -> dict[str, Any]:
+    """A built Trainer's layout for experiment trackers: plan, world, batch sizes, precision, loss
+    reduction and the planner's predicted step time (``plan="auto"``, on rank 0)."""
+    predicted = trainer.auto_choice.estimate.step_time_s if trainer.auto_choice is not None else None
+    run_dir = trainer.run_dir
+    return {"run_name": run_dir.name if run_dir is not None else None, "run_dir": str(run_dir) if run_dir is not None else None,
+            "plan": str(trainer.plan), "world_size": trainer.env.world_size, "dp_size": trainer.dp_size,
+            "global_batch_size": trainer.global_batch_size, "micro_batch_size": trainer.micro_batch_size,
+            "grad_accum_steps": trainer.grad_accum_steps, "precision": trainer.precision, "seed": trainer.seed,
+            "max_steps": trainer.max_steps, "predicted_step_time_s": predicted, "loss_reduction": trainer.loss_reduction}

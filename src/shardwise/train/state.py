@@ -7,7 +7,9 @@ Each object has ``state_dict()`` / ``load_state_dict()`` (torch.distributed.chec
   ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict`` & co.), which strips the
   DDP ``module.`` prefix and keeps FSDP/TP parameters as DTensors (sharded save, reshardable load);
 - :class:`TrainState`: step and epoch counters, the sampler position (epoch and global samples
-  consumed in it), and the RNG states of Python, NumPy and torch (CPU and CUDA).
+  consumed in it), and the RNG states of Python, NumPy and torch (CPU and CUDA);
+- :func:`checkpointed_parts`: the Trainer's whole set (with the LoRA base reference, the scheduler
+  and the loss scaler where the run has them).
 
 RNG states differ per rank (dropout must differ across data-parallel ranks), so they are stored
 under a per-rank key ``rng.rank<r>``; a checkpoint writer that deduplicates replicated values
@@ -32,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from shardwise.checkpoint.adapters import BaseReference
 from shardwise.data.sampler import ShardedSampler
 
 
@@ -105,3 +108,19 @@ class TrainState:
         rng = state.get(f"rng.rank{self.rank}")
         if rng is not None:
             restore_rng(rng)
+
+
+def checkpointed_parts(model: Any, optimizer: torch.optim.Optimizer, state: TrainState, *, lora: tuple[Any, Any] | None,
+                       scheduler: Any = None, scaler: Any = None) -> dict[str, Any]:
+    """What a Trainer checkpoint saves, by name: the parallel ``model``'s module and ``optimizer``
+    (sharded as trained), the train state, and where present the LoRA base reference (adapters
+    only: the frozen base is referenced by path and hash, see checkpoint/adapters.py), the
+    learning-rate scheduler and the fp16 loss scaler."""
+    parts: dict[str, Any] = {"model": ModelState(model.module), "optimizer": OptimizerState(model.module, optimizer), "train_state": state}
+    if lora is not None:
+        parts["lora_base"] = BaseReference(model.module, path=lora[0], lora=lora[1] or model.extras.get("lora_config", {}))
+    if scheduler is not None:
+        parts["lr_scheduler"] = scheduler
+    if scaler is not None:
+        parts["grad_scaler"] = scaler
+    return parts

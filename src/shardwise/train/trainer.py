@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from shardwise.callback import Callback
-from shardwise.checkpoint.adapters import BaseReference, lora_of
+from shardwise.checkpoint.adapters import lora_of
 from shardwise.checkpoint.callback import checkpoint_callback
 from shardwise.data.loader import LoaderOptions, eval_loader
 from shardwise.errors import ConfigError
@@ -52,14 +52,14 @@ from shardwise.train import predict as _predict
 from shardwise.train.batch import chunks
 from shardwise.train.auto import AutoData
 from shardwise.train.build import Built, ClusterArg, OptimizerFactory, build
-from shardwise.train.attachments import default_loggers, open_run_files, ordered_callbacks
+from shardwise.train.attachments import default_loggers, open_run_files, ordered_callbacks, run_info
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.loggers import Logger
 from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics
 from shardwise.train.precision import LossScaler, autocast_precision, check_precision
 from shardwise.train.result import FitResult, stop_of
 from shardwise.train.step import OptimizerStep
-from shardwise.train.state import ModelState, OptimizerState, TrainState
+from shardwise.train.state import TrainState, checkpointed_parts
 from shardwise.train.train_data import batches_per_epoch, open_train_data
 from shardwise.train.window import LogWindow
 from shardwise.verify.certify import CertifyOptions
@@ -244,28 +244,12 @@ class Trainer:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- public state ---------------------------------------------------------------------
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
-    def epoch(self) -> int:
-        return self.state.epoch
+    step = property(lambda self: self.state.step, doc="optimizer steps taken")
+    epoch = property(lambda self: self.state.epoch, doc="epochs finished")
 
     def stateful_components(self) -> dict[str, Any]:
         """Everything a checkpoint saves, each with ``state_dict`` / ``load_state_dict``."""
-        parts: dict[str, Any] = {
-            "model": ModelState(self.model.module),
-            "optimizer": OptimizerState(self.model.module, self.optimizer),
-            "train_state": self.state,
-        }
-        if self._lora is not None:  # adapters only: the frozen base is referenced (checkpoint/adapters.py)
-            parts["lora_base"] = BaseReference(self.model.module, path=self._lora[0], lora=self._lora[1] or self.model.extras.get("lora_config", {}))
-        if self.lr_scheduler is not None:
-            parts["lr_scheduler"] = self.lr_scheduler
-        if self.scaler is not None:
-            parts["grad_scaler"] = self.scaler
-        return parts
+        return checkpointed_parts(self.model, self.optimizer, self.state, lora=self._lora, scheduler=self.lr_scheduler, scaler=self.scaler)
 
     def total_steps_for(self, train_data: Dataset) -> int:
         """The optimizer steps ``fit(train_data)`` will run: ``max_steps``, else ``max_epochs``
@@ -364,16 +348,9 @@ class Trainer:
     def evaluate(self, data: Dataset) -> dict[str, float]:
         """Loss and metrics over all of ``data``, each sample counted exactly once (same on every rank)."""
         loader = eval_loader(data, batch_size=self.eval_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size, options=self.loader_options)
-        return _evaluate.evaluate(
-            self.model,
-            loader,
-            loss_fn=self.model.loss_for(self.loss_fn),
-            metrics=self.metric_fns,
-            precision=self._autocast,
-            device=self.env.device,
-            non_blocking=self.loader_options.pin_memory,
-            reduction=LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index),
-        )
+        return _evaluate.evaluate(self.model, loader, loss_fn=self.model.loss_for(self.loss_fn), metrics=self.metric_fns, precision=self._autocast,
+                                  device=self.env.device, non_blocking=self.loader_options.pin_memory,
+                                  reduction=LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index))
 
     def predict(self, data: Dataset, *, batch_size: int | None = None, output_dir: str | os.PathLike | None = None) -> Any:
         """The model's outputs for every sample of ``data``, under this Trainer's plan.
@@ -399,15 +376,8 @@ class Trainer:
 
     # -- helpers --------------------------------------------------------------------------
     def run_info(self) -> dict[str, Any]:
-        """The run's layout for experiment trackers: plan, world, batch sizes, precision, and the
-        planner's predicted step time (``plan="auto"``, on rank 0)."""
-        predicted = self.auto_choice.estimate.step_time_s if self.auto_choice is not None else None
-        return {"run_name": self.run_dir.name if self.run_dir is not None else None,
-                "run_dir": str(self.run_dir) if self.run_dir is not None else None, "plan": str(self.plan),
-                "world_size": self.env.world_size, "dp_size": self.dp_size, "global_batch_size": self.global_batch_size,
-                "micro_batch_size": self.micro_batch_size, "grad_accum_steps": self.grad_accum_steps,
-                "precision": self.precision, "seed": self.seed, "max_steps": self.max_steps, "predicted_step_time_s": predicted,
-                "loss_reduction": self.loss_reduction}
+        """The run's layout for experiment trackers (:func:`shardwise.train.attachments.run_info`)."""
+        return run_info(self)
 
     def _finished(self) -> bool:
         return self.should_stop or self._limit_reached()
