@@ -1,5 +1,5 @@
 """Shared fixtures: process pools that live for the whole session (see shardwise.testing), closed
-right after the last test that uses one (an idle pool's Gloo threads wake every few milliseconds:
+when the suite leaves the folder of the tests that use them (an idle pool's Gloo threads wake every few milliseconds:
 about 4% of a core per worker, through the whole rest of the suite); the guard that fails a test
 taking over 90 s without an allowance (tests/time_limit.py)."""
 
@@ -25,7 +25,7 @@ os.environ.setdefault("SHARDWISE_CACHE_DIR", tempfile.mkdtemp(prefix="shardwise-
 
 POOL_FIXTURES = frozenset({"pools", "dist2", "dist4"})
 _POOLS = pytest.StashKey[dict[int, WorkerPool]]()
-_LAST_POOL_USER = pytest.StashKey[str]()
+_POOL_DIRS = pytest.StashKey[set]()
 
 
 @pytest.fixture(scope="session")
@@ -48,21 +48,11 @@ def _close_pools(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    users = [item.nodeid for item in items if POOL_FIXTURES & set(getattr(item, "fixturenames", ()))]
-    if users:
-        config.stash[_LAST_POOL_USER] = users[-1]
+    config.stash[_POOL_DIRS] = {item.path.parent for item in items if POOL_FIXTURES & set(getattr(item, "fixturenames", ()))}
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
-    if item.nodeid == item.config.stash.get(_LAST_POOL_USER, None):
+    """Close the pools when the next test is outside the folders of the tests that use them (one
+    close in a serial run; under pytest-xdist a worker that comes back reopens them)."""
+    if nextitem is None or nextitem.path.parent not in item.config.stash.get(_POOL_DIRS, set()):
         _close_pools(item.config)
-
-
-@pytest.fixture()
-def dist2(pools: Callable[[int], WorkerPool]) -> WorkerPool:
-    return pools(2)
-
-
-@pytest.fixture()
-def dist4(pools: Callable[[int], WorkerPool]) -> WorkerPool:
-    return pools(4)

@@ -7,7 +7,9 @@ allowance: ``@pytest.mark.slow_allowed(seconds=..., why="...")`` (``why`` is req
 what the time buys, and is printed with the failure when even the allowance is exceeded).
 
 Machine factor: the larger of two, each at least 1, taken when the session starts (before any
-test has run, so it is the machine and other work on it, not this suite):
+test has run, so it is the machine and other work on it, not this suite), times the number of
+pytest-xdist workers that share the machine (``-n 2``: two tests at a time, each with half the
+cores a serial run gives it):
 
 - load: ``L / cores``, where ``L`` is the 1-minute load average: on a machine shared with other
   jobs the same test takes proportionally longer, and so may it;
@@ -61,6 +63,11 @@ def probe_s(repeats: int = 5) -> float:
     return best
 
 
+def parallel_factor(workers: str | None) -> float:
+    """How many tests run at once (``PYTEST_XDIST_WORKER_COUNT``; None: a serial run)."""
+    return float(max(1, int(workers))) if workers and workers.isdigit() else 1.0
+
+
 def speed_factor(probe: float) -> float:
     """How much slower than the development machine this CPU runs the probe (at least 1)."""
     return max(1.0, probe / REFERENCE_PROBE_S)
@@ -82,7 +89,7 @@ def verdict(total_s: float, allowed: Allowance, scale: float) -> str | None:
     limit = allowed.seconds * scale
     if allowed.seconds <= 0 or total_s <= limit:
         return None
-    load = f" (x{scale:.1f} for this machine's load and speed)" if scale > 1.0 else ""
+    load = f" (x{scale:.1f} for this machine's load and speed and the tests beside it)" if scale > 1.0 else ""
     if allowed.why is None:
         return (f"this test took {total_s:.1f} s (setup + call + teardown), over the suite's limit of {allowed.seconds:g} s{load}: "
                 f"make it faster (smaller model, fewer steps, a shared fixture), or give it "
@@ -93,7 +100,8 @@ def verdict(total_s: float, allowed: Allowance, scale: float) -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", f"{MARKER}(seconds, why): this test may take up to `seconds` (not {LIMIT_S:.0f} s); why it must")
     fixed = ENV in os.environ
-    config.stash[_SCALE] = 1.0 if fixed else max(load_factor(os.getloadavg()[0], os.cpu_count() or 1), speed_factor(probe_s()))
+    machine = max(load_factor(os.getloadavg()[0], os.cpu_count() or 1), speed_factor(probe_s()))
+    config.stash[_SCALE] = 1.0 if fixed else machine * parallel_factor(os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
 
 
 def _base_s() -> float:

@@ -8,7 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.time_limit import REFERENCE_PROBE_S, Allowance, load_factor, probe_s, speed_factor, verdict
+from tests.time_limit import REFERENCE_PROBE_S, Allowance, load_factor, parallel_factor, probe_s, speed_factor, verdict
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,12 +24,16 @@ def test_speed_factor_is_one_on_a_machine_as_fast_and_the_ratio_on_a_slower_one(
     assert 0 < probe_s(repeats=1) < 60  # it measures something
 
 
+def test_parallel_factor_is_the_number_of_xdist_workers() -> None:
+    assert parallel_factor(None) == 1.0 and parallel_factor("") == 1.0 and parallel_factor("2") == 2.0 and parallel_factor("0") == 1.0
+
+
 def test_verdict_names_the_time_the_limit_and_the_way_out() -> None:
     assert verdict(89.0, Allowance(90.0, None), 1.0) is None
     message = verdict(91.0, Allowance(90.0, None), 1.0)
     assert message and "91.0 s" in message and "90 s" in message and "slow_allowed(seconds=" in message
     assert verdict(91.0, Allowance(90.0, None), 1.5) is None  # a busy machine: 135 s
-    assert "x1.5 for this machine's load and speed" in verdict(140.0, Allowance(90.0, None), 1.5)
+    assert "x1.5 for this machine's load and speed and the tests beside it" in verdict(140.0, Allowance(90.0, None), 1.5)
     assert verdict(150.0, Allowance(200.0, "a whole calibration"), 1.0) is None
     assert "allowance of 200 s" in verdict(250.0, Allowance(200.0, "a whole calibration"), 1.0)
 
