@@ -56,3 +56,13 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     close in a serial run; under pytest-xdist a worker that comes back reopens them)."""
     if nextitem is None or nextitem.path.parent not in item.config.stash.get(_POOL_DIRS, set()):
         _close_pools(item.config)
+
+
+@pytest.fixture()
+def dist2(pools: Callable[[int], WorkerPool]) -> WorkerPool:
+    return pools(2)
+
+
+@pytest.fixture()
+def dist4(pools: Callable[[int], WorkerPool]) -> WorkerPool:
+    return pools(4)
