@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel
 
 from shardwise.errors import ConfigError
+from shardwise.models.hf import logits_of
 from shardwise.parallel.linear_ce import REDUCTIONS, linear_cross_entropy
 
 IGNORE_INDEX = -100
@@ -160,7 +161,7 @@ class ChunkedLoss:
     def __call__(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
         if not passes_through(self.head):
             return self.loss_fn(output, targets)
-        hidden = _tensor_of(output)
+        hidden = logits_of(output)  # the head's output: a tensor, a ModelOutput's .logits or a tuple's first
         returned = self.head.__dict__.pop(_STASH, None)
         if returned is None or not _same_tensor(hidden, returned):
             raise ConfigError(f"plan chunked_loss cannot apply: {type(output).__name__} is not what the LM head returned "
@@ -172,16 +173,6 @@ class ChunkedLoss:
         return linear_cross_entropy(hidden, weight, bias, targets, ignore_index=IGNORE_INDEX, reduction=self.reduction, chunk=self.chunk)
 
 
-def _tensor_of(output: Any) -> torch.Tensor:
-    if isinstance(output, torch.Tensor):
-        return output
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    raise ConfigError(f"plan chunked_loss cannot apply: cannot find the head's output in a {type(output).__name__}",
-                      hint="return the logits (a tensor, a ModelOutput with .logits, or a tuple starting with them)")
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
