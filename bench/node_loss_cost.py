@@ -78,7 +78,7 @@ def trial(work: Path, *, plan: str, nproc: int, event: str, conf: str, expected:
         if event == "frozen":
             lost.signal_all(signal.SIGCONT)
             out["thawed_rc"] = lost.proc.wait(timeout=60)
-            out["thawed_line"] = next((l for l in lost.lines if "shardwise run: error:" in l), None)
+            out["thawed_line"] = next((line for line in lost.lines if "shardwise run: error:" in line), None)
         out["survivor_rc"] = survivor.proc.wait(timeout=240)
     finally:
         for p in (a, b, server):

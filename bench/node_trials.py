@@ -38,8 +38,8 @@ HANG_S = 120.0
 
 def _clear_line(p: Proc) -> str | None:
     """The node's one error line, if its output ends with exactly one (tracebacks excluded)."""
-    errors = [l for l in p.lines if l.startswith("shardwise run: error:")]
-    tracebacks = [l for l in p.lines if l.startswith("Traceback")]
+    errors = [line for line in p.lines if line.startswith("shardwise run: error:")]
+    tracebacks = [line for line in p.lines if line.startswith("Traceback")]
     return errors[0] if len(errors) == 1 and not tracebacks else None
 
 
@@ -74,7 +74,7 @@ def _strike(out: dict, nodes: dict[str, Proc], lost: Proc, other: Proc, server: 
         for p in nodes.values():
             p.pids()  # remember every process either node ever had
         if origin is None:
-            origin = next((t for p in nodes.values() for l, t in zip(list(p.lines), list(p.times)) if l.startswith("LOSS")), None)
+            origin = next((t for p in nodes.values() for line, t in zip(list(p.lines), list(p.times)) if line.startswith("LOSS")), None)
             if origin is None and time.monotonic() - start > HANG_S:
                 raise RuntimeError("the job did not start training within 120 s")
         time.sleep(0.05)

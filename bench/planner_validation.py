@@ -31,11 +31,12 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from shardwise.plan.cluster import ClusterSpec  # noqa: E402
 from shardwise.plan.cost import StatePolicy, estimate  # noqa: E402
-from shardwise.calibrate.measure import measure_plan_worker, measure_trainer_worker  # noqa: E402
+from shardwise.calibrate.measure import measure_plan_worker  # noqa: E402
 from shardwise.layout import Plan  # noqa: E402
 from shardwise.plan.search import SearchOptions, _enumerate  # noqa: E402
 from shardwise.plan.stats import transformer_stats  # noqa: E402
 from shardwise.testing import WorkerPool  # noqa: E402
+from bench.trainer_timing import measure_trainer_worker  # noqa: E402 (by module path, for pickling)
 
 WORLD = 4
 MEMORY_PLANS = ["dp=4", "zero=1,dp=4", "zero=2,dp=4", "zero=3,dp=4", "zero=3,dp=2,shard=2", "tp=4", "dp=2,tp=2",

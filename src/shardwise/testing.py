@@ -170,6 +170,7 @@ class WorkerPool:
         results: dict[int, Any] = {}
         errors: dict[int, str] = {}
         pending = dict(enumerate(self._conns))
+        first_error_at = 0.0  # set with the first error; the others get _GRACE_S more to report theirs
         while pending:
             now = time.monotonic()
             if errors:

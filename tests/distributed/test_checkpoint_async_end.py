@@ -29,7 +29,7 @@ from torch import nn
 from shardwise.checkpoint import CheckpointManager
 from shardwise.checkpoint import commit as cm
 from shardwise.train import Trainer
-from tests.distributed.test_trainer_parity import make_data, sgd
+from tests.helpers import make_data, sgd
 
 STEPS, EVERY = 6, 3  # the last step is a scheduled save
 ROUNDS = 3

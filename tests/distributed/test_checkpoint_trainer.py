@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from shardwise.checkpoint import CheckpointManager
 from shardwise.train import Trainer, warmup_cosine
-from tests.distributed.test_trainer_parity import make_data, sgd
+from tests.helpers import make_data, sgd
 
 TOTAL, STOP = 12, 7
 

@@ -14,7 +14,7 @@ from shardwise.errors import ConfigError
 from shardwise.parallel.ddp import DDPOptions, apply_ddp
 from shardwise.parallel.mesh import build_mesh
 from shardwise.layout import Plan
-from tests.distributed.test_trainer_parity import make_data, make_model
+from tests.helpers import make_data, make_model
 
 
 def train_ddp(options: DDPOptions, steps: int = 6) -> dict:
@@ -24,7 +24,7 @@ def train_ddp(options: DDPOptions, steps: int = 6) -> dict:
     model = apply_ddp(make_model(), meshes.dp, options=options)
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     x, y = make_data().tensors
-    rank, n = meshes.dp.get_local_rank(), meshes.dp.size()
+    rank = meshes.dp.get_local_rank()
     grads, losses = [], []
     for s in range(steps):
         idx = slice(s * 32 + rank * 16, s * 32 + (rank + 1) * 16)

@@ -122,7 +122,7 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def fit_fp8(plan: str, directory: str | None, max_steps: int, resume: str | None, model_seed: int) -> dict:
     from shardwise.checkpoint import CheckpointManager
     from shardwise.train import Trainer
-    from tests.distributed.test_trainer_parity import Record
+    from tests.helpers import Record
 
     rec = Record()
     manager = CheckpointManager(directory, every_n_steps=STOP, async_save=False) if directory else None

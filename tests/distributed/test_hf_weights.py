@@ -58,7 +58,7 @@ def load_worker(path: str, plan: str) -> tuple[float, int, int, int, int]:
         else:
             loss, logits = pm.pipeline.eval_outputs(ids[:, :-1], ids[:, 1:])
             diff = float((logits - want).abs().max()) if logits is not None else abs(float(loss) - float(hf.lm_loss(want, ids[:, 1:])))
-    s = pm.extras["load"]
+    s = pm.load
     return diff, s.elements_read, s.elements_local, s.elements_total, s.whole_reads
 
 
@@ -90,7 +90,7 @@ def roundtrip_worker(path: str, ckpt: str) -> tuple[torch.Tensor | None, float, 
     CheckpointManager(ckpt, plan=pm.plan).save({"model": pm.module, "optimizer": opt}, step=3)
     ids = _ids(99)
     loss, logits = pm.pipeline.eval_outputs(ids[:, :-1], ids[:, 1:])
-    return logits, float(loss), pm.extras["load"].fraction_read
+    return logits, float(loss), pm.load.fraction_read
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])

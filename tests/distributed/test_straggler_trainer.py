@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from shardwise.observe.callbacks import DeepProfileCallback, NanGuardCallback, StepProfilerCallback, WatchdogCallback
 from shardwise.train import Trainer
-from tests.distributed.test_trainer_parity import make_data, make_model
+from tests.helpers import make_data, make_model
 
 
 def _fit(out_dir: str):

@@ -12,7 +12,7 @@ from shardwise.callback import Callback
 from shardwise.errors import ConfigError
 from shardwise.parallel.fsdp import FSDPOptions
 from shardwise.train import Trainer, warmup_cosine
-from tests.distributed.test_trainer_parity import make_data, make_model, sgd
+from tests.helpers import make_data, make_model, sgd
 
 
 class LRs(Callback):

@@ -19,7 +19,7 @@ from shardwise.train import (
     warmup_cosine,
 )
 from shardwise.train.plot import read_csv
-from tests.distributed.test_trainer_parity import make_data, make_model, sgd
+from tests.helpers import make_data, make_model, sgd
 
 
 class Hooks(Callback):

@@ -19,7 +19,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tenso
 
 from shardwise.plan import Plan
 from shardwise.train.clip import clip_grad_norm_, global_grad_norm
-from tests.distributed.test_trainer_parity import Record, make_data, make_model, sgd
+from tests.helpers import Record, make_data, make_model, sgd
 
 LAYOUTS = [
     (Shard(0), Replicate()),  # sharded over rows of the mesh, replicated over columns

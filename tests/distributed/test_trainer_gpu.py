@@ -15,7 +15,7 @@ SCRIPT = r"""
 import json, sys, warnings
 import torch, torch.nn.functional as F
 sys.path.insert(0, sys.argv[1])
-from tests.distributed.test_trainer_parity import Record, make_data, make_model, sgd
+from tests.helpers import Record, make_data, make_model, sgd
 from shardwise.train import Trainer
 out = {}
 for precision in ("bf16", "fp16"):

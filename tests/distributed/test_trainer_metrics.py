@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
 from shardwise.train import Trainer
-from tests.distributed.test_trainer_parity import make_data, make_model
+from tests.helpers import make_data, make_model
 
 
 def top2(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int]:

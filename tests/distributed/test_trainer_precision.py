@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from shardwise.train import Callback, LossScaler, Trainer
-from tests.distributed.test_trainer_parity import Record, make_data, make_model, run_fit, sgd
+from tests.helpers import Record, make_data, make_model, run_fit, sgd
 
 INJECT_AT = 3  # the 3rd optimizer step
 

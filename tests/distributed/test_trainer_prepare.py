@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.utils.data import DataLoader
 
-from tests.distributed.test_trainer_parity import make_data, make_model, run_fit, sgd
+from tests.helpers import make_data, make_model, run_fit, sgd
 
 
 def own_loop(pass_loader: bool) -> dict:

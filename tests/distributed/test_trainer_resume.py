@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from shardwise.train import Callback, Trainer, warmup_cosine
-from tests.distributed.test_trainer_parity import Record, make_data, make_model, sgd
+from tests.helpers import Record, make_data, make_model, sgd
 
 STOP_AT, TOTAL = 13, 14
 

@@ -144,7 +144,7 @@ def wait_for(procs: list[Proc], pattern: str, timeout_s: float) -> float:
         if all(p.proc.poll() is not None for p in procs):
             break
         time.sleep(0.05)
-    raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(f"[{p.name}] {l}" for p in procs for l in p.lines[-60:]))
+    raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(f"[{p.name}] {line}" for p in procs for line in p.lines[-60:]))
 
 
 def losses(lines: list[str]) -> dict[int, float]:

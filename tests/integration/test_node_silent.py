@@ -112,10 +112,10 @@ def test_frozen_node_is_dropped_within_seconds_and_exits_when_thawed(tmp_path: P
     text = "\n".join(a.lines)
     assert noticed - frozen_at < EXPIRY_S + 3, (noticed - frozen_at, text)
     assert first - frozen_at < 60, (first - frozen_at, text)
-    assert f"agent pid {frozen[0]}" in next(l for l in a.lines if "sent no heartbeat" in l)
+    assert f"agent pid {frozen[0]}" in next(line for line in a.lines if "sent no heartbeat" in line)
     _assert_resumed(text, lost_after=EVENT_AT)
     # the thawed node finds the world gone: one line, its workers killed, nothing written since
-    last = [l for l in b.lines if "shardwise run: error:" in l]
+    last = [line for line in b.lines if "shardwise run: error:" in line]
     assert len(last) == 1 and "was dropped from the job while it ran" in last[0], "\n".join(b.lines[-30:])
     _assert_losses(a.lines, expected)
     _assert_checkpoints_intact(directory)

@@ -18,7 +18,6 @@ import json
 import re
 import shlex
 import sys
-from pathlib import Path
 
 import pytest
 

@@ -154,7 +154,7 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[s
 
     from shardwise.models.gpt import Block, GPTConfig
     from shardwise.plan.stats import TransformerSpec, transformer_stats
-    from shardwise.train.precision import autocast
+    from shardwise.parallel.precision import autocast
 
     from shardwise.parallel.checkpointing import apply_checkpointing
 
@@ -188,7 +188,7 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[s
 
             last_call_s, last_flops = concurrent_seconds(step, device, window_s=0.2, windows=2), flops
             table[dim] = flops / last_call_s
-            del block, x
+            block = x = None  # freed before the next size is built
         out[precision if recompute == "none" else f"{precision}+recompute"] = table
     return out
 

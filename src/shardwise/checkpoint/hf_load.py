@@ -254,7 +254,7 @@ def allocate(module: nn.Module, *, device: torch.device | str, buffers: dict[str
 
 def load_parallel(source: Pretrained, plan: Any, meshes: Any, *, device: torch.device | str, **options: Any) -> Any:
     """Steps 1-4 of the module doc: the :class:`~shardwise.parallel.parallelize.ParallelModel` of
-    ``source`` under ``plan``, its :class:`LoadStats` in ``extras["load"]``. ``options`` go to
+    ``source`` under ``plan``, its :class:`LoadStats` in ``load``. ``options`` go to
     ``parallelize`` (``loss_fn``, ``tp``, ``fsdp``, ``pipeline``, ``ddp``).
 
     Plain DDP (and ZeRO-1, which keeps DDP) holds the whole model on every rank anyway and
@@ -285,13 +285,13 @@ def load_parallel(source: Pretrained, plan: Any, meshes: Any, *, device: torch.d
         for module in modules:
             allocate(module, device=device, buffers=buffers)
         stats = load_into(modules, source.path, model_type=model_type, aliases=aliases, total=total, values=held)
-    pm.extras["load"] = stats
+    pm.load = stats
     if source.lora is not None:  # for the checkpoints' base reference and exports
         from shardwise.models.lora import peft_model_of
 
         peft_model = peft_model_of(model)
         if peft_model is not None:
-            pm.extras["lora_config"] = peft_model.peft_config["default"].to_dict()
+            pm.lora_config = peft_model.peft_config["default"].to_dict()
     return pm
 
 

@@ -84,7 +84,25 @@ def parquet_column(path: str, column: str, skip: int = 0) -> Iterator[Any]:
         skip = 0
 
 
-class FileSource:
+class FilesInOrder:
+    """A source whose parts are ``self.files``, one file each, in an order fixed per epoch: as
+    listed, or with ``shuffle`` a permutation seeded by ``seed + epoch`` (the same on every rank)."""
+
+    files: list[str]
+    shuffle: bool
+    seed: int
+
+    def parts(self) -> int:
+        return len(self.files)
+
+    def order(self, epoch: int) -> list[str]:
+        files = list(self.files)
+        if self.shuffle:
+            random.Random(self.seed + epoch).shuffle(files)
+        return files
+
+
+class FileSource(FilesInOrder):
     """Files read in order, one part each (module doc); checked when built: each exists, has a
     known suffix, text has a tokenizer, a parquet file has the ``text_key`` column."""
 
@@ -105,15 +123,6 @@ class FileSource:
                 if text_key not in columns:
                     raise ConfigError(f"parquet file {f} has no column {text_key!r} (it has {columns})", hint="set text_key=")
         self.text_key, self.bin_dtype, self.shuffle, self.seed = text_key, bin_dtype, shuffle, seed
-
-    def parts(self) -> int:
-        return len(self.files)
-
-    def order(self, epoch: int) -> list[str]:
-        files = list(self.files)
-        if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(files)
-        return files
 
     def documents(self, epoch: int, part: int, skip: int) -> Iterator[Any]:
         path = self.order(epoch)[part]

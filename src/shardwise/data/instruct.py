@@ -71,15 +71,6 @@ def messages_of(record: Record, key: str) -> list[dict[str, str]]:
     return messages
 
 
-def check_record(record: Record, fmt: InstructFormat) -> None:
-    """The fields ``fmt`` reads, with their types (one line naming the file and line otherwise)."""
-    if fmt.format == "chat":
-        messages_of(record, fmt.messages_key)
-    else:
-        record.field(fmt.prompt_key, str, "prompt")
-        record.field(fmt.completion_key, str, "completion")
-
-
 def check_chat_tokenizer(tokenizer: Any) -> None:
     """A tokenizer that can render chats: a chat template."""
     if not getattr(tokenizer, "chat_template", None):

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from shardwise.data.documents import _pyarrow_parquet
+from shardwise.data.documents import FilesInOrder, _pyarrow_parquet
 from shardwise.errors import ConfigError
 
 RECORD_SUFFIXES = (".jsonl", ".parquet")
@@ -91,7 +90,7 @@ def _parquet_records(path: str, skip: int) -> Iterator[Record]:
         first += rows
 
 
-class RecordSource:
+class RecordSource(FilesInOrder):
     """The records of ``files`` as a stream's document source (module doc)."""
 
     def __init__(self, files: Sequence[str], *, shuffle: bool, seed: int) -> None:
@@ -100,15 +99,6 @@ class RecordSource:
             raise ConfigError("a stream of records needs at least one file")
         check_record_files(self.files)
         self.shuffle, self.seed = shuffle, seed
-
-    def parts(self) -> int:
-        return len(self.files)
-
-    def order(self, epoch: int) -> list[str]:
-        files = list(self.files)
-        if self.shuffle:
-            random.Random(self.seed + epoch).shuffle(files)
-        return files
 
     def documents(self, epoch: int, part: int, skip: int) -> Iterator[Record]:
         yield from read_records(self.order(epoch)[part], skip)

@@ -191,7 +191,7 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     if env.is_main:
         if trainer.auto_choice is not None:
             print(f"plan=auto chose {trainer.plan}:\n  " + trainer.plan.describe().replace("\n", "\n  "), flush=True)
-        load = trainer.model.extras.get("load")
+        load = trainer.model.load
         print(f"data: {data.description}" + (f", windows of {seq} tokens" if config.data.format == "text" else ""), flush=True)
         print(LossReduction(config.train.loss_reduction).describe(), flush=True)
         print(f"model: {model_config.get('model_type')} from {config.model.hf}, {shape.layers} layers x {shape.hidden} hidden, "
@@ -205,7 +205,7 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
         return None
     summary = JobSummary(run_dir=run_dir, steps=result.step, world_size=env.world_size, plan=str(trainer.plan),
                          val_loss=result.val_metrics.get("val_loss"), train_loss=result.train_loss,
-                         unigram_entropy=data.unigram_entropy, elapsed_s=result.elapsed_s, params=trainer.model.extras["load"].elements_total,
+                         unigram_entropy=data.unigram_entropy, elapsed_s=result.elapsed_s, params=trainer.model.load.elements_total,
                          sample="", unit="token", **stop_fields(trainer, result.stop))
     with open(os.path.join(run_dir, "summary.json"), "w") as fh:
         json.dump(asdict(summary), fh, indent=2)

@@ -26,6 +26,7 @@ from typing import Mapping
 from typing import TYPE_CHECKING
 
 from shardwise.errors import LaunchError
+from shardwise.launch.probe import free_port, port_free
 from shardwise.runtime.detect import slurm_nodelist, slurm_port
 from shardwise.runtime.settings import ELASTIC_VAR
 from shardwise.runtime.slurm import first_host
@@ -118,23 +119,11 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return low, high
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def check_port_free(port: int) -> None:
     """Fail early, with advice, when the rendezvous port on this host is taken."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            raise LaunchError(
-                f"port {port} is already in use on this host",
-                hint="pick another --master-port, or omit it on a single node to get a free one",
-            ) from None
+    if not port_free(port):
+        raise LaunchError(f"port {port} is already in use on this host",
+                          hint="pick another --master-port, or omit it on a single node to get a free one")
 
 
 def check_resolvable(host: str, flag: str) -> None:

@@ -30,7 +30,9 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether ``port`` can be bound on every interface of this host (shared with
+    :mod:`shardwise.launch.options`, which imports it: this file stays standard-library only)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -40,9 +42,10 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free on ``host`` ("": every interface)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -97,9 +100,9 @@ def probe(chdir: str, script: str, module: bool, master_addr: str, port: int | N
         facts["master_resolves"] = False
         facts["master_error"] = str(exc)
     if port is not None:
-        facts["port_free"] = _port_free(port)
+        facts["port_free"] = port_free(port)
     if find_port:
-        facts["free_port"] = _free_port()
+        facts["free_port"] = free_port("")
     facts.update(_store(store, store_client_port))
     return facts
 

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from shardwise.errors import ConfigError
+from shardwise.models.blocks import block_modules, find_blocks
 from shardwise.plan.stats import ModelStats, TransformerShape, transformer_stats
 from shardwise.runtime.logging import get_logger
 
@@ -147,13 +148,11 @@ def _small_copy(model: nn.Module, *, blocks: int) -> nn.Module | None:
     inside it say the new number of layers), in train mode; None when its values are on meta."""
     if any(p.is_meta for p in model.parameters()):
         return None
-    found = _find_blocks(model)
-    holder = next(((n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential))
-                   and found and list(m.children()) == found), None)
-    if holder is None or len(found) <= blocks:
+    holder = find_blocks(model)
+    if holder is None or len(holder.modules) <= blocks:
         small = copy.deepcopy(model)
     else:
-        name, container = holder
+        name, container, found = holder.name, holder.container, holder.modules
         short = type(container)(found[:blocks]) if isinstance(container, nn.ModuleList) else nn.Sequential(*found[:blocks])
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         attr = name.rpartition(".")[2]
@@ -184,7 +183,7 @@ def _scaled(measured: ModelStats, model: nn.Module, *, seq: int, short: int) -> 
 
 def parameter_stats(model: nn.Module, *, seq: int, name: str) -> ModelStats:
     """Statistics from parameter counts alone (module doc, fallback 3): works on ``meta``."""
-    blocks = _find_blocks(model) or [model]
+    blocks = block_modules(model) or [model]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     params = list(model.parameters())
     per_block = max((sum(p.numel() for p in b.parameters()) for b in blocks), default=0)
@@ -276,8 +275,8 @@ def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, s
     """Statistics of any model, measured on the ``meta`` device (nothing is allocated).
 
     ``build()`` returns the ``nn.Module`` (it is called under ``torch.device("meta")``);
-    ``example(device)`` returns the input of one sample. The repeated blocks are the longest
-    ``nn.ModuleList``/``nn.Sequential`` whose children all have the same type; everything else
+    ``example(device)`` returns the input of one sample. The repeated blocks are those FSDP wraps
+    (:func:`shardwise.models.blocks.find_blocks`: one rule for all); everything else
     counts as the embedding (before the blocks) or head (after) part, split by parameter order.
     ``device="cpu"``: a real model run for real (``build`` is then called as it is), with a
     ``backward`` of the output's sum to show that the training step runs too.
@@ -287,7 +286,7 @@ def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, s
             model = build()
     else:
         model = build()
-    blocks = _find_blocks(model) or [model]  # no repeated blocks: the whole model is one block
+    blocks = block_modules(model) or [model]  # no repeated blocks: the whole model is one block
     block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     names = [n for n, _ in model.named_parameters()]
@@ -347,16 +346,6 @@ def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, s
         logits_bytes=float(logits_bytes), seq=seq, hidden=hidden, heads=heads,
         vocab=int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0), tp_divides=divides,
     )
-
-
-def _find_blocks(model: Any) -> list[Any]:
-    best: list[Any] = []
-    for module in model.modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = list(module.children())
-            if len(children) > max(1, len(best)) and len({type(c) for c in children}) == 1:
-                best = children
-    return best
 
 
 def _block_depth(model: Any, blocks: list[Any]) -> int:

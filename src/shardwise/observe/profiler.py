@@ -51,8 +51,29 @@ COMM_OPS = (
 _PATCHED_FLAG = "__shardwise_profiler__"
 
 
+class CommSplit:
+    """A span of one rank's time (``span_s``) and the seconds of it spent blocked in collectives
+    (``comm_s``: operation -> seconds); one step (:class:`StepTimes`) or a window's mean
+    (:class:`~shardwise.observe.stragglers.RankSummary`)."""
+
+    comm_s: dict
+
+    @property
+    def span_s(self) -> float:
+        raise NotImplementedError
+
+    @property
+    def comm_total_s(self) -> float:
+        return sum(self.comm_s.values())
+
+    @property
+    def busy_s(self) -> float:
+        """The span minus the time spent waiting in collectives: what this rank itself took."""
+        return self.span_s - self.comm_total_s
+
+
 @dataclass(frozen=True)
-class StepTimes:
+class StepTimes(CommSplit):
     """One rank's breakdown of one step, in seconds (see the module doc for each part)."""
 
     step: int
@@ -67,13 +88,8 @@ class StepTimes:
     segments: tuple = ()  # (kind, t0, t1) relative to ``start``; kind in PHASES + ("comm",)
 
     @property
-    def comm_total_s(self) -> float:
-        return sum(self.comm_s.values())
-
-    @property
-    def busy_s(self) -> float:
-        """The step minus the time spent waiting in collectives: what this rank itself took."""
-        return self.total_s - self.comm_total_s
+    def span_s(self) -> float:
+        return self.total_s
 
 
 class _CommPatch:

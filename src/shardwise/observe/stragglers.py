@@ -20,13 +20,13 @@ from typing import Iterable
 
 import torch.distributed as dist
 
-from shardwise.observe.profiler import StepTimes
+from shardwise.observe.profiler import CommSplit, StepTimes
 
 _PARTS = ("data", "forward", "backward", "optimizer", "idle")
 
 
 @dataclass(frozen=True)
-class RankSummary:
+class RankSummary(CommSplit):
     """Mean seconds per step over a window of steps, on one rank."""
 
     rank: int
@@ -41,12 +41,8 @@ class RankSummary:
     comm_s: dict = field(default_factory=dict)
 
     @property
-    def comm_total_s(self) -> float:
-        return sum(self.comm_s.values())
-
-    @property
-    def busy_s(self) -> float:
-        return self.step_s - self.comm_total_s
+    def span_s(self) -> float:
+        return self.step_s
 
     def part(self, name: str) -> float:
         return getattr(self, f"{name}_s")

@@ -25,7 +25,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.fsdp import find_blocks
+from shardwise.models.blocks import block_modules
 
 _SAVE = {
     torch.ops.aten.mm.default,
@@ -44,7 +44,7 @@ def _policy(ctx: object, op: object, *args: object, **kwargs: object) -> Checkpo
 
 def apply_checkpointing(model: nn.Module, *, mode: str,
                         recompute_context: Callable[[], ContextManager[Any]] | None = None) -> nn.Module:
-    """Checkpoint every trunk block (``find_blocks``) according to ``mode``; in place.
+    """Checkpoint every trunk block (:func:`~shardwise.models.blocks.find_blocks`) according to ``mode``; in place.
 
     ``recompute_context()``: entered around each block's recomputation in backward, for what the
     forward ran under (context parallel's split attention)."""
@@ -52,7 +52,7 @@ def apply_checkpointing(model: nn.Module, *, mode: str,
         return model
     if mode not in ("selective", "full"):
         raise ConfigError(f"recompute={mode!r} is unknown", hint="use none, selective or full")
-    blocks = find_blocks(model, min_repeats=1)  # a pipeline stage may hold a single block
+    blocks = block_modules(model, min_repeats=1)  # a pipeline stage may hold a single block
     if not blocks:
         raise ConfigError(
             f"recompute={mode} found no repeated blocks in {type(model).__name__}",

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from shardwise.parallel.fsdp import find_blocks
+from shardwise.models.blocks import block_modules
 from shardwise.runtime.logging import get_logger
 
 log = get_logger("parallel")
@@ -51,7 +51,7 @@ def apply_compile(model: nn.Module, *, device_type: str) -> list[nn.Module]:
     if missing is not None:
         log.warning("plan compile: running eagerly, %s; install one (e.g. apt-get install g++) to compile", missing)
         return []
-    units = find_blocks(model) or [model]
+    units = block_modules(model) or [model]
     if getattr(getattr(model, "config", None), "use_cache", False) and len(units) > 1:
         # A Hugging Face model's KV cache is indexed by the layer's number, a constant each layer's
         # graph specializes on: one graph per layer (dynamo stops compiling after 8 of them).

@@ -56,8 +56,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from shardwise.errors import ConfigError
+from shardwise.models.blocks import block_modules
+from shardwise.parallel.precision import autocast_dtype
 
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}  # fp8: what is not converted
 
 
 @dataclass(frozen=True)
@@ -74,34 +75,8 @@ class FSDPOptions:
     reduce_dtype: torch.dtype = torch.float32
 
 
-def find_blocks(model: nn.Module, *, min_repeats: int = 2) -> list[nn.Module]:
-    """The repeated blocks of the model's trunk: the children of the largest (by parameters)
-    ``nn.ModuleList``/``nn.Sequential`` whose children are >= ``min_repeats`` modules of one class
-    (1 for a pipeline stage that kept a single block of the trunk).
-
-    These are the units FSDP groups into one all-gather and activation checkpointing recomputes.
-    Returns [] for a model without such a trunk (then the whole model is one unit).
-    """
-    best: list[nn.Module] = []
-    best_size = -1
-    for module in model.modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        children = list(module.children())
-        if len(children) < min_repeats or not children or len({type(c) for c in children}) != 1:
-            continue
-        if not any(True for _ in children[0].parameters()):
-            continue
-        size = sum(p.numel() for c in children for p in c.parameters())
-        if size > best_size:
-            best, best_size = children, size
-    return best
-
-
 def _policies(options: FSDPOptions, mesh: DeviceMesh, *, precision: str, cpu_offload: bool) -> dict[str, Any]:
-    if precision not in _DTYPES:
-        raise ConfigError(f"precision={precision!r} is unknown", hint="use fp32, bf16, fp16 or fp8")
-    mp = MixedPrecisionPolicy(param_dtype=_DTYPES[precision], reduce_dtype=options.reduce_dtype)
+    mp = MixedPrecisionPolicy(param_dtype=autocast_dtype(precision), reduce_dtype=options.reduce_dtype)
     # Pinned host memory (fast async copies to the GPU) needs an accelerator; on a CPU mesh the
     # "offloaded" state already lives in host memory and the policy only changes where the step runs.
     pin = mesh.device_type != "cpu"
@@ -121,7 +96,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, precision: str
         raise ConfigError(f"apply_fsdp handles ZeRO stages 2 and 3, not {stage}", hint="stage 1 uses build_optimizer with DDP")
     reshard = options.reshard_after_forward if options.reshard_after_forward is not None else stage == 3
     kwargs = _policies(options, mesh, precision=precision, cpu_offload=cpu_offload)
-    for block in find_blocks(model):
+    for block in block_modules(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **kwargs)
     # The root holds what is left (embeddings, final norm, head); it is used first in backward,
     # so keeping it gathered after forward costs little memory and saves one all-gather.
@@ -153,7 +128,7 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh, *, precision: str = "fp3
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     kwargs = _policies(options, mesh, precision=precision, cpu_offload=cpu_offload)
-    for block in find_blocks(model):
+    for block in block_modules(model):
         replicate(block, mesh=mesh, **kwargs)
     replicate(model, mesh=mesh, **kwargs)
     return model

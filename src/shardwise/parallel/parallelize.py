@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -40,11 +40,16 @@ from shardwise.parallel.fp8 import Fp8Options, apply_fp8, compute_precision, pre
 from shardwise.parallel.fsdp import FSDPOptions, apply_expert_units, apply_fsdp, apply_replicate, build_optimizer
 from shardwise.parallel.mesh import Meshes
 from shardwise.parallel.pipeline import PipelineOptions, build_pipeline, check_pipeline
-from shardwise.parallel.reduction import TokenShare
+from shardwise.parallel import micro_step
+from shardwise.parallel.micro_step import MicroBatch
+from shardwise.parallel.reduction import LossReduction, TokenShare
 from shardwise.parallel.tp_adapters import adapter_plan
 from shardwise.parallel.tp import TPOptions, TPPlan, apply_tp, derive_tp_plan, validate_tp
 from shardwise.layout import Plan
 from shardwise.plan.support import runtime_conflict
+
+if TYPE_CHECKING:
+    from shardwise.checkpoint.hf_load import LoadStats  # set by the loader, a layer above
 
 
 class PipelineRunner(Protocol):
@@ -70,9 +75,31 @@ class ParallelModel:
     plan: Plan
     meshes: Meshes
     pipeline: PipelineRunner | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
     context_parallel: ContextParallel | None = None
     lm_head: nn.Module | None = None  # plan.chunked_loss: the head the loss applies chunk by chunk
+    tp_plan: TPPlan | None = None  # the tensor-parallel plan applied (None without tp)
+    loss_parallel: bool = False  # the LM head's logits stay vocabulary-sharded into the loss (TPOptions.loss_parallel)
+    load: LoadStats | None = None  # loaded from a Hugging Face directory: what this rank read (checkpoint.hf_load)
+    lora_config: dict[str, Any] | None = None  # its PEFT adapters' config (checkpoints' base reference, exports)
+    _aux_scale: float | None = field(default=None, repr=False)  # what set_loss_scale last set
+
+    def forward_backward(self, micro_batches: Sequence[MicroBatch], *, loss_fn: Callable[[Any, Any], torch.Tensor],
+                         device: torch.device | str, reduction: LossReduction = LossReduction(), loss_scale: float = 1.0,
+                         precision: str | None = None, load: Callable[[MicroBatch], MicroBatch] | None = None) -> torch.Tensor:
+        """Forward and backward of one optimizer step's micro-batches, weighted so that the reduced
+        gradient is one process's; returns the step's loss share (a device tensor). The one
+        micro-step of the Trainer, ``prepare()`` and ``shardwise verify``:
+        :func:`shardwise.parallel.micro_step.forward_backward` states the math and communication."""
+        return micro_step.forward_backward(self, micro_batches, loss_fn=loss_fn, reduction=reduction, device=device,
+                                           loss_scale=loss_scale, precision=precision, load=load)
+
+    @property
+    def extras(self) -> dict[str, Any]:
+        """Deprecated (read the typed fields): ``tp_plan``, ``loss_parallel``, ``load`` and
+        ``lora_config`` as a dict of those that are set, as ``extras`` used to hold them."""
+        found = {"tp_plan": self.tp_plan, "loss_parallel": self.loss_parallel if self.tp_plan is not None else None,
+                 "load": self.load, "lora_config": self.lora_config}
+        return {k: v for k, v in found.items() if v is not None}
 
     def loss_for(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """The loss to call on ``module``'s outputs: :func:`training_loss` of ``loss_fn`` for this
@@ -110,6 +137,9 @@ class ParallelModel:
         router through the output, :mod:`shardwise.models.moe`) what the step's loss is multiplied by
         before backward (``1/accumulation`` times the fp16 loss scale); a pipeline also divides each
         microbatch's loss by the number of microbatches."""
+        if loss_scale == self._aux_scale:  # it walks every module: only when the scale changes
+            return
+        self._aux_scale = loss_scale
         factor = loss_scale / (self.plan.microbatches if self.pipeline is not None else 1)
         for module in self.module.modules():
             if hasattr(module, "aux_loss_scale"):
@@ -134,7 +164,7 @@ class ParallelModel:
         head's logits stay vocabulary-sharded (TPOptions.loss_parallel), and context parallel's
         split attention (recomputation in backward included). A no-op otherwise."""
         with contextlib.ExitStack() as stack:
-            if self.extras.get("loss_parallel"):
+            if self.loss_parallel:
                 from torch.distributed.tensor.parallel import loss_parallel
 
                 stack.enter_context(loss_parallel())
@@ -290,10 +320,8 @@ def parallelize(
         module = apply_local(model, plan, meshes, **local)
     if cp is not None:
         cp.hook_models(module)  # positions and mask for Hugging Face models inside any wrapper (shardwise.parallel.cp)
-    extras: dict[str, Any] = {}
-    if tp_plan is not None:
-        extras.update(tp_plan=tp_plan, loss_parallel=(tp or TPOptions()).loss_parallel)
-    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, extras=extras, context_parallel=cp, lm_head=head)
+    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, context_parallel=cp, lm_head=head, tp_plan=tp_plan,
+                         loss_parallel=tp_plan is not None and (tp or TPOptions()).loss_parallel)
 
 
 def apply_local(

@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.models.blocks import find_blocks
 from shardwise.parallel.pipeline_stage import SequentialStage, TrunkStage
 
 Balance = Literal["params", "flops"]
@@ -67,27 +68,17 @@ class Trunk:
     outputs: tuple[str, ...]  # modules registered after it (innermost level first)
 
 
-def _repeated(module: nn.Module) -> bool:
-    children = list(module.children())
-    return isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2 and len({type(m) for m in children}) == 1
-
-
 def find_trunk(model: nn.Module) -> Trunk:
     """Locate the sequential trunk of ``model`` (see the module doc) or raise a ConfigError."""
     if isinstance(model, nn.Sequential):
         return Trunk(name=None, units=tuple(model.named_children()), inputs=(), outputs=())
-    best: tuple[int, int, str] | None = None  # (numel, -depth, name)
-    for name, module in model.named_modules():
-        if name and _repeated(module):
-            key = (sum(p.numel() for p in module.parameters()), -name.count("."), name)
-            if best is None or key[:2] > best[:2]:
-                best = key
-    if best is None:
+    found = find_blocks(model)  # the blocks FSDP wraps and the planner prices (one rule)
+    if found is None or not found.name:
         raise ConfigError(
             f"cannot find a sequential trunk in {type(model).__name__} (no nn.Sequential, and no ModuleList of repeated blocks inside it)",
             hint="wrap the stages in shardwise.PipelineStages(stage1, stage2, ...) or use pp=1",
         )
-    name = best[2]
+    name = found.name
     parts = name.split(".")
     inputs: list[str] = []
     outputs: list[str] = []

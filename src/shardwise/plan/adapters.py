@@ -14,7 +14,7 @@ estimate then changes in three places:
   ``g`` of the time (``bwd' = bwd (1 - g/2)``); each adapted layer adds its two thin GEMMs, ``r
   (in + out)`` multiply-adds per token against the base's ``in out``: the adapters' share ``a`` of
   the block's matmul parameters, forward and twice in backward; with NF4 every forward and
-  backward first dequantizes the weights (read 4.13 bits, write and read the compute copy: 
+  backward first dequantizes the weights (read 4.13 bits, write and read the compute copy:
   ``(NF4_BYTES + 2 c)`` bytes per weight at the memory bandwidth, ``c`` the compute element size);
 - **communication** is left as for the whole model: an over-estimate of the data-parallel
   reduction, which at run time carries the adapters' gradients only (ZeRO-3's all-gathers do

@@ -104,10 +104,11 @@ def device_spec(env: RuntimeEnv) -> ClusterSpec:
 
 def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: RuntimeEnv,
                   loss_fn: Callable[[Any, Any], torch.Tensor], loss_parallel: bool = False, loss_reduction: str = "samples",
-                  ignore_index: int = IGNORE_INDEX) -> Certificate:
+                  ignore_index: int = IGNORE_INDEX, optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> Certificate:
     """Certify ``plans`` in order on a shrunken copy of ``model`` and the first global batches of the
-    data (:func:`shardwise.verify.certify.certify`). ``model`` is the user's module, or a Hugging Face
-    ``Pretrained`` directory (rebuilt from its config with fewer layers). Collective: every rank."""
+    data (:func:`shardwise.verify.certify.certify`) with the user's ``optimizer`` factory (None: SGD
+    with momentum). ``model`` is the user's module, or a Hugging Face ``Pretrained`` directory
+    (rebuilt from its config with fewer layers). Collective: every rank."""
     plans = list(plans)[: data.certify.max_plans]
     accumulation = min(data.grad_accum_steps, 2)
     # one global batch that every candidate splits evenly: dp ranks x micro-steps x pipeline microbatches
@@ -132,4 +133,4 @@ def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: Run
     compared = {"samples": f"the first {data.certify.steps * global_batch} of the training data (in order)"}
     return certify(workload_for, plans, options=data.certify, accumulation=accumulation, global_batch=global_batch,
                    device=str(env.device), loss_parallel=loss_parallel, compared=compared, loss_reduction=loss_reduction,
-                   ignore_index=ignore_index)
+                   ignore_index=ignore_index, optimizer=optimizer)

@@ -58,10 +58,6 @@ def with_batch_kwargs(batch: Any, extra: dict[str, Any], *, context_parallel: bo
     return {**own, **extra}
 
 
-def batch_size_of(targets: Any) -> int:
-    return int(targets.shape[0]) if isinstance(targets, torch.Tensor) else len(targets)
-
-
 def chunks(loader: Iterable[Any], k: int) -> Iterator[list[Any]]:
     """Group the loader's micro-batches ``k`` at a time (one optimizer step each); a last group of
     fewer than ``k`` is dropped (epochs are cut to whole global batches, so there is none)."""

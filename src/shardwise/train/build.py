@@ -59,6 +59,12 @@ from shardwise.train.auto import AutoData, certify_plans, device_spec, first_inp
 log = get_logger("train")
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The Trainer's optimizer when the user names none: AdamW at lr 1e-3. (Certification then
+    runs SGD with momentum, whose update is linear in the gradient: :mod:`shardwise.verify.certify`.)"""
+    return torch.optim.AdamW(params, lr=1e-3)
 ClusterArg = ClusterSpec | str | None
 
 
@@ -102,7 +108,8 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
         plan, choice = choose_plan(model, env, global_batch_size=global_batch_size, precision=precision,
                                    pipelines_allowed=pipelines_allowed, cluster=cluster, tokens_per_sample=tokens_per_sample,
                                    data=data, loss_fn=loss_fn, loss_parallel=bool(tp and tp.loss_parallel),
-                                   loss_reduction=loss_reduction, ignore_index=ignore_index)
+                                   loss_reduction=loss_reduction, ignore_index=ignore_index,
+                                   optimizer=None if optimizer is default_optimizer else optimizer)
     # An elastic job (--nnodes MIN:MAX) may come back on fewer or more processes than the plan
     # was written for: re-plan it (resolve.replan) instead of refusing it.
     resolved = resolve_plan(plan, env.world_size, precision=precision, elastic=env.settings.elastic is not None)
@@ -124,14 +131,15 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
 def choose_plan(model: nn.Module | Pretrained, env: RuntimeEnv, *, global_batch_size: int, precision: str | None,
                 pipelines_allowed: bool, cluster: ClusterArg = None, tokens_per_sample: int | None = None,
                 data: AutoData | None = None, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-                loss_parallel: bool = False, loss_reduction: str = "samples",
-                ignore_index: int = IGNORE_INDEX) -> tuple[Plan, AutoPlan | None]:
+                loss_parallel: bool = False, loss_reduction: str = "samples", ignore_index: int = IGNORE_INDEX,
+                optimizer: OptimizerFactory | None = None) -> tuple[Plan, AutoPlan | None]:
     """``plan="auto"`` (see the module doc): the plan on every rank and, on rank 0, the planner's
     choice with its predictions (logged). Check first, measure second: the model's statistics (from
     the first sample of ``data`` when given) and whether any plan fits this device's memory are
     settled before the machine is measured, so an impossible request fails in milliseconds. With
     ``data`` certifying (:class:`~shardwise.train.auto.AutoData`), the ranked plans are certified
-    by parity in order and the first that passes is the plan (:mod:`shardwise.verify.certify`).
+    by parity in order and the first that passes is the plan (:mod:`shardwise.verify.certify`),
+    trained with ``optimizer`` (the user's factory; None: SGD with momentum).
 
     Communication: one ``broadcast_object_list`` over the world (rank 0's ranked plans or its
     error, so no rank waits for a plan that never comes); measuring the machine and certifying are
@@ -170,7 +178,7 @@ def choose_plan(model: nn.Module | Pretrained, env: RuntimeEnv, *, global_batch_
     plans = chosen[0]
     if data is not None and loss_fn is not None and data.certifying:
         certificate = certify_plans(source, plans, data=data, env=env, loss_fn=loss_fn, loss_parallel=loss_parallel,
-                                    loss_reduction=loss_reduction, ignore_index=ignore_index)
+                                    loss_reduction=loss_reduction, ignore_index=ignore_index, optimizer=optimizer)
         if certificate.plan is None:
             raise ConfigError(f"plan='auto' found no plan: {certificate.summary()}",
                               hint=f"pass an explicit plan, or certify=False to train with {plans[0]} unchecked")
@@ -256,9 +264,7 @@ def cluster_spec(env: RuntimeEnv, cluster: ClusterArg) -> ClusterSpec:
 def machine_spec(env: RuntimeEnv) -> ClusterSpec:
     """This world's measured cluster spec: the cached calibration of this job shape, or a new one
     measured now by every rank and cached by rank 0."""
-    # Upward import (train -> calibrate), the one in the package: calibration runs parallelized
-    # training steps, so it sits above train/, yet plan="auto" needs its figures. Only this path
-    # imports it, lazily.
+    # Only plan="auto" without a cluster= measures the machine: imported on that path alone.
     from shardwise.calibrate.machine import cache_path, calibrate_world, load_cached, save_cached
 
     name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else ""

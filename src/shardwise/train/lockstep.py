@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.train.batch import move_batch
-from shardwise.train.precision import autocast
+from shardwise.parallel.precision import autocast
 
 
 def forward_module(pm: ParallelModel) -> nn.Module:

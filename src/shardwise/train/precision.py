@@ -24,23 +24,16 @@ so every rank skips the same steps and keeps the same scale; otherwise replicas 
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
-from shardwise.errors import ConfigError
 from shardwise.parallel.local import local_tensor
+from shardwise.parallel.precision import DTYPES, autocast, autocast_dtype
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-
-
-def autocast_dtype(precision: str) -> torch.dtype | None:
-    if precision not in DTYPES:
-        raise ConfigError(f"precision={precision!r} is unknown", hint="use fp32, bf16, fp16 or fp8")
-    return DTYPES[precision]
+__all__ = ["DTYPES", "LossScaler", "autocast", "autocast_dtype", "autocast_precision", "check_precision"]
 
 
 def check_precision(precision: str, device_type: str) -> None:
@@ -59,14 +52,6 @@ def autocast_precision(precision: str, *, params16: bool) -> str:
     parameter storage, :mod:`shardwise.parallel.fsdp`), whose forward runs in the 16-bit dtype of
     the parameters FSDP2 casts, with no autocast ("fp32": a no-op context)."""
     return "fp32" if params16 else precision
-
-
-def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """The forward-pass context for ``precision``: a no-op for fp32."""
-    dtype = autocast_dtype(precision)
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
 
 
 class LossScaler:

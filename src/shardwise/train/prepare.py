@@ -28,6 +28,12 @@ LM head's input while training and this loss applies the head chunk by chunk, so
 needs it; with ``params16`` it computes under autocast). With ``sharded_accumulation`` leave
 the gradient sync on in every micro-batch (FSDP2 then reduce-scatters each one); without it,
 ``with prepared.parallel.gradient_sync(last):`` holds the unsharded gradients until the last.
+
+Or let shardwise run the step's forward and backward, exactly as its Trainer does (weighing,
+context-parallel sharding, gradient sync on the last micro-batch, pipelines)::
+
+    loss = prepared.forward_backward(micro_batches, loss_fn)   # [(x, y), ...] on the device
+    optimizer.step(); optimizer.zero_grad()
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from shardwise.errors import ConfigError
 from shardwise.parallel.ddp import DDPOptions
 from shardwise.layout import Plan
 from shardwise.parallel.mesh import Meshes
+from shardwise.parallel.micro_step import MicroBatch
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss_reduction
 from shardwise.runtime.detect import RuntimeEnv
@@ -71,6 +78,20 @@ class Prepared(tuple):
         one integer over the ranks that hold different tokens. The data-parallel reduction's average
         then gives one process's update on the whole global batch."""
         return list(self.reduction.weigh(list(targets), device=self.env.device).weights)
+
+    def forward_backward(self, micro_batches: Sequence[tuple[Any, Any]],
+                         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> torch.Tensor:
+        """Forward and backward of one optimizer step's ``(inputs, targets)`` micro-batches (on the
+        device), weighed by ``loss_reduction`` and with the gradient sync on the last only: the
+        Trainer's own micro-step (:meth:`ParallelModel.forward_backward
+        <shardwise.parallel.parallelize.ParallelModel.forward_backward>`). ``loss_fn``: the loop's
+        loss (default: the ``loss_fn`` given to ``prepare``). Returns the step's loss share (a
+        device tensor; averaged over the data-parallel ranks it is the global batch's mean)."""
+        if loss_fn is None and self.loss_fn is None:
+            raise ConfigError("forward_backward needs a loss function", hint="pass loss_fn= here or to prepare()")
+        loss = self.parallel.loss_for(loss_fn) if loss_fn is not None else self.loss_fn
+        return self.parallel.forward_backward([MicroBatch(x, y) for x, y in micro_batches], loss_fn=loss, reduction=self.reduction,
+                                              device=self.env.device)
 
     @property
     def model(self) -> nn.Module:

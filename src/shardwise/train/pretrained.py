@@ -3,7 +3,7 @@
 ::
 
     pm = shardwise.from_pretrained("llama-dir", plan="tp=2,pp=2,microbatches=2", loss_fn=lm_loss)
-    pm.extras["load"]          # LoadStats: elements this rank read and holds, of the model's total
+    pm.load                    # LoadStats: elements this rank read and holds, of the model's total
 
 The steps (build on meta, parallelize, allocate the local shards, read them from the safetensors
 files) are :func:`shardwise.checkpoint.hf_load.load_parallel`'s. The Trainer takes the same source

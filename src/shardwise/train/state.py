@@ -118,7 +118,7 @@ def checkpointed_parts(model: Any, optimizer: torch.optim.Optimizer, state: Trai
     learning-rate scheduler and the fp16 loss scaler."""
     parts: dict[str, Any] = {"model": ModelState(model.module), "optimizer": OptimizerState(model.module, optimizer), "train_state": state}
     if lora is not None:
-        parts["lora_base"] = BaseReference(model.module, path=lora[0], lora=lora[1] or model.extras.get("lora_config", {}))
+        parts["lora_base"] = BaseReference(model.module, path=lora[0], lora=lora[1] or model.lora_config or {})
     if scheduler is not None:
         parts["lr_scheduler"] = scheduler
     if scaler is not None:

@@ -1,4 +1,6 @@
-"""One optimizer step over ``k`` micro-batches (the Trainer's module doc states the math)::
+"""One optimizer step over ``k`` micro-batches (the Trainer's module doc states the math); the
+forward and backward are the one micro-step shared with ``prepare()`` and ``shardwise verify``
+(:meth:`ParallelModel.forward_backward <shardwise.parallel.parallelize.ParallelModel.forward_backward>`)::
 
     w_i = reduction.weigh(targets of every micro-batch)     # "tokens": one all-reduce of one int64
     for each micro-batch i (gradient all-reduce / reduce-scatter only after the last, i = k - 1):
@@ -32,8 +34,8 @@ loss is the global batch's mean under the reduction in force.
 
 Beyond the loop a user would write, a step does only what its options need (measured against a
 hand-written DDP loop by bench/ddp_throughput.py): the parameter list is built for clipping or
-fp16 unscaling only; the auxiliary losses' scale is set when it changes, not per micro-batch (it
-walks every module); a loss scale of exactly 1 multiplies nothing; the step's loss is summed on
+fp16 unscaling only; the auxiliary losses' scale is set when it changes, not per step (it walks
+every module); a loss scale of exactly 1 multiplies nothing; the step's loss is summed on
 the device without a sync.
 """
 
@@ -43,19 +45,20 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from shardwise.parallel.micro_step import MicroBatch
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.parallel.reduction import LossReduction
-from shardwise.train.batch import move_batch, split_batch, with_batch_kwargs
+from shardwise.train.batch import batch_kwargs, move_batch, split_batch
 from shardwise.train.clip import clip_grad_norm_
-from shardwise.train.precision import LossScaler, autocast
+from shardwise.train.precision import LossScaler
 from shardwise.train.window import LogWindow
 
 
-@dataclass
+@dataclass(kw_only=True)
 class OptimizerStep:
-    """Everything one step uses, fixed for a ``fit``; call it with the step's micro-batches."""
+    """Everything one step uses, fixed for a ``fit`` (built with keywords); call it with the step's
+    micro-batches."""
 
     model: ParallelModel
     optimizer: torch.optim.Optimizer
@@ -70,41 +73,26 @@ class OptimizerStep:
     window: LogWindow
     after_backward: Callable[[], None]
     reduction: LossReduction = LossReduction()
-    _aux_scale: float | None = None  # the auxiliary losses' scale last set on the model
+
+    def _micro_batch(self, batch: Any) -> MicroBatch:
+        """``batch`` as the micro-step takes it; under ``"tokens"`` its targets go to the device
+        first (counted there: the host waits for nothing), its inputs when its forward comes."""
+        inputs, targets = split_batch(batch)
+        if self.reduction.tokens:
+            targets = move_batch(targets, self.device, self.non_blocking)
+        return MicroBatch(inputs, targets, batch_kwargs(batch))
+
+    def _load(self, mb: MicroBatch) -> MicroBatch:
+        """``mb`` on the device, just before its forward."""
+        inputs, targets, kwargs = move_batch((mb.inputs, mb.targets, mb.kwargs), self.device, self.non_blocking)
+        return MicroBatch(inputs, targets, kwargs)
 
     def __call__(self, micro_batches: list[Any]) -> dict[str, Any]:
-        pm, k, device = self.model, len(micro_batches), self.device
+        pm, device = self.model, self.device
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        parts = [split_batch(batch) for batch in micro_batches]
-        if self.reduction.tokens:  # every micro-batch's targets on the device first, counted there: the host waits for nothing
-            parts = [(inputs, move_batch(targets, device, self.non_blocking)) for inputs, targets in parts]
-        weights = self.reduction.weigh([pm.local_targets(t) if self.reduction.tokens else t for _, t in parts], device=device)
-        factor = scale / k
-        if factor != self._aux_scale:  # for auxiliary losses that reach backward on their own (MoE)
-            pm.set_loss_scale(factor)
-            self._aux_scale = factor
-        loss_sum: torch.Tensor | None = None
-        for i, (batch, (inputs, targets)) in enumerate(zip(micro_batches, parts)):
-            inputs, targets = move_batch((inputs, targets), device, self.non_blocking)
-            inputs, targets, extra = pm.shard_batch(inputs, targets)  # cp: this rank's sequence chunks
-            extra = move_batch(with_batch_kwargs(batch, extra, context_parallel=pm.context_parallel is not None), device,
-                               self.non_blocking)
-            # TP loss-parallel and CP's split attention need the forward and backward inside
-            with pm.gradient_sync(i == k - 1), pm.step_context():
-                if pm.pipeline is not None:  # forward and backward of all pipeline microbatches
-                    with autocast(self.precision, device.type):
-                        if weights.share is None:
-                            loss = pm.pipeline.step(inputs, targets, loss_scale=factor, **extra)
-                        else:
-                            loss = pm.pipeline.step(inputs, targets, loss_scale=scale, tokens=weights.share, **extra)
-                else:
-                    with autocast(self.precision, device.type):
-                        loss = self.loss_fn(pm.module(inputs, **extra), targets)
-                    weight = weights.weights[i] * scale
-                    (loss * weight if not (isinstance(weight, float) and weight == 1.0) else loss).backward()
-            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
-            share = weights.contribution(i, loss.detach().float())
-            loss_sum = share if loss_sum is None else loss_sum + share
+        batches = [self._micro_batch(batch) for batch in micro_batches]
+        loss_sum = pm.forward_backward(batches, loss_fn=self.loss_fn, reduction=self.reduction, device=device, loss_scale=scale,
+                                       precision=self.precision, load=self._load)
         self.after_backward()
         take_step = True
         metrics: dict[str, Any] = {}

@@ -26,7 +26,7 @@ import pathlib
 import time
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -51,7 +51,7 @@ from shardwise.train import evaluate as _evaluate
 from shardwise.train import predict as _predict
 from shardwise.train.batch import chunks
 from shardwise.train.auto import AutoData
-from shardwise.train.build import Built, ClusterArg, OptimizerFactory, build
+from shardwise.train.build import Built, ClusterArg, OptimizerFactory, build, default_optimizer
 from shardwise.train.attachments import default_loggers, open_run_files, ordered_callbacks, run_info
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.loggers import Logger
@@ -71,10 +71,6 @@ _DEFERRED = frozenset({"plan", "auto_choice", "meshes", "model", "optimizer", "d
                        "eval_batch_size", "peak_flops_total", "lr_scheduler", "scaler"})
 
 SchedulerFactory = Callable[..., Any]  # (optimizer) or (optimizer, total_steps) -> scheduler
-
-
-def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-3)
 
 
 class Trainer:
@@ -109,7 +105,7 @@ class Trainer:
         *,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         global_batch_size: int,
-        optimizer: OptimizerFactory = _default_optimizer,
+        optimizer: OptimizerFactory = default_optimizer,
         plan: Plan | str = "dp",
         precision: str | None = None,
         grad_accum_steps: int = 1,
@@ -301,9 +297,10 @@ class Trainer:
         if self.env.is_main:
             log.info(reduction.describe())
         train_step = OptimizerStep(
-            self.model, self.optimizer, self.model.loss_for(self.loss_fn), self._autocast, self.env.device, self.loader_options.pin_memory,
-            self.clip_grad_norm, self.meshes.pp.get_group() if self.plan.pp_enabled else None, self.scaler, self.lr_scheduler,
-            self._window, after_backward=partial(self._call, "on_after_backward"), reduction=reduction)
+            model=self.model, optimizer=self.optimizer, loss_fn=self.model.loss_for(self.loss_fn), precision=self._autocast,
+            device=self.env.device, non_blocking=self.loader_options.pin_memory, clip_grad_norm=self.clip_grad_norm,
+            pp_group=self.meshes.pp.get_group() if self.plan.pp_enabled else None, scaler=self.scaler, lr_scheduler=self.lr_scheduler,
+            window=self._window, after_backward=partial(self._call, "on_after_backward"), reduction=reduction)
 
         while not self._finished():
             sampler.set_epoch(self.state.epoch)  # keeps a restored mid-epoch position

@@ -4,16 +4,19 @@ Before ``Trainer(plan="auto")`` trains, :func:`certify` proves that the chosen l
 what one process would, with the parity engine of ``shardwise verify``
 (:mod:`shardwise.verify.parity`), on
 
-- a **shrunken copy of the user's model** (:func:`shrink`): the same layer types, with the longest
-  run of repeated blocks (a ``ModuleList``/``Sequential`` of one type: transformer layers, CNN
-  stages) cut to as few as the plans need (2, or the pipeline's stages); a Hugging Face model is
-  rebuilt from its config with fewer ``num_hidden_layers``. The copy runs in ``eval()`` mode, so
+- a **shrunken copy of the user's model** (:func:`shrink`): the same layer types, with its
+  repeated blocks (those FSDP wraps and the planner prices, :mod:`shardwise.models.blocks`; they
+  must share their parameter shapes to be dropped) cut to as few as the plans need (2, or the
+  pipeline's stages); a Hugging Face model is rebuilt from its config with fewer ``num_hidden_layers``. The copy runs in ``eval()`` mode, so
   dropout is off and BatchNorm uses its running statistics: under data parallelism batch
   statistics are per replica by design, which is not what the certificate is about;
 - **the first global batches of the real training data** (:class:`DataWorkload`), collated with
   the Trainer's own collate function, with the Trainer's loss function;
-- ``steps`` optimizer steps of SGD with momentum in fp32 (its update is linear in the gradient, so
-  rounding stays float32-sized; see the parity module doc for why not Adam).
+- ``steps`` optimizer steps in fp32 with the user's optimizer (the Trainer's ``optimizer=``
+  factory), or SGD with momentum when the user gave none (its update is linear in the gradient, so
+  rounding stays float32-sized; with an optimizer like Adam the weights are compared where the
+  gradient carries signal, see the parity module doc);
+- the Trainer's own micro-step (:meth:`~shardwise.parallel.parallelize.ParallelModel.forward_backward`).
 
 Each rank trains the single-process reference locally (no communication), then each candidate
 plan in the world, and compares per-step loss, per-step global gradient norm and every final
@@ -40,6 +43,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
+from shardwise.models.blocks import find_blocks
 from shardwise.parallel.reduction import IGNORE_INDEX
 from shardwise.verify.parity import Run, Training, run_parallel, run_reference
 
@@ -75,15 +79,13 @@ class CertifyOptions:
 
 # -- the shrunken copy ---------------------------------------------------------------------------
 def repeated_blocks(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The longest ``ModuleList``/``Sequential`` whose children share one type (its qualified name
-    and the container), or None."""
-    best: tuple[str, nn.Module] | None = None
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)):
-            children = list(module.children())
-            if len(children) > max(1, len(best[1]) if best else 0) and len({_signature(c) for c in children}) == 1:
-                best = (name, module)
-    return best
+    """The model's blocks (:func:`shardwise.models.blocks.find_blocks`, the ones FSDP wraps and
+    the planner prices) as ``(qualified name, container)``, when they can be dropped: every block
+    of the same type and parameter shapes (else None: the copy keeps the whole model)."""
+    found = find_blocks(model)
+    if found is None or len({_signature(c) for c in found.modules}) != 1:
+        return None
+    return found.name, found.container
 
 
 def _signature(module: nn.Module) -> tuple:
@@ -233,12 +235,14 @@ class Certificate:
 
 def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan], *, options: CertifyOptions,
             accumulation: int = 1, global_batch: int, device: str = "cpu", loss_parallel: bool = False,
-            compared: dict[str, Any] | None = None, loss_reduction: str = "samples", ignore_index: int = IGNORE_INDEX) -> Certificate:
+            compared: dict[str, Any] | None = None, loss_reduction: str = "samples", ignore_index: int = IGNORE_INDEX,
+            optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> Certificate:
     """Certify ``plans`` in order until one passes (module doc). ``workload_for(plan)`` is the
     shrunken copy a plan runs on (a pipeline needs as many blocks as stages); the reference is
-    trained once per distinct workload. Collective: every rank of the world."""
+    trained once per distinct workload. ``optimizer``: the user's factory (None: SGD with momentum
+    at ``options.lr``). Collective: every rank of the world."""
     start = time.perf_counter()
-    training = Training(steps=options.steps, global_batch=global_batch, lr=options.lr, optimizer="sgd", device=device,
+    training = Training(steps=options.steps, global_batch=global_batch, lr=options.lr, optimizer=optimizer or "sgd", device=device,
                         loss_reduction=loss_reduction, ignore_index=ignore_index)
     references: dict[int, Any] = {}
     verdicts: list[Verdict] = []
@@ -256,6 +260,8 @@ def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan],
                                   references[id(workload)], training, after_backward=options.after_backward)
             weight, wdiff = report.weight_diff
             values = [report.loss_diff, report.grad_norm_diff, wdiff]
+            if not report.reference_moved:
+                error = "the reference did not train (zero gradients or unchanged weights): nothing was compared"
         except (ConfigError, RuntimeError, ValueError, TypeError, AssertionError) as exc:
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         values = [v if v == v else float("inf") for v in values]  # NaN: as far off as it gets
@@ -271,7 +277,7 @@ def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan],
         if verdict.passed:
             chosen = str(plan)
             break
-    info = {"steps": training.steps, "global_batch": global_batch, "micro_steps": accumulation, "optimizer": f"sgd momentum 0.9 lr {options.lr:g}",
+    info = {"steps": training.steps, "global_batch": global_batch, "micro_steps": accumulation, "optimizer": f"sgd momentum 0.9 lr {options.lr:g}" if optimizer is None else "the Trainer's",
             "precision": "fp32", "mode": "eval (dropout off, BatchNorm running statistics)", "loss_reduction": loss_reduction,
             "quantities": ["loss per step", "global gradient norm per step", "every weight after the last step"],
             "reference": "one process, locally on every rank, the whole global batch per step", **(compared or {})}

@@ -31,9 +31,19 @@ values are accumulated rounding noise and any relative comparison of them is mea
 The default optimizer is SGD with momentum: its update is linear in the gradient, so float32
 rounding differences stay at float32 size. Adam's update ``m / (sqrt(v) + eps)`` is invariant to
 the gradient's scale, so it turns a rounding-noise gradient (like that key bias's) into full
-``lr``-sized steps of random sign; ``optimizer="adamw"`` works, but then compare loss and grad
-norm, not those weights. The report also carries each rank's parameter, gradient and
+``lr``-sized steps of random sign. So with any other optimizer (``"adamw"``, or the user's own
+factory: certification runs the Trainer's) the weights are compared only on the entries whose
+reference gradient was at some step at least ``SIGNAL`` (1e-4) of the run's largest; loss and grad
+norm are compared in full. The report also carries each rank's parameter, gradient and
 optimizer-state bytes (local shards) next to the single-process figures.
+
+**What passes**: every divergence at most ``rtol`` (a NaN fails), and the reference trained: some
+gradient was not zero and some weight moved. A layout whose gradients vanish on both sides compares
+nothing, and a pair of zeros counts as infinitely far apart.
+
+The parallel run steps with the Trainer's own micro-step
+(:meth:`~shardwise.parallel.parallelize.ParallelModel.forward_backward`), so a defect there fails
+parity here.
 
 FP8 (plans with ``precision=fp8``): the reference converts its Linear layers with the same
 recipe and :class:`~shardwise.parallel.fp8.Fp8Options` (``Training.fp8``) as the parallel run,
@@ -47,7 +57,7 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,6 +69,7 @@ from shardwise.errors import ConfigError
 from shardwise.parallel.fp8 import Fp8Options, apply_fp8
 from shardwise.parallel.init import parallelize_on_meta
 from shardwise.parallel.mesh import build_mesh
+from shardwise.parallel.micro_step import MicroBatch
 from shardwise.parallel.parallelize import parallelize
 from shardwise.parallel.pipeline import stage_modules
 from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss_reduction
@@ -82,22 +93,31 @@ class ParityReport:
     weight_diffs: dict[str, float]  # name -> max|w - w_ref| / max|w_ref|
     memory: dict[str, int] = field(default_factory=dict)  # param/grad/optim bytes, local and ref_*
     seconds: float = 0.0  # wall time of the parallel run (set-up included)
+    ref_moved: float = 0.0  # how far the reference's weights moved: max over tensors of max|w_T - w_0| / max|w_0|
 
     @property
     def loss_diff(self) -> float:
-        return max(_rel(a, b) for a, b in zip(self.losses, self.ref_losses))
+        return _worst(_rel(a, b) for a, b in zip(self.losses, self.ref_losses))
 
     @property
     def grad_norm_diff(self) -> float:
-        return max(_rel(a, b) for a, b in zip(self.grad_norms, self.ref_grad_norms))
+        return _worst(_rel(a, b) for a, b in zip(self.grad_norms, self.ref_grad_norms))
 
     @property
     def weight_diff(self) -> tuple[str, float]:
-        name = max(self.weight_diffs, key=self.weight_diffs.__getitem__)
+        # a NaN is the worst of all (max alone would keep whichever comes first)
+        name = max(self.weight_diffs, key=lambda n: (self.weight_diffs[n] != self.weight_diffs[n], self.weight_diffs[n]))
         return name, self.weight_diffs[name]
 
+    @property
+    def reference_moved(self) -> bool:
+        """Whether the reference trained at all: a gradient that is not zero and weights that
+        changed. A layout whose gradients vanish, on both sides, compares nothing and cannot pass."""
+        return self.ref_moved > 0 and any(n > 0 for n in self.ref_grad_norms)
+
     def passed(self, rtol: float) -> bool:
-        return max(self.loss_diff, self.grad_norm_diff, self.weight_diff[1]) <= rtol
+        """Every divergence at most ``rtol`` (a NaN fails), and the reference moved."""
+        return self.reference_moved and all(d <= rtol for d in (self.loss_diff, self.grad_norm_diff, self.weight_diff[1]))
 
     def format(self, rtol: float) -> str:
         name, wdiff = self.weight_diff
@@ -106,12 +126,23 @@ class ParityReport:
             f"  loss       max rel diff {self.loss_diff:.2e}   (final {self.losses[-1]:.6f} vs {self.ref_losses[-1]:.6f})",
             f"  grad norm  max rel diff {self.grad_norm_diff:.2e}   (final {self.grad_norms[-1]:.6f} vs {self.ref_grad_norms[-1]:.6f})",
             f"  weights    max rel diff {wdiff:.2e}   ({name})",
-            f"  verdict    {'PASS' if self.passed(rtol) else 'FAIL'} at rtol {rtol:g}",
+            f"  verdict    {'PASS' if self.passed(rtol) else 'FAIL'} at rtol {rtol:g}"
+            + ("" if self.reference_moved else " (the reference did not train: zero gradients or unchanged weights)"),
         ]
         return "\n".join(rows)
 
 
+def _worst(values: Iterable[float]) -> float:
+    """The largest of ``values``, NaN if any is (``max`` keeps whichever comes first)."""
+    values = list(values)
+    return float("nan") if any(v != v for v in values) else max(values)
+
+
 def _rel(a: float, b: float) -> float:
+    """``|a - b| / |b|``; two zeros compare as far apart as it gets (inf), since a vanished loss or
+    gradient on both sides proves nothing, and a NaN stays NaN (it fails every comparison)."""
+    if a == 0 and b == 0:
+        return float("inf")
     return abs(a - b) / max(abs(b), 1e-12)
 
 
@@ -144,16 +175,26 @@ def _clean(name: str) -> str:
     return name.removeprefix("module.")
 
 
+def _optimizer(name: str, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise ConfigError(f"optimizer {name!r} is unknown", hint="use adamw or sgd, or an optimizer factory (params -> optimizer)")
+
+
 @dataclass(frozen=True)
 class Training:
-    """What both runs share: steps, global batch, optimizer (``sgd`` with momentum or ``adamw``), seed,
-    and how the parallel run weighs its micro-batches (``"tokens"`` or ``"samples"``)."""
+    """What both runs share: steps, global batch, optimizer, seed, and how the parallel run weighs
+    its micro-batches (``"tokens"`` or ``"samples"``). ``optimizer``: ``"sgd"`` (with momentum) or
+    ``"adamw"`` at ``lr``, or the user's factory (``params -> optimizer``, like the Trainer's
+    ``optimizer=``; ``lr`` is then the factory's own), called once per run on fresh parameters."""
 
     steps: int = 20
     global_batch: int = 8
     lr: float = 0.1
     seed: int = 0
-    optimizer: str = "sgd"
+    optimizer: str | Callable[[Any], torch.optim.Optimizer] = "sgd"
     weight_floor: float = 1e-2
     device: str = "cpu"  # where both runs compute (the device of the world's backend: "cuda" under NCCL)
     loss_reduction: str = "tokens"
@@ -162,6 +203,12 @@ class Training:
 
     def __post_init__(self) -> None:
         check_loss_reduction(self.loss_reduction)
+        if isinstance(self.optimizer, str):
+            _optimizer(self.optimizer, self.lr)  # an unknown name fails here, before any run
+
+    def optimizer_factory(self) -> Callable[[Any], torch.optim.Optimizer]:
+        """``params -> optimizer`` for both runs."""
+        return _optimizer(self.optimizer, self.lr) if isinstance(self.optimizer, str) else self.optimizer
 
 
 @dataclass(frozen=True)
@@ -186,6 +233,8 @@ class _Reference:
     weights: dict[str, torch.Tensor]  # every name, tied aliases included
     memory: dict[str, int]
     aliases: dict[str, tuple[str, ...]]  # each parameter's first name -> all its names
+    moved: float = 0.0  # max over tensors of max|w_T - w_0| / max|w_0|: did the reference train at all
+    signal: dict[str, torch.Tensor] | None = None  # not SGD: name -> the entries whose gradient carries signal
 
 
 def parity_worker(workload: Any, runs: Sequence[Run | str], training: Training = Training()) -> list[ParityReport]:
@@ -215,12 +264,18 @@ def run_reference(workload: Any, batches: list[Any], training: Training, *, fp8_
     if fp8_recipe is not None:
         apply_fp8(model, recipe=fp8_recipe, options=training.fp8, device=training.device, log_it=False)
     batches = [_to(b, training.device) for b in batches]
-    opt = _optimizer(training.optimizer)(model.parameters(), lr=training.lr)
+    opt = training.optimizer_factory()(model.parameters())
+    initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    # A scale-invariant optimizer (Adam) turns rounding-noise gradients into full steps: record
+    # where the gradient carries signal, the only entries its weights are compared on.
+    signal: dict[str, torch.Tensor] | None = None if training.optimizer == "sgd" else {}
     losses, norms = [], []
     memory: dict[str, int] = {}
     for step, (x, y) in enumerate(batches):
         loss = workload.loss(model(x), y)
         loss.backward()
+        if signal is not None:
+            _track_signal(signal, model)
         norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])))
         opt.step()
         if step == len(batches) - 1:
@@ -232,8 +287,33 @@ def run_reference(workload: Any, batches: list[Any], training: Training, *, fp8_
     aliases: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(n)
+    moved = max((float((p.detach() - initial[n]).abs().max() / initial[n].abs().max().clamp_min(1e-12))
+                 for n, p in model.named_parameters() if n in initial and p.numel()), default=0.0)
     return _Reference(tuple(losses), tuple(norms), {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
-                      memory, {names[0]: tuple(names) for names in aliases.values()})
+                      memory, {names[0]: tuple(names) for names in aliases.values()}, moved=moved,
+                      signal=_signal_masks(signal, aliases, model) if signal is not None else None)
+
+
+SIGNAL = 1e-4  # a gradient entry below this fraction of the run's largest is rounding noise for Adam
+
+
+def _track_signal(signal: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """Each parameter's largest |gradient| so far, entry by entry."""
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            g = p.grad.detach().abs().float().cpu()
+            signal[n] = torch.maximum(signal[n], g) if n in signal else g
+
+
+def _signal_masks(signal: dict[str, torch.Tensor], aliases: dict[int, list[str]], model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every name (tied aliases too) -> where its gradient was ever at least ``SIGNAL`` of the largest."""
+    top = max((float(g.max()) for g in signal.values() if g.numel()), default=0.0)
+    masks: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():
+        if n in signal:
+            for name in aliases[id(p)]:
+                masks[name] = signal[n] >= SIGNAL * top
+    return masks
 
 
 def run_parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, training: Training,
@@ -273,7 +353,7 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
         pm = parallelize_on_meta(lambda: workload.build(training.seed), plan, meshes, device=training.device, seed=training.seed, **options)
     else:
         pm = parallelize(workload.build(training.seed).to(training.device), plan, meshes, **options)
-    opt = pm.build_optimizer(_optimizer(training.optimizer), lr=training.lr)
+    opt = pm.build_optimizer(training.optimizer_factory())
     loss_fn = pm.loss_for(workload.loss)  # the plan's runtime options: a chunked head + loss, 16-bit parameters
     params = list(pm.parameters())
     losses, norms = [], []
@@ -283,23 +363,9 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     reduction = LossReduction.over(meshes.tokens, training.loss_reduction, training.ignore_index)
     for step, (x, y) in enumerate(batches):
         xs, ys = x.chunk(dp_size)[dp_rank].chunk(run.accumulation), y.chunk(dp_size)[dp_rank].chunk(run.accumulation)
-        # "tokens": the valid targets of every micro-step on every rank, counted before the first forward
-        weights = reduction.weigh([pm.local_targets(ym) for ym in ys], device=training.device)
-        total = torch.zeros((), device=training.device)
-        for i, (xm, ym) in enumerate(zip(xs, ys)):
-            xm, ym, extra = pm.shard_batch(xm, ym)  # context parallel: this rank's chunks of the sequence
-            pm.set_loss_scale(1.0 / run.accumulation)
-            with pm.gradient_sync(i == run.accumulation - 1), pm.step_context():
-                if pm.pipeline is not None:
-                    # All microbatches' forward and backward; the unscaled mean loss on every rank.
-                    if weights.share is None:
-                        loss = pm.pipeline.step(xm, ym, loss_scale=1.0 / run.accumulation, **extra)
-                    else:
-                        loss = pm.pipeline.step(xm, ym, tokens=weights.share, **extra)
-                else:
-                    loss = loss_fn(pm.module(xm, **extra), ym)
-                    (loss * weights.weights[i]).backward()
-            total += weights.contribution(i, (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach())
+        # the Trainer's own micro-step: weighed, sharded (cp), forward and backward, sync on the last
+        total = pm.forward_backward([MicroBatch(xm, ym) for xm, ym in zip(xs, ys)], loss_fn=loss_fn, reduction=reduction,
+                                    device=training.device)
         if after_backward is not None:
             after_backward(pm, plan)
         # the mean over every rank that holds different tokens (dp x cp)
@@ -314,7 +380,8 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     diffs = _weight_diffs(pm, ref, training.weight_floor, pp_group=pp_group)
     memory.update({f"ref_{k}": v for k, v in ref.memory.items()})
     return ParityReport(plan=run.label, losses=tuple(losses), ref_losses=ref.losses, grad_norms=tuple(norms),
-                        ref_grad_norms=ref.grad_norms, weight_diffs=diffs, memory=memory, seconds=time.perf_counter() - start)
+                        ref_grad_norms=ref.grad_norms, weight_diffs=diffs, memory=memory, seconds=time.perf_counter() - start,
+                        ref_moved=ref.moved)
 
 
 def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.ProcessGroup | None) -> dict[str, float]:
@@ -333,7 +400,10 @@ def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.Proc
         for name, p in module.named_parameters():
             full, want = _full(p), _full(ref.weights[_clean(name)])
             full = full.reshape(want.shape)  # a TP-fused weight is held as (in, pieces, width)
-            diffs[_clean(name)] = float((full - want).abs().max() / want.abs().max().clamp_min(floor))
+            gap = (full - want).abs()
+            if ref.signal is not None and _clean(name) in ref.signal:  # Adam: rounding-noise entries are not compared
+                gap = gap * ref.signal[_clean(name)]
+            diffs[_clean(name)] = float(gap.max() / want.abs().max().clamp_min(floor)) if gap.numel() else 0.0
     if pp_group is None:
         return diffs
     per_stage: list[dict[str, float]] = [{} for _ in range(dist.get_world_size(pp_group))]
@@ -348,12 +418,3 @@ def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.Proc
         found = [merged[a] for a in aliases if a in merged]
         out[name] = max(found) if found else float("inf")
     return out
-
-
-def _optimizer(name: str) -> Callable[..., torch.optim.Optimizer]:
-    if name == "adamw":
-        return lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-    if name == "sgd":
-        return lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)
-    raise ConfigError(f"optimizer {name!r} is unknown", hint="use adamw or sgd")
-
