@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from dataclasses import dataclass
+from typing import Any
 
 from shardwise.config import check_input_file
 from shardwise.errors import ConfigError
@@ -115,21 +117,32 @@ def _main(args: argparse.Namespace) -> int:
     _check(args)
     if args.params is not None:
         return _states_table(args)
-    from dataclasses import replace
-
-    from shardwise.plan.cost import estimate
-    from shardwise.plan.explain import dominant_terms, explain_gap
-    from shardwise.plan.memory import StatePolicy
-    from shardwise.plan.options import RUNTIME_OPTIONS, option_notes
-    from shardwise.plan.planner import cluster_of, spec_from_text, stats_of
-    from shardwise.plan.policy import RunPolicy
-    from shardwise.plan.search import SearchOptions, candidates, fixed_options, search
-    from shardwise.plan.stats import transformer_stats
-    from shardwise.plan.support import runtime_conflict
+    from shardwise.plan.planner import cluster_of
 
     if _is_spec_file(args.device_type):
         check_input_file(args.device_type, option="--device-type")
     cluster = cluster_of(args.device_type, world_size=args.devices, devices_per_node=args.devices_per_node)
+    stats = _model_stats(args)
+    global_batch = args.global_batch if args.global_batch is not None else 4 * args.devices
+    if global_batch < 1:
+        raise ConfigError(f"--global-batch {global_batch} must be a positive integer")
+    precision = args.precision or ("fp32" if cluster.device_type == "cpu" else "bf16")
+    if precision == "fp8" and "fp8" not in cluster.peak_flops:
+        raise ConfigError(f"--precision fp8 needs FP8 tensor cores, which {cluster.name} does not have",
+                          hint="use --device-type h100, h200 or h800 (or a spec with an fp8 peak), or --precision bf16")
+    options = _search_options(args, precision)
+    found = _ranked(args, stats, cluster, global_batch, options)
+    if args.json:
+        return _print_json(args, found)
+    return _print_text(args, found)
+
+
+def _model_stats(args: argparse.Namespace) -> Any:
+    """The planner's statistics of the model the flags name (a spec, a script, a Hugging Face
+    config, a preset), with LoRA adapters when ``--lora.r`` asks for them."""
+    from shardwise.plan.planner import spec_from_text, stats_of
+    from shardwise.plan.stats import transformer_stats
+
     if args.model_spec:
         shape, gated = spec_from_text(_model_spec_text(args.model_spec))
         stats = transformer_stats(shape, seq=args.seq, gated_mlp=gated)
@@ -155,88 +168,133 @@ def _main(args: argparse.Namespace) -> int:
         stats = with_lora(stats, r=args.lora_r, base=args.lora_base)
     elif args.lora_base != "fp32":
         raise ConfigError("--lora.base nf4 is QLoRA's 4-bit base under adapters", hint="add --lora.r 16 (or another rank)")
-    global_batch = args.global_batch if args.global_batch is not None else 4 * args.devices
-    if global_batch < 1:
-        raise ConfigError(f"--global-batch {global_batch} must be a positive integer")
-    precision = args.precision or ("fp32" if cluster.device_type == "cpu" else "bf16")
-    if precision == "fp8" and "fp8" not in cluster.peak_flops:
-        raise ConfigError(f"--precision fp8 needs FP8 tensor cores, which {cluster.name} does not have",
-                          hint="use --device-type h100, h200 or h800 (or a spec with an fp8 peak), or --precision bf16")
+    return stats
+
+
+def _search_options(args: argparse.Namespace, precision: str) -> Any:
+    """The search's options from the flags. shardwise's runtime options are searched for shardwise's
+    runtime; a framework's 16-bit policy has its own (16-bit parameters, a fused loss, sharded
+    accumulation) always on."""
+    from dataclasses import replace
+
+    from shardwise.plan.memory import StatePolicy
+    from shardwise.plan.options import RUNTIME_OPTIONS
+    from shardwise.plan.policy import RunPolicy
+    from shardwise.plan.search import SearchOptions
+
     run = RunPolicy.named(args.precision_policy)
     if args.selective:
         run = replace(run, selective=args.selective)
-    top = args.top or (1 if args.fixed else 5)
-    # shardwise's runtime options are searched for shardwise's runtime; a framework's 16-bit policy
-    # has its own (16-bit parameters, a fused loss, sharded accumulation) always on
-    options = SearchOptions(precision=precision, headroom=args.headroom, top=top, run=run,
-                            policy=StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer),
-                            runtime_options=RUNTIME_OPTIONS if args.precision_policy == "autocast" else ())
-    free = None
-    if args.fixed:
-        constrained = fixed_options(args.fixed, options)
-        if constrained.precision != precision:  # precision=... named in --fixed
-            constrained = replace(constrained, policy=StatePolicy.named(args.memory_convention, precision=constrained.precision,
-                                                                        optimizer=args.optimizer))
-        result = search(stats, cluster, global_batch=global_batch, options=constrained)
-        if result.plans:
-            estimates = result.plans
-            explanation = f"--fixed {args.fixed}: the best of the plans that keep these keys" + (
-                f"; {result.explanation}" if len(estimates) > 1 else "")
-        else:
-            every = candidates(stats, cluster, global_batch=global_batch, options=constrained)
-            if not every:
-                raise ConfigError(f"--fixed {args.fixed} names no valid plan for {cluster.devices} devices and global batch {global_batch}",
-                                  hint="the named degrees must multiply to a divisor of --devices, and dp must divide the global batch")
-            estimates = every[:top]
-            best = min(every, key=lambda e: e.memory_total)
-            explanation = (f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them needs is "
-                           f"{best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); the fastest is shown")
-        conflict = runtime_conflict(estimates[0].plan)
-        if conflict is not None:  # the cost model prices it (e.g. Megatron's ZeRO-1 x TP x PP); shardwise cannot run it
-            explanation += f"; note: shardwise's parallel layer cannot run it ({conflict})"
-        if args.explain:
-            found = search(stats, cluster, global_batch=global_batch, options=replace(options, top=1))
-            free = found.plans[0] if found.plans else None
-    else:
+    return SearchOptions(precision=precision, headroom=args.headroom, top=args.top or (1 if args.fixed else 5), run=run,
+                         policy=StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer),
+                         runtime_options=RUNTIME_OPTIONS if args.precision_policy == "autocast" else ())
+
+
+@dataclass(frozen=True)
+class _Ranked:
+    """What the command prints: the ranked plans, why, and (``--fixed --explain``) the best plan
+    of a free search."""
+
+    stats: Any
+    cluster: Any
+    global_batch: int
+    options: Any
+    estimates: list[Any]
+    explanation: str
+    free: Any = None
+
+    def notes(self, e: Any, headroom: float) -> list[str]:
+        """What each runtime option the plan turns on did for it."""
+        from shardwise.plan.cost import estimate
+        from shardwise.plan.options import option_notes
+
+        return option_notes(e, lambda plan: estimate(self.stats, self.cluster, plan, global_batch=self.global_batch,
+                                                     policy=self.options.policy, headroom=headroom, run=self.options.run))
+
+
+def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: int, options: Any) -> _Ranked:
+    """The search: free, or constrained by ``--fixed`` (then the fastest plan of those named even
+    when none fits, said so)."""
+    from dataclasses import replace
+
+    from shardwise.plan.memory import StatePolicy
+    from shardwise.plan.search import candidates, fixed_options, search
+    from shardwise.plan.support import runtime_conflict
+
+    if not args.fixed:
         result = search(stats, cluster, global_batch=global_batch, options=options)
         if not result.plans:
             raise result.no_fit_error()
-        estimates, explanation = result.plans, result.explanation
-    def notes(e: object) -> list[str]:  # what each runtime option the plan turns on did for it
-        return option_notes(e, lambda plan: estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy,
-                                                     headroom=args.headroom, run=run))
+        return _Ranked(stats, cluster, global_batch, options, result.plans, result.explanation)
+    constrained = fixed_options(args.fixed, options)
+    if constrained.precision != options.precision:  # precision=... named in --fixed
+        constrained = replace(constrained, policy=StatePolicy.named(args.memory_convention, precision=constrained.precision,
+                                                                    optimizer=args.optimizer))
+    result = search(stats, cluster, global_batch=global_batch, options=constrained)
+    if result.plans:
+        estimates = result.plans
+        explanation = f"--fixed {args.fixed}: the best of the plans that keep these keys" + (
+            f"; {result.explanation}" if len(estimates) > 1 else "")
+    else:
+        every = candidates(stats, cluster, global_batch=global_batch, options=constrained)
+        if not every:
+            raise ConfigError(f"--fixed {args.fixed} names no valid plan for {cluster.devices} devices and global batch {global_batch}",
+                              hint="the named degrees must multiply to a divisor of --devices, and dp must divide the global batch")
+        estimates = every[:options.top]
+        best = min(every, key=lambda e: e.memory_total)
+        explanation = (f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them needs is "
+                       f"{best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); the fastest is shown")
+    conflict = runtime_conflict(estimates[0].plan)
+    if conflict is not None:  # the cost model prices it (e.g. Megatron's ZeRO-1 x TP x PP); shardwise cannot run it
+        explanation += f"; note: shardwise's parallel layer cannot run it ({conflict})"
+    free = None
+    if args.explain:
+        found = search(stats, cluster, global_batch=global_batch, options=replace(options, top=1))
+        free = found.plans[0] if found.plans else None
+    return _Ranked(stats, cluster, global_batch, options, estimates, explanation, free)
 
-    if args.json:
-        out = {"model": stats.name, "params": stats.params_total, "devices": cluster.devices, "device_type": cluster.name,
-               "global_batch": global_batch, "seq": stats.seq, "precision_policy": run.precision,
-               "memory_convention": args.memory_convention, "plans": [e.to_json() for e in estimates], "explanation": explanation}
-        if args.explain:
-            out["terms"] = [dominant_terms(e, k=4) for e in estimates]
-            out["runtime_options"] = [notes(e) for e in estimates]
-            if free is not None:
-                out["free_search"] = {"plan": str(free.plan), "speedup": estimates[0].step_time_s / free.step_time_s,
-                                      "why": explain_gap(free, estimates[0])}
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {global_batch}, "
+
+def _print_json(args: argparse.Namespace, found: _Ranked) -> int:
+    from shardwise.plan.explain import dominant_terms, explain_gap
+
+    stats, cluster, estimates = found.stats, found.cluster, found.estimates
+    out = {"model": stats.name, "params": stats.params_total, "devices": cluster.devices, "device_type": cluster.name,
+           "global_batch": found.global_batch, "seq": stats.seq, "precision_policy": found.options.run.precision,
+           "memory_convention": args.memory_convention, "plans": [e.to_json() for e in estimates], "explanation": found.explanation}
+    if args.explain:
+        out["terms"] = [dominant_terms(e, k=4) for e in estimates]
+        out["runtime_options"] = [found.notes(e, args.headroom) for e in estimates]
+        if found.free is not None:
+            out["free_search"] = {"plan": str(found.free.plan), "speedup": estimates[0].step_time_s / found.free.step_time_s,
+                                  "why": explain_gap(found.free, estimates[0])}
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def _print_text(args: argparse.Namespace, found: _Ranked) -> int:
+    from shardwise.plan.explain import dominant_terms, explain_gap
+
+    stats, cluster, estimates, options = found.stats, found.cluster, found.estimates, found.options
+    print(f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {found.global_batch}, "
           f"{cluster.devices} x {cluster.name} ({cluster.devices_per_node} per node, {cluster.memory_bytes / 1e9:.0f} GB, "
-          f"{100 * (1 - args.headroom):.0f}% usable), {precision} ({run.precision}"
+          f"{100 * (1 - args.headroom):.0f}% usable), {options.precision} ({options.run.precision}"
           + ("; runtime options searched)" if options.runtime_options else ")"))
     print(format_table(estimates))
-    print(explanation)
-    if args.explain:
-        for i, e in enumerate(estimates, 1):
-            print(f"#{i} {dominant_terms(e, k=4)}")
-            said = notes(e)
-            if said:
-                print(f"#{i} runtime options: " + "; ".join(said))
-        if free is not None:
-            gain = estimates[0].step_time_s / free.step_time_s
-            if gain > 1.0 + 1e-9:
-                flag = f" (more than {GAP}x: judge the terms)" if gain > GAP else ""
-                print(f"free search{flag}: {explain_gap(free, estimates[0])}")
-            else:
-                print(f"free search: no plan is predicted faster than {estimates[0].plan}")
+    print(found.explanation)
+    if not args.explain:
+        return 0
+    for i, e in enumerate(estimates, 1):
+        print(f"#{i} {dominant_terms(e, k=4)}")
+        said = found.notes(e, args.headroom)
+        if said:
+            print(f"#{i} runtime options: " + "; ".join(said))
+    if found.free is not None:
+        gain = estimates[0].step_time_s / found.free.step_time_s
+        if gain > 1.0 + 1e-9:
+            flag = f" (more than {GAP}x: judge the terms)" if gain > GAP else ""
+            print(f"free search{flag}: {explain_gap(found.free, estimates[0])}")
+        else:
+            print(f"free search: no plan is predicted faster than {estimates[0].plan}")
     return 0
 
 

@@ -22,7 +22,7 @@ import typing
 from dataclasses import fields
 
 from shardwise.config import TrainJobConfig, load_config, section_fields, to_toml
-from shardwise.errors import ConfigError, ShardwiseError
+from shardwise.errors import ConfigError, ShardwiseError, StoppedBySignal
 from shardwise.layout import Plan
 
 EXAMPLES = """examples:
@@ -135,11 +135,9 @@ def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    import tempfile
     import time
     from dataclasses import replace
 
-    from shardwise.errors import StoppedBySignal
     from shardwise.jobs.outcome import exit_status, newest_checkpoint, read_summary, resume_command
     from shardwise.jobs.summary import check_data_options, check_fresh_start, check_run_dir, default_run_name, format_summary
     from shardwise.jobs.tracking import check_tracker
@@ -171,6 +169,29 @@ def _main(args: argparse.Namespace) -> int:
         os.environ[key] = value  # this process and (inherited) the workers
         print(f"log.tracking_uri: a file store was asked for, so {key}={value} is set for this run (MLflow 3 keeps "
               "file stores switched off by default)", flush=True)
+    _announce(plan, nproc, run_dir)
+
+    from shardwise.launch.forward import forward_for_this_process
+
+    # From here to the exit, SIGUSR1 (Slurm's warning) is recorded and passed on, never fatal.
+    forwarded = forward_for_this_process()
+    started = time.time()
+    stopped = _run_workers(config, nproc, max_restarts=args.max_restarts, hang_env=hang_env, forwarded=forwarded)
+
+    resume = resume_command(run_dir, max_restarts=args.max_restarts, hang_timeout=args.hang_timeout)
+    summary = read_summary(run_dir, since=started)
+    if summary is None:
+        if stopped is not None:  # the workers were ended before they could report
+            raise StoppedBySignal(f"{stopped.message}; no summary from the workers; {newest_checkpoint(run_dir)}; resume with: {resume}",
+                                  signum=stopped.signum)
+        raise ShardwiseError(f"the run finished without writing {os.path.join(run_dir, 'summary.json')}",
+                             hint="see the workers' output above")
+    print(format_summary(summary, resume))
+    return exit_status(summary)
+
+
+def _announce(plan: Plan | None, nproc: int, run_dir: str) -> None:
+    """The plan (or that the planner chooses) and the run directory, before any process starts."""
     if plan is None:
         print(f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed below)", flush=True)
     else:
@@ -178,12 +199,15 @@ def _main(args: argparse.Namespace) -> int:
         print("  " + plan.describe().replace("\n", "\n  "), flush=True)
     print(f"run directory: {run_dir}", flush=True)
 
-    from shardwise.launch.forward import forward_for_this_process
 
-    # From here to the exit, SIGUSR1 (Slurm's warning) is recorded and passed on, never fatal.
-    forwarded = forward_for_this_process()
-    started, stopped = time.time(), None
-    if nproc == 1 and not args.max_restarts:  # a restart needs the elastic agent, even for one process
+def _run_workers(config: TrainJobConfig, nproc: int, *, max_restarts: int, hang_env: dict[str, str],
+                 forwarded: typing.Any) -> StoppedBySignal | None:
+    """Run the job: in this process (one process, no restarts), else the workers under torch's
+    elastic agent. Returns the StoppedBySignal that ended them (None: they finished)."""
+    import tempfile
+
+    stopped = None
+    if nproc == 1 and not max_restarts:  # a restart needs the elastic agent, even for one process
         from shardwise.jobs.train import run_job
         from shardwise.runtime.env import shutdown
 
@@ -204,20 +228,10 @@ def _main(args: argparse.Namespace) -> int:
             with open(launch_config, "w") as fh:
                 fh.write(to_toml(config))
             options = RunOptions(script="shardwise.jobs.train", module=True, script_args=("--config", launch_config),
-                                 nproc_per_node=str(nproc), max_restarts=args.max_restarts)
+                                 nproc_per_node=str(nproc), max_restarts=max_restarts)
             resolved = resolve(options)
             try:
                 run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}), forwarded=forwarded)
             except StoppedBySignal as err:  # the workers' summary (below) says where they stopped
                 stopped = err
-
-    resume = resume_command(run_dir, max_restarts=args.max_restarts, hang_timeout=args.hang_timeout)
-    summary = read_summary(run_dir, since=started)
-    if summary is None:
-        if stopped is not None:  # the workers were ended before they could report
-            raise StoppedBySignal(f"{stopped.message}; no summary from the workers; {newest_checkpoint(run_dir)}; resume with: {resume}",
-                                  signum=stopped.signum)
-        raise ShardwiseError(f"the run finished without writing {os.path.join(run_dir, 'summary.json')}",
-                             hint="see the workers' output above")
-    print(format_summary(summary, resume))
-    return exit_status(summary)
+    return stopped

@@ -207,6 +207,45 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
         raise LaunchError(
             f"--node-rank {topo.node_rank} is outside 0..{topo.max_nodes - 1}", hint=f"give each of the {topo.max_nodes} nodes a rank from 0 to {topo.max_nodes - 1}"
         )
+    backend, endpoint, local_addr, rdzv_configs = _rendezvous(options, topo)
+
+    # Each rank's output: straight to this process's stdout/stderr (inherited), one whole line per
+    # write (shardwise.launch.worker_main). With --log-dir or --log-prefix, torch's agent writes
+    # it to <log_dir>/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log and copies each line
+    # to the console behind the prefix (its default: [shardwise<local rank>]:).
+    if options.log_prefix is not None and not options.log_prefix.strip():
+        raise LaunchError("--log-prefix is empty", hint="for example --log-prefix '[${rank}]: ', or leave it out for no prefix")
+    temp_log_dir = None
+    if options.log_dir:
+        os.makedirs(options.log_dir, exist_ok=True)
+    elif options.log_prefix:
+        temp_log_dir = tempfile.mkdtemp(prefix="shardwise-logs-")
+    tee = Std.ALL if options.log_dir or options.log_prefix else Std.NONE
+    config = LaunchConfig(
+        min_nodes=topo.min_nodes,
+        max_nodes=topo.max_nodes,
+        nproc_per_node=nproc,
+        run_id=topo.run_id or (str(uuid.uuid4()) if topo.max_nodes == 1 else "none"),
+        role="shardwise",
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=options.max_restarts,
+        monitor_interval=options.monitor_interval_s,
+        start_method="spawn",
+        local_addr=local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=options.log_dir or temp_log_dir, redirects=Std.NONE, tee=tee),
+        log_line_prefix_template=options.log_prefix,
+    )
+    args = ["-m", WORKER_MAIN] + (["-m"] if options.module else []) + [options.script, *options.script_args]
+    worker_env = _worker_env(topo, backend=backend, nproc=nproc, environ=environ)
+    return ResolvedLaunch(config=config, entrypoint=sys.executable, args=tuple(args), worker_env=worker_env, temp_log_dir=temp_log_dir)
+
+
+def _rendezvous(options: RunOptions, topo: _Topology) -> tuple[str, str, str | None, dict[str, object]]:
+    """``(backend, endpoint, local_addr, rdzv_configs)`` of torch's rendezvous for this topology:
+    c10d for an elastic world or a given endpoint, c10d on a free local port for one node that
+    names no master, else static at the master's address (checked: resolvable, port free on node 0)."""
     rdzv_configs: dict[str, object] = {"timeout": options.rdzv_timeout_s, "join_timeout": options.rdzv_timeout_s,
                                        **parse_rdzv_conf(options.rdzv_conf)}
     local_addr = None
@@ -245,36 +284,11 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
         raise LaunchError(f"--rdzv-backend {backend!r} is unknown", hint="use 'c10d' or 'static'")
     if backend == "static":
         rdzv_configs["rank"] = topo.node_rank
+    return backend, endpoint, local_addr, rdzv_configs
 
-    # Each rank's output: straight to this process's stdout/stderr (inherited), one whole line per
-    # write (shardwise.launch.worker_main). With --log-dir or --log-prefix, torch's agent writes
-    # it to <log_dir>/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log and copies each line
-    # to the console behind the prefix (its default: [shardwise<local rank>]:).
-    if options.log_prefix is not None and not options.log_prefix.strip():
-        raise LaunchError("--log-prefix is empty", hint="for example --log-prefix '[${rank}]: ', or leave it out for no prefix")
-    temp_log_dir = None
-    if options.log_dir:
-        os.makedirs(options.log_dir, exist_ok=True)
-    elif options.log_prefix:
-        temp_log_dir = tempfile.mkdtemp(prefix="shardwise-logs-")
-    tee = Std.ALL if options.log_dir or options.log_prefix else Std.NONE
-    config = LaunchConfig(
-        min_nodes=topo.min_nodes,
-        max_nodes=topo.max_nodes,
-        nproc_per_node=nproc,
-        run_id=topo.run_id or (str(uuid.uuid4()) if topo.max_nodes == 1 else "none"),
-        role="shardwise",
-        rdzv_endpoint=endpoint,
-        rdzv_backend=backend,
-        rdzv_configs=rdzv_configs,
-        max_restarts=options.max_restarts,
-        monitor_interval=options.monitor_interval_s,
-        start_method="spawn",
-        local_addr=local_addr,
-        logs_specs=DefaultLogsSpecs(log_dir=options.log_dir or temp_log_dir, redirects=Std.NONE, tee=tee),
-        log_line_prefix_template=options.log_prefix,
-    )
-    args = ["-m", WORKER_MAIN] + (["-m"] if options.module else []) + [options.script, *options.script_args]
+
+def _worker_env(topo: _Topology, *, backend: str, nproc: int, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables the launcher adds to every worker's environment."""
     worker_env = {}
     if topo.min_nodes != topo.max_nodes:  # the workers' Trainer re-plans when the world changed
         worker_env[ELASTIC_VAR] = f"{topo.min_nodes}:{topo.max_nodes}"
@@ -286,4 +300,4 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
     if "OMP_NUM_THREADS" not in environ:
         # Share the cores between the local processes instead of oversubscribing them.
         worker_env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-    return ResolvedLaunch(config=config, entrypoint=sys.executable, args=tuple(args), worker_env=worker_env, temp_log_dir=temp_log_dir)
+    return worker_env

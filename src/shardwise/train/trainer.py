@@ -259,6 +259,14 @@ class Trainer:
         return batches_per_epoch(train_data, global_batch_size=self.global_batch_size, max_steps=self.max_steps)
 
     # -- fit ------------------------------------------------------------------------------
+    def _optimizer_step(self, reduction: LossReduction) -> OptimizerStep:
+        """The step ``fit`` calls once per global batch (:mod:`shardwise.train.step`)."""
+        return OptimizerStep(
+            model=self.model, optimizer=self.optimizer, loss_fn=self.model.loss_for(self.loss_fn), precision=self._autocast,
+            device=self.env.device, non_blocking=self.loader_options.pin_memory, clip_grad_norm=self.clip_grad_norm,
+            pp_group=self.meshes.pp.get_group() if self.plan.pp_enabled else None, scaler=self.scaler, lr_scheduler=self.lr_scheduler,
+            window=self._window, after_backward=partial(self._call, "on_after_backward"), reduction=reduction)
+
     def fit(self, train_data: Dataset, val_data: Dataset | None = None, *, resume: str | int | None = None) -> FitResult:
         """Train until ``max_steps`` / ``max_epochs`` (default: one epoch) or a callback stops it.
 
@@ -296,11 +304,7 @@ class Trainer:
         reduction = LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index)
         if self.env.is_main:
             log.info(reduction.describe())
-        train_step = OptimizerStep(
-            model=self.model, optimizer=self.optimizer, loss_fn=self.model.loss_for(self.loss_fn), precision=self._autocast,
-            device=self.env.device, non_blocking=self.loader_options.pin_memory, clip_grad_norm=self.clip_grad_norm,
-            pp_group=self.meshes.pp.get_group() if self.plan.pp_enabled else None, scaler=self.scaler, lr_scheduler=self.lr_scheduler,
-            window=self._window, after_backward=partial(self._call, "on_after_backward"), reduction=reduction)
+        train_step = self._optimizer_step(reduction)
 
         while not self._finished():
             sampler.set_epoch(self.state.epoch)  # keeps a restored mid-epoch position
