@@ -4,11 +4,14 @@ the parity engine, while the code as it is passes. And a comparison of nothing c
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
+import torch
 
 from shardwise.models.gpt import GPTConfig
 from shardwise.parallel import micro_step
-from shardwise.verify.parity import GPTWorkload, ParityReport, Run, Training, _rel, parity_worker
+from shardwise.verify.parity import GPTWorkload, ParityReport, Run, ScriptWorkload, Training, _rel, parity_worker
 from tests.helpers import run_fit
 
 WORKLOAD = GPTWorkload(GPTConfig(vocab_size=32, seq_len=8, layers=2, hidden=16, heads=2))
@@ -94,3 +97,36 @@ def test_the_reference_records_that_it_moved():
     batches = [WORKLOAD.batch(step, 4) for step in range(2)]
     assert run_reference(WORKLOAD, batches, Training(steps=2, global_batch=4)).moved > 0
     assert run_reference(WORKLOAD, batches, Training(steps=2, global_batch=4, lr=0.0)).moved == 0.0
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def _verify_with_adamw() -> tuple[bool, str, dict[str, int]]:
+    [report] = parity_worker(WORKLOAD, [Run("dp=2", accumulation=2)], Training(steps=3, global_batch=8, optimizer=adamw))
+    return report.passed(1e-5), report.format(1e-5), report.memory
+
+
+@pytest.mark.timeout(240)
+def test_verify_runs_the_users_optimizer_factory(dist2):
+    """The user's AdamW (as Trainer(optimizer=...) takes it) passes on a correct plan: Adam's
+    scale-invariant update amplifies float32 rounding (the key bias's noise gradient), so the
+    weights have their own tolerance; loss and grad norm keep rtol."""
+    for passed, text, memory in dist2.run(_verify_with_adamw):
+        assert passed and "tolerance 0.01: an adaptive optimizer" in text, text
+        assert memory["optim"] == 2 * memory["param"]  # AdamW's two moments per parameter: it really ran
+
+
+def test_a_script_names_its_optimizer(tmp_path):
+    script = tmp_path / "model.py"
+    script.write_text("import torch\n"
+                      "def build_model(seed):\n    return torch.nn.Linear(2, 2)\n"
+                      "def make_batch(step, size):\n    return torch.zeros(size, 2), torch.zeros(size, dtype=torch.long)\n"
+                      "def make_optimizer(params):\n    return torch.optim.Adagrad(params, lr=0.5)\n")
+    factory = ScriptWorkload(str(script)).optimizer()
+    assert isinstance(factory(torch.nn.Linear(2, 2).parameters()), torch.optim.Adagrad)
+    assert pickle.loads(pickle.dumps(factory)) == factory  # it reaches the spawned processes
+    bare = tmp_path / "bare.py"
+    bare.write_text("def build_model(seed):\n    return None\ndef make_batch(step, size):\n    return None\n")
+    assert ScriptWorkload(str(bare)).optimizer() is None

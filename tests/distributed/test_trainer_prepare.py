@@ -35,3 +35,25 @@ def test_prepare_trains_like_the_trainer(pools) -> None:
             assert got["type"] == "DistributedDataParallel" and got["epochs"] == [0, 1]
             for key, value in ref.items():
                 torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def micro_step_loop() -> dict:
+    """A loop that lets prepare() run each step's forward and backward (two micro-batches of 8 per
+    rank): the Trainer's own micro-step, so it trains like Trainer(grad_accum_steps=2)."""
+    import shardwise
+
+    prepared = shardwise.prepare(make_model(), sgd, make_data(), batch_size=8, seed=7, loss_fn=F.cross_entropy)
+    model, optimizer, loader = prepared
+    batches = iter(loader)
+    for _ in range(10):  # one epoch: 10 steps of 2 micro-batches on each of 2 ranks
+        prepared.forward_backward([next(batches), next(batches)])
+        optimizer.step()
+        optimizer.zero_grad()
+    return {k: v.detach().clone() for k, v in get_model_state_dict(model).items()}
+
+
+def test_prepare_forward_backward_is_the_trainers_micro_step(pools) -> None:
+    ref = pools(1).run(run_fit, steps=10, accum=2)[0]["weights"]
+    for got in pools(2).run(micro_step_loop):
+        for key, value in ref.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-5, atol=1e-6)

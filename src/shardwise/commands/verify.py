@@ -52,8 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=2, help="experts per token of the built-in MoE GPT")
     p.add_argument("--global-batch", type=int, default=8, help="samples per step, split over the data-parallel ranks")
     p.add_argument("--accumulation", type=int, default=1, help="micro-steps per optimizer step on each rank")
-    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd",
-                   help="sgd (with momentum; rounding differences stay float32-sized) or adamw (amplifies them for near-zero gradients)")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default=None,
+                   help="sgd (with momentum; rounding differences stay float32-sized) or adamw (amplifies them for near-zero gradients); "
+                        "default: the --script's make_optimizer(params) if it has one, else sgd")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
     p.add_argument("--meta-init", action="store_true", help="build on the meta device and materialize only local shards")
     p.add_argument("--loss-parallel", action="store_true", help="keep the LM head's logits vocabulary-sharded (TP)")
@@ -116,11 +117,13 @@ def _main(args: argparse.Namespace) -> int:
     # Check the plan against the model here, on the meta device: no memory, no processes.
     with torch.device("meta"):
         validate(workload.build(args.seed), plan, tp=TPOptions(loss_parallel=args.loss_parallel))
-    training = Training(steps=args.steps, global_batch=args.global_batch, seed=args.seed, optimizer=args.optimizer,
-                        lr=args.lr if args.lr is not None else (0.1 if args.optimizer == "sgd" else 1e-3), loss_reduction=args.loss_reduction)
+    own = workload.optimizer() if args.script and args.optimizer is None else None  # the user's optimizer, as training runs it
+    name = args.optimizer or "sgd"
+    training = Training(steps=args.steps, global_batch=args.global_batch, seed=args.seed, optimizer=own or name,
+                        lr=args.lr if args.lr is not None else (0.1 if name == "sgd" else 1e-3), loss_reduction=args.loss_reduction)
     run = Run(str(plan), accumulation=args.accumulation, meta_init=args.meta_init, loss_parallel=args.loss_parallel)
     print(f"verify: {plan.world_size} process(es), plan {plan}, {args.steps} steps, global batch {args.global_batch}, "
-          f"{args.optimizer} lr {training.lr:g}, loss_reduction={args.loss_reduction}"
+          + ("the script's make_optimizer" if own else f"{name} lr {training.lr:g}") + f", loss_reduction={args.loss_reduction}"
           + ("" if args.script else f" ({'targets with ragged -100 masks' if masked else 'every target valid'})"), flush=True)
     reports = launch(parity_worker, nprocs=plan.world_size, args=(workload, [run], training), backend="gloo", timeout_s=args.timeout)
     report = reports[0][0]

@@ -8,7 +8,7 @@ engine behind ``shardwise verify`` (:mod:`shardwise.verify.parity`) and the cert
         inputs, targets, cp_kwargs = pm.shard_batch(...)    # context parallel: this rank's chunks
         loss_i = loss_fn(model(inputs, **kwargs), targets)  # under autocast
         (loss_i * w_i * S).backward()                        # a pipeline runs its own schedule
-    return sum_i contribution_i                              # w_i x loss_i: the step's mean loss share
+    return sum_i w_i x loss_i (and w)                        # the step's loss share on this rank
 
 ``S`` is the loss scale (fp16's dynamic scale; 1 otherwise). How ``w_i`` makes the reduced
 gradient one process's is :mod:`shardwise.parallel.reduction`. The optimizer, clipping and the
@@ -31,10 +31,21 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError
 from shardwise.parallel.precision import autocast
-from shardwise.parallel.reduction import LossReduction
+from shardwise.parallel.reduction import LossReduction, StepWeights
 
 if TYPE_CHECKING:
     from shardwise.parallel.parallelize import ParallelModel
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """What :func:`forward_backward` returns: ``loss``, the step's loss share on this rank (a 0-d
+    float32 device tensor: ``sum_i w_i x loss_i``, the global batch's mean once averaged over the
+    tokens ranks), and the ``weights`` it used (their valid-target counts, for a caller that
+    combines steps further, e.g. over fault-tolerant replica groups)."""
+
+    loss: torch.Tensor
+    weights: StepWeights
 
 
 @dataclass(frozen=True)
@@ -48,10 +59,8 @@ class MicroBatch:
 
 def forward_backward(pm: ParallelModel, micro_batches: Sequence[MicroBatch], *, loss_fn: Callable[[Any, Any], torch.Tensor],
                      reduction: LossReduction, device: torch.device | str, loss_scale: float = 1.0,
-                     precision: str | None = None, load: Callable[[MicroBatch], MicroBatch] | None = None) -> torch.Tensor:
-    """Forward and backward of ``micro_batches`` (module doc); the step's loss (a 0-d float32
-    device tensor: the sum of each micro-batch's ``w_i x loss_i``, the global batch's mean once
-    averaged over the tokens ranks).
+                     precision: str | None = None, load: Callable[[MicroBatch], MicroBatch] | None = None) -> StepLoss:
+    """Forward and backward of ``micro_batches`` (module doc); the step's loss share and weights.
 
     ``loss_fn``: the loss as the plan runs it (``pm.loss_for(user_loss)``); a pipeline uses its own.
     ``reduction``: how micro-batches are weighed; its ``"tokens"`` counts come from the targets as
@@ -89,7 +98,7 @@ def forward_backward(pm: ParallelModel, micro_batches: Sequence[MicroBatch], *, 
         share = weights.contribution(i, loss.detach().float())
         loss_sum = share if loss_sum is None else loss_sum + share
     assert loss_sum is not None, "forward_backward needs at least one micro-batch"
-    return loss_sum
+    return StepLoss(loss_sum, weights)
 
 
 def _backward(loss: torch.Tensor, weight: float | torch.Tensor, loss_scale: float) -> None:

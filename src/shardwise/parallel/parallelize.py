@@ -41,7 +41,7 @@ from shardwise.parallel.fsdp import FSDPOptions, apply_expert_units, apply_fsdp,
 from shardwise.parallel.mesh import Meshes
 from shardwise.parallel.pipeline import PipelineOptions, build_pipeline, check_pipeline
 from shardwise.parallel import micro_step
-from shardwise.parallel.micro_step import MicroBatch
+from shardwise.parallel.micro_step import MicroBatch, StepLoss
 from shardwise.parallel.reduction import LossReduction, TokenShare
 from shardwise.parallel.tp_adapters import adapter_plan
 from shardwise.parallel.tp import TPOptions, TPPlan, apply_tp, derive_tp_plan, validate_tp
@@ -85,9 +85,9 @@ class ParallelModel:
 
     def forward_backward(self, micro_batches: Sequence[MicroBatch], *, loss_fn: Callable[[Any, Any], torch.Tensor],
                          device: torch.device | str, reduction: LossReduction = LossReduction(), loss_scale: float = 1.0,
-                         precision: str | None = None, load: Callable[[MicroBatch], MicroBatch] | None = None) -> torch.Tensor:
+                         precision: str | None = None, load: Callable[[MicroBatch], MicroBatch] | None = None) -> StepLoss:
         """Forward and backward of one optimizer step's micro-batches, weighted so that the reduced
-        gradient is one process's; returns the step's loss share (a device tensor). The one
+        gradient is one process's; returns the step's loss share (a device tensor) and weights. The one
         micro-step of the Trainer, ``prepare()`` and ``shardwise verify``:
         :func:`shardwise.parallel.micro_step.forward_backward` states the math and communication."""
         return micro_step.forward_backward(self, micro_batches, loss_fn=loss_fn, reduction=reduction, device=device,

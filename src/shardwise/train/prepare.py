@@ -91,7 +91,7 @@ class Prepared(tuple):
             raise ConfigError("forward_backward needs a loss function", hint="pass loss_fn= here or to prepare()")
         loss = self.parallel.loss_for(loss_fn) if loss_fn is not None else self.loss_fn
         return self.parallel.forward_backward([MicroBatch(x, y) for x, y in micro_batches], loss_fn=loss, reduction=self.reduction,
-                                              device=self.env.device)
+                                              device=self.env.device).loss
 
     @property
     def model(self) -> nn.Module:

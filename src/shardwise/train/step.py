@@ -92,7 +92,7 @@ class OptimizerStep:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         batches = [self._micro_batch(batch) for batch in micro_batches]
         loss_sum = pm.forward_backward(batches, loss_fn=self.loss_fn, reduction=self.reduction, device=device, loss_scale=scale,
-                                       precision=self.precision, load=self._load)
+                                       precision=self.precision, load=self._load).loss
         self.after_backward()
         take_step = True
         metrics: dict[str, Any] = {}

@@ -14,8 +14,8 @@ what one process would, with the parity engine of ``shardwise verify``
   the Trainer's own collate function, with the Trainer's loss function;
 - ``steps`` optimizer steps in fp32 with the user's optimizer (the Trainer's ``optimizer=``
   factory), or SGD with momentum when the user gave none (its update is linear in the gradient, so
-  rounding stays float32-sized; with an optimizer like Adam the weights are compared where the
-  gradient carries signal, see the parity module doc);
+  rounding stays float32-sized; with an optimizer like Adam the weights pass at a looser
+  tolerance, loss and grad norm at ``rtol``: see the parity module doc);
 - the Trainer's own micro-step (:meth:`~shardwise.parallel.parallelize.ParallelModel.forward_backward`).
 
 Each rank trains the single-process reference locally (no communication), then each candidate
@@ -183,6 +183,7 @@ class Verdict:
     weight: str = ""
     error: str = ""
     model: str = ""  # the shrunken copy it ran on
+    weight_rtol: float | None = None  # the weights' own tolerance under an adaptive optimizer (None: rtol)
 
     @property
     def failed(self) -> str | None:
@@ -190,9 +191,10 @@ class Verdict:
         if self.error:
             return f"the plan did not run: {self.error}"
         for check, value in self.divergences.items():
-            if not value <= self.rtol:  # NaN fails too
+            tolerance = max(self.rtol, self.weight_rtol) if check == "weights" and self.weight_rtol is not None else self.rtol
+            if not value <= tolerance:  # NaN fails too
                 where = f" ({self.weight})" if check == "weights" and self.weight else ""
-                return f"{check} diverged: max rel diff {value:.3g}{where} > rtol {self.rtol:g}"
+                return f"{check} diverged: max rel diff {value:.3g}{where} > rtol {tolerance:g}"
         return None
 
     @property
@@ -206,6 +208,8 @@ class Verdict:
             out["model"] = self.model
         if self.weight:
             out["worst_weight"] = self.weight
+        if self.weight_rtol is not None:
+            out["weights_rtol"] = max(self.rtol, self.weight_rtol)
         if not self.passed:
             out["failed"] = self.failed
         return out
@@ -253,13 +257,13 @@ def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan],
         batches = [workload.batch(step, global_batch) for step in range(training.steps)]
         if id(workload) not in references:
             references[id(workload)] = run_reference(workload, batches, training)
-        error, weight = "", ""
+        error, weight, weight_rtol = "", "", None
         values = [float("inf")] * 3
         try:
             report = run_parallel(workload, Run(str(plan), accumulation=accumulation, loss_parallel=loss_parallel), batches,
                                   references[id(workload)], training, after_backward=options.after_backward)
             weight, wdiff = report.weight_diff
-            values = [report.loss_diff, report.grad_norm_diff, wdiff]
+            values, weight_rtol = [report.loss_diff, report.grad_norm_diff, wdiff], report.weight_rtol
             if not report.reference_moved:
                 error = "the reference did not train (zero gradients or unchanged weights): nothing was compared"
         except (ConfigError, RuntimeError, ValueError, TypeError, AssertionError) as exc:
@@ -272,7 +276,8 @@ def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan],
         if any_error and not error:
             error = "it failed on another rank"
         verdict = Verdict(plan=str(plan), divergences={"loss": loss, "grad norm": grad, "weights": wdiff}, rtol=options.rtol,
-                          seconds=time.perf_counter() - began, weight=weight, error=error, model=workload.description)
+                          seconds=time.perf_counter() - began, weight=weight, error=error, model=workload.description,
+                          weight_rtol=weight_rtol)
         verdicts.append(verdict)
         if verdict.passed:
             chosen = str(plan)

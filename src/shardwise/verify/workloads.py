@@ -69,7 +69,8 @@ class GPTWorkload:
 class ScriptWorkload:
     """A user file defining ``build_model(seed) -> nn.Module``, ``make_batch(step, size) ->
     (inputs, targets)`` and optionally ``loss_fn(output, target)`` (default: cross-entropy,
-    ignoring targets of ``-100``)."""
+    ignoring targets of ``-100``) and ``make_optimizer(params) -> Optimizer`` (what the Trainer's
+    ``optimizer=`` takes; :meth:`optimizer` returns it, None when the file has none)."""
 
     path: str
 
@@ -88,6 +89,10 @@ class ScriptWorkload:
     def build(self, seed: int) -> nn.Module:
         return self._module().build_model(seed)
 
+    def optimizer(self) -> ScriptOptimizer | None:
+        """The file's ``make_optimizer`` as a factory that a spawned process can receive, or None."""
+        return ScriptOptimizer(self.path) if callable(getattr(self._module(), "make_optimizer", None)) else None
+
     def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._module().make_batch(step, size)
 
@@ -96,3 +101,15 @@ class ScriptWorkload:
         if fn is not None:
             return fn(output, target)
         return F.cross_entropy(output.flatten(0, -2) if output.dim() > 2 else output, target.flatten(), ignore_index=IGNORE_INDEX)
+
+
+@dataclass(frozen=True)
+class ScriptOptimizer:
+    """``make_optimizer(params)`` of a ``--script`` file, as a picklable optimizer factory: each
+    process that calls it imports the file itself."""
+
+    path: str
+
+    def __call__(self, params: Any) -> torch.optim.Optimizer:
+        return ScriptWorkload(self.path)._module().make_optimizer(params)
+
