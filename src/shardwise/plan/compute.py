@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
@@ -183,9 +184,10 @@ def fp8_gemm_time(cluster: ClusterSpec, m: float, n: float, k: float) -> float:
 
 
 def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, layers: int) -> MicrobatchTime:
-    t, s = plan.tp, stats.seq
-    tokens = mbs * s
-    h, f, kv, v = stats.hidden, stats.ffn, stats.kv_hidden or stats.hidden, stats.vocab
+    """One microbatch's forward and backward on one device (module doc): ``layers`` blocks (GEMMs,
+    the attention core, the pointwise work, launches and recomputation), then the LM head and the
+    loss; ``parts`` says where the time goes."""
+    tokens = mbs * stats.seq
     fp32 = plan.precision == "fp32"
     c = 4.0 if fp32 else 2.0  # bytes of a compute-dtype element
     autocast = run.autocast and not fp32
@@ -193,7 +195,41 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     bw = cluster.memory_bw * cluster.memory_efficiency
     fp8 = run.fp8 and "fp8" in cluster.peak_flops
     peak = cluster.peak(compute_precision(plan.precision))
+    gemms, gemm_bwd, casts_fwd, casts_bwd = _gemms(stats, cluster, plan, run, tokens=tokens, peak=peak, c=c, bw=bw, fp8=fp8)
+    gemm_fwd = sum(gemms)
+    attn_fwd, attn_bwd, attn_fwd_traffic = _attention(stats, cluster, plan, run, mbs=mbs, tokens=tokens, peak=peak, c=c, bw=bw)
+    pointwise_fwd, pointwise_bwd = _pointwise(stats, plan, tokens=tokens, c=c, r=r, bw=bw, autocast=autocast)
 
+    launch = KERNELS_PER_LAYER * cluster.kernel_overhead_s
+    serial = cluster.device_type == "cpu"  # a CPU runs the dispatch and the kernels on the same cores
+
+    def layer(device: float, launches: float) -> float:
+        return device + launches if serial else max(device, launches)
+
+    fwd_layer = layer(gemm_fwd + casts_fwd + attn_fwd + pointwise_fwd, launch)
+    bwd_layer = layer(gemm_bwd + casts_bwd + attn_bwd + pointwise_bwd, 2 * launch)
+    replay = _replay(stats, plan, run, fwd_layer=fwd_layer, gemms=gemms, pointwise_fwd=pointwise_fwd, attn_fwd=attn_fwd,
+                     attn_fwd_traffic=attn_fwd_traffic)
+    head_fwd, loss = _head(stats, cluster, plan, run, mbs=mbs, tokens=tokens, peak=peak, c=c, bw=bw, layer=layer)
+    fwd = layers * fwd_layer + head_fwd + loss / 2
+    bwd = layers * (bwd_layer + replay) + 2 * head_fwd + loss / 2
+    parts = {
+        "gemm": layers * (gemm_fwd + gemm_bwd), "attention": layers * (attn_fwd + attn_bwd), "pointwise": layers * (pointwise_fwd + pointwise_bwd),
+        "head": 3 * head_fwd + loss, "recompute": layers * replay,
+        "launch": max(0.0, layers * (fwd_layer + bwd_layer)
+                      - layers * (gemm_fwd + gemm_bwd + casts_fwd + casts_bwd + attn_fwd + attn_bwd + pointwise_fwd + pointwise_bwd)),
+    }
+    if fp8:
+        parts["fp8_casts"] = layers * (casts_fwd + casts_bwd)
+    return MicrobatchTime(fwd, bwd, parts)
+
+
+def _gemms(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, tokens: int, peak: float, c: float, bw: float,
+           fp8: bool) -> tuple[list[float], float, float, float]:
+    """One layer's GEMMs: each forward GEMM's seconds (in forward order, for the per-op recompute
+    policy), the backward GEMMs' seconds, and FP8's casts forward and backward."""
+    t = plan.tp
+    h, f, kv = stats.hidden, stats.ffn, stats.kv_hidden or stats.hidden
     # -- GEMMs of one layer, forward, in forward order (for the per-op recompute policy) --------
     if stats.qkv_input_copies > 1:
         proj = [(h, h), (h, kv), (h, kv)]
@@ -237,8 +273,14 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
         else:
             gemms.append(gemm_time(cluster, m_, n_, k_, peak=peak, elem=c))
             gemm_bwd += gemm_time(cluster, m_, k_, n_, peak=peak, elem=c) + gemm_time(cluster, k_, n_, m_, peak=peak, elem=c)
-    gemm_fwd = sum(gemms)
+    return gemms, gemm_bwd, casts_fwd, casts_bwd
 
+
+def _attention(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, tokens: int, peak: float, c: float,
+               bw: float) -> tuple[float, float, float]:
+    """The attention core of one layer: forward and backward seconds, and the forward's traffic
+    over the scores (eager attention; what recomputing the softmax replays)."""
+    t, s, h = plan.tp, stats.seq, stats.hidden
     # -- attention core --------------------------------------------------------------------------
     heads_local = max(stats.heads // t, 1) if stats.heads else 1
     head_dim = h / max(stats.heads, 1)
@@ -257,7 +299,13 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
         rate = peak * cluster.attention_efficiency_
         attn_fwd, attn_bwd = flops / rate, 2.5 * flops / rate
         attn_fwd_traffic = 0.0
+    return attn_fwd, attn_bwd, attn_fwd_traffic
 
+
+def _pointwise(stats: ModelStats, plan: Plan, *, tokens: int, c: float, r: float, bw: float, autocast: bool) -> tuple[float, float]:
+    """One layer's pointwise work (norms, residual adds, the activation, dropout, rotary, autocast's
+    casts): forward and backward seconds at the memory bandwidth."""
+    t, h, f, kv = plan.tp, stats.hidden, stats.ffn, stats.kv_hidden or stats.hidden
     # -- pointwise work of one layer, forward (bytes) ---------------------------------------------
     shard_norm = t if plan.sequence_parallel else 1
     norms = 2 * (r + c) * h / shard_norm
@@ -280,15 +328,12 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     if autocast and plan.zero <= 1:  # autocast casts every weight once per microbatch: read 4, write 2
         pointwise_fwd += 6.0 * stats.params_per_block / t / bw
         pointwise_bwd += 6.0 * stats.params_per_block / t / bw  # and each weight's gradient back to fp32
+    return pointwise_fwd, pointwise_bwd
 
-    launch = KERNELS_PER_LAYER * cluster.kernel_overhead_s
-    serial = cluster.device_type == "cpu"  # a CPU runs the dispatch and the kernels on the same cores
 
-    def layer(device: float, launches: float) -> float:
-        return device + launches if serial else max(device, launches)
-
-    fwd_layer = layer(gemm_fwd + casts_fwd + attn_fwd + pointwise_fwd, launch)
-    bwd_layer = layer(gemm_bwd + casts_bwd + attn_bwd + pointwise_bwd, 2 * launch)
+def _replay(stats: ModelStats, plan: Plan, run: RunPolicy, *, fwd_layer: float, gemms: list[float], pointwise_fwd: float,
+            attn_fwd: float, attn_fwd_traffic: float) -> float:
+    """What recomputation replays of one layer's forward in backward, by the plan's recompute mode."""
     mode = recompute_mode(plan, run)
     if mode == "full":
         replay = fwd_layer
@@ -304,7 +349,13 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
         replay = attn_fwd if stats.attention == "eager" else 0.0
     else:
         replay = 0.0
+    return replay
 
+
+def _head(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, tokens: int, peak: float, c: float,
+          bw: float, layer: Callable[[float, float], float]) -> tuple[float, float]:
+    """The LM head's forward GEMM and the loss on the last stage (seconds)."""
+    t, h, v = plan.tp, stats.hidden, stats.vocab
     # -- LM head and loss on the last stage -------------------------------------------------------
     head_fwd = gemm_time(cluster, tokens, v / t, h, peak=peak, elem=c) if v else mbs * stats.flops_head / t / (peak * cluster.gemm_efficiency_)
     # the loss over this rank's logits: a vocabulary-parallel (or chunked) loss V/t of them, else all V
@@ -313,17 +364,7 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     if run.chunked_loss and v:  # each chunk's forward and backward launches
         chunks = math.ceil(v / t / max(h, 1))  # C = N h / (V/t) tokens a chunk
         loss = layer(loss, chunks * 2 * CHUNK_KERNELS * cluster.kernel_overhead_s)
-    fwd = layers * fwd_layer + head_fwd + loss / 2
-    bwd = layers * (bwd_layer + replay) + 2 * head_fwd + loss / 2
-    parts = {
-        "gemm": layers * (gemm_fwd + gemm_bwd), "attention": layers * (attn_fwd + attn_bwd), "pointwise": layers * (pointwise_fwd + pointwise_bwd),
-        "head": 3 * head_fwd + loss, "recompute": layers * replay,
-        "launch": max(0.0, layers * (fwd_layer + bwd_layer)
-                      - layers * (gemm_fwd + gemm_bwd + casts_fwd + casts_bwd + attn_fwd + attn_bwd + pointwise_fwd + pointwise_bwd)),
-    }
-    if fp8:
-        parts["fp8_casts"] = layers * (casts_fwd + casts_bwd)
-    return MicrobatchTime(fwd, bwd, parts)
+    return head_fwd, loss
 
 
 def accumulate_time(cluster: ClusterSpec, *, grad_elems: float, grad_bytes: float) -> float:

@@ -145,30 +145,8 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     layers = math.ceil(stats.blocks / p)  # the busiest stage
     stage_params = stage_param_count(stats, tp=t, pp=p, ep=plan.ep)
 
-    # -- memory ---------------------------------------------------------------------------
-    # Expert weights are sharded over ep, and ZeRO shards them further over the shard/ep ranks
-    # that hold the same experts; everything else over the shard group.
-    experts = expert_param_count(stats, tp=t, pp=p, ep=plan.ep) if plan.ep > 1 else 0.0
-    states = model_state_bytes(stage_params - experts, policy, zero=plan.zero, shard=plan.shard)
-    if stats.lora is not None:  # a frozen base: gradients and optimizer states for the adapters only
-        states = lora_state_bytes(stats, policy, stage_params=stage_params - experts, zero=plan.zero, shard=plan.shard)
-    if experts:
-        for key, value in model_state_bytes(experts, policy, zero=plan.zero, shard=max(1, plan.shard // plan.ep)).items():
-            states[key] += value
     boundary = mbs * stats.boundary_bytes * resid_scale  # one block input of one microbatch
-    kept, replay = layer_bytes(stats, plan, run)
-    per_layer = kept * mbs + weight_copy_bytes(stats, plan, run, policy)
-    first_in_flight, last_in_flight = _in_flight(plan)
-    logits_kept, logits_transient = logits_bytes(stats, plan, run, mbs=mbs)
-    transient = replay * mbs  # one layer replayed at a time during backward
-    first = first_in_flight * layers * per_layer + transient + boundary + (logits_kept if p == 1 else 0.0)
-    last = last_in_flight * layers * per_layer + transient + boundary + logits_kept * last_in_flight
-    activations = max(first, last)
-    # the logits' gradient at the start of the last stage's backward (a chunked loss: one chunk's)
-    grad_of_logits = logits_transient if (p == 1 or last >= first) else 0.0
-    buffers = buffer_bytes(stats, plan, policy, run, layers=layers, boundary=boundary, stage_params=stage_params) + grad_of_logits
-    memory = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-              "activations": activations, "buffers": buffers}
+    memory = _memory(stats, plan, run, policy, mbs=mbs, layers=layers, stage_params=stage_params, boundary=boundary)
 
     # -- time -------------------------------------------------------------------------------
     mb = microbatch_time(stats, cluster, plan, run, mbs=mbs, layers=layers)
@@ -218,6 +196,36 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         detail=detail, step_time_s=step, memory_limit=cluster.memory_bytes * (1 - headroom), tokens_per_s=tokens / step,
         tflops_per_device=achieved / 1e12, mfu=achieved / cluster.peak(compute_precision(plan.precision)), run=run,
     )
+
+
+def _memory(stats: ModelStats, plan: Plan, run: RunPolicy, policy: StatePolicy, *, mbs: int, layers: int, stage_params: float,
+            boundary: float) -> dict[str, float]:
+    """Bytes per device of the busiest stage (module doc): parameters, gradients, optimizer state,
+    activations (the first or last stage's, whichever holds more) and buffers."""
+    t, p = plan.tp, plan.pp
+    # Expert weights are sharded over ep, and ZeRO shards them further over the shard/ep ranks
+    # that hold the same experts; everything else over the shard group.
+    experts = expert_param_count(stats, tp=t, pp=p, ep=plan.ep) if plan.ep > 1 else 0.0
+    states = model_state_bytes(stage_params - experts, policy, zero=plan.zero, shard=plan.shard)
+    if stats.lora is not None:  # a frozen base: gradients and optimizer states for the adapters only
+        states = lora_state_bytes(stats, policy, stage_params=stage_params - experts, zero=plan.zero, shard=plan.shard)
+    if experts:
+        for key, value in model_state_bytes(experts, policy, zero=plan.zero, shard=max(1, plan.shard // plan.ep)).items():
+            states[key] += value
+    kept, replay = layer_bytes(stats, plan, run)
+    per_layer = kept * mbs + weight_copy_bytes(stats, plan, run, policy)
+    first_in_flight, last_in_flight = _in_flight(plan)
+    logits_kept, logits_transient = logits_bytes(stats, plan, run, mbs=mbs)
+    transient = replay * mbs  # one layer replayed at a time during backward
+    first = first_in_flight * layers * per_layer + transient + boundary + (logits_kept if p == 1 else 0.0)
+    last = last_in_flight * layers * per_layer + transient + boundary + logits_kept * last_in_flight
+    activations = max(first, last)
+    # the logits' gradient at the start of the last stage's backward (a chunked loss: one chunk's)
+    grad_of_logits = logits_transient if (p == 1 or last >= first) else 0.0
+    buffers = buffer_bytes(stats, plan, policy, run, layers=layers, boundary=boundary, stage_params=stage_params) + grad_of_logits
+    memory = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
+              "activations": activations, "buffers": buffers}
+    return memory
 
 
 def _context_parallel(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, policy: StatePolicy | None,
