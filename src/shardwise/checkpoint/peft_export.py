@@ -109,6 +109,10 @@ def export_merged(checkpoint_dir: str, out_dir: str, *, step: int | None = None,
         raise ConfigError(f"the base model of checkpoint {path} ({base_dir or 'a model built in Python'}) is not a model directory",
                           hint="pass --model DIR (the Hugging Face directory the adapters were trained on)")
     tf, peft = require_transformers(), require_peft()
+    from shardwise.checkpoint.hf_load import Pretrained
+    from shardwise.checkpoint.weights_check import check_weights
+
+    check_weights(base_dir, Pretrained(base_dir).build_meta())  # one line for a truncated file, a missing shard, a wrong shape
     with tempfile.TemporaryDirectory(prefix="shardwise-adapter-") as tmp:
         export_peft(path, tmp)
         base = tf.AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, dtype=torch.float32)
