@@ -127,7 +127,8 @@ def check_shapes(directory: str, tensors: dict[str, StoredTensor], model: Any) -
     from shardwise.checkpoint.safetensors_files import conversions
     from shardwise.models.lora import base_key
 
-    keys, merged = conversions(str(getattr(getattr(model, "config", None), "model_type", "")), list(tensors))
+    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    keys, merged = conversions(model_type, list(tensors)) if model_type else ({k: k for k in tensors}, {})
     aliases = tied_aliases(model)
     missing = []
     for name, param in model.named_parameters():

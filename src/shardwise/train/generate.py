@@ -247,15 +247,14 @@ def check_request(source: str, plan: Plan, *, model_dir: str | None, prompt: str
     a run directory given for its checkpoints, a checkpoint that keeps no model config, and, for
     the built-in GPT, the plan against the model's shape (on meta), the prompt's characters and ids
     and its length against the context; for a Hugging Face model, the weights it reads
-    (:func:`check_hf_weights`)."""
+    (:func:`check_hf_model`)."""
     check_generate_plan(plan)
     inside = os.path.join(source, "checkpoints")
     if not is_checkpoint(source) and is_checkpoint(inside):
         raise ConfigError(f"--checkpoint {source} is a run directory, not a checkpoint", hint=f"pass --checkpoint {inside}")
     files = gpt_files_of(source) if model_dir is None else None
     if files is None:
-        model_files(source, model_dir)
-        check_hf_weights(source)
+        check_hf_model(source, plan, model_dir=model_dir)
         return
     from shardwise.models.gpt import GPT
     from shardwise.parallel.init import build_on_meta
@@ -269,18 +268,21 @@ def check_request(source: str, plan: Plan, *, model_dir: str | None, prompt: str
     check_context(len(ids), sampling, files.shape.seq_len)
 
 
-def check_hf_weights(source: str) -> None:
-    """The safetensors weights ``source`` is read from, checked (headers only,
-    :mod:`shardwise.checkpoint.weights_check`): a Hugging Face directory's own, or a LoRA run's
-    base (a checkpoint's own tensors are checked as the checkpoint is read)."""
+def check_hf_model(source: str, plan: Plan, *, model_dir: str | None) -> None:
+    """A Hugging Face model's checks before any process starts: built on meta (a LoRA run's base
+    with its adapters), the plan against it (:func:`~shardwise.parallel.parallelize.validate`: a tp
+    that does not divide a layer), and the safetensors weights it reads, headers only
+    (:mod:`shardwise.checkpoint.weights_check`): a directory's own, or a LoRA run's base (a
+    checkpoint's own tensors are checked as the checkpoint is read)."""
     from shardwise.checkpoint.weights_check import check_weights
+    from shardwise.parallel.parallelize import validate
 
-    if is_checkpoint(source):
-        adapters = lora_source(source)
-        if adapters is None:
-            return
-        source = adapters.path
-    check_weights(source, Pretrained(source).build_meta())
+    config_dir = model_files(source, model_dir)
+    adapters = lora_source(source) if is_checkpoint(source) else None
+    model = (adapters or Pretrained(config_dir)).build_meta()
+    if adapters is not None or not is_checkpoint(source):
+        check_weights(adapters.path if adapters is not None else source, model)
+    validate(model, plan)
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
