@@ -6,7 +6,7 @@ dispatches, and turns a :class:`~shardwise.errors.ShardwiseError` into one line 
 non-zero exit code (never a traceback).
 
 Dependencies' import-time warnings and log lines are kept off the terminal
-(:mod:`shardwise.runtime.quiet`) unless ``--verbose`` (on any command, before its own arguments) or
+(:mod:`shardwise.runtime.quiet`) unless ``--verbose`` (before the command or among its options) or
 ``SHARDWISE_LOG_LEVEL=debug`` asks for them; ``--verbose`` sets that variable, so the workers a
 command starts show them too.
 """

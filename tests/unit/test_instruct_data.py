@@ -16,7 +16,13 @@ pytest.importorskip("transformers")
 
 from shardwise.data.batching import PackedExamples, PadCollate, PaddedExamples, pack  # noqa: E402
 from shardwise.data.example_stream import ExampleStream  # noqa: E402
-from shardwise.data.instruct import InstructFormat, make_examples, piece, template_roles, tokenize  # noqa: E402
+from shardwise.data.instruct import (  # noqa: E402
+    InstructFormat,
+    make_examples,
+    piece,
+    template_roles,
+    tokenize,
+)
 from shardwise.data.records import Record, read_records  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models import hf  # noqa: E402

@@ -56,10 +56,10 @@ def read_header(path: str) -> dict[str, StoredTensor]:
         raw = fh.read(n)
     try:
         header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not an object")
     except (ValueError, UnicodeDecodeError):
-        raise ConfigError(f"{path} is corrupt: its header is not a JSON object", hint=_RESAVE) from None
+        header = None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path} is corrupt: its header is not a JSON object", hint=_RESAVE)
     tensors, end = {}, 0
     for key, info in header.items():
         if key == "__metadata__":

@@ -8,11 +8,11 @@ Formats (``--data.format``):
 - ``chat``: a field ``messages``, a list of ``{"role", "content"}``, rendered by the tokenizer's own
   ``apply_chat_template``. A role must be one the template knows (:func:`template_roles`: system,
   user, assistant, tool, and any role the template compares a message's role with); another
-  (a typo'd ``"asistant"``) is refused with its file and line, never trained on. The assistant turns are found by rendering the conversation a turn at
-  a time: turn ``j`` is the text between ``render(messages[:j], add_generation_prompt=True)`` and
-  ``render(messages[:j + 1])`` (its content and the template's end-of-turn marker), and the tokens
-  of the whole rendering that lie in it (by the fast tokenizer's character offsets) are the
-  assistant's. A template that does not render a conversation prefix by prefix is refused.
+  (a typo'd ``"asistant"``) is refused with its file and line, never trained on. The assistant
+  turns are found by rendering the conversation a turn at a time: turn ``j`` is the text between
+  ``render(messages[:j], add_generation_prompt=True)`` and ``render(messages[:j + 1])`` (its
+  content and the template's end-of-turn marker), and the tokens of the whole rendering that lie
+  in it (by the fast tokenizer's character offsets) are the assistant's. A template that does not render a conversation prefix by prefix is refused.
 
 **Loss mask** (``train_on``): ``"completion"`` (the default) learns only the completion, or the
 assistant turns; ``"prompt"`` learns every token. A sample of ``n`` tokens gives

@@ -52,11 +52,10 @@ def check_hf_job(config: TrainJobConfig) -> None:
     line naming what is missing)."""
     import os.path
 
-    from shardwise.data.text import find_files
-    from shardwise.models.hf import read_config, require_transformers
-
     from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.checkpoint.weights_check import check_weights
+    from shardwise.data.text import find_files
+    from shardwise.models.hf import read_config, require_transformers
 
     require_transformers()
     read_config(config.model.hf)
