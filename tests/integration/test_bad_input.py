@@ -434,6 +434,8 @@ EXPORT_CASES = [
 ]
 
 HF = bool(importlib.util.find_spec("transformers") and importlib.util.find_spec("peft"))
+# what the Hugging Face cases import, once in the process the cases are forked from (seconds each otherwise)
+HF_PRELOAD = ("transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama", "peft")
 TABLES = {
     "train": TRAIN_CASES + TRAIN_CASES_RUN_DIR + TRAIN_CASES_HANG_TIMEOUT + TRAIN_CASES_TRACKER
     + (TRAIN_CASES_INSTRUCT if importlib.util.find_spec("transformers") else []), "run": RUN_CASES, "slurm": SLURM_CASES,
@@ -547,7 +549,7 @@ def run_forked(prepared: list[Prepared], scratch: Path) -> dict[Case, Outcome]:
             for i, p in enumerate(prepared)]
     server_env: dict[str, str | None] = {k: None for k in os.environ}
     server_env.update(_environment(scratch))
-    results = run_phases([jobs], env=server_env, preload=("shardwise.checkpoint", "shardwise.train.generate"),
+    results = run_phases([jobs], env=server_env, preload=("shardwise.checkpoint", "shardwise.train.generate", *(HF_PRELOAD if HF else ())),
                          timeout_s=sum(p.case.timeout_s for p in prepared) + 4 * TIMEOUT_S)
     outcomes = {}
     for i, p in enumerate(prepared):
