@@ -4,15 +4,22 @@ Each subcommand lives in its own module under :mod:`shardwise.commands` and expo
 ``register(subparsers)``, which adds its parser and sets ``func(args) -> int``. This file only
 dispatches, and turns a :class:`~shardwise.errors.ShardwiseError` into one line on stderr and a
 non-zero exit code (never a traceback).
+
+Dependencies' import-time warnings and log lines are kept off the terminal
+(:mod:`shardwise.runtime.quiet`) unless ``--verbose`` (before the command or among its options) or
+``SHARDWISE_LOG_LEVEL=debug`` asks for them; ``--verbose`` sets that variable, so the workers a
+command starts show them too.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from shardwise.errors import ShardwiseError, StoppedBySignal
+from shardwise.runtime.quiet import LOG_LEVEL_VAR, quiet_dependencies
 
 # Order here is the order in `shardwise --help`.
 COMMANDS = (
@@ -53,7 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS:
         importlib.import_module(name).register(sub)
+    _add_verbose(parser, default=False)
     return parser
+
+
+def _add_verbose(parser: argparse.ArgumentParser, *, default: object) -> None:
+    """``--verbose`` on ``parser`` and every subcommand's parser below it (theirs leave the
+    top-level value alone when not given)."""
+    parser.add_argument("--verbose", action="store_true", default=default,
+                        help="also show the dependencies' warnings and log lines (= SHARDWISE_LOG_LEVEL=debug)")
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                _add_verbose(child, default=argparse.SUPPRESS)
 
 
 def _version() -> str:
@@ -65,6 +84,9 @@ def _version() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.verbose:
+        os.environ[LOG_LEVEL_VAR] = "debug"  # this process and (inherited) the workers it starts
+    quiet_dependencies(os.environ)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -16,7 +16,13 @@ pytest.importorskip("transformers")
 
 from shardwise.data.batching import PackedExamples, PadCollate, PaddedExamples, pack  # noqa: E402
 from shardwise.data.example_stream import ExampleStream  # noqa: E402
-from shardwise.data.instruct import InstructFormat, make_examples, piece, tokenize  # noqa: E402
+from shardwise.data.instruct import (  # noqa: E402
+    InstructFormat,
+    make_examples,
+    piece,
+    template_roles,
+    tokenize,
+)
 from shardwise.data.records import Record, read_records  # noqa: E402
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models import hf  # noqa: E402
@@ -79,6 +85,8 @@ def test_a_prompt_that_fills_the_context_is_dropped_and_counted(tok) -> None:
     ('{"prompt": 3, "completion": "y"}', PC, r"data\.jsonl:2: field 'prompt' holds int, not str"),
     (json.dumps(chat("hi")), CHAT, r"data\.jsonl:2: the chat has no assistant turn"),
     ('{"messages": [{"role": "user"}]}', CHAT, r"data\.jsonl:2: message 0 of 'messages' is not"),
+    ('{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}', CHAT,
+     r"data\.jsonl:2: message 0 has role 'wizard', which the tokenizer's chat template does not know; use one of assistant, system, tool, user"),
 ])
 def test_bad_records_name_the_file_and_line(tmp_path: Path, tok, line: str, fmt: InstructFormat, expect: str) -> None:
     path = tmp_path / "data.jsonl"
@@ -95,6 +103,16 @@ def test_chat_needs_a_template_that_renders_turn_by_turn(tok) -> None:
     plain.chat_template = "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"
     with pytest.raises(ConfigError, match="t:1: the tokenizer's chat template does not render the conversation turn by turn"):
         make_examples([Record("t:1", chat("a", "b"))], plain, CHAT, seq_len=16)
+
+
+def test_the_roles_of_a_chat_are_the_standard_ones_and_those_the_template_names(tok) -> None:
+    named = ("{% for m in messages %}{% if m['role'] == 'ipython' %}<|ipython|>{% elif \"critic\" == m.role %}C"
+             "{% elif m['role'] not in ['developer', 'user'] %}{% endif %}{{ m['content'] }}{% endfor %}")
+    assert template_roles(named) == {"system", "user", "assistant", "tool", "ipython", "critic", "developer"}
+    assert template_roles({"default": named, "tool_use": "{% if message.role == 'observer' %}{% endif %}"}) >= {"ipython", "observer"}
+    assert template_roles(tok.chat_template) == {"system", "user", "assistant", "tool"}
+    record = {"messages": [{"role": "tool", "content": "3"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    assert learned_text(tok, record) == ["ok<eos>\n"]
 
 
 def test_padding_and_packing_layout() -> None:

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from shardwise.checkpoint.safetensors_files import Region, SafetensorsFiles, conversions, merged_shape, read_merged
+from shardwise.checkpoint.weights_check import check_weights, tied_aliases
 from shardwise.errors import ConfigError
 from shardwise.models.hf import read_config, require_transformers
 
@@ -229,14 +230,6 @@ def load_into(modules: Sequence[nn.Module], directory: str, *, model_type: str, 
     return LoadStats(elements_read=read, elements_local=local_total, elements_total=total, largest_read=largest, whole_reads=whole)
 
 
-def tied_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
-    """For each parameter name, its other names (a head tied to the token embedding)."""
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    return {name: tuple(n for n in names if n != name) for names in groups.values() if len(names) > 1 for name in names}
-
-
 def allocate(module: nn.Module, *, device: torch.device | str, buffers: dict[str, torch.Tensor]) -> None:
     """``to_empty`` with parameters swapped in place (tied weights stay one parameter), then the
     construction-time buffer values put back."""
@@ -264,6 +257,7 @@ def load_parallel(source: Pretrained, plan: Any, meshes: Any, *, device: torch.d
     from shardwise.parallel.pipeline import stage_modules
 
     model = source.build_meta()
+    check_weights(source.path, model)  # a truncated file, a missing shard, a shape config.json does not give: one line
     model_type = getattr(model.config, "model_type", "")
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     aliases = tied_aliases(model)

@@ -23,12 +23,13 @@ Files are written under temporary names and renamed, so a reader never sees a ha
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -109,7 +110,11 @@ def export_merged(checkpoint_dir: str, out_dir: str, *, step: int | None = None,
         raise ConfigError(f"the base model of checkpoint {path} ({base_dir or 'a model built in Python'}) is not a model directory",
                           hint="pass --model DIR (the Hugging Face directory the adapters were trained on)")
     tf, peft = require_transformers(), require_peft()
-    with tempfile.TemporaryDirectory(prefix="shardwise-adapter-") as tmp:
+    from shardwise.checkpoint.hf_load import Pretrained
+    from shardwise.checkpoint.weights_check import check_weights
+
+    check_weights(base_dir, Pretrained(base_dir).build_meta())  # one line for a truncated file, a missing shard, a wrong shape
+    with tempfile.TemporaryDirectory(prefix="shardwise-adapter-") as tmp, _no_progress_bars(tf):
         export_peft(path, tmp)
         base = tf.AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, dtype=torch.float32)
         merged = peft.PeftModel.from_pretrained(base, tmp).merge_and_unload()
@@ -123,6 +128,20 @@ def export_merged(checkpoint_dir: str, out_dir: str, *, step: int | None = None,
         os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
     os.rmdir(staging)
     return base_dir
+
+
+@contextlib.contextmanager
+def _no_progress_bars(tf: Any) -> Iterator[None]:
+    """Without transformers' "Loading weights" and "Writing model shards" bars (the command prints
+    its own line when the export is written)."""
+    logs = tf.utils.logging
+    shown = logs.is_progress_bar_enabled()
+    logs.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logs.enable_progress_bar()
 
 
 def _write_text(path: str, text: str) -> None:

@@ -125,6 +125,9 @@ def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
     if plan.precision == "fp8" and importlib.util.find_spec("torchao") is None:  # before any process starts
         raise ConfigError("precision=fp8 needs torchao (the float8 training API)",
                           hint="pip install 'shardwise[fp8]' (torchao 0.18), or use --train.precision=bf16")
+    if plan.tp_enabled and config.model.hf and config.lora.r and config.lora.base == "nf4":  # the workers would refuse it
+        raise ConfigError(f"plan {plan}: tp cannot split QLoRA's 4-bit NF4 base (lora.base=nf4: torchao splits NF4 tensors along rows "
+                          "only, and a row-wise layer needs its columns split)", hint="use zero=3 (or dp) for QLoRA, or lora.base=fp32 with tp")
     if config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
         raise ConfigError(
             f"config key 'train.global_batch_size': {config.train.global_batch_size} does not split into "

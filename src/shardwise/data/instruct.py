@@ -6,11 +6,13 @@ Formats (``--data.format``):
   ``[bos] + encode(prompt) + encode(completion) + [eos]``, prompt and completion tokenized apart,
   so the boundary between them is exact.
 - ``chat``: a field ``messages``, a list of ``{"role", "content"}``, rendered by the tokenizer's own
-  ``apply_chat_template``. The assistant turns are found by rendering the conversation a turn at
-  a time: turn ``j`` is the text between ``render(messages[:j], add_generation_prompt=True)`` and
-  ``render(messages[:j + 1])`` (its content and the template's end-of-turn marker), and the tokens
-  of the whole rendering that lie in it (by the fast tokenizer's character offsets) are the
-  assistant's. A template that does not render a conversation prefix by prefix is refused.
+  ``apply_chat_template``. A role must be one the template knows (:func:`template_roles`: system,
+  user, assistant, tool, and any role the template compares a message's role with); another
+  (a typo'd ``"asistant"``) is refused with its file and line, never trained on. The assistant
+  turns are found by rendering the conversation a turn at a time: turn ``j`` is the text between
+  ``render(messages[:j], add_generation_prompt=True)`` and ``render(messages[:j + 1])`` (its
+  content and the template's end-of-turn marker), and the tokens of the whole rendering that lie
+  in it (by the fast tokenizer's character offsets) are the assistant's. A template that does not render a conversation prefix by prefix is refused.
 
 **Loss mask** (``train_on``): ``"completion"`` (the default) learns only the completion, or the
 assistant turns; ``"prompt"`` learns every token. A sample of ``n`` tokens gives
@@ -26,6 +28,8 @@ the tokenizer is passed in (any object with ``encode``, ``eos_token_id``, and fo
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +42,12 @@ FORMATS = ("text", "prompt_completion", "chat")
 TRAIN_ON = ("completion", "prompt")
 IGNORE_INDEX = -100
 Piece = np.ndarray  # int64 [2, n]: inputs, targets (-100: not learned)
+STANDARD_ROLES = frozenset({"system", "user", "assistant", "tool"})
+_ROLE = r"""role['"]?\]?"""  # message['role'], message["role"], message.role
+_ROLE_COMPARED = re.compile(_ROLE + r"""\s*[!=]=\s*['"]([A-Za-z_][\w-]*)['"]""")
+_COMPARED_ROLE = re.compile(r"""['"]([A-Za-z_][\w-]*)['"]\s*[!=]=\s*[\w.]*(?:\[['"])?role\b""")
+_ROLE_IN_LIST = re.compile(_ROLE + r"""\s+(?:not\s+)?in\s+[\[(]([^\])]*)[\])]""")
+_QUOTED = re.compile(r"""['"]([A-Za-z_][\w-]*)['"]""")
 
 
 @dataclass(frozen=True)
@@ -58,13 +68,34 @@ class InstructFormat:
                               hint="use 'completion' (the completion or the assistant turns) or 'prompt' (every token)")
 
 
-def messages_of(record: Record, key: str) -> list[dict[str, str]]:
-    """The record's conversation, checked: ``{role, content}`` strings and at least one assistant turn."""
+def template_roles(template: Any) -> frozenset[str]:
+    """The roles a chat template knows: :data:`STANDARD_ROLES` and every role it names (a string
+    compared with the message's role: ``message['role'] == 'ipython'``, ``m.role in ['x', 'y']``).
+    ``template`` is the tokenizer's ``chat_template``: a string, or a dict of named templates."""
+    text = "\n".join(map(str, template.values())) if isinstance(template, dict) else str(template or "")
+    return STANDARD_ROLES | _named_roles(text)
+
+
+@functools.lru_cache(maxsize=8)
+def _named_roles(text: str) -> frozenset[str]:
+    named = set(_ROLE_COMPARED.findall(text)) | set(_COMPARED_ROLE.findall(text))
+    for group in _ROLE_IN_LIST.findall(text):
+        named |= set(_QUOTED.findall(group))
+    return frozenset(named)
+
+
+def messages_of(record: Record, key: str, roles: frozenset[str] | None = None) -> list[dict[str, str]]:
+    """The record's conversation, checked: ``{role, content}`` strings, each role one of ``roles``
+    (when given: the chat template's, :func:`template_roles`) and at least one assistant turn."""
     messages = record.field(key, list, "conversation")
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise ConfigError(f"{record.where}: message {i} of {key!r} is not a {{'role': str, 'content': str}} object",
                               hint="each message needs a role and a text content")
+        if roles is not None and m["role"] not in roles:
+            raise ConfigError(f"{record.where}: message {i} has role {m['role']!r}, which the tokenizer's chat template does not know",
+                              hint=f"use one of {', '.join(sorted(roles))}, or name the role in the chat template "
+                                   "(docs/finetuning.md, 'Chat roles')")
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{record.where}: the chat has no assistant turn, so it has nothing to learn",
                           hint="give every chat at least one message with role 'assistant', or drop it from the data")
@@ -104,7 +135,7 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation: bool = F
 
 
 def _chat(record: Record, tokenizer: Any, fmt: InstructFormat) -> tuple[np.ndarray, np.ndarray]:
-    messages = messages_of(record, fmt.messages_key)
+    messages = messages_of(record, fmt.messages_key, template_roles(tokenizer.chat_template))
     text = _render(tokenizer, messages)
     spans = []
     for j, m in enumerate(messages):

@@ -47,24 +47,27 @@ class KeepModelFiles(Callback):
 
 
 def check_hf_job(config: TrainJobConfig) -> None:
-    """The command's checks before any process starts: the model directory (its config.json and a
-    tokenizer file) and at least one data file (one line naming what is missing)."""
+    """The command's checks before any process starts: the model directory (its config.json, its
+    weights whole and of the config's shapes, a tokenizer file) and at least one data file (one
+    line naming what is missing)."""
     import os.path
 
+    from shardwise.checkpoint.hf_load import Pretrained
+    from shardwise.checkpoint.weights_check import check_weights
     from shardwise.data.text import find_files
     from shardwise.models.hf import read_config, require_transformers
 
     require_transformers()
     read_config(config.model.hf)
+    model = Pretrained(config.model.hf).build_meta()
+    check_weights(config.model.hf, model)  # whole files, every shard of the index, the shapes config.json gives (headers only)
     if config.lora.r:  # the targets against the model's own layers (built on meta), the extras installed
-        from shardwise.checkpoint.hf_load import Pretrained
-
         lora = lora_spec(config)
         if lora.base == "nf4":
             from shardwise.models.nf4 import require_torchao
 
             require_torchao()
-        lora.peft_config(Pretrained(config.model.hf).build_meta())
+        lora.peft_config(model)
     if not any(os.path.exists(os.path.join(config.model.hf, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ConfigError(f"model directory {config.model.hf!r} holds no tokenizer", hint="save one there with tokenizer.save_pretrained(dir)")
     if not config.data.files:

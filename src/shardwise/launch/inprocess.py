@@ -19,10 +19,14 @@ from shardwise.launch.options import free_port
 
 
 def _worker(fn: Callable[..., Any], backend: str | None, timeout_s: float, *args: Any) -> Any:
+    import os
+
     from shardwise.launch.worker_main import line_buffered_output
     from shardwise.runtime.env import init, shutdown
+    from shardwise.runtime.quiet import quiet_dependencies
 
     line_buffered_output()  # each printed line whole, as in shardwise run's workers
+    quiet_dependencies(os.environ)  # as in shardwise run's workers (shardwise.runtime.quiet)
     try:
         init(backend=backend, timeout_s=timeout_s)
         try:

@@ -14,7 +14,10 @@ of the whole line, which the kernel keeps whole on a pipe (up to 4 KB), a termin
 shared by the ranks, whatever ``PYTHONUNBUFFERED`` says. Nothing multiplexes the workers' output:
 it goes straight to the launcher's stdout, or, with ``--log-dir`` / ``--log-prefix``, to torch's
 elastic agent, which keeps each rank's file and copies whole lines to the console behind the
-prefix. Imports nothing but the standard library, so a worker starts as fast as ``python TARGET``.
+prefix. Before the target runs, the dependencies' import-time noise is silenced as in the
+``shardwise`` command (:mod:`shardwise.runtime.quiet`; ``SHARDWISE_LOG_LEVEL=debug`` keeps it).
+Imports nothing but the standard library and that module, so a worker starts as fast as
+``python TARGET``.
 
 An exception that ends the target is recorded for the launcher, which prints it once
 (:mod:`shardwise.launch.worker_errors`: one line and exit code 2 for bad input).
@@ -27,6 +30,8 @@ import os
 import runpy
 import sys
 from typing import TextIO
+
+from shardwise.runtime.quiet import quiet_dependencies
 
 
 def line_buffered(stream: TextIO) -> TextIO:
@@ -58,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m shardwise.launch.worker_main [-m] TARGET [ARGS...]")
     line_buffered_output()
+    quiet_dependencies(os.environ)
     target = argv[0]
     sys.argv = [target, *argv[1:]]
     try:

@@ -102,8 +102,39 @@ def collect(environ: Mapping[str, str]) -> Report:
             warnings.append(f"SHARDWISE_HANG_TIMEOUT={hang} is not a non-negative number of seconds: init() will refuse it")
     if not dist.is_available():
         warnings.append("this torch build has no torch.distributed")
+    kernel_facts, kernel_warnings = torchao_kernels(cuda=torch.cuda.is_available())
+    facts += kernel_facts
+    warnings += kernel_warnings
     env = tuple((k, environ[k]) for k in RELEVANT_VARS if k in environ)
     return Report(tuple(facts), env, tuple(warnings))
+
+
+def torchao_kernels(*, cuda: bool) -> tuple[list[tuple[str, str]], list[str]]:
+    """torchao's optional kernel libraries (``torchao/_C*.so``), loaded as torchao loads them at
+    import (whose "Failed to load" lines shardwise keeps off the terminal, :mod:`shardwise.runtime.quiet`):
+    a fact line, and with a GPU a warning per library that does not load (its fast FP8/MX kernels
+    are missing). Nothing without torchao."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("torchao")
+    if spec is None or not spec.submodule_search_locations:
+        return [], []
+    libraries = sorted(p for d in spec.submodule_search_locations for p in Path(d).glob("_C*.so"))
+    failed = []
+    for path in libraries:
+        try:
+            torch.ops.load_library(str(path))
+        except Exception as exc:  # noqa: BLE001 - any failure means the kernels are not there
+            failed.append((path.name, (str(exc).strip().splitlines() or [type(exc).__name__])[0]))
+    if not failed:
+        return [("torchao kernels", f"{len(libraries)} loaded" if libraries else "none shipped")], []
+    names = ", ".join(name for name, _ in failed)
+    fact = f"{len(failed)} of {len(libraries)} do not load ({names})" + ("" if cuda else ": they are GPU kernels, not needed on this CPU machine")
+    warned = [f"torchao's {name} does not load ({why}): its fast FP8/MX kernels are missing (torchao's MX formats and CUTLASS "
+              "GEMMs need them; precision=fp8's float8 linears run on torch's own _scaled_mm); install the torchao build that "
+              "matches this torch, Python and CUDA" for name, why in failed] if cuda else []
+    return [("torchao kernels", fact)], warned
 
 
 def format_report(report: Report) -> str:

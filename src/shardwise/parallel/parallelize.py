@@ -258,7 +258,7 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
     quantized = next((n for n, p in model.named_parameters() if type(p.data).__name__ == "NF4Tensor"), None)
     if quantized is not None:
         raise ConfigError(f"plan {plan}: tp cannot split the 4-bit NF4 weight {quantized} (torchao splits NF4 tensors along rows "
-                          "only, and a row-wise layer needs its columns split)", hint="use zero=3 (or dp) for QLoRA, or lora.base=bf16 with tp")
+                          "only, and a row-wise layer needs its columns split)", hint="use zero=3 (or dp) for QLoRA, or lora.base=fp32 with tp")
     options = tp or TPOptions()
     if options.plan is not None:
         tp_plan = TPPlan.of(options.plan)

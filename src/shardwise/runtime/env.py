@@ -13,6 +13,7 @@ DTensor and FSDP work unchanged in a single process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 import threading
@@ -121,7 +122,7 @@ def init(
             f"within {timeout_s:.0f}s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
             hint="check that MASTER_ADDR is reachable from every node, the port is open and all ranks started",
         ) from exc
-    setup_logging(info.rank, info.world_size)
+    setup_logging(info.rank, info.world_size, level=logging.DEBUG if info.settings.log_level == "debug" else logging.INFO)
     if hang_s > 0 and info.world_size > 1:
         start_watchdog(rank=info.rank, world_size=info.world_size, timeout_s=hang_s, namespace=info.settings.attempt_namespace)
     return replace(info, device=device, backend=chosen, timeout_s=timeout_s)

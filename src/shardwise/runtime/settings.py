@@ -20,7 +20,10 @@ environment again. The variables:
 - ``SHARDWISE_LAUNCHER_PID``: the process id of the ``shardwise run`` launcher that started this
   worker (set by the launcher), so the worker can leave when the launcher is gone
   (:mod:`shardwise.runtime.parent`), within torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds
-  (default 30: what the launcher itself gives its workers after a SIGTERM).
+  (default 30: what the launcher itself gives its workers after a SIGTERM);
+- ``SHARDWISE_LOG_LEVEL``: ``debug`` shows shardwise's debug lines and the dependencies' warnings
+  and log lines that are otherwise kept off the terminal (:mod:`shardwise.runtime.quiet`; what
+  ``shardwise --verbose`` sets); default ``info``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Settings:
     elastic: tuple[int, int] | None = None  # (min, max) nodes of an elastic job, else None
     launcher_pid: int | None = None
     stop_grace_s: float = 30.0
+    log_level: str = "info"
 
     @property
     def attempt_namespace(self) -> str:
@@ -118,4 +122,5 @@ def read_settings(environ: Mapping[str, str]) -> Settings:
         elastic=elastic_nodes(environ),
         launcher_pid=int(launcher) if launcher.isdigit() else None,
         stop_grace_s=float(grace) if grace.isdigit() else 30.0,
+        log_level=environ.get("SHARDWISE_LOG_LEVEL", "").strip().lower() or "info",
     )

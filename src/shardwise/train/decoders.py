@@ -42,7 +42,22 @@ class CausalLM(Protocol):
 def _cache_argument(model: nn.Module) -> str:
     """The keyword the model's forward takes its KV cache by: ``cache`` in recent transformers 5
     releases, ``past_key_values`` before (still accepted there, with a deprecation warning)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return "cache" if "cache" in inspect.signature(_innermost(model).forward).parameters else "past_key_values"
+
+
+def _innermost(model: nn.Module) -> nn.Module:
+    """The model under its wrappers (DDP's ``module``, peft's ``get_base_model()``), whose forward
+    names the keywords (a wrapper's takes ``**kwargs`` and passes them on)."""
+    while True:
+        if isinstance(model, DistributedDataParallel):
+            inner = model.module
+        elif callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        else:
+            return model
+        if inner is model:
+            return model
+        model = inner
 
 
 def _cache_of(output: Any) -> Any:

@@ -191,6 +191,7 @@ def lora_source(source: str) -> Pretrained | None:
                           hint="generate with the base model the adapters were trained on")
     config_class = require_peft().LoraConfig
     known = {f.name for f in dataclasses.fields(config_class) if f.init}
+    known.discard("base_model_name_or_path")  # peft sets it from the base it wraps (a stale one is warned about)
     config = config_class(**{k: v for k, v in record["lora"].items() if k in known})
     return Pretrained(path, lora=config)
 
@@ -245,14 +246,15 @@ def check_request(source: str, plan: Plan, *, model_dir: str | None, prompt: str
     """What the command checks before any process starts (each a one-line ConfigError): the plan,
     a run directory given for its checkpoints, a checkpoint that keeps no model config, and, for
     the built-in GPT, the plan against the model's shape (on meta), the prompt's characters and ids
-    and its length against the context."""
+    and its length against the context; for a Hugging Face model, the weights it reads
+    (:func:`check_hf_model`)."""
     check_generate_plan(plan)
     inside = os.path.join(source, "checkpoints")
     if not is_checkpoint(source) and is_checkpoint(inside):
         raise ConfigError(f"--checkpoint {source} is a run directory, not a checkpoint", hint=f"pass --checkpoint {inside}")
     files = gpt_files_of(source) if model_dir is None else None
     if files is None:
-        model_files(source, model_dir)
+        check_hf_model(source, plan, model_dir=model_dir)
         return
     from shardwise.models.gpt import GPT
     from shardwise.parallel.init import build_on_meta
@@ -264,6 +266,23 @@ def check_request(source: str, plan: Plan, *, model_dir: str | None, prompt: str
         raise ConfigError(f"prompt id {max(ids)} is outside the model's vocabulary of {files.shape.vocab_size}",
                           hint=f"use ids below {len(files.vocab)} (the model's characters)")
     check_context(len(ids), sampling, files.shape.seq_len)
+
+
+def check_hf_model(source: str, plan: Plan, *, model_dir: str | None) -> None:
+    """A Hugging Face model's checks before any process starts: built on meta (a LoRA run's base
+    with its adapters), the plan against it (:func:`~shardwise.parallel.parallelize.validate`: a tp
+    that does not divide a layer), and the safetensors weights it reads, headers only
+    (:mod:`shardwise.checkpoint.weights_check`): a directory's own, or a LoRA run's base (a
+    checkpoint's own tensors are checked as the checkpoint is read)."""
+    from shardwise.checkpoint.weights_check import check_weights
+    from shardwise.parallel.parallelize import validate
+
+    config_dir = model_files(source, model_dir)
+    adapters = lora_source(source) if is_checkpoint(source) else None
+    model = (adapters or Pretrained(config_dir)).build_meta()
+    if adapters is not None or not is_checkpoint(source):
+        check_weights(adapters.path if adapters is not None else source, model)
+    validate(model, plan)
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
