@@ -57,7 +57,7 @@ def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def fit(plan: str, model: str = "toy", ns_dtype: str = "fp32", route: str = "all_to_all", negative: bool = False,
-        lr: float = 0.05, **shape) -> dict:
+        lr: float = 0.05, steps: int = STEPS, checkpoint: str | None = None, **shape) -> dict:
     import shardwise.optim.exchange as routing
     from shardwise.optim import muon
     from shardwise.train import Trainer
@@ -76,9 +76,9 @@ def fit(plan: str, model: str = "toy", ns_dtype: str = "fp32", route: str = "all
         opt = muon(lr=lr, adamw_lr=0.01, ns_dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[ns_dtype]),
                    route=route)
         rec = Record()
-        trainer = Trainer(net, loss_fn=loss, optimizer=opt, plan=plan, global_batch_size=8, max_steps=STEPS, log_every=1,
-                          seed=SEED, progress_bar=False, callbacks=[rec])
-        trainer.fit(data)
+        trainer = Trainer(net, loss_fn=loss, optimizer=opt, plan=plan, global_batch_size=8, max_steps=steps, log_every=1,
+                          seed=SEED, progress_bar=False, callbacks=[rec], checkpoint=checkpoint)
+        trainer.fit(data, resume="auto" if checkpoint else None)
         return {"losses": rec.losses, "weights": full_weights(trainer.model.module)}
     finally:
         routing._kind, routing.orthogonalize = kind, ortho
@@ -162,3 +162,14 @@ def test_whole_tensor_optimizers_are_refused_under_sharding(pools) -> None:
     assert "Lamb acts on whole tensors, but plan zero=2" in pools(2).run(refusal, "zero=2,shard=2", "lamb")[0]
     assert pools(2).run(refusal, "zero=3,shard=2", "adamw")[0] == "trained"
     assert pools(2).run(refusal, "dp=2", "torch_muon")[0] == "trained"  # replicated: torch's Muon is exact there
+
+
+def test_checkpoint_on_4_resumes_on_2_exactly(pools, tmp_path) -> None:
+    """Muon's momentum and AdamW's moments are DTensor shards like the parameters: saved by ZeRO-3
+    on 4 ranks after 3 steps, resharded onto ZeRO-3 on 2, the next 3 steps equal one process's 6."""
+    ref = pools(1).run(fit, "dp", steps=6)[0]
+    pools(4).run(fit, "zero=3,shard=4", steps=3, checkpoint=str(tmp_path))
+    resumed = pools(2).run(fit, "zero=3,shard=2", steps=6, checkpoint=str(tmp_path))
+    for got in resumed:
+        assert len(got["losses"]) == 3
+        assert_parity({"losses": ref["losses"][3:], "weights": ref["weights"]}, [got])
