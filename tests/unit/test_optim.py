@@ -132,3 +132,15 @@ def test_muon_factory_checks_options_and_needs_the_model() -> None:
         muon()(_params())
     opt = muon(lr=0.01).for_module(Net())
     assert [g["muon"] for g in opt.param_groups] == [True, False] and opt.param_groups[1]["lr"] == 3e-4
+
+
+def test_train_optimizer_option() -> None:
+    from shardwise.config.sections import TrainSection
+    from shardwise.jobs.common import job_optimizer
+    from shardwise.optim import MuonFactory
+
+    factory = job_optimizer(TrainSection(optimizer="muon", muon_lr=0.03, lr=1e-3))
+    assert isinstance(factory, MuonFactory) and factory.options["lr"] == 0.03 and factory.options["adamw_lr"] == 1e-3
+    assert isinstance(job_optimizer(TrainSection())(Net().parameters()), torch.optim.AdamW)
+    with pytest.raises(ConfigError):
+        TrainSection(optimizer="lion")
