@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 from shardwise.config import check_input_file
 from shardwise.errors import ConfigError
@@ -62,7 +63,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-convention", choices=("torch", "zero-paper", "megatron"), default="torch",
                    help="bytes per parameter of the model states: torch (fp32 master = parameter, 4+4+8 with Adam; the default), "
                         "zero-paper (2+2+12, the ZeRO paper's table 1), megatron (2+4+12)")
-    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd", "sgd_nomomentum"))
+    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "muon", "sgd", "sgd_nomomentum"),
+                   help="the optimizer whose states (and, for muon, Newton-Schulz and its all-to-alls) the plans carry")
     p.add_argument("--lora.r", dest="lora_r", type=int, default=0, metavar="R",
                    help="LoRA adapters of rank R on every projection of a frozen base (0: full fine-tuning)")
     p.add_argument("--lora.base", dest="lora_base", choices=("fp32", "nf4"), default="fp32",
@@ -168,15 +170,13 @@ def _main(args: argparse.Namespace) -> int:
     top = args.top or (1 if args.fixed else 5)
     # shardwise's runtime options are searched for shardwise's runtime; a framework's 16-bit policy
     # has its own (16-bit parameters, a fused loss, sharded accumulation) always on
-    options = SearchOptions(precision=precision, headroom=args.headroom, top=top, run=run,
-                            policy=StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer),
+    options = SearchOptions(precision=precision, headroom=args.headroom, top=top, run=run, policy=_policy(args, stats, precision),
                             runtime_options=RUNTIME_OPTIONS if args.precision_policy == "autocast" else ())
     free = None
     if args.fixed:
         constrained = fixed_options(args.fixed, options)
         if constrained.precision != precision:  # precision=... named in --fixed
-            constrained = replace(constrained, policy=StatePolicy.named(args.memory_convention, precision=constrained.precision,
-                                                                        optimizer=args.optimizer))
+            constrained = replace(constrained, policy=_policy(args, stats, constrained.precision))
         result = search(stats, cluster, global_batch=global_batch, options=constrained)
         if result.plans:
             estimates = result.plans
@@ -216,6 +216,8 @@ def _main(args: argparse.Namespace) -> int:
             if free is not None:
                 out["free_search"] = {"plan": str(free.plan), "speedup": estimates[0].step_time_s / free.step_time_s,
                                       "why": explain_gap(free, estimates[0])}
+        if args.optimizer == "muon":
+            out["muon"] = [_muon(stats, cluster, e.plan).to_json() for e in estimates]
         print(json.dumps(out, indent=2))
         return 0
     print(f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {global_batch}, "
@@ -224,6 +226,9 @@ def _main(args: argparse.Namespace) -> int:
           + ("; runtime options searched)" if options.runtime_options else ")"))
     print(format_table(estimates))
     print(explanation)
+    if args.optimizer == "muon":
+        for i, e in enumerate(estimates, 1):
+            print(f"#{i} {_muon(stats, cluster, e.plan).line()}")
     if args.explain:
         for i, e in enumerate(estimates, 1):
             print(f"#{i} {dominant_terms(e, k=4)}")
@@ -238,6 +243,27 @@ def _main(args: argparse.Namespace) -> int:
             else:
                 print(f"free search: no plan is predicted faster than {estimates[0].plan}")
     return 0
+
+
+def _policy(args: argparse.Namespace, stats: Any, precision: str) -> Any:
+    """The state policy of ``--memory-convention`` and ``--optimizer``; muon: its one momentum on the
+    matrices and Adam's two moments on the rest, blended over the model (shardwise.plan.muon)."""
+    from dataclasses import replace
+
+    from shardwise.plan.memory import StatePolicy
+
+    policy = StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer)
+    if args.optimizer != "muon":
+        return policy
+    from shardwise.plan.muon import state_bytes_per_param
+
+    return replace(policy, optimizer=state_bytes_per_param(stats))
+
+
+def _muon(stats: Any, cluster: Any, plan: Any) -> Any:
+    from shardwise.plan.muon import muon_cost
+
+    return muon_cost(stats, plan, cluster)
 
 
 def _is_spec_file(device_type: str) -> bool:
