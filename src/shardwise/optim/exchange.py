@@ -4,7 +4,8 @@ A parameter's update ``U`` (momentum, Nesterov) is computed on this rank's shard
 the parameter; only Newton–Schulz needs the whole matrix. Per parameter, by its placement:
 
 - a plain tensor (dp/DDP, ZeRO-1, a pipeline stage) or a replicated DTensor: already whole; no
-  communication (every replica computes the same O);
+  communication (every replica computes the same O); MoE experts sharded over ``ep`` by whole
+  experts: each rank orthogonalizes its own experts, no communication;
 - a DTensor sharded on a 1-D mesh (ZeRO-2/3 on ``dp_shard``, TP on ``tp``), ``route="all_to_all"``
   (the default): the parameters of one mesh form one bucket; each gets an *owner* rank (largest
   first, onto the least-loaded rank), every rank sends its shards to their owners in **one**
@@ -42,9 +43,19 @@ class Item:
     units: Units
 
 
-def _kind(p: torch.Tensor, route: str) -> str:
+def _whole_units(p: DTensor, units: Units) -> bool:
+    """Each rank holds whole units already: a batch (MoE experts) sharded evenly over its batch dim (EP)."""
+    pl = p.placements[0]
+    return (p.device_mesh.ndim == 1 and type(pl) is Shard and pl.dim == 0 and len(units.logical) == 3
+            and tuple(p.shape) == units.logical and p.shape[0] % p.device_mesh.size() == 0)
+
+
+def _kind(item: Item, route: str) -> str:
+    p = item.param
     if not isinstance(p, DTensor) or all(isinstance(pl, Replicate) for pl in p.placements):
         return "local"
+    if _whole_units(p, item.units):
+        return "shards"
     if route == "all_to_all" and p.device_mesh.ndim == 1 and type(p.placements[0]) is Shard:
         return "owner"
     return "gather"
@@ -61,9 +72,13 @@ def orthogonalized(items: list[Item], *, route: str = "all_to_all", **ns: Any) -
     out: list[torch.Tensor | None] = [None] * len(items)
     buckets: dict[Any, list[int]] = {}
     for i, item in enumerate(items):
-        kind = _kind(item.param, route)
+        kind = _kind(item, route)
         if kind == "local":
             out[i] = orthogonalize(item.update, item.units, **ns)
+        elif kind == "shards":  # this rank's experts, each whole
+            local = Units(logical=tuple(item.update.shape), split_dim=item.units.split_dim, sizes=item.units.sizes,
+                          fan_out_dim=item.units.fan_out_dim)
+            out[i] = orthogonalize(item.update, local, **ns)
         elif kind == "gather":
             out[i] = _gathered(item, **ns)
         else:

@@ -53,8 +53,10 @@ def _pieces(name: str, out: int, parent: nn.Module | None) -> tuple[int, ...] | 
     low = name.lower()
     if any(k in low for k in _FUSED_QKV):
         widths = qkv_widths(parent) if parent is not None else None
-        if widths is not None and sum(widths) == out:
-            return tuple(widths)
+        # tensor parallelism divides the attention's head counts by tp (its local widths); the
+        # weight keeps its global rows, in the same q : k : v proportions
+        if widths is not None and sum(widths) and out % sum(widths) == 0:
+            return tuple(w * (out // sum(widths)) for w in widths)
         if out % 3:
             raise ConfigError(f"Muon cannot split the fused q|k|v weight {name} ({out} outputs) into 3 pieces",
                               hint=f"name it in muon=[{name!r}] to orthogonalize it whole, or in adamw=[...]")
