@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("plan",),  # the pure cost model: no torch
     ("models", "data"),
     ("parallel",),
+    ("optim",),  # optimizers that need whole matrices (Muon), over the parallel layer's placements
     ("verify",),
     ("checkpoint",),
     ("observe",),

@@ -64,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-convention", choices=("torch", "zero-paper", "megatron"), default="torch",
                    help="bytes per parameter of the model states: torch (fp32 master = parameter, 4+4+8 with Adam; the default), "
                         "zero-paper (2+2+12, the ZeRO paper's table 1), megatron (2+4+12)")
-    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "sgd", "sgd_nomomentum"))
+    p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "muon", "sgd", "sgd_nomomentum"),
+                   help="the optimizer whose states (and, for muon, Newton-Schulz and its all-to-alls) the plans carry")
     p.add_argument("--lora.r", dest="lora_r", type=int, default=0, metavar="R",
                    help="LoRA adapters of rank R on every projection of a frozen base (0: full fine-tuning)")
     p.add_argument("--lora.base", dest="lora_base", choices=("fp32", "nf4"), default="fp32",
@@ -130,7 +131,7 @@ def _main(args: argparse.Namespace) -> int:
     if precision == "fp8" and "fp8" not in cluster.peak_flops:
         raise ConfigError(f"--precision fp8 needs FP8 tensor cores, which {cluster.name} does not have",
                           hint="use --device-type h100, h200 or h800 (or a spec with an fp8 peak), or --precision bf16")
-    options = _search_options(args, precision)
+    options = _search_options(args, stats, precision)
     found = _ranked(args, stats, cluster, global_batch, options)
     if args.json:
         return _print_json(args, found)
@@ -171,13 +172,12 @@ def _model_stats(args: argparse.Namespace) -> Any:
     return stats
 
 
-def _search_options(args: argparse.Namespace, precision: str) -> Any:
+def _search_options(args: argparse.Namespace, stats: Any, precision: str) -> Any:
     """The search's options from the flags. shardwise's runtime options are searched for shardwise's
     runtime; a framework's 16-bit policy has its own (16-bit parameters, a fused loss, sharded
     accumulation) always on."""
     from dataclasses import replace
 
-    from shardwise.plan.memory import StatePolicy
     from shardwise.plan.options import RUNTIME_OPTIONS
     from shardwise.plan.policy import RunPolicy
     from shardwise.plan.search import SearchOptions
@@ -186,7 +186,7 @@ def _search_options(args: argparse.Namespace, precision: str) -> Any:
     if args.selective:
         run = replace(run, selective=args.selective)
     return SearchOptions(precision=precision, headroom=args.headroom, top=args.top or (1 if args.fixed else 5), run=run,
-                         policy=StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer),
+                         policy=_policy(args, stats, precision),
                          runtime_options=RUNTIME_OPTIONS if args.precision_policy == "autocast" else ())
 
 
@@ -217,7 +217,6 @@ def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: in
     when none fits, said so)."""
     from dataclasses import replace
 
-    from shardwise.plan.memory import StatePolicy
     from shardwise.plan.search import candidates, fixed_options, search
     from shardwise.plan.support import runtime_conflict
 
@@ -228,8 +227,7 @@ def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: in
         return _Ranked(stats, cluster, global_batch, options, result.plans, result.explanation)
     constrained = fixed_options(args.fixed, options)
     if constrained.precision != options.precision:  # precision=... named in --fixed
-        constrained = replace(constrained, policy=StatePolicy.named(args.memory_convention, precision=constrained.precision,
-                                                                    optimizer=args.optimizer))
+        constrained = replace(constrained, policy=_policy(args, stats, constrained.precision))
     result = search(stats, cluster, global_batch=global_batch, options=constrained)
     if result.plans:
         estimates = result.plans
@@ -267,6 +265,8 @@ def _print_json(args: argparse.Namespace, found: _Ranked) -> int:
         if found.free is not None:
             out["free_search"] = {"plan": str(found.free.plan), "speedup": estimates[0].step_time_s / found.free.step_time_s,
                                   "why": explain_gap(found.free, estimates[0])}
+    if args.optimizer == "muon":
+        out["muon"] = [_muon(stats, cluster, e.plan).to_json() for e in estimates]
     print(json.dumps(out, indent=2))
     return 0
 
@@ -281,6 +281,9 @@ def _print_text(args: argparse.Namespace, found: _Ranked) -> int:
           + ("; runtime options searched)" if options.runtime_options else ")"))
     print(format_table(estimates))
     print(found.explanation)
+    if args.optimizer == "muon":
+        for i, e in enumerate(estimates, 1):
+            print(f"#{i} {_muon(stats, cluster, e.plan).line()}")
     if not args.explain:
         return 0
     for i, e in enumerate(estimates, 1):
@@ -296,6 +299,27 @@ def _print_text(args: argparse.Namespace, found: _Ranked) -> int:
         else:
             print(f"free search: no plan is predicted faster than {estimates[0].plan}")
     return 0
+
+
+def _policy(args: argparse.Namespace, stats: Any, precision: str) -> Any:
+    """The state policy of ``--memory-convention`` and ``--optimizer``; muon: its one momentum on the
+    matrices and Adam's two moments on the rest, blended over the model (shardwise.plan.muon)."""
+    from dataclasses import replace
+
+    from shardwise.plan.memory import StatePolicy
+
+    policy = StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer)
+    if args.optimizer != "muon":
+        return policy
+    from shardwise.plan.muon import state_bytes_per_param
+
+    return replace(policy, optimizer=state_bytes_per_param(stats))
+
+
+def _muon(stats: Any, cluster: Any, plan: Any) -> Any:
+    from shardwise.plan.muon import muon_cost
+
+    return muon_cost(stats, plan, cluster)
 
 
 def _is_spec_file(device_type: str) -> bool:

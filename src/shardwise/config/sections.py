@@ -74,6 +74,9 @@ class TrainSection(Section):
     warmup_steps: int = opt(50, "linear warmup steps, then cosine decay", min=0)
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak", min=0.0, max=1.0)
     weight_decay: float = opt(0.1, "AdamW weight decay", min=0.0)
+    optimizer: Literal["adamw", "muon"] = opt("adamw", "adamw, or muon: Muon on the hidden matrices (exact under every plan), AdamW at train.lr "
+                                                       "on embeddings, head, norms and biases")
+    muon_lr: float = opt(0.02, "with train.optimizer muon: Muon's peak learning rate", min=0.0)
     clip_grad_norm: float = opt(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
     precision: Literal["fp32", "bf16", "fp16", "fp8"] = opt("fp32", "compute precision (bf16/fp16 autocast; fp8: torchao float8 Linear layers, bf16 elsewhere)")
     eval_every: int = opt(100, "evaluate every N steps (0: only at the end)", min=0)

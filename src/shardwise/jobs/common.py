@@ -36,6 +36,17 @@ def adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float) -> 
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
 
 
+def job_optimizer(t: Any) -> Any:
+    """``train.optimizer``: AdamW (decay on matrices) or ``shardwise.optim.muon`` (Muon at
+    ``train.muon_lr`` on the hidden matrices, AdamW at ``train.lr`` on the rest), both with
+    ``train.weight_decay``."""
+    if t.optimizer == "muon":
+        from shardwise.optim import muon
+
+        return muon(lr=t.muon_lr, weight_decay=t.weight_decay, adamw_lr=t.lr, adamw_weight_decay=t.weight_decay)
+    return partial(adamw, lr=t.lr, weight_decay=t.weight_decay)
+
+
 class WriteConfig(Callback):
     """Rank 0 writes the run's resolved configuration to ``<run_dir>/config.toml`` when training
     starts: after the checkpoint callback restored (or refused) a resume, so a refused resume
@@ -84,7 +95,7 @@ def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], 
     return Trainer(
         model,
         loss_fn=loss_fn,
-        optimizer=partial(adamw, lr=t.lr, weight_decay=t.weight_decay),
+        optimizer=job_optimizer(t),
         plan=config.parallel.plan,
         precision=precision_override(t.precision),
         global_batch_size=t.global_batch_size,

@@ -54,9 +54,10 @@ class StatePolicy:
         """shardwise / FSDP: the fp32 parameter is the master copy (autocast or FSDP's 16-bit
         all-gather make transient compute copies): ``P = G = 4``, Adam ``K = 8``. ``reduce_bytes``:
         2 for a 16-bit gradient reduction (llm-foundry's FSDP ``mixed_precision=PURE``)."""
-        states = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0, "sgd_nomomentum": 0.0}.get(optimizer)
+        # muon: one momentum on the matrices (shardwise.plan.muon blends in AdamW's 8 for the rest)
+        states = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0, "sgd_nomomentum": 0.0, "muon": 4.0}.get(optimizer)
         if states is None:
-            raise ConfigError(f"optimizer {optimizer!r} is unknown to the cost model", hint="use adam, adamw, sgd or sgd_nomomentum")
+            raise ConfigError(f"optimizer {optimizer!r} is unknown to the cost model", hint="use adam, adamw, muon, sgd or sgd_nomomentum")
         compute = 4.0 if precision == "fp32" else 2.0
         return cls(param=4.0, grad=4.0, optimizer=states, compute_bytes=compute, reduce_bytes=reduce_bytes, zero2_shards_params=True)
 
