@@ -10,17 +10,22 @@ where, and builds one :class:`~shardwise.optim.muon.Muon` with a Muon group and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.optim.classify import check
 from shardwise.optim.muon import Muon
 from shardwise.optim.units import Routing, route
 from shardwise.runtime.logging import get_logger
 
+if TYPE_CHECKING:
+    from shardwise.parallel.parallelize import ParallelModel
+
 log = get_logger("optim")
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
@@ -59,3 +64,25 @@ def muon(*, muon: Iterable[str] = (), adamw: Iterable[str] = (), **options: Any)
     ``adamw_lr`` ...), checked now."""
     Muon([torch.zeros(2, 2, requires_grad=True)], **options)  # a bad option fails here, not in the job
     return MuonFactory(options=dict(options), muon=tuple(muon), adamw=tuple(adamw))
+
+
+def build_optimizer(pm: ParallelModel, optimizer: OptimizerFactory | MuonFactory) -> torch.optim.Optimizer:
+    """The optimizer on the final (possibly sharded) parameters, refused in one line if the plan
+    would run it wrongly (:func:`shardwise.optim.check`: a whole-tensor optimizer on shards). The
+    Trainer, ``prepare()``, ``shardwise verify`` and certification all build it here.
+    ``shardwise.optim.muon(...)`` is built from the named parameters of the parallel module (it
+    needs the names to route them); its state is not ZeRO-1-partitioned (it keeps whole matrices)."""
+    if isinstance(optimizer, MuonFactory):
+        opt: torch.optim.Optimizer = optimizer.for_module(pm.module)
+    else:
+        opt = pm.build_optimizer(optimizer)  # ZeRO-1 wraps it to shard its state
+    check(opt, pm.plan)
+    return opt
+
+
+def reference_optimizer(module: nn.Module, optimizer: OptimizerFactory | MuonFactory) -> torch.optim.Optimizer:
+    """One process's optimizer over ``module`` (the parity reference): the same factory, on whole
+    parameters."""
+    if isinstance(optimizer, MuonFactory):
+        return optimizer.for_module(module)
+    return optimizer(module.parameters())

@@ -37,8 +37,7 @@ from shardwise.checkpoint.hf_load import Pretrained, load_parallel
 from shardwise.runtime import env as runtime
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
-from shardwise.optim.classify import check as check_optimizer
-from shardwise.optim.factory import MuonFactory
+from shardwise.optim.factory import build_optimizer
 from shardwise.resolve import resolve_plan
 from shardwise.parallel.chunked_loss import find_lm_head, loss_reduction
 from shardwise.parallel.ddp import DDPOptions
@@ -128,19 +127,6 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
         pm = parallelize(model.to(env.device), resolved, meshes, **options)
     opt = build_optimizer(pm, optimizer)
     return Built(env=env, plan=resolved, auto_choice=choice, meshes=meshes, model=pm, optimizer=opt)
-
-
-def build_optimizer(pm: ParallelModel, optimizer: OptimizerFactory | MuonFactory) -> torch.optim.Optimizer:
-    """The optimizer on the final (possibly sharded) parameters, refused in one line if the plan
-    would run it wrongly (:func:`shardwise.optim.check`: a whole-tensor optimizer on shards).
-    ``shardwise.optim.muon(...)`` is built from the named parameters of the parallel module (it
-    needs the names to route them); its state is not ZeRO-1-partitioned (it keeps whole matrices)."""
-    if isinstance(optimizer, MuonFactory):
-        opt: torch.optim.Optimizer = optimizer.for_module(pm.module)
-    else:
-        opt = pm.build_optimizer(optimizer)  # ZeRO-1 wraps it to shard its state
-    check_optimizer(opt, pm.plan)
-    return opt
 
 
 def choose_plan(model: nn.Module | Pretrained, env: RuntimeEnv, *, global_batch_size: int, precision: str | None,

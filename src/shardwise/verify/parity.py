@@ -68,6 +68,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError
+from shardwise.optim.factory import build_optimizer, reference_optimizer
 from shardwise.parallel.fp8 import Fp8Options, apply_fp8
 from shardwise.parallel.init import parallelize_on_meta
 from shardwise.parallel.mesh import build_mesh
@@ -276,7 +277,7 @@ def run_reference(workload: Any, batches: list[Any], training: Training, *, fp8_
     if fp8_recipe is not None:
         apply_fp8(model, recipe=fp8_recipe, options=training.fp8, device=training.device, log_it=False)
     batches = [_to(b, training.device) for b in batches]
-    opt = training.optimizer_factory()(model.parameters())
+    opt = reference_optimizer(model, training.optimizer_factory())
     initial = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     losses, norms = [], []
     memory: dict[str, int] = {}
@@ -340,7 +341,7 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
         pm = parallelize_on_meta(lambda: workload.build(training.seed), plan, meshes, device=training.device, seed=training.seed, **options)
     else:
         pm = parallelize(workload.build(training.seed).to(training.device), plan, meshes, **options)
-    opt = pm.build_optimizer(training.optimizer_factory())
+    opt = build_optimizer(pm, training.optimizer_factory())
     loss_fn = pm.loss_for(workload.loss)  # the plan's runtime options: a chunked head + loss, 16-bit parameters
     params = list(pm.parameters())
     losses, norms = [], []
