@@ -20,7 +20,9 @@ environment again. The variables:
 - ``SHARDWISE_LAUNCHER_PID``: the process id of the ``shardwise run`` launcher that started this
   worker (set by the launcher), so the worker can leave when the launcher is gone
   (:mod:`shardwise.runtime.parent`), within torch's ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds
-  (default 30: what the launcher itself gives its workers after a SIGTERM).
+  (default 30: what the launcher itself gives its workers after a SIGTERM);
+- ``SHARDWISE_FT_*``: the fault-tolerant replica group of ``shardwise run --ft-replicas``
+  (:mod:`shardwise.runtime.ft_env`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from shardwise.errors import ConfigError
+from shardwise.runtime.ft_env import FtSettings, ft_settings
 
 HANG_TIMEOUT_VAR = "SHARDWISE_HANG_TIMEOUT"
 ELASTIC_VAR = "SHARDWISE_ELASTIC"
@@ -50,6 +53,7 @@ class Settings:
     elastic: tuple[int, int] | None = None  # (min, max) nodes of an elastic job, else None
     launcher_pid: int | None = None
     stop_grace_s: float = 30.0
+    ft: FtSettings | None = None  # this worker's fault-tolerant replica group (runtime/ft_env.py), else None
 
     @property
     def attempt_namespace(self) -> str:
@@ -118,4 +122,5 @@ def read_settings(environ: Mapping[str, str]) -> Settings:
         elastic=elastic_nodes(environ),
         launcher_pid=int(launcher) if launcher.isdigit() else None,
         stop_grace_s=float(grace) if grace.isdigit() else 30.0,
+        ft=ft_settings(environ),
     )

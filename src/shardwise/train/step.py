@@ -46,7 +46,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from shardwise.parallel.parallelize import ParallelModel
-from shardwise.parallel.reduction import LossReduction
+from shardwise.parallel.reduction import LossReduction, StepWeights
 from shardwise.train.batch import move_batch, split_batch, with_batch_kwargs
 from shardwise.train.clip import clip_grad_norm_
 from shardwise.train.precision import LossScaler, autocast
@@ -70,6 +70,8 @@ class OptimizerStep:
     window: LogWindow
     after_backward: Callable[[], None]
     reduction: LossReduction = LossReduction()
+    # fault-tolerant replica groups (train/ft.py): all-reduce over the live groups and vote; False drops the step
+    replicas: Callable[[torch.Tensor | None, StepWeights], bool] | None = None
     _aux_scale: float | None = None  # the auxiliary losses' scale last set on the model
 
     def __call__(self, micro_batches: list[Any]) -> dict[str, Any]:
@@ -106,6 +108,9 @@ class OptimizerStep:
             share = weights.contribution(i, loss.detach().float())
             loss_sum = share if loss_sum is None else loss_sum + share
         self.after_backward()
+        if self.replicas is not None and not self.replicas(loss_sum, weights):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"discarded": True}
         take_step = True
         metrics: dict[str, Any] = {}
         if self.scaler is not None or self.clip_grad_norm is not None:
