@@ -154,6 +154,7 @@ def _ft_main(args: argparse.Namespace) -> int | None:
         ft_dir = args.ft_dir or (os.path.join(args.log_dir, "ft") if args.log_dir else "")
         if ft_dir:
             os.makedirs(ft_dir, exist_ok=True)
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum request at info
         os.environ.update(worker_env(options, args.ft_replica_id, args.lighthouse, ft_dir))
         return None
     _check_flags(args)

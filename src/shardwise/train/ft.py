@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -59,6 +61,16 @@ from shardwise.train.batch import chunks
 from shardwise.train.ft_state import heal_fns
 
 log = get_logger("ft")
+
+
+def _reachable(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether a TCP connection to ``http://HOST:PORT`` opens."""
+    host, _, port = url.split("://")[-1].rstrip("/").rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def replica_index(replica_id: str) -> int:
@@ -117,6 +129,9 @@ class ReplicaSync:
     def __init__(self, trainer: Any, settings: FtSettings) -> None:
         from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL  # here: only a fault-tolerant run needs torchft
 
+        # torchft logs each failed collective with its traceback; the discarded step's own line says it once
+        logging.getLogger("torchft.manager").setLevel(logging.CRITICAL)
+
         env, self.settings, self.trainer = trainer.env, settings, trainer
         self.is_reporter = env.rank == 0
         path = os.path.join(settings.events_dir, f"replica{settings.replica}.jsonl") if settings.events_dir and self.is_reporter else None
@@ -131,10 +146,16 @@ class ReplicaSync:
         host, port, self._store = _group_store(env)
         timeout = timedelta(seconds=settings.timeout_s)
         pg = ProcessGroupNCCL(timeout) if env.device is not None and env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
-        self.manager = Manager(pg=pg, load_state_dict=load, state_dict=state_dict, min_replica_size=settings.min_replicas,
-                               use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
-                               connect_timeout=timeout, rank=env.rank, world_size=env.world_size, store_addr=host, store_port=port,
-                               lighthouse_addr=settings.lighthouse, replica_id=f"shardwise_{settings.replica}", init_sync=True)
+        try:
+            self.manager = Manager(pg=pg, load_state_dict=load, state_dict=state_dict, min_replica_size=settings.min_replicas,
+                                   use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+                                   connect_timeout=timeout, rank=env.rank, world_size=env.world_size, store_addr=host, store_port=port,
+                                   lighthouse_addr=settings.lighthouse, replica_id=f"shardwise_{settings.replica}", init_sync=True)
+        except Exception as err:  # noqa: BLE001 - the Rust side raises RuntimeError for a refused connection
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            raise ShardwiseError(f"replica group {settings.replica} cannot reach the lighthouse at {settings.lighthouse} "
+                                 f"within {settings.timeout_s:g} s: {first}",
+                                 hint="start 'shardwise lighthouse --port P' first, and check --lighthouse HOST:PORT") from None
         self.manager.load_state_dict({"step": trainer.state.step, "batches_committed": 0})  # a resumed checkpoint's step
         self._client = _RecordingClient(self.manager._client)
         self.manager._client = self._client
@@ -152,11 +173,12 @@ class ReplicaSync:
         return self.healed
 
     def _quorum_failure(self, err: Exception) -> str:
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
         s = self.settings
-        return (f"replica group {s.replica}: no quorum at step {self.trainer.state.step} within {s.quorum_timeout_s:g} s "
-                f"(lighthouse {s.lighthouse}, min_replicas={s.min_replicas}): the lighthouse is gone or fewer than "
-                f"{s.min_replicas} replica group(s) are alive ({type(err).__name__}: {first})")
+        cause = (f"the lighthouse at {s.lighthouse} does not answer" if not _reachable(s.lighthouse)
+                 else f"fewer than {s.min_replicas} replica group(s) (--ft-min-replicas) are alive")
+        return (f"replica group {s.replica}: no quorum for step {self.trainer.state.step + 1} within {s.quorum_timeout_s:g} s: "
+                f"{cause} ({type(err).__name__}: {first})")
 
     def _report_quorum(self, seconds: float) -> None:
         quorum = self._client.last
@@ -199,7 +221,12 @@ class ReplicaSync:
         if not commit:
             self.events.counts["discarded_steps"] += 1
             err = self.manager.errored()
-            self.events.write("discarded", step=self.trainer.state.step, error=str(err).splitlines()[0][:200] if err else "")
+            why = str(err.original_exception if err is not None else "").strip().splitlines()
+            why = why[0][:200] if why else f"fewer than {self.settings.min_replicas} live group(s)"
+            if self.is_reporter:
+                log.info(f"ft: replica group {self.settings.replica}: step {self.trainer.state.step + 1} discarded ({why}); "
+                         "running it again on the same batch with the next quorum")
+            self.events.write("discarded", step=self.trainer.state.step + 1, error=why)
             return False
         total = float(meta[1])
         for members, flat in buckets:

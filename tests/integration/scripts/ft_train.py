@@ -2,13 +2,17 @@
 data with ragged token masks (loss_reduction="tokens"), the plan from argv. Group rank 0 of each
 replica group (plain run: rank 0) writes the final full weights, step and data position to
 OUT/replica<r>.pt, and every committed step's line "STEP <replica> <step> <pid>" goes to stdout.
+Each rank waits SLEEP_S seconds after its backward, before the step's gradient reduction, so that a
+kill at a random moment most often finds the other groups waiting in their all-reduce. With
+KILL=r:s, the first launch attempt of group r SIGKILLs its rank 0 there, in step s (mid-step).
 
-argv: OUT PLAN STEPS [SLEEP_S]
+argv: OUT PLAN STEPS [SLEEP_S [KILL]]
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -39,13 +43,18 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class Report(Callback):
-    def __init__(self, sleep_s: float) -> None:
-        self.sleep_s = sleep_s
+    def __init__(self, sleep_s: float, kill: str) -> None:
+        self.sleep_s, self.kill = sleep_s, kill
+
+    def on_after_backward(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        time.sleep(self.sleep_s)
+        env = trainer.env
+        if self.kill == f"{env.replica}:{trainer.state.step + 1}" and env.rank == 0 and env.settings.restart_count == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_step_end(self, trainer, metrics=None) -> None:  # type: ignore[no-untyped-def]
         if trainer.env.rank == 0:
             print(f"STEP {trainer.env.replica} {trainer.state.step} {os.getpid()}", flush=True)
-        time.sleep(self.sleep_s)
 
 
 def data() -> TensorDataset:
@@ -60,12 +69,13 @@ def data() -> TensorDataset:
 def main() -> None:
     out, plan, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
     sleep_s = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+    kill = sys.argv[5] if len(sys.argv) > 5 else ""
     torch.manual_seed(0)
     model = TokenMLP()
     trainer = shardwise.Trainer(model, loss_fn=loss_fn, global_batch_size=8, plan=plan, max_steps=steps, seed=0, log_every=1,
                                 loss_reduction="tokens", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), progress_bar=False,
                                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
-                                callbacks=[Report(sleep_s)])
+                                callbacks=[Report(sleep_s, kill)])
     result = trainer.fit(data())
     weights = get_model_state_dict(trainer.model.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.env.rank == 0:
