@@ -84,13 +84,13 @@ class FtJob:
 
 
 def start(work: Path, *, replicas: int, nproc: int, plan: str, steps: int, sleep_s: float, max_restarts: int = 0,
-          min_replicas: int = 1, kill: str = "", extra: list[str] | None = None) -> FtJob:
+          min_replicas: int = 1, kill: str = "", extra: list[str] | None = None, env: dict[str, str] | None = None) -> FtJob:
     out, ft_dir = work / "out", work / "ft"
     args = [sys.executable, "-m", "shardwise", "run", "--ft-replicas", str(replicas), "--ft-min-replicas", str(min_replicas),
             "--ft-dir", str(ft_dir), "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), *FAST, *(extra or []),
             str(SCRIPT), str(out), plan, str(steps), str(sleep_s), kill]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    environ = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, start_new_session=True)
     job = FtJob(proc, out, ft_dir)
     threading.Thread(target=job._pump, daemon=True).start()
     return job
@@ -128,3 +128,9 @@ def summarize_file(job: FtJob) -> dict[str, Any]:
     import json
 
     return json.loads((job.ft_dir / "summary.json").read_text())
+
+
+def read_events(ft_dir: Path) -> list[dict[str, Any]]:
+    from shardwise.launch.ft import read_events as read
+
+    return read(str(ft_dir))

@@ -43,12 +43,14 @@ def _assert_parity(ft: dict[int, dict], plain: dict) -> None:
 @pytest.mark.slow_allowed(seconds=150, why="two launches (a 2-group job and the plain dp=2 job it must equal), each a few Python starts")
 def test_two_replica_groups_equal_plain_dp2(tmp_path: Path) -> None:
     """No failure: 2 groups of 1 process (token-weighted cross-group mean, ragged masks, a step LR
-    schedule) train exactly as dp=2 on one world."""
-    job = h.start(tmp_path, replicas=2, nproc=1, plan="dp", steps=4, sleep_s=0.0, min_replicas=2)
+    schedule) train exactly as dp=2 on one world; group 0 writes the checkpoint."""
+    job = h.start(tmp_path, replicas=2, nproc=1, plan="dp", steps=4, sleep_s=0.0, min_replicas=2,
+                  env={"FT_CHECKPOINT": str(tmp_path / "ckpt")})
     assert job.finish(180) == 0, "".join(job.lines[-40:])
     _assert_parity(h.results(job), _plain(tmp_path, nproc=2, plan="dp", steps=4))
     summary = h.summarize_file(job)
     assert summary["committed_steps"] == 4 and summary["discarded_steps"] == 0 and summary["healed_replicas"] == 0
+    assert (tmp_path / "ckpt" / "step_00000004" / "COMMITTED.json").exists()
 
 
 @pytest.mark.slow

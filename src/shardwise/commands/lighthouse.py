@@ -7,8 +7,8 @@ import argparse
 
 EXAMPLES = """examples:
   shardwise lighthouse --port 29510 --min-replicas 1
-  # then on machine r of R:
-  shardwise run --ft-replicas 2 --ft-replica-id r --lighthouse login1:29510 --nproc-per-node 8 --max-restarts 3 train.py
+  # then on each training machine (here group 1 of 2):
+  shardwise run --ft-replicas 2 --ft-replica-id 1 --lighthouse login1:29510 --nproc-per-node 8 --max-restarts 3 train.py
 """
 
 

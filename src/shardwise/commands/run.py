@@ -28,8 +28,8 @@ EXAMPLES = """examples:
   shardwise run --nnodes 1:4 --rdzv-endpoint login1:29400 --rdzv-conf is_host=0 --rdzv-id job7 --max-restarts 3 train.py
   # per-step fault tolerance (shardwise[ft]): 2 replica groups of 4 processes, each restarts on its own:
   shardwise run --ft-replicas 2 --nproc-per-node 4 --max-restarts 3 train.py
-  # the same over machines: 'shardwise lighthouse --port 29510' on one, then on machine r:
-  shardwise run --ft-replicas 2 --ft-replica-id r --lighthouse login1:29510 --nproc-per-node 8 --max-restarts 3 train.py
+  # the same over machines: 'shardwise lighthouse --port 29510' on one, then on each (here group 1 of 2):
+  shardwise run --ft-replicas 2 --ft-replica-id 1 --lighthouse login1:29510 --nproc-per-node 8 --max-restarts 3 train.py
   # each line whole, behind its rank; every rank's output also in its own file:
   shardwise run --nproc-per-node 4 --log-prefix '[${rank}]: ' --log-dir logs train.py
 """

@@ -29,7 +29,9 @@ commit vote inside the group (torchft's ManagerServer).
   (as torchft's sampler does), counted as ``samples_skipped`` in the events; every group keeps
   the global position, so a returning group reads on from the survivors' position;
 - a returning group heals from a live peer (:mod:`shardwise.train.ft_state`): model, optimizer,
-  scheduler, RNG, step and data position become the peer's.
+  scheduler, RNG, step and data position become the peer's;
+- replica group 0 writes the Trainer's checkpoints (the other groups drop the checkpoint callback
+  after its resume): they restart a whole job, never a group.
 
 Group rank 0 appends one JSON line per event (quorum change, discard, heal, commit) to
 ``$SHARDWISE_FT_DIR/replica<r>.jsonl``; the launcher sums them into ``summary.json``.
@@ -292,4 +294,12 @@ def fault_tolerant(train_step: Any, trainer: Any, loader: Any) -> Any:
         return train_step
     sync = ReplicaSync(trainer, settings)
     trainer.callbacks.append(_CloseAtFitEnd(sync))
+    checkpoint = trainer.checkpoint
+    if checkpoint is not None and settings.replica != 0 and checkpoint in trainer.callbacks:
+        # Replica group 0 writes the checkpoints (the groups hold the same state after every commit);
+        # the others have resumed like it (on_fit_start ran), and a returning group heals from a peer.
+        trainer.callbacks.remove(checkpoint)
+        if checkpoint._installed:
+            checkpoint.signal.uninstall()
+            checkpoint._installed = False
     return FaultTolerantStep(train_step, sync, loader, trainer.grad_accum_steps)

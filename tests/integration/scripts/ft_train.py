@@ -75,7 +75,7 @@ def main() -> None:
     trainer = shardwise.Trainer(model, loss_fn=loss_fn, global_batch_size=8, plan=plan, max_steps=steps, seed=0, log_every=1,
                                 loss_reduction="tokens", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), progress_bar=False,
                                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
-                                callbacks=[Report(sleep_s, kill)])
+                                callbacks=[Report(sleep_s, kill)], checkpoint=os.environ.get("FT_CHECKPOINT") or None)
     result = trainer.fit(data())
     weights = get_model_state_dict(trainer.model.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.env.rank == 0:
