@@ -44,7 +44,8 @@ STEPS = 80
 
 
 def trial(work: Path, *, replicas: int, rng: random.Random, sleep_s: float) -> dict:
-    job = h.start(work, replicas=replicas, nproc=1, plan="dp", steps=STEPS, sleep_s=sleep_s, max_restarts=1)
+    job = h.start(work, replicas=replicas, nproc=1, plan="dp", steps=STEPS, sleep_s=sleep_s, max_restarts=1,
+                  env={"FT_GLOBAL_BATCH": str(4 * replicas)})
     at = rng.randint(4, 8)
     try:
         for r in range(replicas):
@@ -113,11 +114,16 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/ft_trials.json")
     args = parser.parse_args()
     rng = random.Random(args.seed)
-    trials = []
+    trials: list[dict] = []
+    failed: list[str] = []
     for i in range(args.trials):
         work = Path(tempfile.mkdtemp(prefix="ft-trial-"))
         try:
             trials.append(trial(work, replicas=2 + i % 2, rng=rng, sleep_s=args.sleep))
+        except (TimeoutError, OSError, KeyError) as err:  # recorded, and the other trials still run
+            print(f"trial {i} failed: {err}", flush=True)
+            failed.append(str(err)[:2000])
+            continue
         finally:
             shutil.rmtree(work, ignore_errors=True)
         print(json.dumps({k: v for k, v in trials[-1].items() if k != "timeline"}), flush=True)
@@ -125,7 +131,8 @@ def main() -> None:
     summary = {"trials": len(trials), "median_to_next_commit_s": med("to_next_commit_s"), "median_back_s": med("back_s"),
                "median_heal_s": med("heal_s"), "discarded_steps": [t["discarded_steps"] for t in trials],
                "steps_redone_by_survivors": sum(t["steps_redone"] for t in trials),
-               "survivors_restarted": sum(t["survivor_restarted"] for t in trials), "all_weights_equal": all(t["weights_equal"] for t in trials)}
+               "survivors_restarted": sum(t["survivor_restarted"] for t in trials), "all_weights_equal": all(t["weights_equal"] for t in trials),
+               "failed_trials": failed}
     out = Path(args.out)
     elastic = elastic_reference(out.parent / "node_loss_cost.json")
     result = {"command": "python bench/ft_trials.py " + " ".join(sys.argv[1:]), "cpu_count": os.cpu_count(), "steps": STEPS,

@@ -129,7 +129,7 @@ def run_groups(options: FtOptions, child_args: Sequence[str], *, log_dir: str | 
             env = {"RUST_LOG": "warn", **os.environ, **worker_env(options, r, lighthouse, ft_dir)}  # torchft's Rust side: quiet
             argv = [sys.executable, "-m", "shardwise", "run", "--stop-with-stdin", *child_args]
             children.append(subprocess.Popen(argv, env=env, stdin=subprocess.PIPE))
-        codes = [child.wait() for child in children]
+        codes = _wait_groups(children, grace_s=options.timeout_s)
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
@@ -152,6 +152,25 @@ def run_groups(options: FtOptions, child_args: Sequence[str], *, log_dir: str | 
     if stopping:
         return 128 + stopping[0]
     return 0 if any(code == 0 for code in codes) else next(code for code in codes if code)
+
+
+def _wait_groups(children: Sequence[subprocess.Popen], *, grace_s: float) -> list[int]:
+    """Every group's exit code. Once one group has finished training (exit 0), the others get
+    ``grace_s`` to finish too; a group still running then (restarting after the others' last step:
+    it would train alone from its last state) is stopped with SIGTERM."""
+    finished_at = None
+    while any(child.poll() is None for child in children):
+        if finished_at is None and any(child.poll() == 0 for child in children):
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > grace_s:
+            for child in children:
+                if child.poll() is None:
+                    print(f"[shardwise] ft: the other groups finished {grace_s:g} s ago: stopping group pid {child.pid}",
+                          file=sys.stderr, flush=True)
+                    child.send_signal(signal.SIGTERM)
+            finished_at = float("inf")
+        time.sleep(0.2)
+    return [child.wait() for child in children]
 
 
 def read_events(ft_dir: str) -> list[dict[str, Any]]:

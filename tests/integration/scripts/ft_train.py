@@ -6,7 +6,7 @@ Each rank waits SLEEP_S seconds after its backward, before the step's gradient r
 kill at a random moment most often finds the other groups waiting in their all-reduce. With
 KILL=r:s, the first launch attempt of group r SIGKILLs its rank 0 there, in step s (mid-step).
 
-argv: OUT PLAN STEPS [SLEEP_S [KILL]]
+argv: OUT PLAN STEPS [SLEEP_S [KILL]]; FT_GLOBAL_BATCH (default 8), FT_CHECKPOINT (a checkpoint directory).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
     kill = sys.argv[5] if len(sys.argv) > 5 else ""
     torch.manual_seed(0)
     model = TokenMLP()
-    trainer = shardwise.Trainer(model, loss_fn=loss_fn, global_batch_size=8, plan=plan, max_steps=steps, seed=0, log_every=1,
+    trainer = shardwise.Trainer(model, loss_fn=loss_fn, global_batch_size=int(os.environ.get("FT_GLOBAL_BATCH", "8")), plan=plan, max_steps=steps, seed=0, log_every=1,
                                 loss_reduction="tokens", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), progress_bar=False,
                                 lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
                                 callbacks=[Report(sleep_s, kill)], checkpoint=os.environ.get("FT_CHECKPOINT") or None)
