@@ -19,7 +19,7 @@ in the next step. Recorded per trial:
 The elastic figures come from bench/results/node_loss_cost.json (same loopback machine; a node is
 lost, the world re-forms and resumes from the newest checkpoint).
 
-    python bench/ft_trials.py [--trials 4] [--out bench/results/ft_trials.json]
+    python bench/ft_trials.py [--trials 4] [--heartbeat 5] [--out bench/results/ft_trials.json]
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from tests.integration import ft_harness as h  # noqa: E402
 STEPS = 80
 
 
-def trial(work: Path, *, replicas: int, rng: random.Random, sleep_s: float) -> dict:
+def trial(work: Path, *, replicas: int, rng: random.Random, sleep_s: float, heartbeat_s: float) -> dict:
     job = h.start(work, replicas=replicas, nproc=1, plan="dp", steps=STEPS, sleep_s=sleep_s, max_restarts=1,
-                  env={"FT_GLOBAL_BATCH": str(4 * replicas)})
+                  env={"FT_GLOBAL_BATCH": str(4 * replicas)}, extra=["--ft-heartbeat-timeout", f"{heartbeat_s:g}"])
     at = rng.randint(4, 8)
     try:
         for r in range(replicas):
@@ -95,7 +95,9 @@ def plot(trials: list[dict], path: Path) -> None:
     for ax, t in zip(axes[:, 0], trials):
         for r in range(t["replicas"]):
             points = [(x, step) for x, rep, step, _ in t["timeline"] if rep == r]
-            ax.plot([p[0] for p in points], [p[1] for p in points], ".", ms=3, label=f"group {r}" + (" (killed)" if r == t["victim"] else ""))
+            killed = r == t["victim"]  # drawn larger, underneath: the groups step together, so the points overlap
+            ax.plot([p[0] for p in points], [p[1] for p in points], "o" if killed else ".", ms=6 if killed else 3, zorder=1 if killed else 2,
+                    label=f"group {r}" + (" (killed)" if killed else ""))
         ax.axvline(0, color="red", lw=1)
         ax.set_ylabel("committed step")
         ax.set_title(f"{t['replicas']} groups, group {t['victim']} killed in step {t['killed_in_step']}: next commit "
@@ -111,6 +113,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=4, help="trials, alternating 2 and 3 groups")
     parser.add_argument("--sleep", type=float, default=0.3, help="seconds each step waits after its backward")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heartbeat", type=float, default=1.0,
+                        help="the lighthouse's heartbeat expiry in seconds (the tests' 1; shardwise's default is 5)")
     parser.add_argument("--out", default="bench/results/ft_trials.json")
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -119,7 +123,7 @@ def main() -> None:
     for i in range(args.trials):
         work = Path(tempfile.mkdtemp(prefix="ft-trial-"))
         try:
-            trials.append(trial(work, replicas=2 + i % 2, rng=rng, sleep_s=args.sleep))
+            trials.append(trial(work, replicas=2 + i % 2, rng=rng, sleep_s=args.sleep, heartbeat_s=args.heartbeat))
         except (TimeoutError, OSError, KeyError) as err:  # recorded, and the other trials still run
             print(f"trial {i} failed: {err}", flush=True)
             failed.append(str(err)[:2000])
@@ -136,7 +140,7 @@ def main() -> None:
     out = Path(args.out)
     elastic = elastic_reference(out.parent / "node_loss_cost.json")
     result = {"command": "python bench/ft_trials.py " + " ".join(sys.argv[1:]), "cpu_count": os.cpu_count(), "steps": STEPS,
-              "ft_flags": h.FAST, "sleep_s": args.sleep, "summary": summary, "elastic_dp2_node_loss_cost": elastic, "trials": trials}
+              "ft_flags": h.FAST + ["--ft-heartbeat-timeout", f"{args.heartbeat:g}"], "sleep_s": args.sleep, "summary": summary, "elastic_dp2_node_loss_cost": elastic, "trials": trials}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot(trials, out.with_suffix(".png"))

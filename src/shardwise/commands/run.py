@@ -157,6 +157,11 @@ def _ft_main(args: argparse.Namespace) -> int | None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum request at info
         os.environ.update(worker_env(options, args.ft_replica_id, args.lighthouse, ft_dir))
         return None
+    several = [flag for flag, value in (("--nnodes", args.nnodes), ("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
+                                         ("--master-port", args.master_port), ("--rdzv-endpoint", args.rdzv_endpoint)) if value is not None]
+    if several:
+        raise LaunchError(f"--ft-replicas {args.ft_replicas} starts every group on this machine; {several[0]} is for a group "
+                          "over several machines", hint="start each such group with --ft-replica-id r --lighthouse HOST:PORT")
     _check_flags(args)
     resolve(options_from_args(args, args.script, args.script_args, args.module))  # refuse bad flags once, here
     child = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
