@@ -63,7 +63,8 @@ def test_zero3_inside_groups_equals_hsdp(tmp_path: Path) -> None:
 
 @pytest.mark.slow_allowed(seconds=180, why="a group is killed mid-step, restarts (a new Python process) and heals while the other trains on")
 def test_group_killed_mid_step_restarts_and_heals(tmp_path: Path) -> None:
-    """Group 1's worker SIGKILLs itself after its backward of step 6, while group 0 waits in the
+    """Group 1's worker SIGKILLs itself after its backward of step 6 (or the first after it that
+    both groups are in: the first to start trains alone until the other joins), while group 0 waits in the
     gradient all-reduce: group 0 discards that step and trains on alone, in the same process, its
     committed steps only growing; group 1 restarts (--max-restarts 1), heals from group 0 and
     both end with bitwise equal weights, step, data position and learning rate."""

@@ -164,8 +164,10 @@ def _ft_main(args: argparse.Namespace) -> int | None:
                           "over several machines", hint="start each such group with --ft-replica-id r --lighthouse HOST:PORT")
     _check_flags(args)
     resolve(options_from_args(args, args.script, args.script_args, args.module))  # refuse bad flags once, here
+    # A group's own rendezvous has one node: its agents' heartbeat (15 s by default) can only drop
+    # the group from itself (a loaded machine), and a lost group is torchft's to notice.
     child = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
-             "--rdzv-timeout", str(args.rdzv_timeout)]
+             "--rdzv-timeout", str(args.rdzv_timeout), "--rdzv-conf", args.rdzv_conf or "keep_alive_max_attempt=60"]
     for flag, value in (("--log-dir", args.log_dir), ("--log-prefix", args.log_prefix), ("--hang-timeout", args.hang_timeout)):
         if value is not None:
             child += [flag, str(value)]

@@ -4,13 +4,15 @@ replica group (plain run: rank 0) writes the final full weights, step and data p
 OUT/replica<r>.pt, and every committed step's line "STEP <replica> <step> <pid>" goes to stdout.
 Each rank waits SLEEP_S seconds after its backward, before the step's gradient reduction, so that a
 kill at a random moment most often finds the other groups waiting in their all-reduce. With
-KILL=r:s, the first launch attempt of group r SIGKILLs its rank 0 there, in step s (mid-step).
+KILL=r:s, the first launch attempt of group r SIGKILLs its rank 0 mid-step, in the first step from
+step s on whose quorum holds every group.
 
 argv: OUT PLAN STEPS [SLEEP_S [KILL]]; FT_GLOBAL_BATCH (default 8), FT_CHECKPOINT (a checkpoint directory).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -49,12 +51,22 @@ class Report(Callback):
     def on_after_backward(self, trainer) -> None:  # type: ignore[no-untyped-def]
         time.sleep(self.sleep_s)
         env = trainer.env
-        if self.kill == f"{env.replica}:{trainer.state.step + 1}" and env.rank == 0 and env.settings.restart_count == 0:
+        replica, _, step = self.kill.partition(":")
+        if (replica == str(env.replica) and trainer.state.step + 1 >= int(step) and env.rank == 0 and env.settings.restart_count == 0
+                and every_group_live(env)):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_step_end(self, trainer, metrics=None) -> None:  # type: ignore[no-untyped-def]
         if trainer.env.rank == 0:
             print(f"STEP {trainer.env.replica} {trainer.state.step} {os.getpid()}", flush=True)
+
+
+def every_group_live(env) -> bool:  # type: ignore[no-untyped-def]
+    """Whether this group's last quorum (its events file) held every group: then the others are in
+    this step too, waiting in its gradient all-reduce."""
+    path = os.path.join(env.settings.ft.events_dir, f"replica{env.replica}.jsonl")
+    quorums = [json.loads(line) for line in open(path) if '"quorum"' in line] if os.path.exists(path) else []
+    return bool(quorums) and len(quorums[-1]["members"]) == env.replicas
 
 
 def data() -> TensorDataset:
