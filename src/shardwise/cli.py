@@ -26,6 +26,7 @@ COMMANDS = (
     "shardwise.commands.train",
     "shardwise.commands.run",
     "shardwise.commands.rendezvous",
+    "shardwise.commands.lighthouse",
     "shardwise.commands.slurm",
     "shardwise.commands.doctor",
     "shardwise.commands.verify",

@@ -61,7 +61,7 @@ SCRIPT_SET = {"examples/hf_finetune_llama.py": {"--steps": "2", "--nproc": "1"}}
 CLUSTER_HOSTS = ("node0", "node1", "node2")
 # commands that serve until they are stopped: they pass when they are still serving after
 # SERVE_S seconds and printed their line (the port: a free one, so runs beside them do not collide)
-SERVERS = {"rendezvous": "serving the c10d rendezvous store on port"}
+SERVERS = {"rendezvous": "serving the c10d rendezvous store on port", "lighthouse": "serving torchft's quorum on port"}
 SERVE_S = 15
 
 
@@ -86,6 +86,9 @@ def skip_reason(cmd: Command) -> str | None:
         return "starts processes on other hosts over ssh (a cluster; tests/integration/test_hostfile.py runs it on a loopback sshd)"
     if any(h in w for w in words for h in CLUSTER_HOSTS):
         return "needs other nodes (node0, node1: a cluster)"
+    lighthouse = _value(words, "--lighthouse")
+    if lighthouse and lighthouse.split(":")[0] not in ("localhost", "127.0.0.1"):
+        return f"joins a lighthouse on another machine ({lighthouse}: a cluster)"
     nnodes = _value(words, "--nnodes")
     if nnodes and nnodes.split(":")[-1] != "1":
         return f"needs {nnodes} nodes (a cluster)"

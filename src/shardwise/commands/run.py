@@ -26,6 +26,10 @@ EXAMPLES = """examples:
   shardwise run --hostfile hosts.txt --nnodes 1:2 --max-restarts 3 train.py   # keeps training if any node is lost
   # the rendezvous store on a machine that does not train (start 'shardwise rendezvous' there first):
   shardwise run --nnodes 1:4 --rdzv-endpoint login1:29400 --rdzv-conf is_host=0 --rdzv-id job7 --max-restarts 3 train.py
+  # per-step fault tolerance (shardwise[ft]): 2 replica groups of 4 processes, each restarts on its own:
+  shardwise run --ft-replicas 2 --nproc-per-node 4 --max-restarts 3 train.py
+  # the same over machines: 'shardwise lighthouse --port 29510' on one, then on each (here group 1 of 2):
+  shardwise run --ft-replicas 2 --ft-replica-id 1 --lighthouse login1:29510 --nproc-per-node 8 --max-restarts 3 train.py
   # each line whole, behind its rank; every rank's output also in its own file:
   shardwise run --nproc-per-node 4 --log-prefix '[${rank}]: ' --log-dir logs train.py
 """
@@ -97,6 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "HOST:PORT of a running 'shardwise rendezvous'; pre-flight checks that every host reaches it")
     p.add_argument("--stop-with-stdin", action="store_true",
                    help="stop every process of this node when stdin closes (what --hostfile runs on each host)")
+    add_ft_flags(p)
     p.add_argument("-m", "--module", action="store_true", help="run the target as a module (python -m)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -114,7 +119,69 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise LaunchError(f"--log-dir {args.log_dir!r} is not a directory", hint="give a directory (it is created if missing)")
 
 
+def add_ft_flags(parser: argparse.ArgumentParser) -> None:
+    """Per-step fault tolerance with torchft (shardwise.launch.ft, docs/multinode.md)."""
+    g = parser.add_argument_group("fault-tolerant replica groups (torchft: pip install 'shardwise[ft]')")
+    g.add_argument("--ft-replicas", type=int, default=None, metavar="R",
+                   help="R replica groups of --nproc-per-node processes each (the outer data-parallel dimension); a failed "
+                        "group restarts on its own while the others keep stepping")
+    g.add_argument("--ft-replica-id", type=int, default=None, metavar="r", help="run only group r here (with --lighthouse)")
+    g.add_argument("--lighthouse", default=None, metavar="HOST:PORT", help="a running 'shardwise lighthouse' (default: one here)")
+    g.add_argument("--ft-min-replicas", type=int, default=1, metavar="K", help="fewest live groups that may commit a step (default 1)")
+    g.add_argument("--ft-timeout", type=float, default=30.0, metavar="S", help="cross-group collective, vote and heal timeout (default 30)")
+    g.add_argument("--ft-quorum-timeout", type=float, default=60.0, metavar="S", help="wait this long for a quorum, then exit (default 60)")
+    g.add_argument("--ft-heartbeat-timeout", type=float, default=5.0, metavar="S",
+                   help="the lighthouse drops a group silent for this long (default 5)")
+    g.add_argument("--ft-join-timeout", type=float, default=1.0, metavar="S",
+                   help="the lighthouse waits this long for more groups before forming a quorum (default 1)")
+    g.add_argument("--ft-dir", default=None, metavar="DIR", help="events and summary.json (default: <log-dir>/ft, else a temp dir)")
+
+
+def _ft_main(args: argparse.Namespace) -> int | None:
+    """``--ft-replicas R``: the lighthouse and R groups here (returns their exit code); with
+    ``--ft-replica-id``: this group's variables set, then the ordinary launch below (None)."""
+    from shardwise.launch.ft import FtOptions, run_groups, worker_env
+
+    if args.hostfile or args.hosts:
+        raise LaunchError("--ft-replicas with --hostfile/--hosts is not supported",
+                          hint="start one group per machine with --ft-replica-id r --lighthouse HOST:PORT")
+    options = FtOptions(replicas=args.ft_replicas, replica_id=args.ft_replica_id, lighthouse=args.lighthouse,
+                        min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout, quorum_timeout_s=args.ft_quorum_timeout,
+                        heartbeat_timeout_s=args.ft_heartbeat_timeout, join_timeout_s=args.ft_join_timeout, ft_dir=args.ft_dir)
+    options.check()
+    options.check_hang_timeout(args.hang_timeout)
+    if args.ft_replica_id is not None:
+        ft_dir = args.ft_dir or (os.path.join(args.log_dir, "ft") if args.log_dir else "")
+        if ft_dir:
+            os.makedirs(ft_dir, exist_ok=True)
+        os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum request at info
+        os.environ.update(worker_env(options, args.ft_replica_id, args.lighthouse, ft_dir))
+        return None
+    several = [flag for flag, value in (("--nnodes", args.nnodes), ("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
+                                         ("--master-port", args.master_port), ("--rdzv-endpoint", args.rdzv_endpoint)) if value is not None]
+    if several:
+        raise LaunchError(f"--ft-replicas {args.ft_replicas} starts every group on this machine; {several[0]} is for a group "
+                          "over several machines", hint="start each such group with --ft-replica-id r --lighthouse HOST:PORT")
+    _check_flags(args)
+    resolve(options_from_args(args, args.script, args.script_args, args.module))  # refuse bad flags once, here
+    # A group's own rendezvous has one node: its agents' heartbeat (15 s by default) can only drop
+    # the group from itself (a loaded machine), and a lost group is torchft's to notice.
+    child = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
+             "--rdzv-timeout", str(args.rdzv_timeout), "--rdzv-conf", args.rdzv_conf or "keep_alive_max_attempt=60"]
+    for flag, value in (("--log-dir", args.log_dir), ("--log-prefix", args.log_prefix), ("--hang-timeout", args.hang_timeout)):
+        if value is not None:
+            child += [flag, str(value)]
+    child += (["-m"] if args.module else []) + [args.script, *args.script_args]
+    return run_groups(options, child, log_dir=args.log_dir)
+
+
 def _main(args: argparse.Namespace) -> int:
+    if args.ft_replicas is not None or args.ft_replica_id is not None:
+        if args.ft_replicas is None:
+            raise LaunchError("--ft-replica-id needs --ft-replicas R (how many groups the job has)", hint="e.g. --ft-replicas 2")
+        code = _ft_main(args)
+        if code is not None:
+            return code
     if args.rdzv_store and not (args.hostfile or args.hosts):
         raise LaunchError("--rdzv-store needs --hostfile or --hosts",
                           hint="on one node, use --rdzv-endpoint HOST:PORT --rdzv-conf is_host=0 of a running 'shardwise rendezvous'")

@@ -66,6 +66,16 @@ class RuntimeEnv:
         return self.rank == 0
 
     @property
+    def replica(self) -> int:
+        """This process's fault-tolerant replica group (``shardwise run --ft-replicas``), else 0."""
+        return self.settings.ft.replica if self.settings.ft is not None else 0
+
+    @property
+    def replicas(self) -> int:
+        """The fault-tolerant replica groups the job was started with, else 1."""
+        return self.settings.ft.replicas if self.settings.ft is not None else 1
+
+    @property
     def is_local_main(self) -> bool:
         return self.local_rank == 0
 

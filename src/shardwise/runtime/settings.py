@@ -24,6 +24,8 @@ environment again. The variables:
 - ``SHARDWISE_LOG_LEVEL``: ``debug`` shows shardwise's debug lines and the dependencies' warnings
   and log lines that are otherwise kept off the terminal (:mod:`shardwise.runtime.quiet`; what
   ``shardwise --verbose`` sets); default ``info``.
+- ``SHARDWISE_FT_*``: the fault-tolerant replica group of ``shardwise run --ft-replicas``
+  (:mod:`shardwise.runtime.ft_env`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from shardwise.errors import ConfigError
+from shardwise.runtime.ft_env import FtSettings, ft_settings
 
 HANG_TIMEOUT_VAR = "SHARDWISE_HANG_TIMEOUT"
 ELASTIC_VAR = "SHARDWISE_ELASTIC"
@@ -54,6 +57,7 @@ class Settings:
     launcher_pid: int | None = None
     stop_grace_s: float = 30.0
     log_level: str = "info"
+    ft: FtSettings | None = None  # this worker's fault-tolerant replica group (runtime/ft_env.py), else None
 
     @property
     def attempt_namespace(self) -> str:
@@ -123,4 +127,5 @@ def read_settings(environ: Mapping[str, str]) -> Settings:
         launcher_pid=int(launcher) if launcher.isdigit() else None,
         stop_grace_s=float(grace) if grace.isdigit() else 30.0,
         log_level=environ.get("SHARDWISE_LOG_LEVEL", "").strip().lower() or "info",
+        ft=ft_settings(environ),
     )

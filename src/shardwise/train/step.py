@@ -48,7 +48,7 @@ import torch
 
 from shardwise.parallel.micro_step import MicroBatch
 from shardwise.parallel.parallelize import ParallelModel
-from shardwise.parallel.reduction import LossReduction
+from shardwise.parallel.reduction import LossReduction, StepWeights
 from shardwise.train.batch import batch_kwargs, move_batch, split_batch
 from shardwise.train.clip import clip_grad_norm_
 from shardwise.train.precision import LossScaler
@@ -73,6 +73,8 @@ class OptimizerStep:
     window: LogWindow
     after_backward: Callable[[], None]
     reduction: LossReduction = LossReduction()
+    # fault-tolerant replica groups (train/ft.py): all-reduce over the live groups and vote; False drops the step
+    replicas: Callable[[torch.Tensor | None, StepWeights], bool] | None = None
 
     def _micro_batch(self, batch: Any) -> MicroBatch:
         """``batch`` as the micro-step takes it; under ``"tokens"`` its targets go to the device
@@ -91,9 +93,13 @@ class OptimizerStep:
         pm, device = self.model, self.device
         scale = self.scaler.scale if self.scaler is not None else 1.0
         batches = [self._micro_batch(batch) for batch in micro_batches]
-        loss_sum = pm.forward_backward(batches, loss_fn=self.loss_fn, reduction=self.reduction, device=device, loss_scale=scale,
-                                       precision=self.precision, load=self._load).loss
+        result = pm.forward_backward(batches, loss_fn=self.loss_fn, reduction=self.reduction, device=device, loss_scale=scale,
+                                     precision=self.precision, load=self._load)
+        loss_sum = result.loss
         self.after_backward()
+        if self.replicas is not None and not self.replicas(loss_sum, result.weights):
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"discarded": True}
         take_step = True
         metrics: dict[str, Any] = {}
         if self.scaler is not None or self.clip_grad_norm is not None:

@@ -59,6 +59,7 @@ from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics
 from shardwise.train.precision import LossScaler, autocast_precision, check_precision
 from shardwise.train.result import FitResult, stop_of
 from shardwise.train.step import OptimizerStep
+from shardwise.train.ft import fault_tolerant
 from shardwise.train.state import TrainState, checkpointed_parts
 from shardwise.train.train_data import batches_per_epoch, open_train_data
 from shardwise.train.window import LogWindow
@@ -155,7 +156,7 @@ class Trainer:
         self.global_batch_size, self.grad_accum_steps = global_batch_size, grad_accum_steps
 
         def check(plan: Plan, device_type: str) -> None:  # before any mesh or wrapping
-            check_batch_split(global_batch_size, plan.dp_size, grad_accum_steps)
+            check_batch_split(global_batch_size, plan.dp_size * self.env.replicas, grad_accum_steps)  # replicas: train/ft.py
             check_precision(plan.precision, device_type)
 
         # The shared build step (train/build.py): init, plan (rank 0 plans "auto"), mesh, seeds,
@@ -208,7 +209,7 @@ class Trainer:
         # fp8: the unconverted ops run in the FP8 options' high precision; params16: no autocast
         self._autocast = autocast_precision(compute_precision(self.precision, self._fp8), params16=self.plan.params16)
         scale_learning_rates(self.optimizer, self.dp_size, rule=self._scale_lr)
-        self.micro_batch_size = self.global_batch_size // (self.dp_size * self.grad_accum_steps)
+        self.micro_batch_size = self.global_batch_size // (self.dp_size * self.env.replicas * self.grad_accum_steps)
         self.eval_batch_size = self._eval_batch_size or self.micro_batch_size
         peak = self._peak_flops_per_device or peak_flops(self.env.device, self.precision)
         self.peak_flops_total = peak * self.env.world_size if peak else None
@@ -278,7 +279,8 @@ class Trainer:
                 raise ConfigError(f"fit(resume={resume!r}) needs a checkpoint location", hint="pass Trainer(checkpoint='runs/x/checkpoints')")
             self.checkpoint.resume = resume
         self.setup(train_data)  # plan="auto": chosen (and certified) for this data
-        loader, sampler = open_train_data(train_data, options=self.loader_options, dp_rank=self.dp_rank, dp_size=self.dp_size,
+        loader, sampler = open_train_data(train_data, options=self.loader_options, dp_rank=self.env.replica * self.dp_size + self.dp_rank,
+                                          dp_size=self.env.replicas * self.dp_size,
                                           micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
                                           seed=self.seed, shuffle=self.shuffle)
         self.state.sampler = sampler  # the data position, saved with the train state
@@ -304,7 +306,8 @@ class Trainer:
         reduction = LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index)
         if self.env.is_main:
             log.info(reduction.describe())
-        train_step = self._optimizer_step(reduction)
+        # replica groups of `shardwise run --ft-replicas` (train/ft.py) wrap the step; otherwise it is itself
+        train_step = fault_tolerant(self._optimizer_step(reduction), self, loader)
 
         while not self._finished():
             sampler.set_epoch(self.state.epoch)  # keeps a restored mid-epoch position
@@ -325,7 +328,7 @@ class Trainer:
                     self._log(metrics)
                 if val_data is not None and self.eval_every and self.state.step % self.eval_every == 0:
                     val_metrics, last_eval_step = self._eval_during_fit(val_data), self.state.step
-                if self._finished():
+                if self._finished() or getattr(train_step, "reload_data", False):  # healed: read on from the peer's position
                     break
             if sampler.epoch_finished:
                 self.state.epoch += 1
