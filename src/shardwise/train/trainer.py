@@ -306,8 +306,7 @@ class Trainer:
         reduction = LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index)
         if self.env.is_main:
             log.info(reduction.describe())
-        # replica groups of `shardwise run --ft-replicas` (train/ft.py) wrap the step; otherwise it is itself
-        train_step = fault_tolerant(self._optimizer_step(reduction), self, loader)
+        train_step = fault_tolerant(self._optimizer_step(reduction), self, loader)  # --ft-replicas groups (train/ft.py)
 
         while not self._finished():
             sampler.set_epoch(self.state.epoch)  # keeps a restored mid-epoch position
