@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Callable, MutableMapping, TextIO
+from typing import Callable, Iterator, MutableMapping, TextIO
 
 import torch.distributed as dist
 
@@ -175,6 +175,16 @@ class Watchdog:
         """Mark progress: step ``step`` has finished (cheap: attribute writes). Reports show the step;
         with ``step_timeout_s`` a step that does not advance is a stall."""
         self._step, self._progress_t, self._steps_running = step, time.monotonic(), True
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Suspend the step-progress check while something else bounds the wait (torchft's quorum,
+        train/ft.py); collectives are still watched."""
+        running, self._steps_running = self._steps_running, False
+        try:
+            yield
+        finally:
+            self._progress_t, self._steps_running = time.monotonic(), running
 
     def close(self, *, wait_for_peers: bool = True) -> None:
         """Stop watching. With ``wait_for_peers``, first wait (up to ``timeout_s``) until every rank finished,
