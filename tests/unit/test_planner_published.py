@@ -88,3 +88,36 @@ def test_runs_file_of_the_same_format(tmp_path: Path, capsys: pytest.CaptureFixt
     assert out["overall"]["runs"] == 2 and len(out["skipped"]) == 1 and (tmp_path / "held_out.png").exists()
     assert all("free_over_best_published" in r for r in out["rows"])
     assert "elsewhere" in capsys.readouterr().out or out["skipped"][0]["source"] == "elsewhere"
+
+
+def test_a_named_schedule_is_the_one_the_run_had() -> None:
+    """A run that says 1F1B ran 1F1B (the planner would otherwise price the interleaved schedule's
+    smaller bubble); one that says interleaved keeps the planner's choice of virtual stages unless
+    it names them; one that names none leaves the schedule to the planner."""
+    from planner_published_rows import schedule_of
+
+    assert schedule_of({"notes": "Schedule: 1F1B. Local batch size 32"}) == {"schedule": "1f1b"}
+    assert schedule_of({"notes": "Interleaved 1F1B"}) == {"schedule": "interleaved_1f1b"}
+    assert schedule_of({"notes": "interleaved schedule, 3 model chunks per stage"}) == {"schedule": "interleaved_1f1b", "virtual_stages": 3}
+    assert schedule_of({"notes": "non-interleaved"}) == {"schedule": "1f1b"}
+    assert schedule_of({"notes": "Micro-batch and interleaving per row not in table."}) == {}
+
+
+def test_cross_validation_predicts_each_source_with_numbers_fitted_without_it() -> None:
+    from planner_published_cv import HELD, cross_validate, fit_chips, item_of
+
+    picked = [c for c in cases(RUNS) if isinstance(c, Case) and c.cluster.name.startswith("a100")]
+    by_source: dict[str, list[Case]] = {}
+    for c in picked:
+        by_source.setdefault(c.source, []).append(c)
+    subset = [c for cs in by_source.values() if len(cs) >= 8 for c in cs[:5]]  # four sources, five rows each
+    items = [item_of(c) for c in subset]
+    cv = cross_validate(items, ablate=False)
+    sources = {c.source for c in subset}
+    assert len(sources) == 4 and set(cv["by_source"]) == sources | {"all"}
+    for source in sources:
+        others = [it for it in items if it.case.source != source]
+        assert cv["params"][source]["A100"] == fit_chips(others)["A100"]
+        assert cv["params"][source]["A100"]["overlap"] == HELD["overlap"]
+    assert len(cv["rows"]) == len(subset) and 0.0 <= cv["coverage"]["all"] <= 1.0
+    assert all(band["low"] < band["high"] for band in cv["intervals"].values())

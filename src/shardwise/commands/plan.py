@@ -191,6 +191,8 @@ def _main(args: argparse.Namespace) -> int:
             best = min(every, key=lambda e: e.memory_total)
             explanation = (f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them needs is "
                            f"{best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); the fastest is shown")
+        if args.precision_policy == "autocast":  # the same layout as another framework runs it, beside shardwise's
+            explanation += "\n" + framework_line(stats, cluster, global_batch, constrained, estimates[0])
         conflict = runtime_conflict(estimates[0].plan)
         if conflict is not None:  # the cost model prices it (e.g. Megatron's ZeRO-1 x TP x PP); shardwise cannot run it
             explanation += f"; note: shardwise's parallel layer cannot run it ({conflict})"
@@ -209,7 +211,8 @@ def _main(args: argparse.Namespace) -> int:
     if args.json:
         out = {"model": stats.name, "params": stats.params_total, "devices": cluster.devices, "device_type": cluster.name,
                "global_batch": global_batch, "seq": stats.seq, "precision_policy": run.precision,
-               "memory_convention": args.memory_convention, "plans": [e.to_json() for e in estimates], "explanation": explanation}
+               "memory_convention": args.memory_convention, "plans": [{**e.to_json(), **interval_json(e, cluster)} for e in estimates],
+               "explanation": explanation}
         if args.explain:
             out["terms"] = [dominant_terms(e, k=4) for e in estimates]
             out["runtime_options"] = [notes(e) for e in estimates]
@@ -223,6 +226,7 @@ def _main(args: argparse.Namespace) -> int:
           f"{100 * (1 - args.headroom):.0f}% usable), {precision} ({run.precision}"
           + ("; runtime options searched)" if options.runtime_options else ")"))
     print(format_table(estimates))
+    print(interval_lines(estimates, cluster))
     print(explanation)
     if args.explain:
         for i, e in enumerate(estimates, 1):
@@ -238,6 +242,46 @@ def _main(args: argparse.Namespace) -> int:
             else:
                 print(f"free search: no plan is predicted faster than {estimates[0].plan}")
     return 0
+
+
+def framework_line(stats: object, cluster: object, global_batch: int, options: object, ours: object) -> str:
+    """``--fixed``: the prediction is for shardwise's runtime (its options searched); this line
+    prices the same keys as Megatron-LM, torchtitan or llm-foundry run a step (``--precision-policy
+    16bit``: 16-bit parameters, a fused loss, sharded accumulation, nothing searched) beside it."""
+    from dataclasses import replace
+
+    from shardwise.plan.policy import RunPolicy
+    from shardwise.plan.search import candidates
+
+    run = RunPolicy.sixteen_bit(selective=options.run.selective) if options.run and options.run.selective != "matmuls" else RunPolicy.sixteen_bit()
+    every = candidates(stats, cluster, global_batch=global_batch, options=replace(options, run=run, runtime_options=()))
+    if not every:
+        return "as another framework runs it (--precision-policy 16bit): no plan with these keys"
+    fitting = [e for e in every if e.fits]
+    theirs = fitting[0] if fitting else min(every, key=lambda e: e.memory_total)
+    fit = "" if fitting else ", does NOT fit"
+    return (f"as Megatron-LM / torchtitan / llm-foundry run these keys (--precision-policy 16bit): {theirs.tokens_per_s:.4g} tok/s, "
+            f"step {theirs.step_time_s:.4g} s, {ours.step_time_s / theirs.step_time_s:.2f} x the speed predicted for shardwise{fit}")
+
+
+def interval_json(est: object, cluster: object) -> dict:
+    """A plan's throughput interval for ``--json`` (:mod:`shardwise.plan.uncertainty`)."""
+    from shardwise.plan.uncertainty import interval
+
+    low, high, kind = interval(est, cluster)
+    return {"tokens_per_s_interval": [low, high], "interval_kind": kind}
+
+
+def interval_lines(estimates: list, cluster: object) -> str:
+    """The first plan's throughput interval (from the cross-validated error of its kind of run on
+    published runs) and which of the others lie inside it: their order is within the model's error."""
+    from shardwise.plan.uncertainty import indistinct, interval_text
+
+    text = f"#1 {interval_text(estimates[0], cluster)}"
+    close = [f"#{i}" for i, e in enumerate(estimates[1:], 2) if indistinct(estimates[0], e, cluster)]
+    if close:
+        text += f"; {', '.join(close)} within it: ranked within the model's error"
+    return text
 
 
 def _is_spec_file(device_type: str) -> bool:

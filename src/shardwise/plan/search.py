@@ -23,6 +23,10 @@ Enumeration, outermost first, with the pruning that keeps a 1,024-device search 
    combination that fits wins; one that costs step time (sharded accumulation) lets the next
    recomputation level be priced too, which may be faster.
 
+Every plan's predicted speed is bounded by the cost model's validated envelope
+(:func:`shardwise.plan.uncertainty.bounded`: no faster than the best MFU a published run of its
+chip measured, plus 5%).
+
 ``SearchOptions.precisions`` searches several compute precisions (``plan="auto"`` on a device
 with FP8 tensor cores: bf16 and fp8), each plan with its own.
 
@@ -52,6 +56,7 @@ from shardwise.plan.options import RUNTIME_OPTIONS, costs_time, option_notes, op
 from shardwise.plan.policy import RunPolicy
 from shardwise.plan.stats import ModelStats
 from shardwise.plan.support import runtime_conflict
+from shardwise.plan.uncertainty import bounded
 
 SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 PASSED_THROUGH = ("compile", "cpu_offload", "fp8_recipe")  # plan keys the search never varies: a --fixed value is kept
@@ -219,7 +224,8 @@ def _price_options(stats: ModelStats, cluster: ClusterSpec, global_batch: int, o
         if options.supported is not None and not options.supported(plan):
             return None
         count[0] += 1
-        return estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom, run=options.run)
+        return bounded(estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom,
+                                run=options.run), cluster)
 
     if lean:  # the leanest combination the runtime accepts (``supported`` may refuse an option)
         for runtime in sorted(sets, key=lambda o: -sum(o.values())):
