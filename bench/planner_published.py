@@ -173,7 +173,7 @@ def markdown(out: dict[str, Any]) -> str:
     for name, s in cv.get("by_source", {}).items():
         free = cv.get("free", {}).get(name, {})
         lines.append(f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | {s['median_ratio']:.2f} | "
-                     f"{100 * cv['coverage'][name]:.0f}% | {free.get('median', float('nan')):.2f}, {free.get('max', float('nan')):.2f} | "
+                     f"{100 * cv['coverage'].get(name, float('nan')):.0f}% | {free.get('median', float('nan')):.2f}, {free.get('max', float('nan')):.2f} | "
                      f"{100 * free.get('within', float('nan')):.0f}% | {100 * cv['framework_by_source'][name]['median_abs_error']:.1f}% |")
     lines += ["", "| source | runs | **in-sample**: median abs. error | within 15% | within 25% | predicted not to fit (whole memory / 90%) "
               "| printed interval covers | framework policy: median error, not fit |",
@@ -232,7 +232,7 @@ def _print_cv(cv: dict[str, Any]) -> None:
         free = cv.get("free", {}).get(name, {})
         params = "; ".join(f"{chip}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()) for chip, p in cv["params"].get(name, {}).items())
         print(f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% {s['median_ratio']:>6.2f} "
-              f"{100 * cv['coverage'][name]:>6.0f}% {free.get('median', float('nan')):>8.2f} {free.get('max', float('nan')):>5.2f} "
+              f"{100 * cv['coverage'].get(name, float('nan')):>6.0f}% {free.get('median', float('nan')):>8.2f} {free.get('max', float('nan')):>5.2f} "
               f"{100 * free.get('within', float('nan')):>5.0f}% {100 * cv['framework_by_source'][name]['median_abs_error']:>8.1f}%  {params}")
     print("intervals (published / predicted, 5%-95% of the held-out residuals per kind): "
           + "; ".join(f"{k} {v['low']:.2f}-{v['high']:.2f} ({v['runs']})" for k, v in cv["intervals"].items()))

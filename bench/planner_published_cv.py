@@ -215,13 +215,15 @@ def coverage(rows: list[dict[str, Any]]) -> dict[str, Any]:
     hits: dict[str, list[bool]] = {}
     for source in sorted({r["source"] for r in rows}):
         table = intervals([r for r in rows if r["source"] != source])
+        if not table:  # no other source to make an interval from
+            continue
         for r in (r for r in rows if r["source"] == source):
             key = interval_key(r["kinds"], table)
             band = table[key]
             hits.setdefault(source, []).append(band["low"] <= 1.0 / r["ratio"] <= band["high"])
     out = {s: sum(h) / len(h) for s, h in hits.items()}
     every = [x for h in hits.values() for x in h]
-    out["all"] = sum(every) / len(every)
+    out["all"] = sum(every) / len(every) if every else float("nan")
     return out
 
 

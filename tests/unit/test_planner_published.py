@@ -121,3 +121,13 @@ def test_cross_validation_predicts_each_source_with_numbers_fitted_without_it() 
         assert cv["params"][source]["A100"]["overlap"] == HELD["overlap"]
     assert len(cv["rows"]) == len(subset) and 0.0 <= cv["coverage"]["all"] <= 1.0
     assert all(band["low"] < band["high"] for band in cv["intervals"].values())
+
+
+def test_a_runs_file_of_one_source_is_evaluated_too(tmp_path: Path) -> None:
+    """One source: nothing to cross-validate against (the presets predict it, no interval coverage)."""
+    path = tmp_path / "one_source.json"
+    path.write_text(json.dumps([_find(model="MPT-1b", gpus=8, seq=2048), _find(model="MPT-3b", gpus=8, seq=2048)]))
+    assert main(["--runs", str(path), "--out", str(tmp_path), "--name", "one", "--no-free"]) == 0
+    out = json.loads((tmp_path / "one.json").read_text())
+    assert out["overall"]["runs"] == 2 and out["cv"]["by_source"]["all"]["runs"] == 2
+    assert all("in_interval" in r for r in out["rows"])

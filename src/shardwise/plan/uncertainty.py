@@ -80,8 +80,9 @@ def indistinct(best: Any, other: Any, cluster: Any) -> bool:
 def interval_text(est: Any, cluster: Any) -> str:
     low, high, key = interval(est, cluster)
     runs = INTERVALS[key].get("runs", 0)
+    unmeasured = "" if getattr(cluster, "name", "") in CHIPS else f"; no published run measured a {getattr(cluster, 'name', 'device')}"
     return (f"{low:.4g}-{high:.4g} tok/s ({INTERVALS[key]['low']:.2f}-{INTERVALS[key]['high']:.2f} x the prediction: the 90% interval "
-            f"of {runs:g} published runs of kind {key}, each predicted without its source)")
+            f"of {runs:g} published runs of kind {key}, each predicted without its source{unmeasured})")
 
 
 # -- the validated envelope -------------------------------------------------------------------------
