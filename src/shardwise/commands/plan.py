@@ -67,6 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="LoRA adapters of rank R on every projection of a frozen base (0: full fine-tuning)")
     p.add_argument("--lora.base", dest="lora_base", choices=("fp32", "nf4"), default="fp32",
                    help="how the frozen base is stored: fp32, or nf4 (QLoRA's 4-bit base)")
+    p.add_argument("--runtime-options", dest="runtime_options", choices=("speed", "memory"), default="speed",
+                   help="when the search turns shardwise's runtime options on: wherever they help (speed, the default), or only "
+                        "where a plan does not fit without them (memory: e.g. to price a --fixed layout without shardwise's speed-ups)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free (default 0.1)")
     p.add_argument("--top", type=int, default=None, help="how many plans to show (default 5; 1 with --fixed)")
     p.add_argument("--fixed", default=None, help="fix these plan keys and search the rest, e.g. dp=24,tp=8,pp=8 (a complete plan: evaluate it)")
@@ -170,7 +173,8 @@ def _main(args: argparse.Namespace) -> int:
     # has its own (16-bit parameters, a fused loss, sharded accumulation) always on
     options = SearchOptions(precision=precision, headroom=args.headroom, top=top, run=run,
                             policy=StatePolicy.named(args.memory_convention, precision=precision, optimizer=args.optimizer),
-                            runtime_options=RUNTIME_OPTIONS if args.precision_policy == "autocast" else ())
+                            runtime_options=RUNTIME_OPTIONS if args.precision_policy == "autocast" else (),
+                            options_for_memory=args.runtime_options == "memory")
     free = None
     if args.fixed:
         constrained = fixed_options(args.fixed, options)
@@ -224,7 +228,8 @@ def _main(args: argparse.Namespace) -> int:
     print(f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {global_batch}, "
           f"{cluster.devices} x {cluster.name} ({cluster.devices_per_node} per node, {cluster.memory_bytes / 1e9:.0f} GB, "
           f"{100 * (1 - args.headroom):.0f}% usable), {precision} ({run.precision}"
-          + ("; runtime options searched)" if options.runtime_options else ")"))
+          + (("; runtime options only where needed to fit)" if options.options_for_memory else "; runtime options searched)")
+             if options.runtime_options else ")"))
     print(format_table(estimates))
     print(interval_lines(estimates, cluster))
     print(explanation)
