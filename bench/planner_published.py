@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -243,6 +241,18 @@ def _print_cv(cv: dict[str, Any]) -> None:
               f"({100 * cv['framework_by_source']['all']['median_abs_error']:.1f}%) fitted")
 
 
+def _fit_all(items: list[Any]) -> dict[str, Any]:
+    """``--fit``: each chip's numbers fitted on all its runs, printed beside the presets'."""
+    out = {}
+    for chip, params in fit_chips(items).items():
+        preset = preset_params(next(it.case.cluster for it in items if CHIPS.get(it.case.cluster.name, it.case.cluster.name) == chip))
+        runs = sum(CHIPS.get(it.case.cluster.name, it.case.cluster.name) == chip for it in items)
+        out[chip] = {"runs": runs, "params": params, "preset": preset}
+        print(f"fit {chip} on {runs} runs: " + ", ".join(f"{k} {v:.3f}" for k, v in params.items())
+              + "  (preset: " + ", ".join(f"{k} {v:.3f}" for k, v in preset.items()) + ")")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", default=DATA, help="published runs (JSON list of rows; default: bench/data/published_throughput.json)")
@@ -305,13 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in skipped:
         print(f"skipped row {s.index} ({s.label}): {s.reason}")
     if args.fit:
-        out["fit"] = {}
-        for chip, params in fit_chips(items).items():
-            preset = preset_params(next(it.case.cluster for it in items if CHIPS.get(it.case.cluster.name, it.case.cluster.name) == chip))
-            runs = sum(CHIPS.get(it.case.cluster.name, it.case.cluster.name) == chip for it in items)
-            out["fit"][chip] = {"runs": runs, "params": params, "preset": preset}
-            print(f"fit {chip} on {runs} runs: " + ", ".join(f"{k} {v:.3f}" for k, v in params.items())
-                  + "  (preset: " + ", ".join(f"{k} {v:.3f}" for k, v in preset.items()) + ")")
+        out["fit"] = _fit_all(items)
     print(markdown(out))
     out["seconds_total"] = time.perf_counter() - start
     print(f"{out['seconds_total']:.0f} s in all")

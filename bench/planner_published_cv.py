@@ -183,7 +183,7 @@ def loso(items: list[Item], *, hold: dict[str, float] | None = None) -> dict[str
 def _quantile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     pos = q * (len(s) - 1)
-    lo = int(math.floor(pos))
+    lo = math.floor(pos)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
