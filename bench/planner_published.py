@@ -234,6 +234,10 @@ def _print_cv(cv: dict[str, Any]) -> None:
               f"{100 * free.get('within', float('nan')):>5.0f}% {100 * cv['framework_by_source'][name]['median_abs_error']:>8.1f}%  {params}")
     print("intervals (published / predicted, 5%-95% of the held-out residuals per kind): "
           + "; ".join(f"{k} {v['low']:.2f}-{v['high']:.2f} ({v['runs']})" for k, v in cv["intervals"].items()))
+    if cv.get("carried"):
+        print("carried over, not cross-validated (one source measured the chip; its intervals widened both ways by the largest "
+              "factor a held-out prediction of it was off by): " + "; ".join(f"{k} {v['factor']:.2f}x ({v['runs']} runs)"
+                                                                             for k, v in cv["carried"].items()))
     for key, ab in cv.get("ablation", {}).items():
         how = "fitted instead of held at" if ab.get("fitted") else "held instead of fitted, at"
         print(f"ablation: {key} {how} {ab['prior']}: cross-validated median |err| {100 * ab['median_abs_error']:.1f}% "

@@ -131,3 +131,13 @@ def test_a_runs_file_of_one_source_is_evaluated_too(tmp_path: Path) -> None:
     out = json.loads((tmp_path / "one.json").read_text())
     assert out["overall"]["runs"] == 2 and out["cv"]["by_source"]["all"]["runs"] == 2
     assert all("in_interval" in r for r in out["rows"])
+
+
+def test_a_chip_of_one_source_is_carried_not_cross_validated() -> None:
+    """``carried``: a chip whose held-out rows all come from one source gets the largest factor a
+    prediction of it was off by; a chip measured by two sources is cross-validated, not carried."""
+    from planner_published_cv import carried
+
+    rows = [{"source": "a", "ratio": 1.1, "kinds": ["A100/sharded/small"]}, {"source": "b", "ratio": 0.9, "kinds": ["A100/tp/large"]},
+            {"source": "c", "ratio": 1.05, "kinds": ["H100/tp/large"]}, {"source": "c", "ratio": 0.8, "kinds": ["H100/sharded/large"]}]
+    assert carried(rows) == {"H100": {"factor": 1.25, "runs": 2}}

@@ -16,7 +16,16 @@ from shardwise.plan.cluster import PRESETS
 from shardwise.plan.cost import estimate
 from shardwise.plan.search import SearchOptions, search
 from shardwise.plan.stats import transformer_stats
-from shardwise.plan.uncertainty import INTERVALS, bounded, envelope_mfu, interval, interval_key, kind_keys
+from shardwise.plan.uncertainty import (
+    CARRIED,
+    INTERVALS,
+    bounded,
+    carried_factor,
+    envelope_mfu,
+    interval,
+    interval_key,
+    kind_keys,
+)
 from shardwise.shape import TransformerShape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,6 +37,7 @@ def test_the_intervals_are_the_benchmark_s_cross_validated_ones() -> None:
     residuals (rerun the benchmark and copy `cv.intervals` after a change of the cost model)."""
     results = json.loads((ROOT / "bench" / "results" / "planner_published.json").read_text())
     assert INTERVALS == results["cv"]["intervals"]
+    assert CARRIED == results["cv"]["carried"]
     assert all(band["low"] < 1.0 < band["high"] and band["runs"] >= 8 for band in INTERVALS.values())
 
 
@@ -37,6 +47,25 @@ def test_an_unmeasured_kind_of_run_falls_back_to_a_wider_pool() -> None:
     assert keys == ["H100/pp/large", "H100/pp", "pp/large", "pp", "all"]
     assert interval_key(keys, {"pp": {}, "all": {}}) == "pp" and interval_key(keys, {"all": {}}) == "all"
     assert interval_key(kind_keys(Plan(dp=4), PRESETS["cpu"].with_devices(4, 2))) in INTERVALS
+
+
+def test_a_chip_one_source_measured_gets_a_wider_interval() -> None:
+    """The H100's figures are carried over from the A100, not cross-validated: its band is its kind's
+    widened both ways by the largest factor a held-out H100 prediction was off by; a chip nothing
+    published measured borrows the largest such factor; the A100's own kinds are not widened."""
+    stats = transformer_stats(GPT13B)
+    plan = Plan(shard=64, zero=3, recompute="full")
+    a100, h100 = PRESETS["a100-80gb"].with_devices(64, 8), PRESETS["h100"].with_devices(64, 8)
+    on_a100, on_h100 = estimate(stats, a100, plan, global_batch=256), estimate(stats, h100, plan, global_batch=256)
+    lo_a, _, key_a = interval(on_a100, a100)
+    lo_h, hi_h, key_h = interval(on_h100, h100)
+    factor = CARRIED["H100"]["factor"]
+    assert carried_factor("A100") == 1.0 and factor > 1.0
+    assert lo_a / on_a100.tokens_per_s == pytest.approx(INTERVALS[key_a]["low"])
+    assert lo_h / on_h100.tokens_per_s == pytest.approx(INTERVALS[key_h]["low"] / factor)
+    assert hi_h / on_h100.tokens_per_s == pytest.approx(INTERVALS[key_h]["high"] * factor)
+    assert carried_factor("V100") == max(c["factor"] for c in CARRIED.values())
+    assert carried_factor("A100", {"all": {}}, {}) == 1.0  # nothing measured, nothing carried: the pooled band alone
 
 
 def test_the_search_never_predicts_faster_than_the_envelope() -> None:

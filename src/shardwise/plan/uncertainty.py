@@ -12,6 +12,13 @@ high]``. The most
 specific kind with residuals is used (``A100/pp/large``, then ``A100/pp``, ``pp/large``, ``pp``,
 then ``all``), so a kind of run no published source measured gets the wider pooled interval.
 
+A chip whose runs all come from one source (the H100: torchtitan's three) has numbers no fold could
+refit: they are carried over from the A100 by ratios (:mod:`shardwise.plan.cluster`), and the
+residuals of other chips do not measure how wrong that carry-over is. Its interval is the pooled
+one widened both ways by :data:`CARRIED` ``[chip]``, the largest factor a held-out prediction of
+that chip was off by (``low / C``, ``high C``); a chip no published run measured (a V100, a CPU, a
+calibrated spec) borrows the largest such factor.
+
 The numbers below are what the benchmark wrote to ``bench/results/planner_published.json``
 (``cv.intervals``); ``tests/unit/test_planner_uncertainty.py`` checks that they still are.
 """
@@ -41,6 +48,32 @@ INTERVALS: dict[str, dict[str, float]] = {
 }
 
 
+# chip -> the largest max(r, 1/r) of its held-out residuals, for chips measured by one source only
+# (bench/results/planner_published.json "cv" -> "carried")
+CARRIED: dict[str, dict[str, float]] = {"H100": {"factor": 1.18, "runs": 3}}
+
+
+def carried_factor(chip: str, table: dict[str, Any] | None = None, carried: dict[str, Any] | None = None) -> float:
+    """How much wider than its kind's band a chip's interval is: 1 for a chip with cross-validated
+    kinds of its own in ``table``, its :data:`CARRIED` factor for a chip one source measured, the
+    largest carried factor for a chip nothing published measured."""
+    table = INTERVALS if table is None else table
+    carried = CARRIED if carried is None else carried
+    if any(k.startswith(f"{chip}/") for k in table):
+        return 1.0
+    if chip in carried:
+        return float(carried[chip]["factor"])
+    return max([float(c["factor"]) for c in carried.values()] or [1.0])
+
+
+def band(keys: list[str], table: dict[str, Any] | None = None, carried: dict[str, Any] | None = None) -> tuple[float, float, str]:
+    """(low, high) multipliers of a prediction whose kinds are ``keys`` (the chip first), and the kind."""
+    table = INTERVALS if table is None else table
+    key = interval_key(keys, table)
+    widen = carried_factor(keys[0].split("/")[0], table, carried)
+    return table[key]["low"] / widen, table[key]["high"] * widen, key
+
+
 def _parallelism(plan: Any) -> str:
     if plan.pp > 1:
         return "pp"
@@ -65,9 +98,8 @@ def interval_key(keys: list[str], table: dict[str, Any] | None = None) -> str:
 
 def interval(est: Any, cluster: Any) -> tuple[float, float, str]:
     """(low, high) tokens/s of ``est`` and the kind whose cross-validated residuals gave them."""
-    key = interval_key(kind_keys(est.plan, cluster))
-    band = INTERVALS[key]
-    return est.tokens_per_s * band["low"], est.tokens_per_s * band["high"], key
+    low, high, key = band(kind_keys(est.plan, cluster))
+    return est.tokens_per_s * low, est.tokens_per_s * high, key
 
 
 def indistinct(best: Any, other: Any, cluster: Any) -> bool:
@@ -80,9 +112,17 @@ def indistinct(best: Any, other: Any, cluster: Any) -> bool:
 def interval_text(est: Any, cluster: Any) -> str:
     low, high, key = interval(est, cluster)
     runs = INTERVALS[key].get("runs", 0)
+    chip = kind_keys(est.plan, cluster)[0].split("/")[0]
+    widen = carried_factor(chip)
     unmeasured = "" if getattr(cluster, "name", "") in CHIPS else f"; no published run measured a {getattr(cluster, 'name', 'device')}"
-    return (f"{low:.4g}-{high:.4g} tok/s ({INTERVALS[key]['low']:.2f}-{INTERVALS[key]['high']:.2f} x the prediction: the 90% interval "
-            f"of {runs:g} published runs of kind {key}, each predicted without its source{unmeasured})")
+    if widen == 1.0:
+        carried = ""
+    elif chip in CARRIED:
+        carried = f"; widened {widen:.2f}x both ways: the {chip} figures are carried over from the A100, not cross-validated"
+    else:
+        carried = f"; widened {widen:.2f}x both ways, as for the least validated chip measured"
+    return (f"{low:.4g}-{high:.4g} tok/s ({low / est.tokens_per_s:.2f}-{high / est.tokens_per_s:.2f} x the prediction: the 90% interval "
+            f"of {runs:g} published runs of kind {key}, each predicted without its source{unmeasured}{carried})")
 
 
 # -- the validated envelope -------------------------------------------------------------------------
@@ -121,5 +161,18 @@ def bounded(est: Any, cluster: Any) -> Any:
                    mfu=cap, detail={**est.detail, "envelope_s": step - est.step_time_s})
 
 
-__all__ = ["ENVELOPE_MFU", "INTERVALS", "QUANTILES", "bounded", "envelope_mfu", "indistinct", "interval", "interval_key", "interval_text",
-           "kind_keys"]
+__all__ = [
+    "CARRIED",
+    "ENVELOPE_MFU",
+    "INTERVALS",
+    "QUANTILES",
+    "band",
+    "bounded",
+    "carried_factor",
+    "envelope_mfu",
+    "indistinct",
+    "interval",
+    "interval_key",
+    "interval_text",
+    "kind_keys",
+]
