@@ -18,50 +18,42 @@ evaluated with the cluster preset of its GPU (``planner_published_rows`` maps a 
    the best plan the search finds, against the best published run of the same setup. Where it
    claims more than 1.3 x the published layout, the output names the terms that make the difference.
 
-It prints per source the median absolute error, the share within +-15% and +-25%, fit misses and
-the free-search ratios; with ``--loso`` the per-chip efficiencies (``gemm``, ``attention``,
-``overlap`` of :mod:`shardwise.plan.cluster`) are refitted without each source in turn and that
-source is predicted with them (leave-one-source-out). Writes ``bench/results/planner_published.json``
-and a log-log plot ``planner_published.png``.
+It prints first the leave-one-source-out cross-validation (``planner_published_cv``: the A100's
+fitted numbers refitted without each source, that source predicted with them, the free search
+too; the prediction intervals and their coverage; each fitted number's ablation), then the
+in-sample figures per source: the median absolute error, the share within +-15% and +-25%, fit
+misses, the printed interval's coverage and the free-search ratios. Writes
+``bench/results/planner_published.json``, its log and a log-log plot ``planner_published.png``.
 
-    .venv/bin/python bench/planner_published.py [--runs FILE] [--loso] [--fit] [--rows] [--no-free]
+    .venv/bin/python bench/planner_published.py [--runs FILE] [--no-cv] [--no-ablation] [--fit] [--rows] [--no-free]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
+from planner_published_cv import CHIPS, cli_options, cross_validate, fit_chips, item_of, preset_params, with_params  # noqa: E402
 from planner_published_rows import Case, Skip, cases  # noqa: E402
 
-from shardwise.plan.cluster import FP8_RELATIVE_EFFICIENCY, ClusterSpec  # noqa: E402
+from shardwise.plan.cluster import ClusterSpec  # noqa: E402
 from shardwise.plan.cost import Estimate  # noqa: E402
 from shardwise.plan.explain import dominant_terms, explain_gap  # noqa: E402
 from shardwise.plan.search import SearchOptions, candidates, fixed_options, search  # noqa: E402
+from shardwise.plan.uncertainty import interval  # noqa: E402
 
 DATA = os.path.join(HERE, "data", "published_throughput.json")
 RESULTS = os.path.join(HERE, "results")
 GAP = 1.3  # a free-search claim above this over the published layout is explained
-CHIPS = {"a100-40gb": "A100", "a100-80gb": "A100", "a800": "A100", "h100": "H100", "h200": "H100", "h800": "H100", "v100": "V100"}
-
-
-def with_params(cluster: ClusterSpec, params: dict[str, float] | None) -> ClusterSpec:
-    if not params:
-        return cluster
-    fp8 = round(params["gemm"] * FP8_RELATIVE_EFFICIENCY, 3) if cluster.fp8_gemm_efficiency else 0.0
-    return replace(cluster, gemm_efficiency=params["gemm"], achievable_fraction=params["gemm"],
-                   attention_efficiency=params["attention"], overlap=params["overlap"], fp8_gemm_efficiency=fp8)
 
 
 def _pick(every: list[Estimate], cluster: ClusterSpec) -> tuple[Estimate, bool, bool]:
@@ -70,12 +62,6 @@ def _pick(every: list[Estimate], cluster: ClusterSpec) -> tuple[Estimate, bool, 
     fitting = [e for e in every if e.fits]
     usable = any(e.memory_total <= 0.9 * cluster.memory_bytes for e in every)
     return (fitting[0], True, usable) if fitting else (min(every, key=lambda e: e.memory_total), False, False)
-
-
-def cli_options(case: Case) -> SearchOptions:
-    """``shardwise plan --fixed <published layout>`` with nothing else set (the whole memory counts)."""
-    options = fixed_options(case.cli_fixed or case.fixed, SearchOptions(precision=case.precision, headroom=0.0, top=1, hsdp=True))
-    return replace(options, recompute=case.cli_recompute) if case.cli_recompute else options
 
 
 def cli_estimate(case: Case) -> tuple[Estimate, bool, bool]:
@@ -100,10 +86,12 @@ def fixed_estimate(case: Case, params: dict[str, float] | None = None) -> tuple[
     return est, fits
 
 
-def free_estimate(case: Case) -> Estimate | None:
-    """The free search with the CLI's defaults (in the row's precision: fp8 rows search fp8)."""
+def free_estimate(case: Case, params: dict[str, float] | None = None) -> Estimate | None:
+    """The free search with the CLI's defaults (in the row's precision: fp8 rows search fp8), with
+    the per-chip numbers ``params`` (the cross-validation's: fitted without the row's source)."""
     precision = "fp8" if "precision=fp8" in case.cli_fixed else case.precision
-    found = search(case.stats, case.cluster, global_batch=case.global_batch, options=SearchOptions(precision=precision, top=1))
+    found = search(case.stats, with_params(case.cluster, params), global_batch=case.global_batch,
+                   options=SearchOptions(precision=precision, top=1))
     return found.plans[0] if found.plans else None
 
 
@@ -111,7 +99,10 @@ def tps(est: Estimate, case: Case) -> float:
     return est.tokens_per_s / case.cluster.devices
 
 
-def evaluate(all_cases: list[Case], *, free: bool = True) -> list[dict[str, Any]]:
+def evaluate(all_cases: list[Case], *, free: bool = True, free_params: dict[int, dict[str, float]] | None = None) -> list[dict[str, Any]]:
+    """Every row: the headline (``--fixed``, CLI defaults) with the interval the CLI prints, the
+    framework's policy and, with ``free``, the free search (with ``free_params[row index]``, the
+    cross-validated numbers, when given; else the presets)."""
     best_published: dict[tuple[Any, ...], float] = {}
     for c in all_cases:
         best_published[c.setup] = max(best_published.get(c.setup, 0.0), c.published_tps)
@@ -133,8 +124,11 @@ def evaluate(all_cases: list[Case], *, free: bool = True) -> list[dict[str, Any]
             "framework_fixed": case.fixed, "framework_tps": tps(framework, case), "framework_ratio": tps(framework, case) / case.published_tps,
             "framework_fits": framework_fits, "framework_plan": str(framework.plan),
         }
+        low, high, kind = interval(est, case.cluster)
+        row.update({"interval_tps": [low / case.cluster.devices, high / case.cluster.devices], "interval_kind": kind,
+                    "in_interval": low / case.cluster.devices <= case.published_tps <= high / case.cluster.devices})
         if free:
-            best = free_estimate(case)
+            best = free_estimate(case, (free_params or {}).get(case.index))
             if best is not None:
                 row.update({"free_plan": str(best.plan), "free_tps": tps(best, case),
                             "free_over_best_published": tps(best, case) / best_published[case.setup],
@@ -163,84 +157,39 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "free_within_1.3": sum(f <= GAP for f in frees) / max(1, len(frees)),
         "framework_median_abs_error": statistics.median(framework) if framework else float("nan"),
         "framework_fit_misses": sum(not r.get("framework_fits", True) for r in rows),
+        "interval_coverage": sum(r.get("in_interval", False) for r in rows) / n,
     }
 
 
-# -- fitting the per-chip efficiencies (few physical parameters per preset) ------------------------
-GRID = {"gemm": [0.55 + 0.025 * i for i in range(17)], "attention": [0.15 + 0.025 * i for i in range(23)],
-        "overlap": [0.0 + 0.1 * i for i in range(11)]}
-
-
-def loss(all_cases: list[Case], params: dict[str, float]) -> float:
-    """Per source, the median plus a quarter of the mean absolute log error of the fixed-layout
-    predictions (robust to a few odd rows), averaged over the sources so that each publication
-    counts once, however many rows it has."""
-    per_source: dict[str, list[float]] = {}
-    for c in all_cases:
-        per_source.setdefault(c.source, []).append(abs(math.log(tps(fixed_estimate(c, params)[0], c) / c.published_tps)))
-    return statistics.fmean(statistics.median(e) + 0.25 * statistics.fmean(e) for e in per_source.values())
-
-
-def fit(all_cases: list[Case], start: dict[str, float]) -> dict[str, float]:
-    """Coordinate descent over the grid, from ``start`` (the preset's values)."""
-    best = dict(start)
-    best_loss = loss(all_cases, best)
-    for _ in range(3):
-        improved = False
-        for key, values in GRID.items():
-            for value in values:
-                trial = {**best, key: value}
-                got = loss(all_cases, trial)
-                if got < best_loss - 1e-9:
-                    best, best_loss, improved = trial, got, True
-        if not improved:
-            break
-    return best
-
-
-def preset_params(cluster: ClusterSpec) -> dict[str, float]:
-    return {"gemm": cluster.gemm_efficiency_, "attention": cluster.attention_efficiency_, "overlap": cluster.overlap}
-
-
-def loso(all_cases: list[Case]) -> dict[str, Any]:
-    """Refit each chip's efficiencies without one source, predict that source."""
-    out: dict[str, Any] = {}
-    sources = sorted({c.source for c in all_cases})
-    pooled: list[float] = []
-    for source in sources:
-        held = [c for c in all_cases if c.source == source]
-        errs = []
-        fitted: dict[str, dict[str, float]] = {}
-        for chip in sorted({CHIPS.get(c.cluster.name, c.cluster.name) for c in held}):
-            train = [c for c in all_cases if c.source != source and CHIPS.get(c.cluster.name, c.cluster.name) == chip]
-            test = [c for c in held if CHIPS.get(c.cluster.name, c.cluster.name) == chip]
-            params = fit(train, preset_params(test[0].cluster)) if len(train) >= 5 else preset_params(test[0].cluster)
-            fitted[chip] = params
-            errs += [abs(tps(fixed_estimate(c, params)[0], c) / c.published_tps - 1) for c in test]
-        out[source] = {"runs": len(held), "median_abs_error": statistics.median(errs), "within_15": sum(e <= 0.15 for e in errs) / len(errs),
-                       "params": fitted}
-        pooled += errs
-    out["all"] = {"runs": len(pooled), "median_abs_error": statistics.median(pooled), "within_15": sum(e <= 0.15 for e in pooled) / len(pooled),
-                  "params": {}}
-    return out
-
-
 def markdown(out: dict[str, Any]) -> str:
-    """The summary table docs/planner.md quotes (tests/unit/test_docs_commands.py regenerates it from
-    the committed JSON and compares)."""
-    loso = out.get("loso", {})
-    lines = ["| source | runs | median abs. error | within 15% | within 25% | predicted not to fit (whole memory / 90%) "
-             "| free search / best published: median, max | free within 1.3x | framework policy: median error, not fit "
-             "| leave-one-source-out median error |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    """The summary tables docs/planner.md quotes (tests/unit/test_docs_commands.py regenerates them
+    from the committed JSON and compares): cross-validated first, in-sample second."""
+    cv = out.get("cv", {})
+    lines = ["| source | runs | **cross-validated**: median abs. error | within 15% | median ratio | interval coverage "
+             "| free search / best published: median, max | free within 1.3x | framework policy: median error |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, s in cv.get("by_source", {}).items():
+        free = cv.get("free", {}).get(name, {})
+        lines.append(f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | {s['median_ratio']:.2f} | "
+                     f"{100 * cv['coverage'].get(name, float('nan')):.0f}% | {free.get('median', float('nan')):.2f}, {free.get('max', float('nan')):.2f} | "
+                     f"{100 * free.get('within', float('nan')):.0f}% | {100 * cv['framework_by_source'][name]['median_abs_error']:.1f}% |")
+    lines += ["", "| source | runs | **in-sample**: median abs. error | within 15% | within 25% | predicted not to fit (whole memory / 90%) "
+              "| printed interval covers | framework policy: median error, not fit |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in [*out["by_source"].items(), ("all", out["overall"])]:
-        held = loso.get(name, {}).get("median_abs_error")
         lines.append(f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | "
-                     f"{100 * s['within_25']:.0f}% | {s['fit_misses']} / {s['fit_misses_usable']} | "
-                     f"{s['free_ratio_median']:.2f}, {s['free_ratio_max']:.2f} | {100 * s['free_within_1.3']:.0f}% | "
-                     f"{100 * s['framework_median_abs_error']:.1f}%, {s['framework_fit_misses']} | "
-                     f"{'-' if held is None else f'{100 * held:.1f}%'} |")
+                     f"{100 * s['within_25']:.0f}% | {s['fit_misses']} / {s['fit_misses_usable']} | {100 * s['interval_coverage']:.0f}% | "
+                     f"{100 * s['framework_median_abs_error']:.1f}%, {s['framework_fit_misses']} |")
     return "\n".join(lines)
+
+
+def free_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in [*sorted({r["source"] for r in rows}), "all"]:
+        frees = [r["free_over_best_published"] for r in rows if "free_over_best_published" in r and name in ("all", r["source"])]
+        if frees:
+            out[name] = {"median": statistics.median(frees), "max": max(frees), "within": sum(f <= GAP for f in frees) / len(frees)}
+    return out
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> None:
@@ -272,13 +221,50 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
+def _print_cv(cv: dict[str, Any]) -> None:
+    print("leave-one-source-out cross-validation (the per-chip numbers refitted without each source, that source predicted; "
+          "headline = shardwise plan --fixed <published layout>):")
+    print(f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'ratio':>6} {'in int.':>7} {'free med':>8} {'max':>5} {'<=1.3x':>6} "
+          f"{'framework':>9}  numbers used")
+    for name, s in cv["by_source"].items():
+        free = cv.get("free", {}).get(name, {})
+        params = "; ".join(f"{chip}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()) for chip, p in cv["params"].get(name, {}).items())
+        print(f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% {s['median_ratio']:>6.2f} "
+              f"{100 * cv['coverage'].get(name, float('nan')):>6.0f}% {free.get('median', float('nan')):>8.2f} {free.get('max', float('nan')):>5.2f} "
+              f"{100 * free.get('within', float('nan')):>5.0f}% {100 * cv['framework_by_source'][name]['median_abs_error']:>8.1f}%  {params}")
+    print("intervals (published / predicted, 5%-95% of the held-out residuals per kind): "
+          + "; ".join(f"{k} {v['low']:.2f}-{v['high']:.2f} ({v['runs']})" for k, v in cv["intervals"].items()))
+    if cv.get("carried"):
+        print("carried over, not cross-validated (one source measured the chip; its intervals widened both ways by the largest "
+              "factor a held-out prediction of it was off by): " + "; ".join(f"{k} {v['factor']:.2f}x ({v['runs']} runs)"
+                                                                             for k, v in cv["carried"].items()))
+    for key, ab in cv.get("ablation", {}).items():
+        how = "fitted instead of held at" if ab.get("fitted") else "held instead of fitted, at"
+        print(f"ablation: {key} {how} {ab['prior']}: cross-validated median |err| {100 * ab['median_abs_error']:.1f}% "
+              f"(framework policy {100 * ab['framework_median_abs_error']:.1f}%) vs {100 * cv['by_source']['all']['median_abs_error']:.1f}% "
+              f"({100 * cv['framework_by_source']['all']['median_abs_error']:.1f}%) fitted")
+
+
+def _fit_all(items: list[Any]) -> dict[str, Any]:
+    """``--fit``: each chip's numbers fitted on all its runs, printed beside the presets'."""
+    out = {}
+    for chip, params in fit_chips(items).items():
+        preset = preset_params(next(it.case.cluster for it in items if CHIPS.get(it.case.cluster.name, it.case.cluster.name) == chip))
+        runs = sum(CHIPS.get(it.case.cluster.name, it.case.cluster.name) == chip for it in items)
+        out[chip] = {"runs": runs, "params": params, "preset": preset}
+        print(f"fit {chip} on {runs} runs: " + ", ".join(f"{k} {v:.3f}" for k, v in params.items())
+              + "  (preset: " + ", ".join(f"{k} {v:.3f}" for k, v in preset.items()) + ")")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", default=DATA, help="published runs (JSON list of rows; default: bench/data/published_throughput.json)")
     ap.add_argument("--out", default=RESULTS, help="directory for planner_published.json / .png")
     ap.add_argument("--name", default="planner_published", help="file stem of the outputs")
-    ap.add_argument("--loso", action="store_true", help="refit the per-chip efficiencies leaving each source out")
-    ap.add_argument("--fit", action="store_true", help="fit the per-chip efficiencies on all runs and print them")
+    ap.add_argument("--no-cv", action="store_true", help="skip the leave-one-source-out cross-validation (the free search then uses the presets)")
+    ap.add_argument("--no-ablation", action="store_true", help="cross-validate without the ablations of each fitted number")
+    ap.add_argument("--fit", action="store_true", help="fit the per-chip numbers on all runs and print them")
     ap.add_argument("--rows", action="store_true", help="print every row")
     ap.add_argument("--no-free", action="store_true", help="skip the free search")
     args = ap.parse_args(argv)
@@ -288,29 +274,43 @@ def main(argv: list[str] | None = None) -> int:
     usable = [c for c in mapped if isinstance(c, Case)]
     skipped = [c for c in mapped if isinstance(c, Skip)]
     start = time.perf_counter()
-    evaluated = evaluate(usable, free=not args.no_free)
+    items = []
+    for c in usable:
+        try:
+            items.append(item_of(c))
+        except ValueError:
+            pass  # reported by evaluate() below
+    out: dict[str, Any] = {"runs_file": os.path.relpath(args.runs, os.path.dirname(HERE)) if args.runs.startswith(os.path.dirname(HERE)) else args.runs}
+    free_params: dict[int, dict[str, float]] = {}
+    if not args.no_cv and items:
+        cv = cross_validate(items, ablate=not args.no_ablation)
+        for it in items:
+            free_params[it.case.index] = cv["params"][it.case.source].get(CHIPS.get(it.case.cluster.name, it.case.cluster.name), {})
+        out["cv"] = cv
+    evaluated = evaluate(usable, free=not args.no_free, free_params=free_params)
     elapsed = time.perf_counter() - start
     rows = [r for r in evaluated if "ratio" in r]
     skipped += [Skip(r["index"], r["source"], r["label"], r["error"]) for r in evaluated if "error" in r]
     by_source = {s: summary([r for r in rows if r["source"] == s]) for s in sorted({r["source"] for r in rows})}
     total = summary(rows)
-    out: dict[str, Any] = {"runs_file": os.path.relpath(args.runs, os.path.dirname(HERE)) if args.runs.startswith(os.path.dirname(HERE)) else args.runs,
-                           "overall": total, "by_source": by_source, "rows": rows,
-                           "skipped": [s.__dict__ for s in skipped], "seconds": elapsed}
+    out.update({"overall": total, "by_source": by_source, "rows": rows, "skipped": [s.__dict__ for s in skipped], "seconds": elapsed})
+    if "cv" in out:
+        out["cv"]["free"] = free_summary(rows)
+    print(f"{len(rows)} runs ({len(skipped)} skipped) from {args.runs if args.runs != DATA else 'bench/data/published_throughput.json'}, "
+          f"{elapsed:.1f} s")
+    if "cv" in out:
+        _print_cv(out["cv"])
+    print("in-sample (the presets' numbers, fitted on all these runs):")
     if args.rows:
         for r in rows:
             free = f" free {r['free_over_best_published']:.2f}x" if "free_over_best_published" in r else ""
             print(f"{r['index']:>3} {r['ratio']:6.2f} {'fit ' if r['fits'] else 'OOM '} {r['memory_gb']:6.1f}/{r['gpu_memory_gb']:.0f} GB"
-                  f" (framework {r['framework_ratio']:.2f}){free}  {r['label']}  | {r['plan']}")
-    print(f"{len(rows)} runs ({len(skipped)} skipped) from {args.runs if args.runs != DATA else 'bench/data/published_throughput.json'}, "
-          f"{elapsed:.1f} s")
-    head = (f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'<=25%':>6} {'no fit':>6} {'>90%':>5} {'free/pub med':>12} "
-            f"{'max':>6} {'<=1.3x':>7} {'framework':>9}")
+                  f" (framework {r['framework_ratio']:.2f}) {'in ' if r['in_interval'] else 'OUT'} {r['interval_kind']}{free}  {r['label']}  | {r['plan']}")
+    head = (f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'<=25%':>6} {'no fit':>6} {'>90%':>5} {'in int.':>7} {'framework':>9}")
     print(head)
     for name, s in [*by_source.items(), ("all", total)]:
         print(f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% {100 * s['within_25']:>5.0f}% "
-              f"{s['fit_misses']:>6} {s['fit_misses_usable']:>5} {s['free_ratio_median']:>12.2f} {s['free_ratio_max']:>6.2f} "
-              f"{100 * s['free_within_1.3']:>6.0f}% {100 * s['framework_median_abs_error']:>8.1f}%")
+              f"{s['fit_misses']:>6} {s['fit_misses_usable']:>5} {100 * s['interval_coverage']:>6.0f}% {100 * s['framework_median_abs_error']:>8.1f}%")
     gaps = [r for r in rows if "why" in r]
     if gaps:
         print(f"free search > {GAP}x the published layout ({len(gaps)} runs):")
@@ -319,22 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in skipped:
         print(f"skipped row {s.index} ({s.label}): {s.reason}")
     if args.fit:
-        chips = sorted({CHIPS.get(c.cluster.name, c.cluster.name) for c in usable})
-        out["fit"] = {}
-        for chip in chips:
-            sel = [c for c in usable if CHIPS.get(c.cluster.name, c.cluster.name) == chip]
-            params = fit(sel, preset_params(sel[0].cluster)) if len(sel) >= 5 else preset_params(sel[0].cluster)
-            out["fit"][chip] = {"runs": len(sel), "params": params, "preset": preset_params(sel[0].cluster)}
-            print(f"fit {chip} on {len(sel)} runs: " + ", ".join(f"{k} {v:.3f}" for k, v in params.items())
-                  + "  (preset: " + ", ".join(f"{k} {v:.3f}" for k, v in preset_params(sel[0].cluster).items()) + ")")
-    if args.loso:
-        out["loso"] = loso(usable)
-        print("leave-one-source-out (per-chip efficiencies refitted without the source):")
-        for name, s in out["loso"].items():
-            params = "; ".join(f"{chip}: " + ", ".join(f"{k} {v:.2f}" for k, v in p.items()) for chip, p in s["params"].items())
-            print(f"  {name[:45]:<45} {s['runs']:>4} runs  median |err| {100 * s['median_abs_error']:.1f}%, "
-                  f"{100 * s['within_15']:.0f}% within 15%  ({params})")
+        out["fit"] = _fit_all(items)
     print(markdown(out))
+    out["seconds_total"] = time.perf_counter() - start
+    print(f"{out['seconds_total']:.0f} s in all")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
         json.dump(out, fh, indent=1)

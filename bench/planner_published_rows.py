@@ -182,13 +182,20 @@ def recompute_of(row: dict[str, Any]) -> tuple[str, str]:
 
 
 def schedule_of(row: dict[str, Any]) -> dict[str, Any]:
-    """Pipeline schedule keys when the text states them (else the planner chooses)."""
-    text = str(row.get("notes") or "").lower()
-    if "non-interleaved" in text:
+    """Pipeline schedule keys when the text states them (else the planner chooses): interleaved
+    (with its virtual stages when named), a plain 1F1B (``non-interleaved``, or ``1F1B`` named
+    without ``interleaved``) or GPipe. A run that names its schedule ran that one: letting the
+    planner take the interleaved schedule for a run that says 1F1B prices a smaller bubble than it had."""
+    text = " ".join(str(row.get(k) or "") for k in ("notes", "recompute", "fsdp_or_zero", "precision")).lower()
+    if "non-interleaved" in text or "non interleaved" in text:
         return {"schedule": "1f1b"}
     found = re.search(r"(\d+)\s*model chunks", text) or re.search(r"interleaved\s*m\s*=\s*(\d+)", text)
-    if "interleaved" in text and found:
-        return {"schedule": "interleaved_1f1b", "virtual_stages": int(found.group(1))}
+    if "interleaved" in text:
+        return {"schedule": "interleaved_1f1b", **({"virtual_stages": int(found.group(1))} if found else {})}
+    if re.search(r"\b1f1b\b", text):
+        return {"schedule": "1f1b"}
+    if "gpipe" in text:
+        return {"schedule": "gpipe"}
     return {}
 
 

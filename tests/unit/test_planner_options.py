@@ -151,3 +151,30 @@ def test_korthikanti_table_4_per_layer_times() -> None:
     for (recompute, sp), measured in {("none", True): 19.0 / 19.6, ("full", False): 27.2 / 19.6, ("selective", False): 20.9 / 19.6,
                                       ("selective", True): 20.3 / 19.6}.items():
         assert per_layer(recompute, sp) / base == pytest.approx(measured, rel=0.05), (recompute, sp)
+
+
+def test_runtime_options_for_memory_only_are_on_only_where_the_plan_does_not_fit_without_them() -> None:
+    """`--runtime-options memory`: the 256k-vocabulary layout needs the chunked loss to fit and gets
+    it, but not the 16-bit parameters, which would only make it faster; a layout that fits plain
+    gets none."""
+    import contextlib
+    import io
+
+    from shardwise.cli import main
+
+    def plan(*argv: str) -> str:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert main(["plan", *argv]) == 0
+        return buf.getvalue()
+
+    spec = '{"layers": 16, "hidden": 2048, "heads": 16, "vocab": 256000, "seq": 8192, "bias": false, "learned_positions": false}'
+    base = ["--model-spec", spec, "--devices", "8", "--device-type", "a100-40gb", "--global-batch", "32", "--fixed", "zero=3,recompute=full",
+            "--explain"]
+    speed = plan(*base)
+    memory = plan(*base, "--runtime-options", "memory")
+    assert speed.splitlines()[2].split()[9] == "16,C"
+    assert memory.splitlines()[2].split()[9] == "C", memory
+    assert "chunked_loss makes it fit" in memory and "runtime options only where needed to fit" in memory
+    small = plan("--model", "gpt2", "--devices", "8", "--device-type", "a100-80gb", "--fixed", "dp=8", "--runtime-options", "memory")
+    assert small.splitlines()[2].split()[9] == "-", small

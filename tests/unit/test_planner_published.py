@@ -88,3 +88,56 @@ def test_runs_file_of_the_same_format(tmp_path: Path, capsys: pytest.CaptureFixt
     assert out["overall"]["runs"] == 2 and len(out["skipped"]) == 1 and (tmp_path / "held_out.png").exists()
     assert all("free_over_best_published" in r for r in out["rows"])
     assert "elsewhere" in capsys.readouterr().out or out["skipped"][0]["source"] == "elsewhere"
+
+
+def test_a_named_schedule_is_the_one_the_run_had() -> None:
+    """A run that says 1F1B ran 1F1B (the planner would otherwise price the interleaved schedule's
+    smaller bubble); one that says interleaved keeps the planner's choice of virtual stages unless
+    it names them; one that names none leaves the schedule to the planner."""
+    from planner_published_rows import schedule_of
+
+    assert schedule_of({"notes": "Schedule: 1F1B. Local batch size 32"}) == {"schedule": "1f1b"}
+    assert schedule_of({"notes": "Interleaved 1F1B"}) == {"schedule": "interleaved_1f1b"}
+    assert schedule_of({"notes": "interleaved schedule, 3 model chunks per stage"}) == {"schedule": "interleaved_1f1b", "virtual_stages": 3}
+    assert schedule_of({"notes": "non-interleaved"}) == {"schedule": "1f1b"}
+    assert schedule_of({"notes": "Micro-batch and interleaving per row not in table."}) == {}
+
+
+def test_cross_validation_predicts_each_source_with_numbers_fitted_without_it() -> None:
+    from planner_published_cv import HELD, cross_validate, fit_chips, item_of
+
+    picked = [c for c in cases(RUNS) if isinstance(c, Case) and c.cluster.name.startswith("a100")]
+    by_source: dict[str, list[Case]] = {}
+    for c in picked:
+        by_source.setdefault(c.source, []).append(c)
+    subset = [c for cs in by_source.values() if len(cs) >= 8 for c in cs[:5]]  # four sources, five rows each
+    items = [item_of(c) for c in subset]
+    cv = cross_validate(items, ablate=False)
+    sources = {c.source for c in subset}
+    assert len(sources) == 4 and set(cv["by_source"]) == sources | {"all"}
+    for source in sources:
+        others = [it for it in items if it.case.source != source]
+        assert cv["params"][source]["A100"] == fit_chips(others)["A100"]
+        assert cv["params"][source]["A100"]["overlap"] == HELD["overlap"]
+    assert len(cv["rows"]) == len(subset) and 0.0 <= cv["coverage"]["all"] <= 1.0
+    assert all(band["low"] < band["high"] for band in cv["intervals"].values())
+
+
+def test_a_runs_file_of_one_source_is_evaluated_too(tmp_path: Path) -> None:
+    """One source: nothing to cross-validate against (the presets predict it, no interval coverage)."""
+    path = tmp_path / "one_source.json"
+    path.write_text(json.dumps([_find(model="MPT-1b", gpus=8, seq=2048), _find(model="MPT-3b", gpus=8, seq=2048)]))
+    assert main(["--runs", str(path), "--out", str(tmp_path), "--name", "one", "--no-free"]) == 0
+    out = json.loads((tmp_path / "one.json").read_text())
+    assert out["overall"]["runs"] == 2 and out["cv"]["by_source"]["all"]["runs"] == 2
+    assert all("in_interval" in r for r in out["rows"])
+
+
+def test_a_chip_of_one_source_is_carried_not_cross_validated() -> None:
+    """``carried``: a chip whose held-out rows all come from one source gets the largest factor a
+    prediction of it was off by; a chip measured by two sources is cross-validated, not carried."""
+    from planner_published_cv import carried
+
+    rows = [{"source": "a", "ratio": 1.1, "kinds": ["A100/sharded/small"]}, {"source": "b", "ratio": 0.9, "kinds": ["A100/tp/large"]},
+            {"source": "c", "ratio": 1.05, "kinds": ["H100/tp/large"]}, {"source": "c", "ratio": 0.8, "kinds": ["H100/sharded/large"]}]
+    assert carried(rows) == {"H100": {"factor": 1.25, "runs": 2}}

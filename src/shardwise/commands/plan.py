@@ -70,6 +70,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="LoRA adapters of rank R on every projection of a frozen base (0: full fine-tuning)")
     p.add_argument("--lora.base", dest="lora_base", choices=("fp32", "nf4"), default="fp32",
                    help="how the frozen base is stored: fp32, or nf4 (QLoRA's 4-bit base)")
+    p.add_argument("--runtime-options", dest="runtime_options", choices=("speed", "memory"), default="speed",
+                   help="when the search turns shardwise's runtime options on: wherever they help (speed, the default), or only "
+                        "where a plan does not fit without them (memory: e.g. to price a --fixed layout without shardwise's speed-ups)")
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free (default 0.1)")
     p.add_argument("--top", type=int, default=None, help="how many plans to show (default 5; 1 with --fixed)")
     p.add_argument("--fixed", default=None, help="fix these plan keys and search the rest, e.g. dp=24,tp=8,pp=8 (a complete plan: evaluate it)")
@@ -187,7 +190,8 @@ def _search_options(args: argparse.Namespace, stats: Any, precision: str) -> Any
         run = replace(run, selective=args.selective)
     return SearchOptions(precision=precision, headroom=args.headroom, top=args.top or (1 if args.fixed else 5), run=run,
                          policy=_policy(args, stats, precision),
-                         runtime_options=RUNTIME_OPTIONS if args.precision_policy == "autocast" else ())
+                         runtime_options=RUNTIME_OPTIONS if args.precision_policy == "autocast" else (),
+                         options_for_memory=args.runtime_options == "memory")
 
 
 @dataclass(frozen=True)
@@ -242,6 +246,8 @@ def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: in
         best = min(every, key=lambda e: e.memory_total)
         explanation = (f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them needs is "
                        f"{best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); the fastest is shown")
+    if args.precision_policy == "autocast":  # the same layout as another framework runs it, beside shardwise's
+        explanation += "\n" + framework_line(stats, cluster, global_batch, constrained, estimates[0])
     conflict = runtime_conflict(estimates[0].plan)
     if conflict is not None:  # the cost model prices it (e.g. Megatron's ZeRO-1 x TP x PP); shardwise cannot run it
         explanation += f"; note: shardwise's parallel layer cannot run it ({conflict})"
@@ -258,7 +264,8 @@ def _print_json(args: argparse.Namespace, found: _Ranked) -> int:
     stats, cluster, estimates = found.stats, found.cluster, found.estimates
     out = {"model": stats.name, "params": stats.params_total, "devices": cluster.devices, "device_type": cluster.name,
            "global_batch": found.global_batch, "seq": stats.seq, "precision_policy": found.options.run.precision,
-           "memory_convention": args.memory_convention, "plans": [e.to_json() for e in estimates], "explanation": found.explanation}
+           "memory_convention": args.memory_convention, "plans": [{**e.to_json(), **interval_json(e, cluster)} for e in estimates],
+           "explanation": found.explanation}
     if args.explain:
         out["terms"] = [dominant_terms(e, k=4) for e in estimates]
         out["runtime_options"] = [found.notes(e, args.headroom) for e in estimates]
@@ -278,8 +285,10 @@ def _print_text(args: argparse.Namespace, found: _Ranked) -> int:
     print(f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {found.global_batch}, "
           f"{cluster.devices} x {cluster.name} ({cluster.devices_per_node} per node, {cluster.memory_bytes / 1e9:.0f} GB, "
           f"{100 * (1 - args.headroom):.0f}% usable), {options.precision} ({options.run.precision}"
-          + ("; runtime options searched)" if options.runtime_options else ")"))
+          + (("; runtime options only where needed to fit)" if options.options_for_memory else "; runtime options searched)")
+             if options.runtime_options else ")"))
     print(format_table(estimates))
+    print(interval_lines(estimates, cluster))
     print(found.explanation)
     if args.optimizer == "muon":
         for i, e in enumerate(estimates, 1):
@@ -320,6 +329,46 @@ def _muon(stats: Any, cluster: Any, plan: Any) -> Any:
     from shardwise.plan.muon import muon_cost
 
     return muon_cost(stats, plan, cluster)
+
+
+def framework_line(stats: object, cluster: object, global_batch: int, options: object, ours: object) -> str:
+    """``--fixed``: the prediction is for shardwise's runtime (its options searched); this line
+    prices the same keys as Megatron-LM, torchtitan or llm-foundry run a step (``--precision-policy
+    16bit``: 16-bit parameters, a fused loss, sharded accumulation, nothing searched) beside it."""
+    from dataclasses import replace
+
+    from shardwise.plan.policy import RunPolicy
+    from shardwise.plan.search import candidates
+
+    run = RunPolicy.sixteen_bit(selective=options.run.selective) if options.run and options.run.selective != "matmuls" else RunPolicy.sixteen_bit()
+    every = candidates(stats, cluster, global_batch=global_batch, options=replace(options, run=run, runtime_options=()))
+    if not every:
+        return "as another framework runs it (--precision-policy 16bit): no plan with these keys"
+    fitting = [e for e in every if e.fits]
+    theirs = fitting[0] if fitting else min(every, key=lambda e: e.memory_total)
+    fit = "" if fitting else ", does NOT fit"
+    return (f"as Megatron-LM / torchtitan / llm-foundry run these keys (--precision-policy 16bit): {theirs.tokens_per_s:.4g} tok/s, "
+            f"step {theirs.step_time_s:.4g} s, {ours.step_time_s / theirs.step_time_s:.2f} x the speed predicted for shardwise{fit}")
+
+
+def interval_json(est: object, cluster: object) -> dict:
+    """A plan's throughput interval for ``--json`` (:mod:`shardwise.plan.uncertainty`)."""
+    from shardwise.plan.uncertainty import interval
+
+    low, high, kind = interval(est, cluster)
+    return {"tokens_per_s_interval": [low, high], "interval_kind": kind}
+
+
+def interval_lines(estimates: list, cluster: object) -> str:
+    """The first plan's throughput interval (from the cross-validated error of its kind of run on
+    published runs) and which of the others lie inside it: their order is within the model's error."""
+    from shardwise.plan.uncertainty import indistinct, interval_text
+
+    text = f"#1 {interval_text(estimates[0], cluster)}"
+    close = [f"#{i}" for i, e in enumerate(estimates[1:], 2) if indistinct(estimates[0], e, cluster)]
+    if close:
+        text += f"; {', '.join(close)} within it: ranked within the model's error"
+    return text
 
 
 def _is_spec_file(device_type: str) -> bool:

@@ -31,16 +31,18 @@ RUNTIME_OPTIONS = ("params16", "chunked_loss", "sharded_accumulation")
 
 
 def option_sets(*, precision: str, zero: int, shard: int, microbatches: int, has_logits: bool, device_type: str,
-                allowed: tuple[str, ...], fixed: dict[str, Any]) -> list[dict[str, bool]]:
+                allowed: tuple[str, ...], fixed: dict[str, Any], for_memory: bool = False) -> list[dict[str, bool]]:
     """The option combinations worth pricing for one layout, in the order the search tries them
-    (see the module doc); a key in ``fixed`` takes only its value, one not in ``allowed`` stays off."""
+    (see the module doc); a key in ``fixed`` takes only its value, one not in ``allowed`` stays off.
+    ``for_memory`` (``shardwise plan --runtime-options memory``): every option is tried off first,
+    so one is on only where the plan does not fit without it, never for speed alone."""
 
     def choices(name: str, usable: bool, prefer_on: bool) -> list[bool]:
         if name in fixed:
             return [bool(fixed[name])]
         if not usable or name not in allowed:
             return [False]
-        return [True, False] if prefer_on else [False, True]
+        return [True, False] if prefer_on and not for_memory else [False, True]
 
     p16 = choices("params16", precision != "fp32", True)
     chunked = choices("chunked_loss", has_logits, device_type != "cpu")

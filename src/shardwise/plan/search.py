@@ -21,7 +21,13 @@ Enumeration, outermost first, with the pruning that keeps a 1,024-device search 
 7. inside each recomputation level, shardwise's runtime options (``params16``, ``chunked_loss``,
    ``sharded_accumulation``; :mod:`shardwise.plan.options`) in their order of preference: the first
    combination that fits wins; one that costs step time (sharded accumulation) lets the next
-   recomputation level be priced too, which may be faster.
+   recomputation level be priced too, which may be faster. With ``SearchOptions.options_for_memory``
+   (``shardwise plan --runtime-options memory``) every option is tried off first: one is on only
+   where the plan does not fit without it.
+
+Every plan's predicted speed is bounded by the cost model's validated envelope
+(:func:`shardwise.plan.uncertainty.bounded`: no faster than the best MFU a published run of its
+chip measured, plus 5%).
 
 ``SearchOptions.precisions`` searches several compute precisions (``plan="auto"`` on a device
 with FP8 tensor cores: bf16 and fp8), each plan with its own.
@@ -52,6 +58,7 @@ from shardwise.plan.options import RUNTIME_OPTIONS, costs_time, option_notes, op
 from shardwise.plan.policy import RunPolicy
 from shardwise.plan.stats import ModelStats
 from shardwise.plan.support import runtime_conflict
+from shardwise.plan.uncertainty import bounded
 
 SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 PASSED_THROUGH = ("compile", "cpu_offload", "fp8_recipe")  # plan keys the search never varies: a --fixed value is kept
@@ -77,6 +84,7 @@ class SearchOptions:
     fixed: dict[str, Any] = field(default_factory=dict)  # keys a user fixed (layout.named_keys); the rest is searched
     context_parallel: bool = False  # also search cp > 1 (search() does when nothing fits without it)
     runtime_options: tuple[str, ...] = RUNTIME_OPTIONS  # the runtime options the search may turn on
+    options_for_memory: bool = False  # turn a runtime option on only where the plan does not fit without it
     precisions: tuple[str, ...] = ()  # search each of these compute precisions (empty: just ``precision``)
 
 
@@ -205,7 +213,8 @@ def _price_options(stats: ModelStats, cluster: ClusterSpec, global_batch: int, o
     them does, so a layout that does not fit costs at most two estimates per recomputation level."""
     fixed = options.fixed
     sets = option_sets(precision=layout["precision"], zero=layout["zero"], shard=layout["shard"], microbatches=layout["microbatches"],
-                       has_logits=stats.logits_bytes > 0, device_type=cluster.device_type, allowed=options.runtime_options, fixed=fixed)
+                       has_logits=stats.logits_bytes > 0, device_type=cluster.device_type, allowed=options.runtime_options, fixed=fixed,
+                       for_memory=options.options_for_memory)
     leanest = max(sets, key=lambda o: sum(o.values()))  # every option on: each one only lowers the memory
     count = [0]
 
@@ -219,7 +228,8 @@ def _price_options(stats: ModelStats, cluster: ClusterSpec, global_batch: int, o
         if options.supported is not None and not options.supported(plan):
             return None
         count[0] += 1
-        return estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom, run=options.run)
+        return bounded(estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom,
+                                run=options.run), cluster)
 
     if lean:  # the leanest combination the runtime accepts (``supported`` may refuse an option)
         for runtime in sorted(sets, key=lambda o: -sum(o.values())):
