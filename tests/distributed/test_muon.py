@@ -144,13 +144,13 @@ def test_toy_uneven_shards_on_4_and_negative_control(pools) -> None:
 
 
 def test_gpt_under_tp_pp_zero_on_2(pools) -> None:
-    """tp=2 (column and row splits), pp=2, zero=3, dp=2 on the built-in GPT, fp32 Newton–Schulz;
+    """tp=2 (column and row splits), pp=2, zero=3, dp=2, cp=2 on the built-in GPT, fp32 Newton–Schulz;
     and bf16 Newton–Schulz under zero=3 within 2e-2 of one process with bf16 Newton–Schulz, at
     Muon's usual lr 0.02 (measured: 1.1e-3, the largest relative Frobenius difference of a weight,
     from bf16 roundings flipped by fp32 reduction order; dp=2 gives the same; bf16 against fp32
     Newton–Schulz on one process: 3.0e-2)."""
     ref, ref16 = pools(1).run(fits, [dict(plan="dp", model="gpt"), dict(plan="dp", model="gpt", ns_dtype="bf16", lr=0.02)])[0]
-    plans = ["tp=2", "pp=2,microbatches=2", "zero=3,shard=2", "dp=2"]
+    plans = ["tp=2", "pp=2,microbatches=2", "zero=3,shard=2", "dp=2", "cp=2"]
     per_rank = pools(2).run(fits, [dict(plan=p, model="gpt") for p in plans]
                               + [dict(plan="zero=3,shard=2", model="gpt", ns_dtype="bf16", lr=0.02)])
     for results in per_rank:
@@ -158,9 +158,11 @@ def test_gpt_under_tp_pp_zero_on_2(pools) -> None:
         assert rel_err(ref16, results[-1]) < 2e-2, rel_err(ref16, results[-1])
 
 
-def test_gpt_dp_tp_on_4(pools) -> None:
+def test_gpt_dp_tp_and_hsdp_on_4(pools) -> None:
+    """dp x tp (owner path over tp), FSDP x TP and HSDP (2-D meshes: the gather path)."""
     ref = pools(1).run(fit, "dp", "gpt")[0]
-    for results in pools(4).run(fits, [dict(plan="dp=2,tp=2", model="gpt"), dict(plan="zero=3,shard=2,tp=2", model="gpt")]):
+    runs = [dict(plan="dp=2,tp=2", model="gpt"), dict(plan="zero=3,shard=2,tp=2", model="gpt"), dict(plan="zero=3,dp=2,shard=2", model="gpt")]
+    for results in pools(4).run(fits, runs):
         assert_parity(ref, results)
 
 
