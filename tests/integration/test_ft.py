@@ -111,3 +111,16 @@ def test_lost_lighthouse_exits_with_one_line(tmp_path: Path) -> None:
     errors = [line for line in job.lines if "error:" in line]
     assert len(errors) == 1 and "the lighthouse at http://127.0.0.1" in errors[0] and "does not answer" in errors[0], job.lines[-10:]
     assert not [s.pid for s in job.steps if h.alive(s.pid)]
+
+
+@pytest.mark.slow_allowed(seconds=150, why="two groups start, one dies for good, and the other must run into its quorum timeout")
+def test_below_min_replicas_exits_with_one_line(tmp_path: Path) -> None:
+    """--ft-min-replicas 2 and group 1 dies without a restart: group 0 discards the step and, with
+    no quorum of 2 within --ft-quorum-timeout, exits with one line naming the cause; nothing hangs."""
+    job = h.start(tmp_path, replicas=2, nproc=1, plan="dp", steps=200, sleep_s=0.2, min_replicas=2, kill="1:3",
+                  extra=["--ft-quorum-timeout", "5"])
+    code = job.finish(150)
+    assert code != 0
+    errors = [line for line in job.lines if "no quorum for step" in line]
+    assert len(errors) == 1 and "fewer than 2 replica group(s) (--ft-min-replicas) are alive" in errors[0], job.lines[-10:]
+    assert not [s.pid for s in job.steps if h.alive(s.pid)] and not h.session_processes(job.proc.pid)

@@ -208,7 +208,7 @@ class Trainer:
         self.precision = self.plan.precision
         # fp8: the unconverted ops run in the FP8 options' high precision; params16: no autocast
         self._autocast = autocast_precision(compute_precision(self.precision, self._fp8), params16=self.plan.params16)
-        scale_learning_rates(self.optimizer, self.dp_size, rule=self._scale_lr)
+        scale_learning_rates(self.optimizer, self.dp_size * self.env.replicas, rule=self._scale_lr)  # replica groups: train/ft.py
         self.micro_batch_size = self.global_batch_size // (self.dp_size * self.env.replicas * self.grad_accum_steps)
         self.eval_batch_size = self._eval_batch_size or self.micro_batch_size
         peak = self._peak_flops_per_device or peak_flops(self.env.device, self.precision)
