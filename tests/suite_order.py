@@ -6,8 +6,9 @@
   spread carries a group of its own (each documented command does: tests/integration/test_docs_run.py).
 - Order: under xdist the groups start longest first (the longest-processing-time rule: the two
   workers end close together). A group's expected seconds are the measured ones in
-  ``tests/profile.json`` (``make test-profile`` writes it), else the sum of its tests'
-  ``@pytest.mark.expected_s(seconds)``, else 1 s a test. A serial run keeps the files' order.
+  ``tests/profile.json`` (``make test-profile`` writes it; until then it holds estimates from the
+  slowest tests of a CI log), else the sum of its tests' ``@pytest.mark.expected_s(seconds)``, else
+  a guess by folder (:data:`DEFAULT_S`). A serial run keeps the files' order.
 - Figures: each documented command's line (ran: wall and CPU seconds; resolved: the run that
   stands for it; skipped: why), printed under ``docs commands`` at the end (``-p no:...`` aside,
   every run).
@@ -23,7 +24,9 @@ import pytest
 
 PROFILE = Path(__file__).resolve().parent / "profile.json"
 EXPECTED = "expected_s"
-DEFAULT_S = 1.0  # a test without a measurement or a mark
+# seconds a test, by folder, without a measurement or a mark: a unit test, one on the session's
+# Gloo pools, one that starts commands or processes of its own
+DEFAULT_S = {"unit": 0.3, "distributed": 5.0, "integration": 15.0}
 
 
 def configure(config: pytest.Config) -> None:
@@ -57,7 +60,8 @@ def arrange(config: pytest.Config, items: list[pytest.Item]) -> None:
     for i, item in enumerate(items):
         group = group_of(item)
         mark = item.get_closest_marker(EXPECTED)
-        expected[group] = expected.get(group, 0.0) + (float(mark.args[0]) if mark else DEFAULT_S)
+        folder = item.nodeid.split("/")[1] if item.nodeid.count("/") > 1 else ""
+        expected[group] = expected.get(group, 0.0) + (float(mark.args[0]) if mark else DEFAULT_S.get(folder, 1.0))
         first.setdefault(group, i)
     cost = {g: known.get(g, s) for g, s in expected.items()}
     order = {id(item): (-cost[group_of(item)], first[group_of(item)], i) for i, item in enumerate(items)}
