@@ -52,9 +52,9 @@ def check_hf_job(config: TrainJobConfig) -> None:
     import os.path
 
     from shardwise.data.text import find_files
-    from shardwise.models.hf import read_config, require_transformers
+    from shardwise.models.hf import check_transformers, read_config
 
-    require_transformers()
+    check_transformers()  # the workers import it: here only what the checks below need
     read_config(config.model.hf)
     if config.lora.r:  # the targets against the model's own layers (built on meta), the extras installed
         from shardwise.checkpoint.hf_load import Pretrained
