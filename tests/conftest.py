@@ -28,6 +28,11 @@ os.environ.setdefault("SHARDWISE_CACHE_DIR", tempfile.mkdtemp(prefix="shardwise-
 
 
 POOL_FIXTURES = frozenset({"pools", "dist2", "dist4"})
+# The pools' ranks fork from one server that imported these once (shardwise.testing: a rank starts
+# in milliseconds instead of 2 CPU-seconds of imports, each time a pool starts, recycles or
+# recovers from a failure); SHARDWISE_TEST_POOL_START=spawn starts them as fresh interpreters.
+POOL_PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp", "shardwise.testing",
+                "shardwise.parallel", "shardwise.train")
 _POOLS = pytest.StashKey[dict[int, WorkerPool]]()
 _POOL_FILES = pytest.StashKey[set]()
 _STARTED = pytest.StashKey[float]()
@@ -50,7 +55,8 @@ def pools(request: pytest.FixtureRequest) -> Iterator[Callable[[int], WorkerPool
 
     def get(world_size: int) -> WorkerPool:
         if world_size not in cache:
-            cache[world_size] = WorkerPool(world_size, timeout_s=180.0)
+            start = os.environ.get("SHARDWISE_TEST_POOL_START", "forkserver")
+            cache[world_size] = WorkerPool(world_size, timeout_s=180.0, start_method=start, preload=POOL_PRELOAD)
         return cache[world_size]  # a closed pool starts again on its next run
 
     yield get
