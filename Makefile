@@ -36,9 +36,15 @@ test-profile: setup
 	$(BIN)/python -m pytest -q $(XDIST) --profile-out=test-profile.md
 
 # The edit-test loop (under 2 minutes on 2 idle cores): the unit tests and the quick
-# multi-process ones (real Gloo process groups: the pool, the runtime, Trainer and TP parity).
+# multi-process ones (real Gloo process groups: the pool, the runtime, Trainer and TP parity), and
+# one parity check of each other layout: ZeRO stages, a pipeline, context and expert parallel, and
+# the 2-D compositions (dp x tp, fsdp x tp).
 FAST := tests/unit tests/distributed/test_harness.py tests/distributed/test_runtime.py \
-        tests/distributed/test_trainer_parity.py tests/distributed/test_tp.py
+        tests/distributed/test_trainer_parity.py tests/distributed/test_tp.py \
+        tests/distributed/test_fsdp.py::test_zero_stages_on_2 \
+        tests/distributed/test_pipeline.py::test_pp2_explicit_split_points \
+        tests/distributed/test_context_expert_parallel.py::test_cp_and_ep_on_2 \
+        tests/distributed/test_combos.py::test_dp_tp_and_fsdp_tp_on_4
 test-fast: setup
 	$(BIN)/python -m pytest -q $(XDIST) $(FAST)
 
