@@ -195,6 +195,27 @@ class Zygote:
                 self.proc.wait()
 
 
+def shardwise_command(zygote: Zygote, args: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+                      timeout: float = 300) -> Any:
+    """``shardwise *args`` forked from ``zygote``: what ``subprocess.run([sys.executable, "-m",
+    "shardwise.cli", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)``
+    returns (a ``CompletedProcess``; ``TimeoutExpired`` when it ran out of time), without the
+    command's imports (its worker processes are started as usual)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="forkrun-") as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        job = {"id": "cmd", "kind": "shardwise", "argv": list(args), "cwd": cwd or os.getcwd(), "env": dict(env or os.environ),
+               "stdout": out, "stderr": err, "timeout_s": timeout}
+        got = zygote.run([[job]])["cmd"]
+        stdout, stderr = (open(path, errors="replace").read() if os.path.exists(path) else "" for path in (out, err))
+    argv = [sys.executable, "-m", "shardwise.cli", *args]
+    if got["rc"] == "timeout":
+        raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(argv, int(got["rc"]), stdout, stderr)
+
+
 def _prepare(request: dict[str, Any]) -> str | None:
     """Import what the request names; an error line when the process is not safe to fork."""
     sys.path.insert(0, request.get("root", os.getcwd()))
