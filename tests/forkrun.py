@@ -14,6 +14,10 @@ A job: ``{"id", "kind": "shardwise"|"python"|"call", "argv", "cwd", "env", "stdo
 longest expected first (``"cost"``); the answer maps each id to ``{"rc", "seconds", "cpu_s"}``
 (``rc`` is ``"timeout"`` when it was killed; ``cpu_s``: the CPU time of the command and of the
 processes it waited for).
+
+:func:`run_phases` starts a server for one batch of phases; :class:`Zygote` keeps one running for
+many batches (``python -m tests.forkrun --serve``: one JSON request a line on stdin, one JSON answer
+a line on stdout), so a test session pays the imports once however many commands it runs.
 """
 
 from __future__ import annotations
@@ -45,7 +49,10 @@ def _child(job: dict[str, Any]) -> int:
         os.close(target)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stdin = open(os.devnull)  # noqa: SIM115
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # not the server's request pipe (ZygoteServer): nothing it starts reads that
+    os.close(null)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
     argv, kind = list(job["argv"]), job["kind"]
     try:
         if kind == "shardwise":
@@ -143,8 +150,74 @@ def run_phases(phases: list[list[dict[str, Any]]], *, parallel: int | None = Non
     return answer["results"]
 
 
-def main() -> None:
-    request = json.load(sys.stdin)
+class Zygote:
+    """A server (module doc) that stays up: :meth:`run` sends it phases and returns the results by
+    job id, the imports paid once when it starts. One request at a time (not thread-safe)."""
+
+    def __init__(self, *, env: dict[str, str | None] | None = None, preload: tuple[str, ...] = (), log: str | None = None) -> None:
+        import subprocess
+        import tempfile
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        server_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+        self.log = log or tempfile.mkstemp(prefix="forkrun-", suffix=".log")[1]
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkrun", "--serve"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True, cwd=root, env=server_env)
+        self._ask({"root": root, "preload": [*PRELOAD, *preload]})
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"tests.forkrun --serve exited {self.proc.wait()}:\n{open(self.log).read()[-3000:]}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+        return answer
+
+    def run(self, phases: list[list[dict[str, Any]]], *, parallel: int = 1) -> dict[str, dict[str, Any]]:
+        return self._ask({"phases": phases, "parallel": parallel})["results"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - it is stopped either way
+                self.proc.kill()
+                self.proc.wait()
+
+
+def shardwise_command(zygote: Zygote, args: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+                      timeout: float = 300) -> Any:
+    """``shardwise *args`` forked from ``zygote``: what ``subprocess.run([sys.executable, "-m",
+    "shardwise.cli", *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)``
+    returns (a ``CompletedProcess``; ``TimeoutExpired`` when it ran out of time), without the
+    command's imports (its worker processes are started as usual)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="forkrun-") as tmp:
+        out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+        job = {"id": "cmd", "kind": "shardwise", "argv": list(args), "cwd": cwd or os.getcwd(), "env": dict(env or os.environ),
+               "stdout": out, "stderr": err, "timeout_s": timeout}
+        got = zygote.run([[job]])["cmd"]
+        stdout, stderr = (open(path, errors="replace").read() if os.path.exists(path) else "" for path in (out, err))
+    argv = [sys.executable, "-m", "shardwise.cli", *args]
+    if got["rc"] == "timeout":
+        raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+    return subprocess.CompletedProcess(argv, int(got["rc"]), stdout, stderr)
+
+
+def _prepare(request: dict[str, Any]) -> str | None:
+    """Import what the request names; an error line when the process is not safe to fork."""
     sys.path.insert(0, request.get("root", os.getcwd()))
     for name in request.get("preload", PRELOAD):
         try:
@@ -152,7 +225,32 @@ def main() -> None:
         except ImportError:
             pass
     if threading.active_count() != 1:  # a forked child would miss the other threads' locks
-        print(json.dumps({"error": f"{threading.active_count()} threads after the imports: {threading.enumerate()}"}))
+        return f"{threading.active_count()} threads after the imports: {threading.enumerate()}"
+    return None
+
+
+def serve() -> None:
+    """The server of :class:`Zygote`: the first line names the imports, each next one is a batch of phases."""
+    error = _prepare(json.loads(sys.stdin.readline()))
+    print(json.dumps({"error": error} if error else {"ready": True}), flush=True)
+    if error:
+        return
+    for line in sys.stdin:
+        request = json.loads(line)
+        results: dict[str, Any] = {}
+        for phase in request["phases"]:
+            results.update(run(phase, int(request.get("parallel", 1))))
+        print(json.dumps({"results": results}), flush=True)
+
+
+def main() -> None:
+    if "--serve" in sys.argv[1:]:
+        serve()
+        return
+    request = json.load(sys.stdin)
+    error = _prepare(request)
+    if error:
+        print(json.dumps({"error": error}))
         return
     results: dict[str, Any] = {}
     for phase in request["phases"]:  # a phase starts when the one before it has finished

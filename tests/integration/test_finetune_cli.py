@@ -13,7 +13,9 @@ a tiny Llama and its BPE tokenizer (with a chat template) made locally:
   uninterrupted run's losses bitwise and ends with bitwise equal weights;
 - ``shardwise checkpoint export --format hf`` loads in transformers, the chat template included.
 
-Six 2-process runs of ~15 s each (two layouts x full, killed, resumed).
+Six 2-process runs of ~15 s each (two layouts x full, killed, resumed). The commands fork from one
+process that imported torch, shardwise and transformers once (:func:`tests.forkrun.shardwise_command`:
+what the subprocess returns, without 3-4 CPU-seconds of imports per command); their workers start as usual.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import os
 import random
 import subprocess
-import sys
+from typing import Iterator
 
 import pytest
 
@@ -33,6 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from shardwise.models import hf  # noqa: E402
+from tests.forkrun import Zygote, shardwise_command  # noqa: E402
 
 SEQ = 128
 GEN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
@@ -58,22 +61,37 @@ def write_jsonl(path: str, records: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def zygote() -> Iterator[Zygote]:
+    server = Zygote(preload=("shardwise.jobs.hf_train", "shardwise.checkpoint.hf_export", "transformers", "tokenizers"))
+    yield server
+    server.close()
+
+
+class Workdir(str):
+    """The module's work directory (a path), and the zygote its commands fork from."""
+
+    zygote: Zygote
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Workdir:
     root = str(tmp_path_factory.mktemp("finetune-cli"))
     train, val = chats(17, seed=0), chats(4, seed=1)
     hf.save_tiny(os.path.join(root, "model"), family="llama", texts=[json.dumps(c) for c in train], vocab=320, seq=SEQ, chat=True)
     write_jsonl(os.path.join(root, "chat.jsonl"), train)
     write_jsonl(os.path.join(root, "val.jsonl"), val)
-    return root
+    work = Workdir(root)
+    work.zygote = zygote
+    return work
 
 
-def _train(workdir: str, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _train(workdir: Workdir, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     args = ["train", "--model.hf", os.path.join(workdir, "model"), "--data.files", os.path.join(workdir, "chat.jsonl"), "--data.format", "chat",
             "--nproc", "2", "--max-steps", "4",
             f"--model.seq_len={SEQ}", "--train.warmup_steps=2", "--train.eval_every=0", "--train.log_every=1",
             "--checkpoint.every_n_steps=2", "--run.runs_dir", os.path.join(workdir, "runs"), "--run.name", name, *extra]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], env=full_env, capture_output=True, text=True, timeout=300)
+    return shardwise_command(workdir.zygote, args, env=full_env, timeout=300)
 
 
 def _losses(workdir: str, name: str) -> dict[int, str]:
@@ -103,19 +121,19 @@ def assistant_token_loss(workdir: str, records: list[dict], *, everything: bool 
     return total / count
 
 
-def _export_and_load(workdir: str, name: str) -> dict:
+def _export_and_load(workdir: Workdir, name: str) -> dict:
     import transformers
 
     out = os.path.join(workdir, f"export-{name}")
-    done = subprocess.run([sys.executable, "-m", "shardwise.cli", "checkpoint", "export", "--format", "hf",
-                           os.path.join(workdir, "runs", name, "checkpoints"), out], capture_output=True, text=True, timeout=120)
+    done = shardwise_command(workdir.zygote, ["checkpoint", "export", "--format", "hf", os.path.join(workdir, "runs", name, "checkpoints"), out],
+                             timeout=120)
     assert done.returncode == 0, done.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert transformers.AutoTokenizer.from_pretrained(out).chat_template == hf.CHAT_TEMPLATE
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _kill_and_resume(workdir: str, name: str, *extra: str) -> dict[str, str]:
+def _kill_and_resume(workdir: Workdir, name: str, *extra: str) -> dict[str, str]:
     full = _train(workdir, name, *extra)
     assert full.returncode == 0, full.stdout + full.stderr
     killed = _train(workdir, name + "-cut", *extra, env={"SHARDWISE_FAULT": "rank=0,step=3,how=raise"})

@@ -55,9 +55,9 @@ def check_hf_job(config: TrainJobConfig) -> None:
     from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.checkpoint.weights_check import check_weights
     from shardwise.data.text import find_files
-    from shardwise.models.hf import read_config, require_transformers
+    from shardwise.models.hf import check_transformers, read_config
 
-    require_transformers()
+    check_transformers()  # the workers import it: here only what the checks below need
     read_config(config.model.hf)
     model = Pretrained(config.model.hf).build_meta()
     check_weights(config.model.hf, model)  # whole files, every shard of the index, the shapes config.json gives (headers only)
