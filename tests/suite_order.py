@@ -73,7 +73,7 @@ def summary(terminalreporter: pytest.TerminalReporter, teardowns: list[pytest.Te
     if lines:
         terminalreporter.section("docs commands")
         ran = [line for line in lines if line.startswith("ran")]
-        terminalreporter.write_line(f"{len(ran)} ran, {sum(1 for l in lines if l.startswith('resolved'))} parsed and resolved, "
-                                    f"{sum(1 for l in lines if l.startswith('skipped'))} skipped")
+        terminalreporter.write_line(f"{len(ran)} ran, {sum(1 for x in lines if x.startswith('resolved'))} parsed and resolved, "
+                                    f"{sum(1 for x in lines if x.startswith('skipped'))} skipped")
         for line in sorted(lines):
             terminalreporter.write_line(line)

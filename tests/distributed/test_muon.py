@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from tests.distributed.test_trainer_parity import Record, make_data
+from tests.helpers import Record, make_data
 
 SEED, STEPS = 7, 3
 
