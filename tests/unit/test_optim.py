@@ -144,3 +144,34 @@ def test_train_optimizer_option() -> None:
     assert isinstance(job_optimizer(TrainSection())(Net().parameters()), torch.optim.AdamW)
     with pytest.raises(ConfigError):
         TrainSection(optimizer="lion")
+
+
+def test_plan_auto_searches_only_plans_the_optimizer_runs_exactly_and_prices_muon() -> None:
+    """plan="auto": a whole-tensor optimizer (torch's Muon) is offered no plan that shards
+    parameters; shardwise's Muon is offered every plan, with one momentum on its matrices (less
+    optimizer state than Adam's two moments); an element-wise one is unrestricted."""
+    from dataclasses import replace as replaced
+
+    from shardwise.models.gpt import GPT, GPTConfig
+    from shardwise.models.measure import module_stats
+    from shardwise.optim import allows, factory_kind, muon
+    from shardwise.optim.classify import sharding
+    from shardwise.plan.cluster import resolve
+    from shardwise.train.build import plan_for_trainer
+
+    assert factory_kind(muon(lr=0.02)) == "muon"
+    assert factory_kind(lambda p: torch.optim.AdamW(p, lr=1e-3)) == "elementwise"
+    assert factory_kind(lambda p: torch.optim.Muon(p, lr=0.02)) == "whole_tensor"
+    model = GPT(GPTConfig())
+    stats = module_stats(model)
+    # a device too small for the whole model's Adam states: element-wise optimizers shard
+    cpu = replaced(resolve("cpu", devices=4, devices_per_node=4), memory_bytes=3.0 * 16 * stats.params_total)
+    free = plan_for_trainer(model, stats, cpu, world_size=4, global_batch=16)
+    assert any(sharding(e.plan) for e in free.result.plans)
+    whole = plan_for_trainer(model, stats, cpu, world_size=4, global_batch=16, optimizer="whole_tensor")
+    assert whole.result.plans and all(sharding(e.plan) is None and allows("whole_tensor", e.plan) for e in whole.result.plans)
+    adam = plan_for_trainer(model, stats, cpu, world_size=4, global_batch=16, optimizer="elementwise", pipelines_allowed=False)
+    muon_plan = plan_for_trainer(model, stats, cpu, world_size=4, global_batch=16, optimizer="muon")
+    same = next(e for e in muon_plan.result.plans if any(a.plan == e.plan for a in adam.result.plans))
+    theirs = next(a for a in adam.result.plans if a.plan == same.plan)
+    assert same.memory["optimizer"] < theirs.memory["optimizer"]

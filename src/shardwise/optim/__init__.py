@@ -7,10 +7,10 @@
 - :func:`check` (``classify.py``): the refusal of an optimizer that a plan would run wrongly.
 """
 
-from shardwise.optim.classify import check, kind
+from shardwise.optim.classify import allows, check, factory_kind, kind
 from shardwise.optim.factory import MuonFactory, muon
 from shardwise.optim.muon import Muon
 from shardwise.optim.newton_schulz import Units, newton_schulz, orthogonalize
 from shardwise.optim.units import Routing, route
 
-__all__ = ["Muon", "MuonFactory", "Routing", "Units", "check", "kind", "muon", "newton_schulz", "orthogonalize", "route"]
+__all__ = ["Muon", "MuonFactory", "Routing", "Units", "allows", "check", "factory_kind", "kind", "muon", "newton_schulz", "orthogonalize", "route"]

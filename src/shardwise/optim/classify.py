@@ -15,6 +15,8 @@ pipeline stage's whole parameters, cp's replicas) are safe for all but whole-mod
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -52,16 +54,34 @@ def sharding(plan: Plan) -> str | None:
     return ",".join(parts) or None
 
 
+def allows(kind_: str, plan: Plan) -> bool:
+    """Whether an optimizer of this :func:`kind` computes under ``plan`` what it computes on one
+    process (``plan="auto"`` searches only such plans)."""
+    split = sharding(plan)
+    if kind_ == "whole_model":
+        return not (split or (plan.zero == 1 and plan.shard > 1))
+    return kind_ != "whole_tensor" or not split
+
+
+def factory_kind(factory: Callable[..., torch.optim.Optimizer]) -> str:
+    """The :func:`kind` of what ``factory`` builds (``shardwise.optim.muon(...)``: ``"muon"``),
+    found by building it once over a 2x2 probe parameter."""
+    if getattr(factory, "kind", None) == "muon":
+        return "muon"
+    return kind(factory([torch.nn.Parameter(torch.zeros(2, 2))]))
+
+
 def check(optimizer: torch.optim.Optimizer, plan: Plan) -> None:
     """Refuse, before training, an optimizer that this plan would run wrongly (module doc)."""
     k = kind(optimizer)
+    if allows(k, plan):
+        return
     inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
     name = f"{type(inner).__module__}.{type(inner).__qualname__}"
     split = sharding(plan)
-    if k == "whole_model" and (split or (plan.zero == 1 and plan.shard > 1)):
+    if k == "whole_model":
         raise ConfigError(f"optimizer {name} reads all parameters at once, which plan {split or 'zero=1'} splits over ranks",
                           hint="use dp (replicated parameters), or an element-wise optimizer")
-    if k == "whole_tensor" and split:
-        raise ConfigError(f"optimizer {name} acts on whole tensors, but plan {split} gives each rank shards of them "
-                          "(it would silently run another algorithm)",
-                          hint="use shardwise.optim.muon(...) for Muon, an element-wise optimizer (AdamW), or dp/zero=1/pp")
+    raise ConfigError(f"optimizer {name} acts on whole tensors, but plan {split} gives each rank shards of them "
+                      "(it would silently run another algorithm)",
+                      hint="use shardwise.optim.muon(...) for Muon, an element-wise optimizer (AdamW), or dp/zero=1/pp")

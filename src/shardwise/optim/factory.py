@@ -10,7 +10,7 @@ where, and builds one :class:`~shardwise.optim.muon.Muon` with a Muon group and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ class MuonFactory:
     """Muon's options (:class:`~shardwise.optim.muon.Muon`'s keyword arguments) and the routing
     overrides ``muon``/``adamw`` (fnmatch patterns of parameter names)."""
 
+    kind: ClassVar[str] = "muon"  # what shardwise.optim.factory_kind reports: exact under every plan
     options: dict[str, Any] = field(default_factory=dict)
     muon: tuple[str, ...] = ()
     adamw: tuple[str, ...] = ()

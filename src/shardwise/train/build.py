@@ -25,7 +25,7 @@ settings), else this machine, measured once in the job's own world and cached
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -37,6 +37,7 @@ from shardwise.checkpoint.hf_load import Pretrained, load_parallel
 from shardwise.runtime import env as runtime
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
+from shardwise.optim.classify import allows as optimizer_allows, factory_kind
 from shardwise.optim.factory import build_optimizer
 from shardwise.resolve import resolve_plan
 from shardwise.parallel.chunked_loss import find_lm_head, loss_reduction
@@ -49,6 +50,8 @@ from shardwise.parallel.pipeline import PipelineOptions
 from shardwise.parallel.reduction import IGNORE_INDEX
 from shardwise.parallel.tp import TPOptions
 from shardwise.plan.cluster import ClusterSpec
+from shardwise.plan.memory import StatePolicy
+from shardwise.plan.muon import state_bytes_per_param
 from shardwise.plan.planner import AutoPlan, auto_plan, cluster_of
 from shardwise.plan.options import RUNTIME_OPTIONS
 from shardwise.plan.search import SearchOptions
@@ -157,7 +160,8 @@ def choose_plan(model: nn.Module | Pretrained, env: RuntimeEnv, *, global_batch_
     if isinstance(model, Pretrained):
         model = model.build_meta()  # validating plans against it costs no memory
     options = dict(world_size=env.world_size, global_batch=global_batch_size, precision=precision or "fp32",
-                   pipelines_allowed=pipelines_allowed, chunkable=chunkable_loss(model, loss_fn))
+                   pipelines_allowed=pipelines_allowed, chunkable=chunkable_loss(model, loss_fn),
+                   optimizer=factory_kind(optimizer) if optimizer is not None else "elementwise")
     if cluster is None and env.settings.cluster is None:
         try:  # could any plan fit this device's memory at all? (fitting needs no measured speed)
             plan_for_trainer(model, stats, device_spec(env), **options)
@@ -232,13 +236,18 @@ def chunkable_loss(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
 
 
 def plan_for_trainer(model: nn.Module, stats: ModelStats, spec: ClusterSpec, *, world_size: int, global_batch: int,
-                     precision: str = "fp32", pipelines_allowed: bool = False, chunkable: bool = True) -> AutoPlan:
+                     precision: str = "fp32", pipelines_allowed: bool = False, chunkable: bool = True,
+                     optimizer: str = "elementwise") -> AutoPlan:
     """The fastest plan for ``model`` on ``spec`` that the parallel layer accepts. The trainer
     accumulates gradients itself, so without pipelines a plan has one microbatch per step;
-    ``chunkable``: whether a plan may have ``chunked_loss`` (:func:`chunkable_loss`)."""
+    ``chunkable``: whether a plan may have ``chunked_loss`` (:func:`chunkable_loss`); ``optimizer``:
+    the optimizer's kind (:func:`shardwise.optim.factory_kind`): only plans it runs exactly are
+    searched, and Muon's states are priced as Muon's (:mod:`shardwise.plan.muon`)."""
 
     def supported(plan: Plan) -> bool:
         if plan.pp > 1 and not pipelines_allowed:
+            return False
+        if not optimizer_allows(optimizer, plan):  # a whole-tensor optimizer on shards would run another algorithm
             return False
         if plan.pp == 1 and plan.microbatches > 1:
             return False
@@ -249,7 +258,10 @@ def plan_for_trainer(model: nn.Module, stats: ModelStats, spec: ClusterSpec, *, 
         return True
 
     allowed = tuple(o for o in RUNTIME_OPTIONS if chunkable or o != "chunked_loss")
-    options = SearchOptions(precision=precision, supported=supported, sequence_parallel=False, runtime_options=allowed)
+    policy = None
+    if optimizer == "muon":  # one momentum on the matrices, AdamW's two moments on the rest
+        policy = replace(StatePolicy.torch(precision, "muon"), optimizer=state_bytes_per_param(stats))
+    options = SearchOptions(precision=precision, supported=supported, sequence_parallel=False, runtime_options=allowed, policy=policy)
     return auto_plan(stats, world_size=world_size, cluster=spec, global_batch=global_batch, options=options)
 
 
