@@ -41,6 +41,7 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocess
 
 def _child(job: dict[str, Any]) -> int:
     os.setsid()
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # the server's own disposition (serve) is not the command's
     os.chdir(job["cwd"])
     os.environ.update(job.get("env", {}))
     for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
@@ -231,6 +232,9 @@ def _prepare(request: dict[str, Any]) -> str | None:
 
 def serve() -> None:
     """The server of :class:`Zygote`: the first line names the imports, each next one is a batch of phases."""
+    # A process that passes SIGUSR1 (a time-limit warning) to its children, as a launcher does, must
+    # not end this server when it happens to run beside it under the same parent (a pytest worker).
+    signal.signal(signal.SIGUSR1, lambda *_: print("forkrun: SIGUSR1 ignored by the server", file=sys.stderr, flush=True))
     error = _prepare(json.loads(sys.stdin.readline()))
     print(json.dumps({"error": error} if error else {"ready": True}), flush=True)
     if error:

@@ -97,6 +97,16 @@ print("got" if got else "timeout", flush=True)
 
 @pytest.mark.timeout(60)
 def test_the_launcher_passes_sigusr1_to_its_children_and_survives():
+    """The launcher is a fresh process of its own: played by the test process itself, it would pass
+    the signal to every other child of this pytest worker too (the docs run's zygote, a pool's
+    forkserver), as a launcher does."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", "from tests.unit.test_preemption_parts import _launcher; _launcher()"],
+                          cwd=root, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def _launcher() -> None:
     child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert child.stdout.readline().strip() == "ready"
