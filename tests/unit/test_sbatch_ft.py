@@ -9,6 +9,7 @@ import re
 import shlex
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,7 @@ def test_bad_groups_are_one_line(spec: SbatchSpec, pattern: str) -> None:
 FAKE_SHARDWISE = """#!/bin/bash
 # stands in for 'shardwise lighthouse --port P': listens on P until SIGTERM
 echo "lighthouse start $*" >> "$FAKE_LOG"
-python3 -c 'import socket, sys, time
+"$FAKE_PY" -c 'import socket, sys, time
 s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1]))); s.listen(); time.sleep(60)' "$3" &
 py=$!
 trap 'kill $py; echo "lighthouse stop" >> "$FAKE_LOG"; exit 0' TERM
@@ -90,7 +91,7 @@ def test_the_script_runs_the_lighthouse_around_the_groups(tmp_path: Path) -> Non
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(SbatchSpec(script=("train.py",), nodes=4, ft_replicas=2, lighthouse_port=port)))
     log = tmp_path / "log"
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_LOG": str(log), "SLURM_JOB_ID": "77",
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_PY": sys.executable, "SLURM_JOB_ID": "77",
            "SLURM_JOB_NODELIST": "localhost,node[1-3]"}
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     rows = log.read_text().splitlines()
