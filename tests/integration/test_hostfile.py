@@ -4,6 +4,7 @@ and ``localhost`` are the same machine reached over two ssh names."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -199,3 +200,5 @@ def test_fault_tolerant_groups_over_hosts(sshd: LoopbackSshd, tmp_path: Path) ->
     got = [torch.load(out / f"replica{r}.pt", weights_only=False) for r in (0, 1)]
     assert got[0]["step"] == got[1]["step"] == 3
     assert all(torch.equal(got[0]["weights"][k], got[1]["weights"][k]) for k in got[0]["weights"])
+    summary = json.loads((tmp_path / "ft" / "summary.json").read_text())  # the hosts share this machine's disk
+    assert summary["committed_steps"] == 3 and summary["discarded_steps"] == 0 and summary["replicas"] == 2

@@ -11,12 +11,17 @@ torchft's lighthouse runs in this launcher (every address, a free port) unless `
 names a running one; each host reaches it at the address its ssh session reaches this machine
 (pre-flight's ``store_addr``, the same address the rendezvous store uses). A failed host does not
 stop the others while at least ``--ft-min-replicas`` groups' worth of hosts are alive (the
-survivors keep stepping); the job succeeds when any group finishes.
+survivors keep stepping). The job succeeds when any group finishes; once one has, the others get
+``--ft-timeout`` seconds to finish too and are then stopped (a group still restarting would
+otherwise train on alone from its last state), as on one machine. With ``--ft-dir`` on a file
+system shared with the hosts, the groups' events are summed up in ``<ft dir>/summary.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shlex
 import sys
 import uuid
@@ -24,7 +29,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from shardwise.errors import LaunchError
-from shardwise.launch.ft import FtOptions, start_lighthouse
+from shardwise.launch.ft import FtOptions, start_lighthouse, summarize
 from shardwise.launch.hosts import Host
 from shardwise.launch.multihost import HostLaunch, World, endpoint, node_args, preflight, store_choice
 from shardwise.launch.options import RunOptions
@@ -94,6 +99,17 @@ def group_nodes(options: RunOptions, hosts: Sequence[Host], ft: FtOptions, *, st
     return nodes
 
 
+def write_summary(ft_dir: str, replicas: int) -> None:
+    """``<ft dir>/summary.json`` from the groups' events, when the hosts wrote them where this
+    machine reads (a shared ``--ft-dir``); the hosts' exit codes are not the groups', so none."""
+    summary = summarize(ft_dir, replicas=replicas)
+    with open(os.path.join(ft_dir, "summary.json"), "w") as fh:
+        json.dump(summary, fh, indent=2)
+    print(f"shardwise run: ft: {summary['committed_steps']} step(s) committed, {summary['discarded_steps']} discarded, "
+          f"{summary['healed_replicas']} heal(s), {summary['seconds_lost']:.1f} s lost ({os.path.join(ft_dir, 'summary.json')})",
+          file=sys.stderr, flush=True)
+
+
 def launch_groups_on_hosts(options: RunOptions, launch: HostLaunch, ft: FtOptions) -> int:
     """Pre-flight, the lighthouse (unless ``--lighthouse``), every group's hosts, stop together."""
     check_ft_hosts(options, ft, launch.rdzv_store)
@@ -128,11 +144,13 @@ def launch_groups_on_hosts(options: RunOptions, launch: HostLaunch, ft: FtOption
                                                                launch.ssh)), rejoin=rejoin))
     try:
         with Sessions(sessions, stop_grace_s=launch.stop_grace_s) as running:
-            outcome = running.wait(min_alive=ft.min_replicas * size)
+            outcome = running.wait(min_alive=ft.min_replicas * size, finish_grace_s=ft.timeout_s)
     finally:
         if server is not None:
             server.shutdown()
     del hosted  # the store lived until every host had stopped
+    if ft.ft_dir and os.path.isdir(ft.ft_dir):  # --ft-dir on a file system this machine shares with the hosts
+        write_summary(ft.ft_dir, ft.replicas)
     if outcome.interrupted:
         print("shardwise run: interrupted; every host was stopped", file=sys.stderr, flush=True)
     elif outcome.exit_code != 0:
