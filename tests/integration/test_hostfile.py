@@ -4,6 +4,7 @@ and ``localhost`` are the same machine reached over two ssh names."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -177,3 +178,27 @@ def test_unreachable_rendezvous_store_is_one_line_per_host_before_anything_start
     for host, line in zip(("127.0.0.1", "localhost"), lines[1:]):
         assert line.startswith(f"  host {host}: cannot reach the rendezvous store at 127.0.0.1:{port}: Connection refused; "), line
     assert len(lines) == 3 and "WORLD" not in proc.stdout
+
+
+@pytest.mark.slow_allowed(seconds=120, why="two fault-tolerant replica groups started over ssh, each a torchft manager and a short run")
+def test_fault_tolerant_groups_over_hosts(sshd: LoopbackSshd, tmp_path: Path) -> None:
+    """``--ft-replicas 2`` over two hosts: one group per host, each with its own rendezvous, both
+    meeting at the lighthouse this launcher hosts; no failure, so both commit every step and end
+    with bitwise equal weights."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft", reason="needs shardwise[ft] (torchft)")
+    from tests.integration import ft_harness as h
+
+    out = tmp_path / "out"
+    proc = subprocess.run(SHARDWISE + ["run", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config), "--ft-replicas", "2",
+                                       "--ft-min-replicas", "2", "--ft-dir", str(tmp_path / "ft"), *h.FAST, "--rdzv-timeout", "60",
+                                       str(h.SCRIPT), str(out), "dp", "3", "0"],
+                          capture_output=True, text=True, timeout=240, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"2 replica group\(s\) of 1 host\(s\), lighthouse on this machine, 127\.0\.0\.1:\d+", proc.stderr), proc.stderr
+    assert re.search(r"\[127\.0\.0\.1\] .*STEP 0 3 ", proc.stdout) and re.search(r"\[localhost\] .*STEP 1 3 ", proc.stdout), proc.stdout
+    got = [torch.load(out / f"replica{r}.pt", weights_only=False) for r in (0, 1)]
+    assert got[0]["step"] == got[1]["step"] == 3
+    assert all(torch.equal(got[0]["weights"][k], got[1]["weights"][k]) for k in got[0]["weights"])
+    summary = json.loads((tmp_path / "ft" / "summary.json").read_text())  # the hosts share this machine's disk
+    assert summary["committed_steps"] == 3 and summary["discarded_steps"] == 0 and summary["replicas"] == 2

@@ -209,6 +209,15 @@ def test_elastic_sessions_go_on_above_the_minimum() -> None:
     assert outcome.exit_code == 0 and outcome.lost == ("b",)
 
 
+def test_replica_group_sessions_stop_the_stragglers_after_the_grace() -> None:
+    """Fault-tolerant groups: one finished, the other (say still restarting) is stopped after the grace."""
+    start = time.monotonic()
+    with Sessions([_sh("a", "sleep 0.2; exit 0"), _sh("b", "exec sleep 60")], stop_grace_s=1) as s:
+        outcome = s.wait(min_alive=1, finish_grace_s=0.5)
+        assert all(p.poll() is not None for p in s.procs)
+    assert outcome.exit_code == 0 and time.monotonic() - start < 15
+
+
 # -- the remote half: a node dies with its session's stdin ----------------------------------------
 def test_stdin_lifeline_stops_the_node_and_its_children(tmp_path) -> None:
     code = ("import os, signal, subprocess, sys, time\n"

@@ -30,6 +30,8 @@ EXAMPLES = """examples:
   shardwise run --ft-replicas 2 --nproc-per-node 4 --max-restarts 3 train.py
   # the same over machines: 'shardwise lighthouse --port 29510' on one, then on each (here group 1 of 2):
   shardwise run --ft-replicas 2 --ft-replica-id 1 --lighthouse login1:29510 --nproc-per-node 8 --max-restarts 3 train.py
+  # or from here over ssh: 4 hosts, 2 groups of 2, the lighthouse on this machine:
+  shardwise run --hostfile hosts.txt --ft-replicas 2 --max-restarts 3 train.py
   # each line whole, behind its rank; every rank's output also in its own file:
   shardwise run --nproc-per-node 4 --log-prefix '[${rank}]: ' --log-dir logs train.py
 """
@@ -142,14 +144,17 @@ def _ft_main(args: argparse.Namespace) -> int | None:
     ``--ft-replica-id``: this group's variables set, then the ordinary launch below (None)."""
     from shardwise.launch.ft import FtOptions, run_groups, worker_env
 
-    if args.hostfile or args.hosts:
-        raise LaunchError("--ft-replicas with --hostfile/--hosts is not supported",
-                          hint="start one group per machine with --ft-replica-id r --lighthouse HOST:PORT")
     options = FtOptions(replicas=args.ft_replicas, replica_id=args.ft_replica_id, lighthouse=args.lighthouse,
                         min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout, quorum_timeout_s=args.ft_quorum_timeout,
                         heartbeat_timeout_s=args.ft_heartbeat_timeout, join_timeout_s=args.ft_join_timeout, ft_dir=args.ft_dir)
     options.check()
     options.check_hang_timeout(args.hang_timeout)
+    if args.hostfile or args.hosts:  # the groups over the hosts, the lighthouse here (shardwise.launch.ft_hosts)
+        from shardwise.launch.ft_hosts import launch_groups_on_hosts
+
+        hang_timeout_env(args.hang_timeout)
+        run_options = options_from_args(args, args.script, args.script_args, args.module)
+        return launch_groups_on_hosts(run_options, host_launch_from_args(args, args.hang_timeout), options)
     if args.ft_replica_id is not None:
         ft_dir = args.ft_dir or (os.path.join(args.log_dir, "ft") if args.log_dir else "")
         if ft_dir:

@@ -11,6 +11,8 @@ EXAMPLES = """examples:
   shardwise slurm --nodes 2 --gpus-per-node 8 --time 24:00:00 -- train.py --lr 3e-4
   shardwise slurm --nodes 4 --partition gpu --out job.sbatch -- train.py && sbatch job.sbatch
   shardwise slurm --nodes 2 --warning 300 -- -m shardwise.jobs.train --config run.toml --checkpoint.resume=auto
+  # fault-tolerant replica groups (shardwise[ft]): 4 nodes, 2 groups of 2, the lighthouse on the first node:
+  shardwise slurm --nodes 4 --ft-replicas 2 --max-restarts 3 -- train.py
 
 The script asks Slurm for SIGUSR1 --warning seconds before the time limit and passes it to the
 workers, which save a checkpoint and stop; then it requeues the job, which resumes when it runs again.
@@ -32,6 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="send SIGUSR1 this long before the time limit: the workers checkpoint and stop (default 120)")
     p.add_argument("--no-requeue", action="store_true",
                    help="do not requeue the job when the warning stopped it (default: requeue, and #SBATCH --requeue)")
+    p.add_argument("--ft-replicas", type=int, default=None, metavar="R",
+                   help="R fault-tolerant replica groups over the nodes (nodes divisible by R), each with its own rendezvous "
+                        "and restarts; torchft's lighthouse on the first node (docs/multinode.md)")
+    p.add_argument("--ft-min-replicas", type=int, default=1, metavar="K", help="fewest live groups that may commit a step (default 1)")
+    p.add_argument("--lighthouse-port", type=int, default=29510, help="the lighthouse's port on the first node (default %(default)s)")
+    p.add_argument("--rdzv-port", type=int, default=29400, help="group r's rendezvous port on its first node is this + r (default %(default)s)")
     p.add_argument("--out", default=None, help="write the script here instead of printing it")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the script and its arguments")
     p.set_defaults(func=_main)
@@ -43,6 +51,8 @@ def _main(args: argparse.Namespace) -> int:
         script=tuple(script), nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
         time=args.time, job_name=args.job_name, partition=args.partition, account=args.account,
         max_restarts=args.max_restarts, warning_s=args.warning, requeue=not args.no_requeue,
+        ft_replicas=args.ft_replicas, ft_min_replicas=args.ft_min_replicas, lighthouse_port=args.lighthouse_port,
+        rdzv_port=args.rdzv_port,
     ))
     if args.out:
         check_output_file(args.out, option="--out")

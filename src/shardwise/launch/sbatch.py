@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass
 
 from shardwise.errors import ShardwiseError
+from shardwise.launch.sbatch_ft import ft_step_lines
 from shardwise.launch.sbatch_step import header_lines, step_lines
 
 # Every form `sbatch --time` accepts; the first field of each is unbounded, the others are clock fields.
@@ -43,6 +44,10 @@ class SbatchSpec:
     max_restarts: int = 0
     warning_s: int = WARNING_S  # seconds before the time limit that SIGUSR1 is sent
     requeue: bool = True
+    ft_replicas: int | None = None  # fault-tolerant replica groups (shardwise.launch.sbatch_ft)
+    ft_min_replicas: int = 1
+    lighthouse_port: int = 29510
+    rdzv_port: int = 29400  # group r's rendezvous at its first node, this port + r
 
 
 def slurm_time_seconds(text: str) -> int:
@@ -113,8 +118,13 @@ def render_sbatch(spec: SbatchSpec) -> str:
         lines.append(f"#SBATCH --account={spec.account}")
     nproc = str(spec.gpus_per_node) if spec.gpus_per_node else "auto"
     target = " ".join(shlex.quote(part) for part in spec.script)
+    lines += header_lines(warning_s=warning, requeue=spec.requeue) + [""]
+    if spec.ft_replicas is not None:
+        lines += ft_step_lines(f"--nproc-per-node {nproc} --max-restarts {spec.max_restarts}", target, nodes=spec.nodes,
+                               replicas=spec.ft_replicas, min_replicas=spec.ft_min_replicas,
+                               lighthouse_port=spec.lighthouse_port, rdzv_port=spec.rdzv_port, requeue=spec.requeue) + [""]
+        return "\n".join(lines)
     command = (f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node {nproc} "
                f"--max-restarts {spec.max_restarts} {target}")
-    lines += header_lines(warning_s=warning, requeue=spec.requeue) + [""]
     lines += step_lines(command, requeue=spec.requeue) + [""]
     return "\n".join(lines)

@@ -17,7 +17,8 @@ lifeline also sees). A second Ctrl-C skips the wait.
 
 When sessions end: in a fixed world the first one to fail stops all the others and its exit
 code is the job's; in an elastic world (``min_alive``) the others go on while at least that many
-sessions are alive. All sessions ending with 0 is success.
+sessions are alive; with fault-tolerant replica groups, once one session has finished the others
+get a grace period and are then stopped. All sessions ending with 0 is success.
 """
 
 from __future__ import annotations
@@ -112,13 +113,23 @@ class Sessions:
     def __exit__(self, *exc: object) -> None:
         self.stop(grace_s=0.0 if exc[0] is KeyboardInterrupt else self.stop_grace_s)
 
-    def wait(self, *, min_alive: int | None = None) -> Outcome:
+    def wait(self, *, min_alive: int | None = None, finish_grace_s: float | None = None) -> Outcome:
         """Block until the job ends (see the module doc); Ctrl-C stops every session, a second
-        one skips the wait for a clean shutdown."""
+        one skips the wait for a clean shutdown. With ``finish_grace_s`` (fault-tolerant replica
+        groups), once a session has finished (exit 0) the others get that long to finish too, then
+        are stopped and the job has succeeded."""
         lost: list[str] = []
+        finished_at: float | None = None
         with self._interrupts.counting():
             while not self._interrupts.count:
                 codes = [p.poll() for p in self.procs]
+                if finish_grace_s is not None and finished_at is None and 0 in codes:
+                    finished_at = time.monotonic()
+                if finished_at is not None and time.monotonic() - finished_at > finish_grace_s and None in codes:
+                    self._say(f"the first hosts finished {finish_grace_s:g} s ago: stopping the "
+                              f"{codes.count(None)} host(s) still running")
+                    self.stop(grace_s=self.stop_grace_s)
+                    return Outcome(0, lost=tuple(lost))
                 for s, code in zip(self.sessions, codes):
                     if code not in (None, 0) and s.label not in lost:
                         alive = sum(c is None for c in codes)
