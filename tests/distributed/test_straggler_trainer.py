@@ -30,8 +30,10 @@ def test_trainer_callbacks_profile_trace_and_plot(dist4, tmp_path) -> None:
     results = dist4.run(_fit, str(tmp_path))
     for comm, forward, (trace, summary, comm_s, overlap, top_ops), rank in results:
         assert len(comm) == 6 and all(f > 0 for f in forward)
-        # DDP's exposed gradient wait and the metric/gather collectives are both seen.
-        assert all(c.get("grad_sync", 0.0) > 0 for c in comm), comm
+        # DDP's exposed gradient wait and the metric/gather collectives are both seen. A step whose
+        # all-reduce finished inside backward (fully overlapped) exposes under the profiler's 0.1 ms
+        # floor and records none: seen on 1 of 6 steps of an idle run; most steps wait.
+        assert sum(c.get("grad_sync", 0.0) > 0 for c in comm) >= len(comm) - 2, comm
         assert any("all_gather_object" in c or "all_reduce" in c for c in comm), comm
         assert trace.endswith(f"trace_rank{rank}.json")
         with open(trace) as f:

@@ -54,7 +54,9 @@ def test_under_xdist_the_longest_group_starts_first(pytester: pytest.Pytester, m
 
 def test_the_measured_seconds_are_read_from_the_profile() -> None:
     groups = suite_order.measured()
-    assert groups and all(isinstance(v, float) and v > 0 for v in groups.values())
+    # a skipped or parsed-only documented command measures 0.0 s (rounded to 0.1 s); the rest take time
+    assert groups and all(isinstance(v, float) and v >= 0 for v in groups.values())
+    assert sum(v > 0 for v in groups.values()) > len(groups) // 2
 
 
 def test_cpu_of_a_running_child_is_counted() -> None:
