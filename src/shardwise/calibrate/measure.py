@@ -29,7 +29,7 @@ def measure_plan_worker(plan_text: str, config: dict[str, Any], *, global_batch:
     from shardwise.parallel.mesh import build_mesh
     from shardwise.parallel.micro_step import MicroBatch
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.verify.parity import memory_bytes
+    from shardwise.verify.state_bytes import memory_bytes
     from shardwise.layout import Plan
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # GPT returns a view; harmless here

@@ -219,6 +219,7 @@ class _Ranked:
 def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: int, options: Any) -> _Ranked:
     """The search: free, or constrained by ``--fixed`` (then the fastest plan of those named even
     when none fits, said so)."""
+    from shardwise.commands.plan_lines import framework_line
     from dataclasses import replace
 
     from shardwise.plan.search import candidates, fixed_options, search
@@ -259,6 +260,7 @@ def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: in
 
 
 def _print_json(args: argparse.Namespace, found: _Ranked) -> int:
+    from shardwise.commands.plan_lines import interval_json
     from shardwise.plan.explain import dominant_terms, explain_gap
 
     stats, cluster, estimates = found.stats, found.cluster, found.estimates
@@ -279,6 +281,7 @@ def _print_json(args: argparse.Namespace, found: _Ranked) -> int:
 
 
 def _print_text(args: argparse.Namespace, found: _Ranked) -> int:
+    from shardwise.commands.plan_lines import interval_lines
     from shardwise.plan.explain import dominant_terms, explain_gap
 
     stats, cluster, estimates, options = found.stats, found.cluster, found.estimates, found.options
@@ -329,46 +332,6 @@ def _muon(stats: Any, cluster: Any, plan: Any) -> Any:
     from shardwise.plan.muon import muon_cost
 
     return muon_cost(stats, plan, cluster)
-
-
-def framework_line(stats: object, cluster: object, global_batch: int, options: object, ours: object) -> str:
-    """``--fixed``: the prediction is for shardwise's runtime (its options searched); this line
-    prices the same keys as Megatron-LM, torchtitan or llm-foundry run a step (``--precision-policy
-    16bit``: 16-bit parameters, a fused loss, sharded accumulation, nothing searched) beside it."""
-    from dataclasses import replace
-
-    from shardwise.plan.policy import RunPolicy
-    from shardwise.plan.search import candidates
-
-    run = RunPolicy.sixteen_bit(selective=options.run.selective) if options.run and options.run.selective != "matmuls" else RunPolicy.sixteen_bit()
-    every = candidates(stats, cluster, global_batch=global_batch, options=replace(options, run=run, runtime_options=()))
-    if not every:
-        return "as another framework runs it (--precision-policy 16bit): no plan with these keys"
-    fitting = [e for e in every if e.fits]
-    theirs = fitting[0] if fitting else min(every, key=lambda e: e.memory_total)
-    fit = "" if fitting else ", does NOT fit"
-    return (f"as Megatron-LM / torchtitan / llm-foundry run these keys (--precision-policy 16bit): {theirs.tokens_per_s:.4g} tok/s, "
-            f"step {theirs.step_time_s:.4g} s, {ours.step_time_s / theirs.step_time_s:.2f} x the speed predicted for shardwise{fit}")
-
-
-def interval_json(est: object, cluster: object) -> dict:
-    """A plan's throughput interval for ``--json`` (:mod:`shardwise.plan.uncertainty`)."""
-    from shardwise.plan.uncertainty import interval
-
-    low, high, kind = interval(est, cluster)
-    return {"tokens_per_s_interval": [low, high], "interval_kind": kind}
-
-
-def interval_lines(estimates: list, cluster: object) -> str:
-    """The first plan's throughput interval (from the cross-validated error of its kind of run on
-    published runs) and which of the others lie inside it: their order is within the model's error."""
-    from shardwise.plan.uncertainty import indistinct, interval_text
-
-    text = f"#1 {interval_text(estimates[0], cluster)}"
-    close = [f"#{i}" for i, e in enumerate(estimates[1:], 2) if indistinct(estimates[0], e, cluster)]
-    if close:
-        text += f"; {', '.join(close)} within it: ranked within the model's error"
-    return text
 
 
 def _is_spec_file(device_type: str) -> bool:

@@ -63,8 +63,6 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError
@@ -79,6 +77,7 @@ from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss
 from shardwise.parallel.tp import TPOptions
 from shardwise.layout import Plan
 from shardwise.verify.grad_norm import reference_grad_norm
+from shardwise.verify.state_bytes import memory_bytes
 from shardwise.verify.workloads import SMALL_GPT, GPTWorkload, ScriptWorkload, ragged_mask
 
 __all__ = ["SMALL_GPT", "GPTWorkload", "ParityReport", "Run", "ScriptWorkload", "Training", "parity_worker", "ragged_mask",
@@ -165,23 +164,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     if callable(getattr(whole, "get_original_weight", None)):  # a 4-bit NF4 base (QLoRA): its dequantized values
         whole = whole.get_original_weight()
     return whole.float().cpu()
-
-
-def _local_bytes(tensors: Any) -> int:
-    total = 0
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            t = t.to_local() if isinstance(t, DTensor) else t
-            total += t.numel() * t.element_size()
-    return total
-
-
-def memory_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """This rank's parameter, gradient and optimizer-state bytes, summed over its local tensors."""
-    opt = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
-    state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"param": _local_bytes(params), "grad": _local_bytes(p.grad for p in params if p.grad is not None),
-            "optim": _local_bytes(state)}
 
 
 def _clean(name: str) -> str:
