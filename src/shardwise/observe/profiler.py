@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
@@ -51,7 +52,7 @@ COMM_OPS = (
 _PATCHED_FLAG = "__shardwise_profiler__"
 
 
-class CommSplit:
+class CommSplit(ABC):
     """A span of one rank's time (``span_s``) and the seconds of it spent blocked in collectives
     (``comm_s``: operation -> seconds); one step (:class:`StepTimes`) or a window's mean
     (:class:`~shardwise.observe.stragglers.RankSummary`)."""
@@ -59,8 +60,9 @@ class CommSplit:
     comm_s: dict
 
     @property
+    @abstractmethod
     def span_s(self) -> float:
-        raise NotImplementedError
+        """The seconds this record spans (a step's, or a window's mean step)."""
 
     @property
     def comm_total_s(self) -> float:
