@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.integration.nodes_harness import alive  # noqa: F401 - the tests call h.alive
+
 SCRIPT = Path(__file__).parent / "scripts" / "ft_train.py"
 FAST = ["--ft-heartbeat-timeout", "1", "--ft-join-timeout", "5", "--ft-timeout", "10", "--ft-quorum-timeout", "30"]
 
@@ -100,14 +102,6 @@ def results(job: FtJob) -> dict[int, dict[str, Any]]:
     import torch
 
     return {int(p.stem[len("replica"):]): torch.load(p, weights_only=False) for p in sorted(job.out.glob("replica*.pt"))}
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def session_processes(sid: int) -> list[int]:
