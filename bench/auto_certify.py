@@ -78,7 +78,7 @@ def worker(kind: str, steps: int, broken: bool) -> dict:
     import torch
 
     from shardwise.train import Trainer
-    from shardwise.verify.certify import CertifyOptions
+    from shardwise.auto.certify import CertifyOptions
 
     torch.set_num_threads(1)
     BROKEN.clear()

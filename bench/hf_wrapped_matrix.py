@@ -76,7 +76,7 @@ def auto_worker(path: str, steps: int) -> dict:
     from torch.utils.data import TensorDataset
 
     from shardwise.train import Trainer
-    from shardwise.verify.certify import CertifyOptions
+    from shardwise.auto.certify import CertifyOptions
 
     ns = runpy.run_path(path, run_name="wrapped")
     model = ns["build_model"](0)

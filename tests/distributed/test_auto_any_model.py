@@ -71,7 +71,7 @@ def make(kind: str) -> tuple[nn.Module, TensorDataset, object]:
 
 def fit_auto(kind: str, run_dir: str | None = None, corrupt: bool = False) -> dict:
     from shardwise.train import Trainer
-    from shardwise.verify.certify import CertifyOptions
+    from shardwise.auto.certify import CertifyOptions
 
     model, data, loss = make(kind)
     options = CertifyOptions(enabled=True, after_backward=corrupt_first_plan if corrupt else None)
@@ -128,7 +128,7 @@ def test_certification_refuses_a_broken_plan_and_falls_back(dist2, tmp_path) -> 
 def impossible_requests() -> list[dict]:
     """Each request fails with one ConfigError line, in well under a second of this process's CPU
     time, and before the machine is measured (measuring is replaced by a failure here)."""
-    import shardwise.train.build as build
+    import shardwise.auto.machine as machine
     from shardwise.errors import ConfigError
     from shardwise.train import Trainer
 
@@ -143,7 +143,7 @@ def impossible_requests() -> list[dict]:
         "too little data": (nn.Sequential(nn.Linear(12, 4)), TensorDataset(torch.zeros(3, 12), labels[:3])),
     }
     out = []
-    measure, build.machine_spec = build.machine_spec, no_measuring
+    measure, machine.machine_spec = machine.machine_spec, no_measuring
     try:
         for name, (model, data) in cases.items():
             wall, cpu = time.perf_counter(), time.process_time()
@@ -155,7 +155,7 @@ def impossible_requests() -> list[dict]:
                 message = str(exc)
             out.append({"case": name, "message": message, "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall})
     finally:
-        build.machine_spec = measure  # the pool's processes serve later tests
+        machine.machine_spec = measure  # the pool's processes serve later tests
     return out
 
 
@@ -174,8 +174,8 @@ def test_impossible_auto_requests_fail_fast_before_measuring(dist2) -> None:
 def certify_each(kind: str, plans: list[str]) -> list[dict]:
     """Certify each layout alone on a shrunken copy of ``kind`` and the first batches of its data."""
     from shardwise.runtime.env import init
-    from shardwise.train.auto import AutoData, certify_plans
-    from shardwise.verify.certify import CertifyOptions
+    from shardwise.auto import AutoData, CertifyOptions
+    from shardwise.auto.certify import certify_plans
 
     model, data, loss = make(kind)
     auto = AutoData(data, certify=CertifyOptions(enabled=True))

@@ -9,14 +9,14 @@ import time
 import pytest
 
 from shardwise.plan.cluster import ClusterSpec
-from shardwise.calibrate.machine import cache_path, load_cached, save_cached
+from shardwise.auto.machine import cache_path, load_cached, save_cached
 
 
 def machine_spec_twice() -> dict:
     import torch
 
     from shardwise.runtime.env import init
-    from shardwise.train.build import machine_spec
+    from shardwise.auto.machine import machine_spec
 
     env = init()
     start = time.perf_counter()

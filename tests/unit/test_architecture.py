@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("verify",),
     ("checkpoint",),
     ("observe",),
-    ("calibrate",),  # runs parallelized steps (parallel/, verify/) to measure the machine; train's plan="auto" uses it
+    ("calibrate",),  # runs parallelized steps (parallel/, verify/) to measure the machine; auto's plan="auto" uses it
+    ("auto",),  # plan="auto": size, measure, choose (plan/), certify (verify/); train's build step calls it
     ("train",),
     ("jobs", "testing"),
     ("commands",),

@@ -16,8 +16,8 @@ from torch import nn
 from shardwise.cli import main
 from shardwise.errors import ConfigError
 from shardwise.models import hf
-from shardwise.models.measure import sample_stats, stats_from_model_script
-from shardwise.verify.certify import CertifyOptions, Verdict, shrink, shrink_config
+from shardwise.auto.measure import sample_stats, stats_from_model_script
+from shardwise.auto.certify import CertifyOptions, Verdict, shrink, shrink_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,8 +14,8 @@ from shardwise.models.mlp import SimpleNet
 from shardwise.models.resnet import resnet_small
 from shardwise.parallel import fsdp
 from shardwise.parallel.pipeline_split import find_trunk
-from shardwise.train.build import model_stats
-from shardwise.verify.certify import repeated_blocks
+from shardwise.auto.measure import model_stats
+from shardwise.auto.certify import repeated_blocks
 
 
 class Wrapped(nn.Module):

@@ -16,7 +16,7 @@ from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.chunked_loss import ChunkedLoss, find_lm_head, install_chunked_head, loss_reduction
 from shardwise.parallel.linear_ce import chunk_tokens, linear_cross_entropy
 from shardwise.plan.support import runtime_conflict
-from shardwise.train.build import chunkable_loss
+from shardwise.auto.choose import chunkable_loss
 
 
 def _grads(fn, *tensors):

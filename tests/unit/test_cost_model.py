@@ -194,7 +194,7 @@ def test_analytic_stats_match_the_builtin_gpt() -> None:
     import torch
 
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.models.measure import measure_module
+    from shardwise.auto.measure import measure_module
 
     cfg = GPTConfig(layers=3, hidden=64, heads=4, vocab_size=96, seq_len=32)
     analytic = transformer_stats(cfg)

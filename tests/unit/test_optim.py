@@ -153,11 +153,11 @@ def test_plan_auto_searches_only_plans_the_optimizer_runs_exactly_and_prices_muo
     from dataclasses import replace as replaced
 
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.models.measure import module_stats
+    from shardwise.auto.measure import module_stats
     from shardwise.optim import allows, factory_kind, muon
     from shardwise.optim.classify import sharding
     from shardwise.plan.cluster import resolve
-    from shardwise.train.build import plan_for_trainer
+    from shardwise.auto.choose import plan_for_trainer
 
     assert factory_kind(muon(lr=0.02)) == "muon"
     assert factory_kind(lambda p: torch.optim.AdamW(p, lr=1e-3)) == "elementwise"

@@ -184,9 +184,9 @@ def test_alpha_beta_fit_recovers_a_synthetic_link() -> None:
 
 def test_plan_for_trainer_only_returns_plans_the_parallel_layer_accepts(tmp_path) -> None:
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.models.measure import module_stats
+    from shardwise.auto.measure import module_stats
     from shardwise.parallel.parallelize import validate
-    from shardwise.train.build import plan_for_trainer
+    from shardwise.auto.choose import plan_for_trainer
 
     model = GPT(GPTConfig())
     cpu = resolve("cpu", devices=4, devices_per_node=4)
@@ -208,7 +208,7 @@ def test_trainer_cluster_is_the_argument_else_the_setting_else_this_machine() ->
 
     from shardwise.runtime.detect import detect_process
     from shardwise.runtime.settings import read_settings
-    from shardwise.train.build import cluster_spec
+    from shardwise.auto.machine import cluster_spec
 
     env = replace(detect_process({}), world_size=1)
     assert cluster_spec(env, "h100").memory_bytes == pytest.approx(80e9)

@@ -10,7 +10,7 @@ import torch
 
 from shardwise.errors import ConfigError, ShardwiseError
 from shardwise.parallel.ddp import DDPOptions
-from shardwise.train.batch import split_batch
+from shardwise.data.batch import split_batch
 from shardwise.train.loggers import CSVLogger
 from shardwise.train.lr import scale_lr, warmup_cosine, warmup_cosine_factor
 from shardwise.train.metrics import SumCount, accuracy, resolve_metrics, throughput

@@ -46,7 +46,7 @@ def _main(args: argparse.Namespace) -> int:
     spec = calibrate(nproc, sizes=sizes, iters=args.iters, name=args.name)
     spec.save(args.out)
     # The same spec is what Trainer(plan="auto") reads for a job of this shape on this host.
-    from shardwise.calibrate.machine import cache_path, save_cached
+    from shardwise.auto.machine import cache_path, save_cached
     from shardwise.runtime.settings import read_settings
 
     cuda = torch.cuda.is_available()

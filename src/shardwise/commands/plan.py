@@ -152,12 +152,12 @@ def _model_stats(args: argparse.Namespace) -> Any:
         stats = transformer_stats(shape, seq=args.seq, gated_mlp=gated)
     elif args.script:
         check_input_file(args.script, option="--script")
-        from shardwise.models.measure import stats_from_script  # torch: only for a model given as code
+        from shardwise.auto.measure import stats_from_script  # torch: only for a model given as code
 
         stats = stats_from_script(args.script, seq=args.seq)
     elif args.model_script:
         check_input_file(args.model_script, option="--model-script")
-        from shardwise.models.measure import stats_from_model_script  # torch: only for a model given as code
+        from shardwise.auto.measure import stats_from_model_script  # torch: only for a model given as code
 
         stats = stats_from_model_script(args.model_script, seq=args.seq)
     elif args.model_hf:

@@ -4,7 +4,7 @@
 with the cost model (:mod:`shardwise.plan.cost`) and returns the fastest that fits; ``search``,
 ``estimate`` and ``ClusterSpec`` are the pieces (see docs/planner.md). Nothing here imports torch,
 so ``shardwise plan`` starts fast; measuring a machine is :mod:`shardwise.calibrate`, measuring an
-arbitrary ``nn.Module`` is :mod:`shardwise.models.measure`.
+arbitrary ``nn.Module`` is :mod:`shardwise.auto.measure`.
 """
 
 from shardwise.layout import MESH_DIMS, Plan

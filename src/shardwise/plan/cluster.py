@@ -330,7 +330,7 @@ PRESETS: dict[str, ClusterSpec] = {
     # A generic CPU process (one core of a current x86 server, Gloo on loopback): order-of-magnitude
     # figures, the fixed costs of parallel layers and Adam from `shardwise calibrate` on a 2-core VM
     # (4 processes, 2 per core), halved to one process per core. `Trainer(plan="auto")` measures the
-    # machine instead (shardwise.calibrate.machine). CPU collectives compete with compute for the cores,
+    # machine instead (shardwise.auto.machine). CPU collectives compete with compute for the cores,
     # so nothing overlaps.
     "cpu": ClusterSpec(name="cpu", devices=2, devices_per_node=2, memory_bytes=8 * GIB, peak_flops={"fp32": 50e9, "bf16": 25e9},
                        achievable_fraction=1.0, intra_bw=2 * GB, intra_latency_s=200e-6, inter_bw=1 * GB, inter_latency_s=400e-6,

@@ -2,7 +2,7 @@
 
 ``auto_plan(model_or_spec, world_size=4, cluster="cpu", global_batch=32)`` returns the fastest plan
 that fits, with its :class:`~shardwise.plan.cost.Estimate`. It is the one entry point of
-auto-planning: ``Trainer(plan="auto")`` (:mod:`shardwise.train.build`) and ``shardwise plan`` call it.
+auto-planning: ``Trainer(plan="auto")`` (:mod:`shardwise.auto`) and ``shardwise plan`` call it.
 Torch-free, like the rest of :mod:`shardwise.plan`.
 """
 
@@ -47,7 +47,7 @@ def spec_from_text(text: str) -> tuple[TransformerShape, bool]:
 def stats_of(model_or_spec: Any, *, seq: int | None = None) -> ModelStats:
     """Statistics of a ModelStats, TransformerShape, spec dict or JSON text, preset name, or a model
     that carries its shape as ``.config`` (the built-in GPT). Any other ``nn.Module`` is measured
-    on the meta device by :func:`shardwise.models.measure.module_stats` (torch lives there)."""
+    on the meta device by :func:`shardwise.auto.measure.module_stats` (torch lives there)."""
     if isinstance(model_or_spec, ModelStats):
         return model_or_spec
     if isinstance(model_or_spec, TransformerShape):
@@ -62,7 +62,7 @@ def stats_of(model_or_spec: Any, *, seq: int | None = None) -> ModelStats:
     if isinstance(config, TransformerShape):
         return transformer_stats(config, seq=seq)
     raise ConfigError(f"the planner cannot read the shape of a {type(model_or_spec).__name__}",
-                      hint="pass its statistics: shardwise.models.measure.module_stats(model, seq=...)")
+                      hint="pass its statistics: shardwise.auto.measure.module_stats(model, seq=...)")
 
 
 def cluster_of(cluster: ClusterSpec | str, *, world_size: int, devices_per_node: int | None = None) -> ClusterSpec:
@@ -76,7 +76,7 @@ class AutoPlan:
     plan: Plan
     estimate: Estimate
     result: SearchResult
-    certificate: dict[str, Any] | None = None  # Trainer(plan="auto"): the parity certificate (shardwise.verify.certify)
+    certificate: dict[str, Any] | None = None  # Trainer(plan="auto"): the parity certificate (shardwise.auto.certify)
 
     def summary(self) -> str:
         e = self.estimate

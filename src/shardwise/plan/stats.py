@@ -25,7 +25,7 @@ Two sources:
   the default (``attention="fused"``: PyTorch's ``scaled_dot_product_attention`` / FlashAttention,
   which keep no ``s^2`` tensor; no dropout) is ``32 s h``. The ``s^2`` part is what selective
   recomputation drops.
-- any ``nn.Module``, measured on the ``meta`` device by :mod:`shardwise.models.measure` (torch lives
+- any ``nn.Module``, measured on the ``meta`` device by :mod:`shardwise.auto.measure` (torch lives
   there; this module imports none).
 """
 

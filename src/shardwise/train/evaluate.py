@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader
 from shardwise.errors import ConfigError
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.parallel.reduction import LossReduction, valid_targets
-from shardwise.train.batch import split_batch, with_batch_kwargs
+from shardwise.data.batch import split_batch, with_batch_kwargs
 from shardwise.train.lockstep import forward_module, run_batches
 from shardwise.train.metrics import MetricFn, SumCount
 

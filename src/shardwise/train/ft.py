@@ -59,7 +59,7 @@ from shardwise.errors import ShardwiseError
 from shardwise.runtime import watchdog
 from shardwise.runtime.ft_env import FtSettings
 from shardwise.runtime.logging import get_logger
-from shardwise.train.batch import chunks
+from shardwise.data.batch import chunks
 from shardwise.train.ft_state import heal_fns
 
 log = get_logger("ft")

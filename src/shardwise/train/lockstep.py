@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from shardwise.parallel.parallelize import ParallelModel
-from shardwise.train.batch import move_batch
+from shardwise.data.batch import move_batch
 from shardwise.parallel.precision import autocast
 
 

@@ -49,7 +49,7 @@ import torch
 from shardwise.parallel.micro_step import MicroBatch
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.parallel.reduction import LossReduction, StepWeights
-from shardwise.train.batch import batch_kwargs, move_batch, split_batch
+from shardwise.data.batch import batch_kwargs, move_batch, split_batch
 from shardwise.train.clip import clip_grad_norm_
 from shardwise.train.precision import LossScaler
 from shardwise.train.window import LogWindow

@@ -49,8 +49,8 @@ from shardwise.runtime import env as runtime
 from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
 from shardwise.train import predict as _predict
-from shardwise.train.batch import chunks
-from shardwise.train.auto import AutoData
+from shardwise.data.batch import chunks
+from shardwise.auto import AutoData
 from shardwise.train.build import Built, ClusterArg, OptimizerFactory, build, default_optimizer
 from shardwise.train.attachments import default_loggers, open_run_files, ordered_callbacks, run_info
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
@@ -63,7 +63,7 @@ from shardwise.train.ft import fault_tolerant
 from shardwise.train.state import TrainState, checkpointed_parts
 from shardwise.train.train_data import batches_per_epoch, open_train_data
 from shardwise.train.window import LogWindow
-from shardwise.verify.certify import CertifyOptions
+from shardwise.auto.certify import CertifyOptions
 
 log = get_logger("train")
 

@@ -1,4 +1,8 @@
-"""Statistics of any ``nn.Module`` for the planner, measured on the ``meta`` device.
+"""Measure: statistics of any ``nn.Module`` for the planner, measured on the ``meta`` device.
+
+:func:`model_stats` is what ``plan="auto"`` calls: a Hugging Face directory's ``config.json``, else
+the model measured on the first training sample (:func:`sample_stats`), else on ``meta`` alone
+(:func:`module_stats`).
 
 Nothing is allocated: the model is built (or copied) on ``meta``, parameters are counted per
 module, FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` and the saved-for-backward
@@ -48,6 +52,29 @@ from shardwise.plan.stats import ModelStats, TransformerShape, transformer_stats
 from shardwise.runtime.logging import get_logger
 
 log = get_logger("plan")
+
+
+def model_stats(model: Any, *, tokens_per_sample: int | None, inputs: Any = None) -> ModelStats:
+    """The planner's statistics of ``model`` (an ``nn.Module`` or a Hugging Face ``Pretrained``
+    directory): closed forms for a model carrying its shape as ``model.config`` (the built-in GPT, a
+    Hugging Face model) or a directory (its ``config.json``), else measured on the meta device.
+    ``inputs``: the first training sample (a batch of one), which sets the sequence length and is
+    what the meta forward runs on; ``tokens_per_sample`` overrides the length."""
+    from shardwise.checkpoint.hf_load import Pretrained
+
+    if isinstance(model, Pretrained):
+        from shardwise.models.hf import read_config, stats_of_config
+
+        seq = tokens_per_sample or (sample_seq(inputs) if inputs is not None else None)
+        stats = stats_of_config(read_config(model.path), seq=seq)
+        if model.lora is not None and hasattr(model.lora, "base"):  # a frozen (4-bit) base with adapters
+            from shardwise.plan.adapters import with_lora
+
+            stats = with_lora(stats, r=model.lora.r, base=model.lora.base)
+        return stats
+    if inputs is not None:
+        return sample_stats(model, inputs, tokens_per_sample=tokens_per_sample)
+    return module_stats(model, seq=tokens_per_sample)
 
 
 def module_stats(model: nn.Module, *, seq: int | None = None) -> ModelStats:

@@ -1,7 +1,7 @@
 """Certification of an automatic plan by parity, on the user's own model and training data.
 
-Before ``Trainer(plan="auto")`` trains, :func:`certify` proves that the chosen layout computes
-what one process would, with the parity engine of ``shardwise verify``
+Before ``Trainer(plan="auto")`` trains, :func:`certify_plans` (on the Trainer's model and data)
+proves with :func:`certify` that the chosen layout computes what one process would, with the parity engine of ``shardwise verify``
 (:mod:`shardwise.verify.parity`), on
 
 - a **shrunken copy of the user's model** (:func:`shrink`): the same layer types, with its
@@ -33,19 +33,25 @@ Communication: what the plans themselves do for ``steps`` steps of a tiny model,
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.checkpoint.hf_load import Pretrained
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.models.blocks import find_blocks
 from shardwise.parallel.reduction import IGNORE_INDEX
+from shardwise.runtime.detect import RuntimeEnv
 from shardwise.verify.parity import Run, Training, run_parallel, run_reference
+
+if TYPE_CHECKING:
+    from shardwise.auto.sample import AutoData
 
 
 @dataclass(frozen=True)
@@ -289,3 +295,37 @@ def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan],
     if verdicts:
         info["model"] = verdicts[-1].model
     return Certificate(plan=chosen, verdicts=tuple(verdicts), compared=info, seconds=time.perf_counter() - start)
+
+
+def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: RuntimeEnv,
+                  loss_fn: Callable[[Any, Any], torch.Tensor], loss_parallel: bool = False, loss_reduction: str = "samples",
+                  ignore_index: int = IGNORE_INDEX, optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> Certificate:
+    """Certify ``plans`` in order on a shrunken copy of ``model`` and the first global batches of the
+    data (:func:`certify`) with the user's ``optimizer`` factory (None: SGD
+    with momentum). ``model`` is the user's module, or a Hugging Face ``Pretrained`` directory
+    (rebuilt from its config with fewer layers). Collective: every rank."""
+    plans = list(plans)[: data.certify.max_plans]
+    accumulation = min(data.grad_accum_steps, 2)
+    # one global batch that every candidate splits evenly: dp ranks x micro-steps x pipeline microbatches
+    global_batch = 2
+    for p in plans:
+        global_batch = math.lcm(global_batch, p.dp_size * accumulation * (p.microbatches if p.pp_enabled else 1))
+    batches = [data.collate(range(step * global_batch, (step + 1) * global_batch)) for step in range(data.certify.steps)]
+    copies: dict[int, DataWorkload] = {}
+
+    def workload_for(plan: Plan) -> DataWorkload:
+        """The shrunken copy for ``plan``: 2 blocks, or one per pipeline stage (made once per size)."""
+        blocks = max(2, plan.pp * max(1, plan.virtual_stages))
+        if blocks not in copies:
+            if isinstance(model, Pretrained):
+                template, what = shrink_config(model.config(), blocks=blocks)
+            else:
+                template, what = shrink(model, blocks=blocks)
+            params = sum(p.numel() for p in template.parameters())
+            copies[blocks] = DataWorkload(template, batches, loss_fn, description=f"{what}, {params:,} parameters")
+        return copies[blocks]
+
+    compared = {"samples": f"the first {data.certify.steps * global_batch} of the training data (in order)"}
+    return certify(workload_for, plans, options=data.certify, accumulation=accumulation, global_batch=global_batch,
+                   device=str(env.device), loss_parallel=loss_parallel, compared=compared, loss_reduction=loss_reduction,
+                   ignore_index=ignore_index, optimizer=optimizer)
