@@ -174,8 +174,8 @@ def test_impossible_auto_requests_fail_fast_before_measuring(dist2) -> None:
 def certify_each(kind: str, plans: list[str]) -> list[dict]:
     """Certify each layout alone on a shrunken copy of ``kind`` and the first batches of its data."""
     from shardwise.runtime.env import init
-    from shardwise.auto import AutoData, CertifyOptions
-    from shardwise.auto.certify import certify_plans
+    from shardwise.auto.certify import CertifyOptions, certify_plans
+    from shardwise.auto.sample import AutoData
 
     model, data, loss = make(kind)
     auto = AutoData(data, certify=CertifyOptions(enabled=True))

@@ -1,10 +1,11 @@
-"""``plan="auto"`` in one place: size -> measure -> choose -> certify (:func:`plan_for`).
+"""``plan="auto"`` in one place: size -> measure -> choose -> certify (:func:`shardwise.auto.flow.plan_for`).
 
-``Trainer(plan="auto")`` and ``prepare(plan="auto")`` call :func:`plan_for` from their build step
-(:mod:`shardwise.train.build`). The steps, one file each, in order:
+``Trainer(plan="auto")`` and ``prepare(plan="auto")`` call its one entry point, ``plan_for``
+(``auto/flow.py``), from their build step (:mod:`shardwise.train.build`). The steps, one file
+each, in order:
 
 1. **size** (:mod:`~shardwise.auto.sample`): what one training sample looks like, from the first
-   sample of the training data collated as a batch of one (:class:`AutoData`);
+   sample of the training data collated as a batch of one (:class:`~shardwise.auto.sample.AutoData`);
 2. **measure** (:mod:`~shardwise.auto.measure`): the model's statistics on the ``meta`` device, or
    the closed forms of its config; then whether any plan fits this device's memory at all
    (:func:`~shardwise.auto.machine.device_spec`: fitting does not depend on speed). Only then is
@@ -19,11 +20,6 @@
    parity engine of :mod:`shardwise.verify`); the first that passes is the plan.
 
 The package sits below ``train/`` and above ``plan/``, ``parallel/``, ``verify/`` and
-``calibrate/`` (docs/architecture.md).
+``calibrate/`` (docs/architecture.md). This file imports nothing, so ``shardwise plan --script``
+loads ``auto/measure.py`` alone.
 """
-
-from shardwise.auto.certify import CertifyOptions
-from shardwise.auto.flow import plan_for
-from shardwise.auto.sample import AutoData
-
-__all__ = ["AutoData", "CertifyOptions", "plan_for"]

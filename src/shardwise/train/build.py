@@ -15,7 +15,7 @@ then it is built on meta, parallelized, and each rank reads only its own slices 
 (:func:`~shardwise.checkpoint.hf_load.load_parallel`); ``plan="auto"`` reads its shape from the
 directory's ``config.json``.
 
-``plan="auto"`` is :func:`shardwise.auto.plan_for` (size, measure, choose, certify): the
+``plan="auto"`` is :func:`shardwise.auto.flow.plan_for` (size, measure, choose, certify): the
 planner's fastest plan that the parallel layer accepts, for the model's statistics and a cluster
 (``cluster=``, else ``SHARDWISE_CLUSTER``, else this machine, measured once and cached). Rank 0
 plans and broadcasts the result.
@@ -31,8 +31,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from shardwise.auto import AutoData, plan_for
+from shardwise.auto.flow import plan_for
 from shardwise.auto.machine import ClusterArg
+from shardwise.auto.sample import AutoData
 from shardwise.checkpoint.hf_load import Pretrained, load_parallel
 from shardwise.runtime import env as runtime
 from shardwise.layout import Plan

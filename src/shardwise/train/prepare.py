@@ -54,7 +54,7 @@ from shardwise.parallel.micro_step import MicroBatch
 from shardwise.parallel.parallelize import ParallelModel
 from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss_reduction
 from shardwise.runtime.detect import RuntimeEnv
-from shardwise.auto import AutoData
+from shardwise.auto.sample import AutoData
 from shardwise.train.build import build
 
 

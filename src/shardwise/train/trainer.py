@@ -50,7 +50,7 @@ from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
 from shardwise.train import predict as _predict
 from shardwise.data.batch import chunks
-from shardwise.auto import AutoData
+from shardwise.auto.sample import AutoData
 from shardwise.train.build import Built, ClusterArg, OptimizerFactory, build, default_optimizer
 from shardwise.train.attachments import default_loggers, open_run_files, ordered_callbacks, run_info
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
