@@ -1,8 +1,8 @@
 """Certification of an automatic plan by parity, on the user's own model and training data.
 
 Before ``Trainer(plan="auto")`` trains, :func:`certify_plans` (on the Trainer's model and data)
-proves with :func:`certify` that the chosen layout computes what one process would, with the parity engine of ``shardwise verify``
-(:mod:`shardwise.verify.parity`), on
+proves with :func:`certify` that the chosen layout computes what one process would, with the
+parity engine of ``shardwise verify`` (:mod:`shardwise.verify.parity`), on
 
 - a **shrunken copy of the user's model** (:func:`shrink`): the same layer types, with its
   repeated blocks (those FSDP wraps and the planner prices, :mod:`shardwise.models.blocks`; they
@@ -301,8 +301,8 @@ def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: Run
                   loss_fn: Callable[[Any, Any], torch.Tensor], loss_parallel: bool = False, loss_reduction: str = "samples",
                   ignore_index: int = IGNORE_INDEX, optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> Certificate:
     """Certify ``plans`` in order on a shrunken copy of ``model`` and the first global batches of the
-    data (:func:`certify`) with the user's ``optimizer`` factory (None: SGD
-    with momentum). ``model`` is the user's module, or a Hugging Face ``Pretrained`` directory
+    data (:func:`certify`) with the user's ``optimizer`` factory (None: SGD with momentum).
+    ``model`` is the user's module, or a Hugging Face ``Pretrained`` directory
     (rebuilt from its config with fewer layers). Collective: every rank."""
     plans = list(plans)[: data.certify.max_plans]
     accumulation = min(data.grad_accum_steps, 2)
