@@ -21,15 +21,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ShardwiseError
+from shardwise.exports import keep_moved_modules
 from shardwise.launch.inprocess import launch  # torch-free until called; it also shadows the subpackage's name
 from shardwise.version import __version__
 
 # public name -> (module, attribute); attribute None: the module itself
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "PipelineOptions": ("shardwise.parallel.pipeline", "PipelineOptions"),
+    "PipelineOptions": ("shardwise.parallel.pipeline.schedule", "PipelineOptions"),
     "Pretrained": ("shardwise.checkpoint.hf_load", "Pretrained"),
     "from_pretrained": ("shardwise.train.pretrained", "from_pretrained"),
-    "PipelineStages": ("shardwise.parallel.pipeline_split", "PipelineStages"),
+    "PipelineStages": ("shardwise.parallel.pipeline.split", "PipelineStages"),
     "RuntimeEnv": ("shardwise.runtime.detect", "RuntimeEnv"),
     "Trainer": ("shardwise.train.trainer", "Trainer"),
     "barrier": ("shardwise.runtime.env", "barrier"),
@@ -42,13 +43,22 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "shutdown": ("shardwise.runtime.env", "shutdown"),
 }
 
+# old module paths that moved: still importable, as the new module, with a DeprecationWarning
+_MOVED = {
+    **{f"shardwise.parallel.{old}": f"shardwise.parallel.tp.{new}"
+       for old, new in (("tp_plan", "styles"), ("tp_layers", "layers"), ("tp_adapters", "adapters"))},
+    **{f"shardwise.parallel.pipeline_{old}": f"shardwise.parallel.pipeline.{old}"
+       for old in ("split", "stage", "ties", "accumulation")},
+}
+keep_moved_modules(_MOVED)
+
 __all__ = ["ShardwiseError", "__version__", "launch", *sorted(_LAZY)]
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.parallel.annotate import shard
-    from shardwise.parallel.pipeline import PipelineOptions
-    from shardwise.parallel.pipeline_split import PipelineStages
+    from shardwise.parallel.pipeline.schedule import PipelineOptions
+    from shardwise.parallel.pipeline.split import PipelineStages
     from shardwise.runtime.detect import RuntimeEnv
     from shardwise.runtime.env import barrier, init, main_process_first, shutdown
     from shardwise.runtime.logging import get_logger

@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models import hf  # noqa: E402
-from shardwise.parallel.pipeline_split import find_trunk, split_model, stage_ties  # noqa: E402
-from shardwise.parallel.pipeline_stage import TrunkStage  # noqa: E402
-from shardwise.parallel.tp_plan import derive_tp_plan, tp_share, validate_tp  # noqa: E402
+from shardwise.parallel.pipeline.split import find_trunk, split_model, stage_ties  # noqa: E402
+from shardwise.parallel.pipeline.stage import TrunkStage  # noqa: E402
+from shardwise.parallel.tp.styles import derive_tp_plan, tp_share, validate_tp  # noqa: E402
 
 
 def _run(stages: list[nn.Module], ids: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ def test_tp_plan_names_peft_pieces_and_follows_the_base() -> None:
 
 def test_a_user_plan_on_the_lora_layer_is_expanded_and_explicit_pieces_win() -> None:
     from shardwise.parallel.tp import TPPlan
-    from shardwise.parallel.tp_adapters import adapter_plan
+    from shardwise.parallel.tp.adapters import adapter_plan
 
     model = add_adapters(_llama(layers=1), LoRA(r=4, targets=("q_proj",)), seed=0)
     q = "base_model.model.model.layers.0.self_attn.q_proj"

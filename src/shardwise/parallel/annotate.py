@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.tp import STYLES, TPPlan
+from shardwise.parallel.tp.styles import STYLES, TPPlan
 
 ATTR = "_shardwise_strategy"
 M = TypeVar("M", bound=nn.Module)

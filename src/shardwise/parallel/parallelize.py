@@ -39,12 +39,13 @@ from shardwise.parallel.ep import ExpertMeshes, apply_ep, build_expert_meshes, c
 from shardwise.parallel.fp8 import Fp8Options, apply_fp8, compute_precision, precompute_scales_before_forward
 from shardwise.parallel.fsdp import FSDPOptions, apply_expert_units, apply_fsdp, apply_replicate, build_optimizer
 from shardwise.parallel.mesh import Meshes
-from shardwise.parallel.pipeline import PipelineOptions, build_pipeline, check_pipeline
+from shardwise.parallel.pipeline.schedule import PipelineOptions, build_pipeline, check_pipeline
 from shardwise.parallel import micro_step
 from shardwise.parallel.micro_step import MicroBatch, StepLoss
 from shardwise.parallel.reduction import LossReduction, TokenShare
-from shardwise.parallel.tp_adapters import adapter_plan
-from shardwise.parallel.tp import TPOptions, TPPlan, apply_tp, derive_tp_plan, validate_tp
+from shardwise.parallel.tp.adapters import adapter_plan
+from shardwise.parallel.tp.apply import apply_tp
+from shardwise.parallel.tp.styles import TPOptions, TPPlan, derive_tp_plan, validate_tp
 from shardwise.layout import Plan
 from shardwise.plan.support import runtime_conflict
 

@@ -16,7 +16,7 @@ largest (by parameters) ``nn.ModuleList``/``nn.Sequential`` *anywhere inside the
 registered before it form the *input section* (embeddings: the first stage owns them), those after
 it the *output section* (final norm, head: the last stage owns them); modules without parameters
 (rotary embeddings, dropout) are shared by all stages. Each stage runs the model's own ``forward``
-on a view of the model (:mod:`shardwise.parallel.pipeline_stage`), so whatever the blocks receive
+on a view of the model (:mod:`shardwise.parallel.pipeline.stage`), so whatever the blocks receive
 besides the hidden state (rotary embeddings, position ids, masks) is recomputed by the model's code
 on every stage from the batch's inputs, and only the hidden state crosses a stage boundary.
 
@@ -45,7 +45,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.models.blocks import find_blocks
-from shardwise.parallel.pipeline_stage import SequentialStage, TrunkStage
+from shardwise.parallel.pipeline.stage import SequentialStage, TrunkStage
 
 Balance = Literal["params", "flops"]
 

@@ -18,7 +18,7 @@ pos_embedding       (SP only) positional embedding output sliced to the local se
 sequence_parallel   (SP only) norm/dropout region computed on the local sequence chunk
 attention_input     (SP only) all-gather the sequence before a colwise group (attention, MLP)
 adapter_input       (SP only) a LoRA adapter's dropout takes that gathered input as a local tensor
-                    (:mod:`shardwise.parallel.tp_adapters`: how adapters follow their base layer)
+                    (:mod:`shardwise.parallel.tp.adapters`: how adapters follow their base layer)
 adapter_sequence    (SP only) the replicated lora_B of a rowwise base, on the local sequence chunk
 lm_head             colwise output projection; output all-gathered, or with ``loss_parallel``
                     left sharded over the vocabulary for torch's ``loss_parallel()``
@@ -27,12 +27,12 @@ colwise_fused2/3    colwise for a projection fused from 2 or 3 equal pieces (gat
                     rank holds its share of every piece (whole heads of q, k and v)
 colwise_grouped     q|k|v fused with fewer key/value heads than query heads (Phi-3's qkv_proj under
                     GQA): each rank computes whole heads of q, k and v; the weight is held whole
-                    and its gradient all-reduced over tp (:mod:`shardwise.parallel.tp_layers`)
+                    and its gradient all-reduced over tp (:mod:`shardwise.parallel.tp.layers`)
 experts             MoE experts held as 3-D tensors: every expert's MLP split like a dense one
 ==================  ==============================================================================
 
 ``colwise``/``rowwise`` on GPT-2's ``Conv1D`` (transposed weight), the fused styles and ``experts``
-are shardwise's own styles (:mod:`shardwise.parallel.tp_layers`); the rest are torch's. Tied
+are shardwise's own styles (:mod:`shardwise.parallel.tp.layers`); the rest are torch's. Tied
 weights (an LM head sharing the token embedding's matrix) stay one parameter: both layers are
 split by vocabulary rows (``Shard(0)``), and after sharding the head is given the embedding's
 DTensor again. Parameters no style covers are replicated; :func:`tp_share` says how much of the
@@ -74,9 +74,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from shardwise.errors import ConfigError
 from shardwise.parallel.chunked_loss import ChunkedHeadParallel, is_chunked_head
 from shardwise.parallel.fp8 import float8_tp_style
-from shardwise.parallel.tp_layers import ColumnSplit, ExpertSplit, GroupedColumnSplit, RowSplit, fused_pieces, is_conv1d, qkv_widths
-from shardwise.parallel.tp_plan import (HEAD_ATTRS, STYLES, TPOptions, TPPlan, derive_tp_plan, tp_share,  # noqa: F401 - re-exported
-                                        validate_tp)
+from shardwise.parallel.tp.layers import ColumnSplit, ExpertSplit, GroupedColumnSplit, RowSplit, fused_pieces, is_conv1d, qkv_widths
+from shardwise.parallel.tp.styles import HEAD_ATTRS, TPPlan, tp_share, validate_tp
 from shardwise.runtime.logging import get_logger
 
 log = get_logger("parallel")

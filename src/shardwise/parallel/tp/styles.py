@@ -21,7 +21,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.models.lora import see_through
-from shardwise.parallel.tp_layers import expert_weights, in_out, inner_sizes, is_conv1d, qkv_widths
+from shardwise.parallel.tp.layers import expert_weights, in_out, inner_sizes, is_conv1d, qkv_widths
 
 STYLES = (
     "colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise",
@@ -29,7 +29,7 @@ STYLES = (
     "experts",
     "adapter_input", "adapter_sequence",
 )
-_OWN = ("colwise_fused2", "colwise_fused3", "colwise_grouped", "experts")  # always shardwise's styles (tp_layers)
+_OWN = ("colwise_fused2", "colwise_fused3", "colwise_grouped", "experts")  # always shardwise's styles (tp/layers.py)
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 
 _COL = {"q", "k", "v", "wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "qkv", "c_attn", "query", "key", "value",
@@ -98,7 +98,7 @@ def derive_tp_plan(model: nn.Module, *, tp: int) -> TPPlan:
     plan: dict[str, str] = {}
     paired: set[str] = set()
     for parent_name, parent in model.named_modules():
-        # a peft LoRA layer is derived as the layer it wraps (shardwise.parallel.tp_adapters splits its pieces)
+        # a peft LoRA layer is derived as the layer it wraps (shardwise.parallel.tp.adapters splits its pieces)
         linears = [(n, see_through(m)) for n, m in parent.named_children() if in_out(see_through(m)) is not None]
         cols = [n for n, _ in linears if n in _COL]
         rows = [n for n, _ in linears if n in _ROW]
@@ -257,7 +257,7 @@ def tp_share(model: nn.Module, plan: TPPlan, *, tp: int) -> tuple[float, list[tu
     without anyone having asked for it (a norm, a positional embedding or a 'replicate' entry is
     replicated on purpose and not listed)."""
     sharding = {"colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise", "lm_head", *_OWN} - {
-        "colwise_grouped"}  # computed split, held whole (tp_layers.GroupedColumnSplit)
+        "colwise_grouped"}  # computed split, held whole (layers.GroupedColumnSplit)
     matched = plan.matches(model)
     covered = {id(p) for _, (m, style) in matched.items() if style in sharding for p in m.parameters(recurse=False)
                if not (is_conv1d(m) and style == "rowwise" and p.dim() == 1) and not (style == "experts" and p.dim() < 3)}

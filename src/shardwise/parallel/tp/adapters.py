@@ -42,7 +42,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.models.lora import is_adapter_module, is_lora_layer
-from shardwise.parallel.tp_plan import TPPlan, _match
+from shardwise.parallel.tp.styles import TPPlan, _match
 
 _COLUMN = ("colwise", "colwise_rep", "colwise_fused2", "colwise_fused3")
 _ROW = ("rowwise", "rowwise_rep")
