@@ -49,6 +49,8 @@ _MOVED = {
        for old, new in (("tp_plan", "styles"), ("tp_layers", "layers"), ("tp_adapters", "adapters"))},
     **{f"shardwise.parallel.pipeline_{old}": f"shardwise.parallel.pipeline.{old}"
        for old in ("split", "stage", "ties", "accumulation")},
+    "shardwise.train.generate": "shardwise.generate.decode",
+    "shardwise.train.decoders": "shardwise.generate.decoders",
 }
 keep_moved_modules(_MOVED)
 

@@ -37,6 +37,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint",),
     ("observe",),
     ("calibrate",),  # runs parallelized steps (parallel/, verify/) to measure the machine; train's plan="auto" uses it
+    ("generate",),  # sharded text generation: a model from a checkpoint, parallelized, and the decode loop
     ("train",),
     ("jobs", "testing"),
     ("commands",),
