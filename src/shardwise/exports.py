@@ -2,6 +2,7 @@
 
 - :func:`lazy_exports`: a package's public names imported from their modules on first use (PEP 562),
   and old names that still work with a ``DeprecationWarning`` naming the new one;
+- :func:`renamed`: a module's own renamed names, the old ones still working with that warning;
 - :func:`keep_moved_modules`: old module paths (``shardwise.parallel.tp_plan``) that still import, as the
   module that moved (the same object, so attributes and patches are shared), with a ``DeprecationWarning``.
 """
@@ -37,6 +38,18 @@ def lazy_exports(package: str, names: Mapping[str, str], deprecated: Mapping[str
         return sorted(set(vars(sys.modules[package])) | set(names))
 
     return __getattr__, __dir__
+
+
+def renamed(module: str, old: Mapping[str, str]) -> Callable[[str], Any]:
+    """The ``__getattr__`` of ``module`` for its renamed names (``old`` maps an old name to the new one)."""
+
+    def __getattr__(name: str) -> Any:
+        if name not in old:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{module}.{name} is deprecated: use {module}.{old[name]}", DeprecationWarning, stacklevel=2)
+        return vars(sys.modules[module])[old[name]]
+
+    return __getattr__
 
 
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):

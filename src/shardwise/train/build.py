@@ -52,7 +52,7 @@ from shardwise.parallel.tp import TPOptions
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.memory import StatePolicy
 from shardwise.plan.muon import state_bytes_per_param
-from shardwise.plan.planner import AutoPlan, auto_plan, cluster_of
+from shardwise.plan.planner import AutoChoice as AutoPlan, auto_plan, cluster_of
 from shardwise.plan.options import RUNTIME_OPTIONS
 from shardwise.plan.search import SearchOptions
 from shardwise.plan.stats import ModelStats

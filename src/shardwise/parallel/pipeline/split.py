@@ -24,8 +24,8 @@ A weight shared between stages (tied input and output embeddings: GPT-2, Gemma) 
 them; :func:`stage_ties` lists such ties, and the pipeline sums their gradients over the stages
 that hold them after each step (:mod:`shardwise.parallel.pipeline`).
 
-Stage modules keep the original parameter names (``blocks.3.attn.qkv.weight`` stays that), so a
-tensor-parallel plan written for the whole model applies to a stage unchanged, and the union of the
+Stage modules keep the original parameter names (``blocks.3.attn.qkv.weight`` stays that), so
+tensor-parallel styles written for the whole model apply to a stage unchanged, and the union of the
 stages' ``state_dict`` equals the model's.
 
 Balancing: with unit costs ``c_1..c_n`` and extra costs ``a`` (input section, stage 0) and ``b``

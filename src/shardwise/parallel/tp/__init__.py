@@ -1,6 +1,7 @@
 """Tensor (and sequence) parallel, one concern per module:
 
-- :mod:`.styles`: which module gets which style (:class:`TPPlan`), derived for common transformer
+- :mod:`.styles`: which module gets which style (:class:`TPStyles`, what torch calls a
+  ``parallelize_plan``), derived for common transformer
   shapes, validated, and how much of a model it shards;
 - :mod:`.layers`: the styles torch's ``ColwiseParallel``/``RowwiseParallel`` do not cover (GPT-2's
   ``Conv1D``, fused projections, MoE experts as 3-D tensors);
@@ -18,13 +19,15 @@ from typing import TYPE_CHECKING
 from shardwise.exports import lazy_exports
 
 _NAMES = {
-    **dict.fromkeys(("HEAD_ATTRS", "STYLES", "TPOptions", "TPPlan", "derive_tp_plan", "tp_share", "validate_tp"),
+    **dict.fromkeys(("HEAD_ATTRS", "STYLES", "TPOptions", "TPStyles", "derive_tp_styles", "tp_share", "validate_tp"),
                     "shardwise.parallel.tp.styles"),
-    **dict.fromkeys(("apply_tp", "to_torch_plan"), "shardwise.parallel.tp.apply"),
+    **dict.fromkeys(("apply_tp", "to_torch_styles"), "shardwise.parallel.tp.apply"),
 }
 __all__ = sorted(_NAMES)
-__getattr__, __dir__ = lazy_exports(__name__, _NAMES)
+# the old names, deprecated
+__getattr__, __dir__ = lazy_exports(__name__, _NAMES, deprecated={"TPPlan": "TPStyles", "derive_tp_plan": "derive_tp_styles",
+                                                                  "to_torch_plan": "to_torch_styles"})
 
 if TYPE_CHECKING:
-    from shardwise.parallel.tp.apply import apply_tp, to_torch_plan
-    from shardwise.parallel.tp.styles import HEAD_ATTRS, STYLES, TPOptions, TPPlan, derive_tp_plan, tp_share, validate_tp
+    from shardwise.parallel.tp.apply import apply_tp, to_torch_styles
+    from shardwise.parallel.tp.styles import HEAD_ATTRS, STYLES, TPOptions, TPStyles, derive_tp_styles, tp_share, validate_tp
