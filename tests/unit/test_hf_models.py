@@ -47,9 +47,9 @@ def test_stages_of_every_family_compose_to_the_model(family: str) -> None:
 def test_gpt2_plan_covers_conv1d_fused_qkv_and_tied_embeddings() -> None:
     with torch.device("meta"):
         model = hf.build_causal_lm(hf.tiny_config("gpt2"))
-    plan = derive_tp_styles(model, tp=2).as_dict()
-    assert plan["transformer.h.*.attn.c_attn"] == "colwise_fused3" and plan["transformer.h.*.attn.c_proj"] == "rowwise"
-    assert plan["transformer.h.*.mlp.c_fc"] == "colwise" and plan["lm_head"] == "lm_head" and plan["transformer.wte"] == "vocab_embedding"
+    styles = derive_tp_styles(model, tp=2).as_dict()
+    assert styles["transformer.h.*.attn.c_attn"] == "colwise_fused3" and styles["transformer.h.*.attn.c_proj"] == "rowwise"
+    assert styles["transformer.h.*.mlp.c_fc"] == "colwise" and styles["lm_head"] == "lm_head" and styles["transformer.wte"] == "vocab_embedding"
     share, replicated = tp_share(model, derive_tp_styles(model, tp=2), tp=2)
     assert 0.5 < share < 0.53 and replicated == []
     with pytest.raises(ConfigError, match=r"tp=3 does not divide .*; use tp=2 or tp=4"):
@@ -59,9 +59,9 @@ def test_gpt2_plan_covers_conv1d_fused_qkv_and_tied_embeddings() -> None:
 def test_mixtral_experts_are_split_like_an_mlp() -> None:
     with torch.device("meta"):
         model = hf.build_causal_lm(hf.tiny_config("mixtral"))
-    plan = derive_tp_styles(model, tp=2)
-    assert plan.as_dict()["model.layers.*.mlp.experts"] == "experts"
-    share, replicated = tp_share(model, plan, tp=2)
+    styles = derive_tp_styles(model, tp=2)
+    assert styles.as_dict()["model.layers.*.mlp.experts"] == "experts"
+    share, replicated = tp_share(model, styles, tp=2)
     assert share < 0.52, share  # was 218k of 238k (92%) on every rank when experts were replicated
     # what stays whole on every rank is named: the routers (experts x hidden), 128 parameters each
     assert replicated == [(f"model.layers.{i}.mlp.gate", 128) for i in range(4)]

@@ -24,13 +24,13 @@ def test_tp_plan_names_peft_pieces_and_follows_the_base() -> None:
     from shardwise.parallel.parallelize import validate
 
     model = add_adapters(_llama(), LoRA(r=4, targets=("q_proj", "o_proj")), seed=0)
-    plan = dict(validate(model, Plan.parse("tp=2")).entries)
+    styles = dict(validate(model, Plan.parse("tp=2")).entries)
     attn = "base_model.model.model.layers.*.self_attn"
-    assert plan[f"{attn}.q_proj.base_layer"] == "colwise" and plan[f"{attn}.q_proj.lora_B.*"] == "colwise"
-    assert plan[f"{attn}.q_proj.lora_A.*"] == "replicate" and plan[f"{attn}.q_proj.lora_dropout.*"] == "adapter_input"
-    assert plan[f"{attn}.o_proj.base_layer"] == "rowwise" and plan[f"{attn}.o_proj.lora_A.*"] == "rowwise"
-    assert plan[f"{attn}.o_proj.lora_B.*"] == "adapter_sequence"
-    assert plan[f"{attn}.k_proj"] == "colwise"  # no adapter: the layer itself
+    assert styles[f"{attn}.q_proj.base_layer"] == "colwise" and styles[f"{attn}.q_proj.lora_B.*"] == "colwise"
+    assert styles[f"{attn}.q_proj.lora_A.*"] == "replicate" and styles[f"{attn}.q_proj.lora_dropout.*"] == "adapter_input"
+    assert styles[f"{attn}.o_proj.base_layer"] == "rowwise" and styles[f"{attn}.o_proj.lora_A.*"] == "rowwise"
+    assert styles[f"{attn}.o_proj.lora_B.*"] == "adapter_sequence"
+    assert styles[f"{attn}.k_proj"] == "colwise"  # no adapter: the layer itself
 
 
 def test_a_user_plan_on_the_lora_layer_is_expanded_and_explicit_pieces_win() -> None:

@@ -31,8 +31,8 @@ def test_gpt_plan_is_derived_as_patterns():
 
 
 def test_sequence_parallel_styles_only_with_sp():
-    plan = derive_tp_styles(_gpt(), tp=2)
-    without, with_sp = to_torch_styles(plan, sequence_parallel=False, loss_parallel=False), to_torch_styles(plan, sequence_parallel=True, loss_parallel=False)
+    styles = derive_tp_styles(_gpt(), tp=2)
+    without, with_sp = to_torch_styles(styles, sequence_parallel=False, loss_parallel=False), to_torch_styles(styles, sequence_parallel=True, loss_parallel=False)
     assert "ln_f" not in without and "pos_emb" not in without and "ln_f" in with_sp and "pos_emb" in with_sp
 
 
