@@ -6,7 +6,7 @@
 The model is what a new user writes: an ``nn.Module`` whose ``forward(ids)`` returns the logits of
 the Hugging Face model it holds, with the attention implementation it picked
 (``SHARDWISE_HF_ATTENTION``: ``sdpa``, the default, or ``eager``). shardwise never built it, so
-whatever a plan needs (the context-parallel positions, the TP plan, the pipeline cut) it finds in
+whatever a plan needs (the context-parallel positions, the TP styles, the pipeline cut) it finds in
 the module tree. The family is one of ``shardwise.models.hf.FAMILIES`` (tiny configs: 4 layers,
 hidden 32, nothing downloaded).
 """

@@ -29,7 +29,7 @@ from torch import nn
 import shardwise
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.parallelize import parallelize
-from shardwise.parallel.pipeline_split import stage_summary, split_model
+from shardwise.parallel.pipeline.split import stage_summary, split_model
 from shardwise.layout import Plan
 
 

@@ -3,7 +3,8 @@
 Public API (everything else is an implementation detail):
 
 - :func:`init`, :func:`shutdown`, :func:`barrier`, :func:`main_process_first`, :class:`RuntimeEnv`
-- :class:`Trainer`, :func:`prepare`, :mod:`callbacks`: training with any plan
+- :class:`Trainer`, :func:`prepare`, :mod:`callbacks`: training with any plan; :class:`CertifyOptions`:
+  how ``plan="auto"`` certifies its choice (``Trainer(certify=...)``)
 - :func:`launch`: run a function on N local processes
 - :class:`ShardwiseError`: the exception every user-facing check raises
 - :func:`shard`: MindSpore-style tensor-parallel annotation of a Linear/Embedding layer
@@ -21,15 +22,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from shardwise.errors import ShardwiseError
+from shardwise.exports import keep_moved_modules
 from shardwise.launch.inprocess import launch  # torch-free until called; it also shadows the subpackage's name
 from shardwise.version import __version__
 
 # public name -> (module, attribute); attribute None: the module itself
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "PipelineOptions": ("shardwise.parallel.pipeline", "PipelineOptions"),
+    "CertifyOptions": ("shardwise.auto.certify", "CertifyOptions"),
+    "PipelineOptions": ("shardwise.parallel.pipeline.schedule", "PipelineOptions"),
     "Pretrained": ("shardwise.checkpoint.hf_load", "Pretrained"),
     "from_pretrained": ("shardwise.train.pretrained", "from_pretrained"),
-    "PipelineStages": ("shardwise.parallel.pipeline_split", "PipelineStages"),
+    "PipelineStages": ("shardwise.parallel.pipeline.split", "PipelineStages"),
     "RuntimeEnv": ("shardwise.runtime.detect", "RuntimeEnv"),
     "Trainer": ("shardwise.train.trainer", "Trainer"),
     "barrier": ("shardwise.runtime.env", "barrier"),
@@ -42,13 +45,30 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "shutdown": ("shardwise.runtime.env", "shutdown"),
 }
 
+# old module paths that moved: still importable, as the new module, with a DeprecationWarning
+_MOVED = {
+    **{f"shardwise.parallel.{old}": f"shardwise.parallel.tp.{new}"
+       for old, new in (("tp_plan", "styles"), ("tp_layers", "layers"), ("tp_adapters", "adapters"))},
+    **{f"shardwise.parallel.pipeline_{old}": f"shardwise.parallel.pipeline.{old}"
+       for old in ("split", "stage", "ties", "accumulation")},
+    "shardwise.train.generate": "shardwise.generate.decode",
+    "shardwise.train.decoders": "shardwise.generate.decoders",
+    "shardwise.train.auto": "shardwise.auto.sample",
+    "shardwise.train.batch": "shardwise.data.batch",
+    "shardwise.models.measure": "shardwise.auto.measure",
+    "shardwise.calibrate.machine": "shardwise.auto.machine",
+    "shardwise.verify.certify": "shardwise.auto.certify",
+}
+keep_moved_modules(_MOVED)
+
 __all__ = ["ShardwiseError", "__version__", "launch", *sorted(_LAZY)]
 
 if TYPE_CHECKING:
+    from shardwise.auto.certify import CertifyOptions
     from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.parallel.annotate import shard
-    from shardwise.parallel.pipeline import PipelineOptions
-    from shardwise.parallel.pipeline_split import PipelineStages
+    from shardwise.parallel.pipeline.schedule import PipelineOptions
+    from shardwise.parallel.pipeline.split import PipelineStages
     from shardwise.runtime.detect import RuntimeEnv
     from shardwise.runtime.env import barrier, init, main_process_first, shutdown
     from shardwise.runtime.logging import get_logger

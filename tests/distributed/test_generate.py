@@ -17,7 +17,7 @@ from torch.utils.data import TensorDataset
 
 from shardwise.commands.generate import generate_worker
 from shardwise.errors import ConfigError
-from shardwise.train.generate import Sampling
+from shardwise.generate.decode import Sampling
 
 PROMPT = "def main():"
 GREEDY = Sampling(max_new_tokens=10)
@@ -84,6 +84,6 @@ def test_generate_refuses_a_pipeline_and_a_checkpoint_without_config(tmp_path) -
     assert out.returncode != 0 and "does not run under pipeline parallelism" in out.stderr, out.stderr
     (tmp_path / "step_00000001").mkdir()
     with pytest.raises(ConfigError, match="keeps no model config"):
-        from shardwise.train.generate import model_files
+        from shardwise.generate.decode import model_files
 
         model_files(str(tmp_path))

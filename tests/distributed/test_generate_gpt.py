@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from shardwise.commands.generate import generate_worker
-from shardwise.train.generate import Sampling
+from shardwise.generate.decode import Sampling
 
 PROMPT = "def "
 GREEDY = Sampling(max_new_tokens=12)
@@ -51,7 +51,7 @@ def validation_loss(source: str) -> float:
     from shardwise.jobs.train import lm_loss
     from shardwise.resolve import resolve_plan
     from shardwise.parallel.mesh import build_mesh
-    from shardwise.train.generate import load_model
+    from shardwise.generate.decode import load_model
 
     plan = resolve_plan("tp=1", 1)
     lm = load_model(source, plan, build_mesh(plan, "cpu"), device=torch.device("cpu"))

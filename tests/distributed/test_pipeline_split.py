@@ -9,7 +9,7 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.pipeline import check_microbatches, local_stage_indices
-from shardwise.parallel.pipeline_split import (PipelineStages, TrunkStage, balanced_cuts, check_ties, find_trunk, split_model, stage_summary,
+from shardwise.parallel.pipeline.split import (PipelineStages, TrunkStage, balanced_cuts, check_ties, find_trunk, split_model, stage_summary,
                                               stage_ties)
 
 

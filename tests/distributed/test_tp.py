@@ -94,7 +94,7 @@ def test_gpt_and_large_model_tp_on_4(dist4):
 
 
 def _plan_of(tp: int, fc1_colwise: bool) -> dict[str, str]:
-    return annotate.annotated_plan(LargeModel(tp=tp, fc1_colwise=fc1_colwise), tp=tp).as_dict()
+    return annotate.annotated_styles(LargeModel(tp=tp, fc1_colwise=fc1_colwise), tp=tp).as_dict()
 
 
 def test_large_model_strategy_translation():

@@ -37,7 +37,7 @@ def make_batch(step: int, size: int):
     return ids[:, :-1], ids[:, 1:]
 '''
 # what the commands import beyond a `shardwise train` run (imported once, before the forks)
-PRELOAD = ("torch.distributed.tensor", "torch.distributed.fsdp", "shardwise.verify.parity", "shardwise.train.generate",
+PRELOAD = ("torch.distributed.tensor", "torch.distributed.fsdp", "shardwise.verify.parity", "shardwise.generate.decode",
            "shardwise.jobs.hf_train", "transformers", "tokenizers", "safetensors.torch", "mlflow.tracking")
 HF_NAMES = ("my-hf-model", "models/my-llama", "DIR")  # what the docs call a Hugging Face model directory
 # the docs' run directories: the fixture runs (GPT_RUN, HF_RUN) under the names the docs use

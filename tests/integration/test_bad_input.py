@@ -549,7 +549,7 @@ def run_forked(prepared: list[Prepared], scratch: Path) -> dict[Case, Outcome]:
             for i, p in enumerate(prepared)]
     server_env: dict[str, str | None] = {k: None for k in os.environ}
     server_env.update(_environment(scratch))
-    results = run_phases([jobs], env=server_env, preload=("shardwise.checkpoint", "shardwise.train.generate", *(HF_PRELOAD if HF else ())),
+    results = run_phases([jobs], env=server_env, preload=("shardwise.checkpoint", "shardwise.generate.decode", *(HF_PRELOAD if HF else ())),
                          timeout_s=sum(p.case.timeout_s for p in prepared) + 4 * TIMEOUT_S)
     outcomes = {}
     for i, p in enumerate(prepared):

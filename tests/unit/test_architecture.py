@@ -24,7 +24,7 @@ MAX_UPWARD = 0
 # Lowest first. A unit is a top-level module or subpackage of shardwise; the top package itself
 # (shardwise/__init__.py, the public API) is "" and sits above everything it re-exports.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "version", "callback"),  # leaves: import nothing of ours
+    ("errors", "version", "callback", "exports"),  # leaves: import nothing of ours
     ("layout", "shape"),  # the value objects every layer passes around
     ("resolve",),  # a plan for a world (fills in and re-plans Plans)
     ("config", "runtime"),
@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoint",),
     ("observe",),
     ("calibrate",),  # runs parallelized steps (parallel/, verify/) to measure the machine; auto's plan="auto" uses it
-    ("auto",),  # plan="auto": size, measure, choose (plan/), certify (verify/); train's build step calls it
+    ("auto", "generate"),  # plan="auto": size, measure, choose (plan/), certify (verify/); train's build step calls it;
+    # sharded text generation: a model from a checkpoint, parallelized, and the decode loop
     ("train",),
     ("jobs", "testing"),
     ("commands",),

@@ -13,7 +13,7 @@ from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.mlp import SimpleNet
 from shardwise.models.resnet import resnet_small
 from shardwise.parallel import fsdp
-from shardwise.parallel.pipeline_split import find_trunk
+from shardwise.parallel.pipeline.split import find_trunk
 from shardwise.auto.measure import model_stats
 from shardwise.auto.certify import repeated_blocks
 

@@ -14,9 +14,9 @@ pytest.importorskip("transformers")
 
 from shardwise.errors import ConfigError  # noqa: E402
 from shardwise.models import hf  # noqa: E402
-from shardwise.parallel.pipeline_split import find_trunk, split_model, stage_ties  # noqa: E402
-from shardwise.parallel.pipeline_stage import TrunkStage  # noqa: E402
-from shardwise.parallel.tp_plan import derive_tp_plan, tp_share, validate_tp  # noqa: E402
+from shardwise.parallel.pipeline.split import find_trunk, split_model, stage_ties  # noqa: E402
+from shardwise.parallel.pipeline.stage import TrunkStage  # noqa: E402
+from shardwise.parallel.tp.styles import derive_tp_styles, tp_share, validate_tp  # noqa: E402
 
 
 def _run(stages: list[nn.Module], ids: torch.Tensor) -> torch.Tensor:
@@ -47,21 +47,21 @@ def test_stages_of_every_family_compose_to_the_model(family: str) -> None:
 def test_gpt2_plan_covers_conv1d_fused_qkv_and_tied_embeddings() -> None:
     with torch.device("meta"):
         model = hf.build_causal_lm(hf.tiny_config("gpt2"))
-    plan = derive_tp_plan(model, tp=2).as_dict()
-    assert plan["transformer.h.*.attn.c_attn"] == "colwise_fused3" and plan["transformer.h.*.attn.c_proj"] == "rowwise"
-    assert plan["transformer.h.*.mlp.c_fc"] == "colwise" and plan["lm_head"] == "lm_head" and plan["transformer.wte"] == "vocab_embedding"
-    share, replicated = tp_share(model, derive_tp_plan(model, tp=2), tp=2)
+    styles = derive_tp_styles(model, tp=2).as_dict()
+    assert styles["transformer.h.*.attn.c_attn"] == "colwise_fused3" and styles["transformer.h.*.attn.c_proj"] == "rowwise"
+    assert styles["transformer.h.*.mlp.c_fc"] == "colwise" and styles["lm_head"] == "lm_head" and styles["transformer.wte"] == "vocab_embedding"
+    share, replicated = tp_share(model, derive_tp_styles(model, tp=2), tp=2)
     assert 0.5 < share < 0.53 and replicated == []
     with pytest.raises(ConfigError, match=r"tp=3 does not divide .*; use tp=2 or tp=4"):
-        validate_tp(model, derive_tp_plan(model, tp=3), tp=3)
+        validate_tp(model, derive_tp_styles(model, tp=3), tp=3)
 
 
 def test_mixtral_experts_are_split_like_an_mlp() -> None:
     with torch.device("meta"):
         model = hf.build_causal_lm(hf.tiny_config("mixtral"))
-    plan = derive_tp_plan(model, tp=2)
-    assert plan.as_dict()["model.layers.*.mlp.experts"] == "experts"
-    share, replicated = tp_share(model, plan, tp=2)
+    styles = derive_tp_styles(model, tp=2)
+    assert styles.as_dict()["model.layers.*.mlp.experts"] == "experts"
+    share, replicated = tp_share(model, styles, tp=2)
     assert share < 0.52, share  # was 218k of 238k (92%) on every rank when experts were replicated
     # what stays whole on every rank is named: the routers (experts x hidden), 128 parameters each
     assert replicated == [(f"model.layers.{i}.mlp.gate", 128) for i in range(4)]
@@ -75,7 +75,7 @@ def test_a_fused_projection_of_unequal_pieces_is_named() -> None:
 
     model = nn.Sequential(Attn(), Attn())
     with pytest.raises(ConfigError, match=r"tp=2 cannot shard 0\.qkv_proj: it fuses projections of unequal widths"):
-        derive_tp_plan(model, tp=2)
+        derive_tp_styles(model, tp=2)
 
 
 def test_shape_of_a_config() -> None:

@@ -1,4 +1,4 @@
-"""LoRA and QLoRA pieces that need no process group: the TP plan of adapters (PEFT's names, each
+"""LoRA and QLoRA pieces that need no process group: the TP styles of adapters (PEFT's names, each
 adapter following its base's style), targets that match nothing, the spec's checks, NF4 storage
 (bytes, tp refused) and the planner's terms (states for the adapters only, a cheaper backward)."""
 
@@ -24,25 +24,25 @@ def test_tp_plan_names_peft_pieces_and_follows_the_base() -> None:
     from shardwise.parallel.parallelize import validate
 
     model = add_adapters(_llama(), LoRA(r=4, targets=("q_proj", "o_proj")), seed=0)
-    plan = dict(validate(model, Plan.parse("tp=2")).entries)
+    styles = dict(validate(model, Plan.parse("tp=2")).entries)
     attn = "base_model.model.model.layers.*.self_attn"
-    assert plan[f"{attn}.q_proj.base_layer"] == "colwise" and plan[f"{attn}.q_proj.lora_B.*"] == "colwise"
-    assert plan[f"{attn}.q_proj.lora_A.*"] == "replicate" and plan[f"{attn}.q_proj.lora_dropout.*"] == "adapter_input"
-    assert plan[f"{attn}.o_proj.base_layer"] == "rowwise" and plan[f"{attn}.o_proj.lora_A.*"] == "rowwise"
-    assert plan[f"{attn}.o_proj.lora_B.*"] == "adapter_sequence"
-    assert plan[f"{attn}.k_proj"] == "colwise"  # no adapter: the layer itself
+    assert styles[f"{attn}.q_proj.base_layer"] == "colwise" and styles[f"{attn}.q_proj.lora_B.*"] == "colwise"
+    assert styles[f"{attn}.q_proj.lora_A.*"] == "replicate" and styles[f"{attn}.q_proj.lora_dropout.*"] == "adapter_input"
+    assert styles[f"{attn}.o_proj.base_layer"] == "rowwise" and styles[f"{attn}.o_proj.lora_A.*"] == "rowwise"
+    assert styles[f"{attn}.o_proj.lora_B.*"] == "adapter_sequence"
+    assert styles[f"{attn}.k_proj"] == "colwise"  # no adapter: the layer itself
 
 
 def test_a_user_plan_on_the_lora_layer_is_expanded_and_explicit_pieces_win() -> None:
-    from shardwise.parallel.tp import TPPlan
-    from shardwise.parallel.tp_adapters import adapter_plan
+    from shardwise.parallel.tp import TPStyles
+    from shardwise.parallel.tp.adapters import adapter_styles
 
     model = add_adapters(_llama(layers=1), LoRA(r=4, targets=("q_proj",)), seed=0)
     q = "base_model.model.model.layers.0.self_attn.q_proj"
-    out = adapter_plan(model, TPPlan.of({q: "colwise", f"{q}.lora_B.default": "replicate"}))
+    out = adapter_styles(model, TPStyles.of({q: "colwise", f"{q}.lora_B.default": "replicate"}))
     assert out.entries[0] == (f"{q}.base_layer", "colwise") and out.entries[-1] == (f"{q}.lora_B.default", "replicate")
     with pytest.raises(ConfigError, match="cannot split the LoRA adapter"):
-        adapter_plan(model, TPPlan.of({q: "vocab_embedding"}))
+        adapter_styles(model, TPStyles.of({q: "vocab_embedding"}))
 
 
 def test_a_target_matching_no_layer_is_one_line_with_candidates() -> None:

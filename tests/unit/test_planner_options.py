@@ -108,7 +108,7 @@ def test_each_option_costs_what_the_runtime_does() -> None:
     assert kept == pytest.approx(2 * n * d + 2 * v * d) and transient == pytest.approx(4 * v * d + 6 * chunk * v)
     unchunked = logits_bytes(BIG_VOCAB, plan, RunPolicy())
     assert unchunked == (pytest.approx(4 * n * v), pytest.approx(8 * n * v))
-    # shardwise's default TP plan all-gathers the head's output: every rank holds the whole logits;
+    # shardwise's default TP styles all-gathers the head's output: every rank holds the whole logits;
     # a vocabulary-parallel loss (a framework's, or the chunked one) V/t of them
     tp2 = Plan(tp=2, precision="bf16")
     assert logits_bytes(BIG_VOCAB, tp2, RunPolicy()) == unchunked

@@ -24,7 +24,7 @@ from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.memory import StatePolicy
 from shardwise.plan.muon import state_bytes_per_param
 from shardwise.plan.options import RUNTIME_OPTIONS
-from shardwise.plan.planner import AutoPlan, auto_plan
+from shardwise.plan.planner import AutoChoice, auto_plan
 from shardwise.plan.search import SearchOptions
 from shardwise.plan.stats import ModelStats
 from shardwise.runtime.detect import RuntimeEnv
@@ -45,7 +45,7 @@ def chunkable_loss(model: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor]
 
 def plan_for_trainer(model: nn.Module, stats: ModelStats, spec: ClusterSpec, *, world_size: int, global_batch: int,
                      precision: str = "fp32", pipelines_allowed: bool = False, chunkable: bool = True,
-                     optimizer: str = "elementwise") -> AutoPlan:
+                     optimizer: str = "elementwise") -> AutoChoice:
     """The fastest plan for ``model`` on ``spec`` that the parallel layer accepts. The trainer
     accumulates gradients itself, so without pipelines a plan has one microbatch per step;
     ``chunkable``: whether a plan may have ``chunked_loss`` (:func:`chunkable_loss`); ``optimizer``:
@@ -74,7 +74,7 @@ def plan_for_trainer(model: nn.Module, stats: ModelStats, spec: ClusterSpec, *, 
 
 
 def choose(model: nn.Module, stats: ModelStats, spec: ClusterSpec, env: RuntimeEnv,
-           **options: Any) -> tuple[list[Plan], AutoPlan | None]:
+           **options: Any) -> tuple[list[Plan], AutoChoice | None]:
     """The ranked plans on every rank and, on rank 0, the planner's choice with its predictions
     (:func:`plan_for_trainer` with ``options``, on rank 0 alone).
 

@@ -16,7 +16,7 @@ from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.optim.classify import factory_kind
 from shardwise.parallel.reduction import IGNORE_INDEX
-from shardwise.plan.planner import AutoPlan
+from shardwise.plan.planner import AutoChoice
 from shardwise.runtime.detect import RuntimeEnv
 from shardwise.runtime.logging import get_logger
 
@@ -27,7 +27,7 @@ def plan_for(model: Any, env: RuntimeEnv, *, global_batch_size: int, precision: 
              cluster: ClusterArg = None, tokens_per_sample: int | None = None, data: AutoData | None = None,
              loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, loss_parallel: bool = False,
              loss_reduction: str = "samples", ignore_index: int = IGNORE_INDEX,
-             optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> tuple[Plan, AutoPlan | None]:
+             optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> tuple[Plan, AutoChoice | None]:
     """The plan of ``model`` (an ``nn.Module`` or a Hugging Face ``Pretrained`` directory) on every
     rank and, on rank 0, the planner's choice with its predictions (logged). Check first, measure
     second: the model's statistics (from the first sample of ``data`` when given) and whether any

@@ -254,7 +254,7 @@ def load_parallel(source: Pretrained, plan: Any, meshes: Any, *, device: torch.d
     broadcasts it when wrapping, so there the model is loaded first and wrapped after.
     """
     from shardwise.parallel.parallelize import parallelize
-    from shardwise.parallel.pipeline import stage_modules
+    from shardwise.parallel.pipeline.schedule import stage_modules
 
     model = source.build_meta()
     check_weights(source.path, model)  # a truncated file, a missing shard, a shape config.json does not give: one line

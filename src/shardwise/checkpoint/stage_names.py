@@ -19,7 +19,7 @@ from typing import Any, Iterable
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.pipeline import LocalStages
+from shardwise.parallel.pipeline.schedule import LocalStages
 
 
 class StageNames:

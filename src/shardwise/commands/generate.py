@@ -4,7 +4,7 @@ The checkpoint is one of the built-in GPT job (its shape and characters kept in 
 beside the checkpoints) or of a Hugging Face model. Starts ``plan.world_size`` local Gloo processes
 (one process runs in place), builds the model on meta under ``--plan`` (tensor parallel: each rank
 reads and holds only its slices), and decodes greedily (``--temperature 0``, the default) or by
-sampling with a KV cache (:mod:`shardwise.train.generate`). Rank 0 prints the prompt and its
+sampling with a KV cache (:mod:`shardwise.generate.decode`). Rank 0 prints the prompt and its
 continuation.
 
 Bad input (a missing directory, a plan with a pipeline, an empty prompt, a checkpoint without a
@@ -71,7 +71,7 @@ def generate_worker(source: str, plan_text: str, prompt: str | None, prompt_ids:
     from shardwise.resolve import resolve_plan
     from shardwise.parallel.mesh import build_mesh
     from shardwise.runtime import env as runtime
-    from shardwise.train.generate import check_context, generate_ids, load_model
+    from shardwise.generate.decode import check_context, generate_ids, load_model
 
     env = runtime.init()
     plan = resolve_plan(plan_text, env.world_size)
@@ -89,7 +89,7 @@ def generate_worker(source: str, plan_text: str, prompt: str | None, prompt_ids:
 
 def _main(args: argparse.Namespace) -> int:
     from shardwise.launch.inprocess import launch
-    from shardwise.train.generate import Sampling, check_request
+    from shardwise.generate.decode import Sampling, check_request
 
     if not os.path.isdir(args.checkpoint):
         raise ConfigError(f"--checkpoint {args.checkpoint} is not a directory", hint="a checkpoint directory or a Hugging Face model directory")

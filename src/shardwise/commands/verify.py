@@ -89,7 +89,7 @@ def _main(args: argparse.Namespace) -> int:
 
     from shardwise.launch.inprocess import launch
     from shardwise.parallel.parallelize import validate
-    from shardwise.parallel.tp import TPOptions
+    from shardwise.parallel.tp.styles import TPOptions
     from shardwise.verify.parity import GPTWorkload, Run, ScriptWorkload, Training, parity_worker
 
     if args.nproc is not None and args.nproc < 1:

@@ -2,7 +2,7 @@
 
 FSDP groups each block's parameters into one all-gather (:mod:`shardwise.parallel.fsdp`),
 activation checkpointing and ``torch.compile`` take a block as their unit, the pipeline splits
-between blocks (:mod:`shardwise.parallel.pipeline_split`), the planner prices a block
+between blocks (:mod:`shardwise.parallel.pipeline.split`), the planner prices a block
 (:mod:`shardwise.auto.measure`) and certification drops blocks to shrink a copy
 (:mod:`shardwise.auto.certify`). They all find the blocks here, so the planner prices what FSDP
 wraps and the pipeline splits.

@@ -5,7 +5,7 @@ A LoRA layer replaces ``y = W x`` (``W`` frozen, ``out x in``) by ``y = W x + (a
 with ``A`` (``r x in``) and ``B`` (``out x r``) trained. ``peft`` builds the layers: a targeted
 ``q_proj`` becomes a ``peft.tuners.lora.Linear`` holding ``q_proj.base_layer`` (the original
 layer), ``q_proj.lora_A.default`` and ``q_proj.lora_B.default``. shardwise never re-implements
-them; it only decides where they go (:mod:`shardwise.parallel.tp_adapters` for tensor parallel,
+them; it only decides where they go (:mod:`shardwise.parallel.tp.adapters` for tensor parallel,
 :mod:`shardwise.checkpoint.adapters` for checkpoints).
 
 - :class:`LoRA`: the shardwise spec (``r``, ``alpha``, ``dropout``, ``targets``, ``base``) that

@@ -7,7 +7,7 @@ Trainer built (parameter names survive ``fully_shard``, TP and the pipeline spli
   projection, its pieces one by one: q|k|v (a name containing ``qkv``, ``c_attn``,
   ``query_key_value``, ``wqkv``: 3 pieces, of the attention's q/k/v widths under grouped-query
   attention) and gate|up (``gate_up``: 2 pieces). A tensor-parallel fused view ``(3, w, in)``
-  (:mod:`shardwise.parallel.tp_layers`) is the same matrix ``(3w, in)``.
+  (:mod:`shardwise.parallel.tp.layers`) is the same matrix ``(3w, in)``.
 - MoE expert weights (3-D ``(E, out, in)`` tensors of one module, or the 4-D TP view of a fused
   ``gate_up``) go to Muon as a batch of E matrices (two pieces each for gate|up).
 - Embeddings, the LM head (and any weight tied to an embedding), norms, biases, scalars, routers
@@ -27,7 +27,7 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.optim.newton_schulz import Units
 from shardwise.parallel.chunked_loss import find_lm_head
-from shardwise.parallel.tp_layers import is_conv1d, qkv_widths
+from shardwise.parallel.tp.layers import is_conv1d, qkv_widths
 
 _FUSED_QKV = ("qkv", "c_attn", "query_key_value", "wqkv")
 _ROUTERS = ("router", "gate")

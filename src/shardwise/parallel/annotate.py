@@ -35,7 +35,10 @@ from typing import Any, TypeVar
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.tp import STYLES, TPPlan
+from shardwise.exports import renamed
+from shardwise.parallel.tp.styles import STYLES, TPStyles
+
+__getattr__ = renamed(__name__, {"annotated_plan": "annotated_styles"})  # the old names, deprecated
 
 ATTR = "_shardwise_strategy"
 M = TypeVar("M", bound=nn.Module)
@@ -89,8 +92,8 @@ def strategy_to_style(module: nn.Module, strategy: Any, *, tp: int, name: str) -
     return style
 
 
-def annotated_plan(model: nn.Module, *, tp: int) -> TPPlan | None:
-    """The TP plan the model's annotations describe (partners inferred), or None without any."""
+def annotated_styles(model: nn.Module, *, tp: int) -> TPStyles | None:
+    """The TP styles the model's annotations describe (partners inferred), or None without any."""
     styles: dict[str, str] = {}
     for name, module in model.named_modules():
         strategy = getattr(module, ATTR, None)
@@ -119,7 +122,7 @@ def annotated_plan(model: nn.Module, *, tp: int) -> TPPlan | None:
                 else:
                     styles[partner] = "colwise"
                     paired.update((name, partner))
-    return TPPlan.of({n: s for n, s in styles.items() if s != "replicate"})
+    return TPStyles.of({n: s for n, s in styles.items() if s != "replicate"})
 
 
 def _unique(names: list[str]) -> str | None:

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.tp_layers import expert_weights
+from shardwise.parallel.tp.layers import expert_weights
 from shardwise.runtime.logging import get_logger
 
 log = get_logger("parallel")

@@ -82,7 +82,7 @@ def _vocab_shard(weight: torch.Tensor) -> tuple[Any, int]:
     sharded = [i for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
     if any(weight.placements[i].dim != 0 for i in sharded) or len(sharded) > 1:
         raise ConfigError(f"the chunked loss needs the LM head's weight split by vocabulary rows, not {weight.placements}",
-                          hint="use the TP plan's 'lm_head' style for the head, or drop chunked_loss")
+                          hint="use the 'lm_head' TP style for the head, or drop chunked_loss")
     if not sharded:
         return None, 0
     mesh_dim = sharded[0]

@@ -22,6 +22,7 @@ Each technique lives in its own module as ``apply_x(model, mesh, *, options) -> 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Protocol, Sequence
 
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.annotate import annotated_plan
+from shardwise.parallel.annotate import annotated_styles
 from shardwise.parallel.chunked_loss import ChunkedLoss, find_lm_head, install_chunked_head
 from shardwise.parallel.checkpointing import apply_checkpointing
 from shardwise.parallel.compile import apply_compile
@@ -39,12 +40,13 @@ from shardwise.parallel.ep import ExpertMeshes, apply_ep, build_expert_meshes, c
 from shardwise.parallel.fp8 import Fp8Options, apply_fp8, compute_precision, precompute_scales_before_forward
 from shardwise.parallel.fsdp import FSDPOptions, apply_expert_units, apply_fsdp, apply_replicate, build_optimizer
 from shardwise.parallel.mesh import Meshes
-from shardwise.parallel.pipeline import PipelineOptions, build_pipeline, check_pipeline
+from shardwise.parallel.pipeline.schedule import PipelineOptions, build_pipeline, check_pipeline
 from shardwise.parallel import micro_step
 from shardwise.parallel.micro_step import MicroBatch, StepLoss
 from shardwise.parallel.reduction import LossReduction, TokenShare
-from shardwise.parallel.tp_adapters import adapter_plan
-from shardwise.parallel.tp import TPOptions, TPPlan, apply_tp, derive_tp_plan, validate_tp
+from shardwise.parallel.tp.adapters import adapter_styles
+from shardwise.parallel.tp.apply import apply_tp
+from shardwise.parallel.tp.styles import TPOptions, TPStyles, derive_tp_styles, validate_tp
 from shardwise.layout import Plan
 from shardwise.plan.support import runtime_conflict
 
@@ -77,7 +79,7 @@ class ParallelModel:
     pipeline: PipelineRunner | None = None
     context_parallel: ContextParallel | None = None
     lm_head: nn.Module | None = None  # plan.chunked_loss: the head the loss applies chunk by chunk
-    tp_plan: TPPlan | None = None  # the tensor-parallel plan applied (None without tp)
+    tp_styles: TPStyles | None = None  # the tensor-parallel styles applied (None without tp)
     loss_parallel: bool = False  # the LM head's logits stay vocabulary-sharded into the loss (TPOptions.loss_parallel)
     load: LoadStats | None = None  # loaded from a Hugging Face directory: what this rank read (checkpoint.hf_load)
     lora_config: dict[str, Any] | None = None  # its PEFT adapters' config (checkpoints' base reference, exports)
@@ -95,11 +97,17 @@ class ParallelModel:
 
     @property
     def extras(self) -> dict[str, Any]:
-        """Deprecated (read the typed fields): ``tp_plan``, ``loss_parallel``, ``load`` and
-        ``lora_config`` as a dict of those that are set, as ``extras`` used to hold them."""
-        found = {"tp_plan": self.tp_plan, "loss_parallel": self.loss_parallel if self.tp_plan is not None else None,
+        """Deprecated (read the typed fields): ``tp_styles`` (as ``"tp_plan"``), ``loss_parallel``, ``load``
+        and ``lora_config`` as a dict of those that are set, as ``extras`` used to hold them."""
+        found = {"tp_plan": self.tp_styles, "loss_parallel": self.loss_parallel if self.tp_styles is not None else None,
                  "load": self.load, "lora_config": self.lora_config}
         return {k: v for k, v in found.items() if v is not None}
+
+    @property
+    def tp_plan(self) -> TPStyles | None:
+        """Deprecated: :attr:`tp_styles`."""
+        warnings.warn("ParallelModel.tp_plan is deprecated: use ParallelModel.tp_styles", DeprecationWarning, stacklevel=2)
+        return self.tp_styles
 
     def loss_for(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
         """The loss to call on ``module``'s outputs: :func:`training_loss` of ``loss_fn`` for this
@@ -239,8 +247,8 @@ def training_loss(loss_fn: Callable[[Any, Any], torch.Tensor], plan: Plan, *, he
     return loss_fn
 
 
-def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipeline: PipelineOptions | None = None) -> TPPlan | None:
-    """Check ``plan`` against ``model`` without any communication; return the TP plan to apply.
+def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipeline: PipelineOptions | None = None) -> TPStyles | None:
+    """Check ``plan`` against ``model`` without any communication; return the TP styles to apply.
 
     Call it before building meshes so bad input fails before any process-group work
     (:func:`parallelize` calls it again first thing).
@@ -260,24 +268,24 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
         raise ConfigError(f"plan {plan}: tp cannot split the 4-bit NF4 weight {quantized} (torchao splits NF4 tensors along rows "
                           "only, and a row-wise layer needs its columns split)", hint="use zero=3 (or dp) for QLoRA, or lora.base=fp32 with tp")
     options = tp or TPOptions()
-    if options.plan is not None:
-        tp_plan = TPPlan.of(options.plan)
+    if options.styles is not None:
+        tp_styles = TPStyles.of(options.styles)
     else:
-        tp_plan = annotated_plan(model, tp=plan.tp) or derive_tp_plan(model, tp=plan.tp)
+        tp_styles = annotated_styles(model, tp=plan.tp) or derive_tp_styles(model, tp=plan.tp)
     if plan.ep_enabled:
         # Expert parallel owns the experts' tensors (split by expert over ep): TP leaves them whole,
         # so the tp ranks of one expert-parallel rank hold, and compute, the same experts.
-        tp_plan = TPPlan(tuple((pattern, style) for pattern, style in tp_plan.entries if style != "experts"))
-    tp_plan = adapter_plan(model, tp_plan)  # LoRA layers: base_layer, lora_A, lora_B follow the base's style
-    validate_tp(model, tp_plan, tp=plan.tp)
-    styles = set(tp_plan.as_dict().values())
+        tp_styles = TPStyles(tuple((pattern, style) for pattern, style in tp_styles.entries if style != "experts"))
+    tp_styles = adapter_styles(model, tp_styles)  # LoRA layers: base_layer, lora_A, lora_B follow the base's style
+    validate_tp(model, tp_styles, tp=plan.tp)
+    styles = set(tp_styles.as_dict().values())
     if plan.sequence_parallel and not {"sequence_parallel", "attention_input"} <= styles:
         # Rowwise outputs would be left sequence-sharded with nothing to gather them back.
         raise ConfigError(
-            f"plan {plan}: sequence parallel needs norm ('sequence_parallel') and 'attention_input' entries in the TP plan",
+            f"plan {plan}: sequence parallel needs norm ('sequence_parallel') and 'attention_input' entries in the TP styles",
             hint="use the derived plan (no annotations), add those entries, or drop sp",
         )
-    return tp_plan
+    return tp_styles
 
 
 def parallelize(
@@ -298,7 +306,7 @@ def parallelize(
     stage; it can also be set later as ``pm.pipeline.loss_fn``. ``pipeline`` says where to cut.
     ``fp8``: how ``precision="fp8"`` converts (:class:`~shardwise.parallel.fp8.Fp8Options`).
     """
-    tp_plan = validate(model, plan, tp=tp, pipeline=pipeline)
+    tp_styles = validate(model, plan, tp=tp, pipeline=pipeline)
     # Before the split (the last stage keeps the head object) and before TP (which gives a chunked
     # head its own style): the head passes its input through while training, the loss applies it.
     head = install_chunked_head(model) if plan.chunked_loss else None
@@ -307,10 +315,10 @@ def parallelize(
     cp = ContextParallel(meshes.cp, pass_attention_mask=takes_attention_mask(model), pass_position_ids=takes_position_ids(model)) \
         if plan.cp_enabled else None
     experts = build_expert_meshes(plan, meshes.root) if plan.ep_enabled else None
-    local = {"tp_plan": tp_plan, "ddp": ddp, "tp": tp, "fsdp": fsdp, "context_parallel": cp, "experts": experts, "fp8": fp8}
+    local = {"tp_styles": tp_styles, "ddp": ddp, "tp": tp, "fsdp": fsdp, "context_parallel": cp, "experts": experts, "fp8": fp8}
     runner = None
     if plan.pp_enabled:
-        # Step 1: the split; the TP plan (derived on the whole model, names kept) and steps 2-5
+        # Step 1: the split; the TP styles (derived on the whole model, names kept) and steps 2-5
         # then apply to each local stage.
         module, runner = build_pipeline(
             model, plan, meshes.pp, loss_fn=loss_fn, options=pipeline,
@@ -320,8 +328,8 @@ def parallelize(
         module = apply_local(model, plan, meshes, **local)
     if cp is not None:
         cp.hook_models(module)  # positions and mask for Hugging Face models inside any wrapper (shardwise.parallel.cp)
-    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, context_parallel=cp, lm_head=head, tp_plan=tp_plan,
-                         loss_parallel=tp_plan is not None and (tp or TPOptions()).loss_parallel)
+    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, context_parallel=cp, lm_head=head, tp_styles=tp_styles,
+                         loss_parallel=tp_styles is not None and (tp or TPOptions()).loss_parallel)
 
 
 def apply_local(
@@ -329,7 +337,7 @@ def apply_local(
     plan: Plan,
     meshes: Meshes,
     *,
-    tp_plan: TPPlan | None,
+    tp_styles: TPStyles | None,
     ddp: DDPOptions | None = None,
     tp: TPOptions | None = None,
     fsdp: FSDPOptions | None = None,
@@ -340,8 +348,8 @@ def apply_local(
     """Steps 1b-5 of the module doc on one module (the whole model, or one pipeline stage)."""
     if plan.precision == "fp8":
         apply_fp8(model, recipe=plan.fp8_recipe, options=fp8, device=meshes.root.device_type, fsdp=plan.zero >= 2)
-    if tp_plan is not None:
-        apply_tp(model, meshes.tp, plan=tp_plan, sequence_parallel=plan.sequence_parallel,
+    if tp_styles is not None:
+        apply_tp(model, meshes.tp, styles=tp_styles, sequence_parallel=plan.sequence_parallel,
                  loss_parallel=(tp or TPOptions()).loss_parallel)
     # Expert parallel shards the experts' weights like TP shards linear layers: before
     # recomputation (which replays the all-to-alls) and before data-parallel wrapping.
@@ -368,7 +376,7 @@ def apply_local(
             precompute_scales_before_forward(model)
         return model
     if plan.token_parallel_size > 1:
-        if tp_plan is not None or plan.pp_enabled or experts is not None or plan.params16:
+        if tp_styles is not None or plan.pp_enabled or experts is not None or plan.params16:
             # DDP cannot wrap DTensor parameters; FSDP2's replicate all-reduces them the same way.
             # Under pipelining DDP's reducer also miscounts the parameters (torch's metadata-
             # inference pass runs a backward outside no_sync), while replicate is supported there.

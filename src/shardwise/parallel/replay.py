@@ -4,7 +4,7 @@ For each module in registration order that owns parameters, its ``reset_paramete
 full-size CPU stand-in under ``torch.manual_seed(seed)``, and each tensor keeps its own slice
 (``distribute_tensor(..., src_data_rank=None)``: a local slice, no communication). Used by
 :mod:`shardwise.parallel.init` (materializing a parallelized model) and by pipeline stages
-cut from a meta model (:mod:`shardwise.parallel.pipeline_split`).
+cut from a meta model (:mod:`shardwise.parallel.pipeline.split`).
 """
 
 from __future__ import annotations

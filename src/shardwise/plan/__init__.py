@@ -7,15 +7,18 @@ so ``shardwise plan`` starts fast; measuring a machine is :mod:`shardwise.calibr
 arbitrary ``nn.Module`` is :mod:`shardwise.auto.measure`.
 """
 
+from shardwise.exports import renamed
 from shardwise.layout import MESH_DIMS, Plan
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.cost import Estimate, StatePolicy, bubble_fraction, estimate
 from shardwise.plan.policy import RunPolicy
-from shardwise.plan.planner import AutoPlan, auto_plan, stats_of
+from shardwise.plan.planner import AutoChoice, auto_plan, stats_of
 from shardwise.plan.search import SearchOptions, SearchResult, search
 from shardwise.plan.stats import ModelStats, TransformerShape, TransformerSpec, transformer_stats
 
+__getattr__ = renamed(__name__, {"AutoPlan": "AutoChoice"})  # the old name, deprecated
+
 __all__ = [
-    "MESH_DIMS", "AutoPlan", "ClusterSpec", "Estimate", "ModelStats", "Plan", "RunPolicy", "SearchOptions", "SearchResult", "StatePolicy",
+    "MESH_DIMS", "AutoChoice", "ClusterSpec", "Estimate", "ModelStats", "Plan", "RunPolicy", "SearchOptions", "SearchResult", "StatePolicy",
     "TransformerShape", "TransformerSpec", "auto_plan", "bubble_fraction", "estimate", "search", "stats_of", "transformer_stats",
 ]

@@ -256,7 +256,7 @@ def logits_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, *, mbs: int = 1)
       element at the peak). On the last pipeline stage ``torch.distributed.pipelining`` keeps the
       stage's output, the logits in the compute dtype (``c``), in its forward cache until that
       microbatch's backward. Under tensor parallelism without a vocabulary-parallel loss
-      (``RunPolicy.loss_parallel``, off in shardwise's default TP plan) over the whole vocabulary;
+      (``RunPolicy.loss_parallel``, off in shardwise's default TP styles) over the whole vocabulary;
     - chunked (``Plan.chunked_loss``, :mod:`shardwise.parallel.linear_ce`: the head and the loss
       ``C = N d / (V/t)`` tokens at a time, each chunk's backward in the same pass): kept is the
       head input's gradient ``dh`` (``N d``, 4 bytes over fp32 parameters, 2 under ``params16``)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardwise.errors import ConfigError
+from shardwise.exports import renamed
 from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec, resolve
 from shardwise.plan.cost import Estimate
@@ -22,6 +23,7 @@ from shardwise.plan.stats import ModelStats, TransformerShape, preset, transform
 
 
 GATED = ("gated_mlp", "swiglu")  # planner-only spec keys: a SwiGLU MLP (Llama's gate, up and down projections)
+__getattr__ = renamed(__name__, {"AutoPlan": "AutoChoice"})  # the old name, deprecated
 
 
 def spec_from_text(text: str) -> tuple[TransformerShape, bool]:
@@ -72,7 +74,10 @@ def cluster_of(cluster: ClusterSpec | str, *, world_size: int, devices_per_node:
 
 
 @dataclass(frozen=True)
-class AutoPlan:
+class AutoChoice:
+    """The planner's choice for ``plan="auto"``: the plan, its prediction, the ranked search it won,
+    and (after certification) the parity certificate."""
+
     plan: Plan
     estimate: Estimate
     result: SearchResult
@@ -83,11 +88,11 @@ class AutoPlan:
         return (f"auto plan: {self.plan}  (predicted {e.step_time_s * 1e3:.1f} ms/step, "
                 f"{e.memory_total / 2**30:.2f} GiB/device, MFU {100 * e.mfu:.1f}%)\n  why: {self.result.explanation}")
 
-    def certified(self, plan: Plan, certificate: dict[str, Any]) -> AutoPlan:
+    def certified(self, plan: Plan, certificate: dict[str, Any]) -> AutoChoice:
         """This choice after certification: ``plan`` (one of the ranked plans: the first that
         passed) with its own prediction, and the certificate."""
         estimate = next((e for e in self.result.plans if e.plan == plan), self.estimate)
-        return AutoPlan(plan=estimate.plan, estimate=estimate, result=self.result, certificate=certificate)
+        return AutoChoice(plan=estimate.plan, estimate=estimate, result=self.result, certificate=certificate)
 
     def to_json(self) -> str:
         out: dict[str, Any] = {"plan": self.plan.to_dict(), "prediction": self.estimate.to_json(),
@@ -104,7 +109,7 @@ class AutoPlan:
 
 def auto_plan(model_or_spec: Any, *, world_size: int, cluster: ClusterSpec | str = "cpu", global_batch: int,
               seq: int | None = None, precision: str | None = None, devices_per_node: int | None = None,
-              options: SearchOptions | None = None) -> AutoPlan:
+              options: SearchOptions | None = None) -> AutoChoice:
     """The fastest plan that fits ``world_size`` devices of ``cluster`` (raises ConfigError if none).
 
     The search turns on shardwise's runtime options where they help (``params16``, ``chunked_loss``,
@@ -121,7 +126,7 @@ def auto_plan(model_or_spec: Any, *, world_size: int, cluster: ClusterSpec | str
         opts = SearchOptions(**{**opts.__dict__, "precision": precision, "precisions": ()})
     result = search(stats, spec, global_batch=global_batch, options=opts)
     best = result.best
-    return AutoPlan(plan=best.plan, estimate=best, result=result)
+    return AutoChoice(plan=best.plan, estimate=best, result=result)
 
 
 def cluster_for_device(device_type: str, *, world_size: int, device_name: str = "", memory_bytes: float | None = None) -> ClusterSpec:

@@ -36,7 +36,7 @@ them always on.
   ``log_softmax``'s fp32 gradients coexist with it: 12 bytes per element at the peak.
 - ``loss_parallel``: under tensor parallelism the logits stay split over the vocabulary and the
   cross-entropy is vocabulary-parallel (Megatron-LM, torchtitan's ``loss_parallel``); otherwise
-  (shardwise's default TP plan) the LM head's output is all-gathered and every tensor-parallel rank
+  (shardwise's default TP styles) the LM head's output is all-gathered and every tensor-parallel rank
   holds and differentiates the whole ``[tokens, vocab]`` logits (the chunked loss is
   vocabulary-parallel either way).
 - ``chunked_loss`` (``Plan.chunked_loss``): the LM head and the cross-entropy run per chunk of

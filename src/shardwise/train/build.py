@@ -47,7 +47,7 @@ from shardwise.parallel.parallelize import ParallelModel, parallelize
 from shardwise.parallel.pipeline import PipelineOptions
 from shardwise.parallel.reduction import IGNORE_INDEX
 from shardwise.parallel.tp import TPOptions
-from shardwise.plan.planner import AutoPlan
+from shardwise.plan.planner import AutoChoice
 from shardwise.runtime.detect import RuntimeEnv
 from shardwise.runtime.logging import get_logger
 
@@ -68,7 +68,7 @@ class Built:
 
     env: RuntimeEnv
     plan: Plan
-    auto_choice: AutoPlan | None  # plan="auto": the planner's choice on rank 0 (None elsewhere)
+    auto_choice: AutoChoice | None  # plan="auto": the planner's choice on rank 0 (None elsewhere)
     meshes: Meshes
     model: ParallelModel
     optimizer: torch.optim.Optimizer

@@ -81,7 +81,7 @@ class Trainer:
     the meshes, moves the model to this rank's device, applies the plan and builds the optimizer,
     so ``trainer.model`` (a ParallelModel), ``trainer.optimizer``, ``trainer.meshes``,
     ``trainer.plan`` and ``trainer.env`` exist before :meth:`fit`. With ``plan="auto"`` the plan is
-    chosen from the training data (:mod:`shardwise.train.auto`), so everything but ``env`` exists
+    chosen from the training data (:mod:`shardwise.auto`), so everything but ``env`` exists
     once :meth:`fit` or :meth:`setup` has seen it.
 
     Options (all keyword-only):
@@ -97,7 +97,7 @@ class Trainer:
       callbacks, loggers, MFU inputs) is documented with its default in docs/training.md.
     - ``checkpoint``: a directory, CheckpointManager or CheckpointCallback (``shardwise.checkpoint``).
     - ``certify``: certification of a ``plan="auto"`` choice by parity (True, False, a
-      :class:`~shardwise.verify.certify.CertifyOptions`; None: on for runs of 1000 steps or more).
+      :class:`~shardwise.CertifyOptions`; None: on for runs of 1000 steps or more).
     """
 
     def __init__(

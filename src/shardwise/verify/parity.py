@@ -72,9 +72,9 @@ from shardwise.parallel.init import parallelize_on_meta
 from shardwise.parallel.mesh import build_mesh
 from shardwise.parallel.micro_step import MicroBatch
 from shardwise.parallel.parallelize import parallelize
-from shardwise.parallel.pipeline import stage_modules
+from shardwise.parallel.pipeline.schedule import stage_modules
 from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss_reduction
-from shardwise.parallel.tp import TPOptions
+from shardwise.parallel.tp.styles import TPOptions
 from shardwise.layout import Plan
 from shardwise.verify.grad_norm import reference_grad_norm
 from shardwise.verify.state_bytes import memory_bytes
@@ -359,7 +359,7 @@ def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.Proc
 
     Without pipelining every rank holds (a shard of) every parameter and ``full_tensor()`` gathers
     it. With pipelining each rank holds only its stages' parameters, whose names are those of the
-    whole model (:mod:`~shardwise.parallel.pipeline_split`): each rank compares its own against
+    whole model (:mod:`~shardwise.parallel.pipeline.split`): each rank compares its own against
     the reference it trained locally, and the ``{name: divergence}`` dicts are all-gathered over
     ``pp`` (one small object per rank). A parameter that no stage holds counts as ``inf``, so a
     split that loses a layer cannot pass.

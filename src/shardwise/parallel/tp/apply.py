@@ -1,6 +1,6 @@
-"""Tensor (and sequence) parallel: a plan is data, ``parallelize_module`` applies it.
+"""Tensor (and sequence) parallel: the styles are data, ``parallelize_module`` applies them.
 
-A :class:`TPPlan` maps module-name patterns (``fnmatch`` per dotted atom, as
+A :class:`TPStyles` maps module-name patterns (``fnmatch`` per dotted atom, as
 ``parallelize_module`` reads them) to style names:
 
 ==================  ==============================================================================
@@ -18,7 +18,7 @@ pos_embedding       (SP only) positional embedding output sliced to the local se
 sequence_parallel   (SP only) norm/dropout region computed on the local sequence chunk
 attention_input     (SP only) all-gather the sequence before a colwise group (attention, MLP)
 adapter_input       (SP only) a LoRA adapter's dropout takes that gathered input as a local tensor
-                    (:mod:`shardwise.parallel.tp_adapters`: how adapters follow their base layer)
+                    (:mod:`shardwise.parallel.tp.adapters`: how adapters follow their base layer)
 adapter_sequence    (SP only) the replicated lora_B of a rowwise base, on the local sequence chunk
 lm_head             colwise output projection; output all-gathered, or with ``loss_parallel``
                     left sharded over the vocabulary for torch's ``loss_parallel()``
@@ -27,12 +27,12 @@ colwise_fused2/3    colwise for a projection fused from 2 or 3 equal pieces (gat
                     rank holds its share of every piece (whole heads of q, k and v)
 colwise_grouped     q|k|v fused with fewer key/value heads than query heads (Phi-3's qkv_proj under
                     GQA): each rank computes whole heads of q, k and v; the weight is held whole
-                    and its gradient all-reduced over tp (:mod:`shardwise.parallel.tp_layers`)
+                    and its gradient all-reduced over tp (:mod:`shardwise.parallel.tp.layers`)
 experts             MoE experts held as 3-D tensors: every expert's MLP split like a dense one
 ==================  ==============================================================================
 
 ``colwise``/``rowwise`` on GPT-2's ``Conv1D`` (transposed weight), the fused styles and ``experts``
-are shardwise's own styles (:mod:`shardwise.parallel.tp_layers`); the rest are torch's. Tied
+are shardwise's own styles (:mod:`shardwise.parallel.tp.layers`); the rest are torch's. Tied
 weights (an LM head sharing the token embedding's matrix) stay one parameter: both layers are
 split by vocabulary rows (``Shard(0)``), and after sharding the head is given the embedding's
 DTensor again. Parameters no style covers are replicated; :func:`tp_share` says how much of the
@@ -43,7 +43,7 @@ output projection and the MLP's down projection) and 2 backward. With SP each al
 becomes a reduce-scatter + all-gather pair of the same volume, and norms/dropout run on 1/tp
 of the sequence (activation memory / tp).
 
-:func:`derive_tp_plan` finds the standard shapes (q/k/v + output projection, MLP up/down pairs,
+:func:`derive_tp_styles` finds the standard shapes (q/k/v + output projection, MLP up/down pairs,
 token and positional embeddings, LM head, norms) by module names and, failing names, by an
 ``in_features`` match between two Linear siblings. :func:`validate_tp` checks that tp divides every
 sharded dimension and the head counts before any process-group work.
@@ -56,6 +56,7 @@ its head count in an attribute named ``n_head``/``n_heads``/``num_heads``/``n_kv
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 from torch import nn
@@ -72,14 +73,15 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from shardwise.errors import ConfigError
+from shardwise.exports import renamed
 from shardwise.parallel.chunked_loss import ChunkedHeadParallel, is_chunked_head
 from shardwise.parallel.fp8 import float8_tp_style
-from shardwise.parallel.tp_layers import ColumnSplit, ExpertSplit, GroupedColumnSplit, RowSplit, fused_pieces, is_conv1d, qkv_widths
-from shardwise.parallel.tp_plan import (HEAD_ATTRS, STYLES, TPOptions, TPPlan, derive_tp_plan, tp_share,  # noqa: F401 - re-exported
-                                        validate_tp)
+from shardwise.parallel.tp.layers import ColumnSplit, ExpertSplit, GroupedColumnSplit, RowSplit, fused_pieces, is_conv1d, qkv_widths
+from shardwise.parallel.tp.styles import HEAD_ATTRS, TPStyles, tp_share, validate_tp
 from shardwise.runtime.logging import get_logger
 
 log = get_logger("parallel")
+__getattr__ = renamed(__name__, {"to_torch_plan": "to_torch_styles"})
 _WIDTH_ATTRS = ("split_size",)  # widths of a fused projection's pieces, divided by tp like the head counts
 
 # -- application --------------------------------------------------------------------------------
@@ -166,10 +168,10 @@ def _module_style(module: nn.Module, style: str, *, sp: bool, loss_parallel: boo
     return base
 
 
-def to_torch_plan(plan: TPPlan, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` plan for ``plan`` (torch's styles, for nn.Linear/nn.Embedding)."""
+def to_torch_styles(styles: TPStyles, *, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan (torch's name) for ``styles``: torch's styles, for nn.Linear/nn.Embedding."""
     out: dict[str, ParallelStyle] = {}
-    for pattern, name in plan.entries:
+    for pattern, name in styles.entries:
         style = _style(name, sp=sequence_parallel, loss_parallel=loss_parallel)
         if style is not None:
             out[pattern] = style
@@ -223,14 +225,20 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             module.register_parameter(pname, keep)
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: TPPlan, sequence_parallel: bool = False,
-             loss_parallel: bool = False) -> nn.Module:
-    """Shard ``model`` over ``tp_mesh`` in place (module doc); then divide head-count attributes
-    of each attention module by tp so its reshapes see the local head count, give tied weights
-    one parameter again, and log the matrices left replicated."""
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, styles: TPStyles | None = None, sequence_parallel: bool = False,
+             loss_parallel: bool = False, plan: TPStyles | None = None) -> nn.Module:
+    """Shard ``model`` over ``tp_mesh`` by ``styles`` in place (module doc); then divide head-count
+    attributes of each attention module by tp so its reshapes see the local head count, give tied
+    weights one parameter again, and log the matrices left replicated. (``plan=``: the deprecated
+    name of ``styles``.)"""
+    if plan is not None:
+        warnings.warn("apply_tp(plan=...) is deprecated: use apply_tp(styles=...)", DeprecationWarning, stacklevel=2)
+    styles = styles or plan
+    if styles is None:
+        raise TypeError("apply_tp() needs styles=")
     tp = tp_mesh.size()
-    validate_tp(model, plan, tp=tp)
-    matched = plan.matches(model)
+    validate_tp(model, styles, tp=tp)
+    matched = styles.matches(model)
     own = {name: _own_style(module, style, model.get_submodule(name.rpartition(".")[0]) if "." in name else model)
            for name, (module, style) in matched.items()}
     own = {name: style for name, style in own.items() if style is not None}
@@ -238,7 +246,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, plan: TPPlan, sequence_pa
         first = next(iter(own))
         raise ConfigError(f"sequence parallel is not available with {first} ({type(matched[first][0]).__name__}, style "
                           f"{matched[first][1]!r})", hint="drop sp from the plan")
-    share, replicated = tp_share(model, plan, tp=tp)
+    share, replicated = tp_share(model, styles, tp=tp)
     ties = _ties(model)
     torch_plan = {name: style for name, (module, style_name) in matched.items() if name not in own
                   for style in [_module_style(module, style_name, sp=sequence_parallel, loss_parallel=loss_parallel)] if style is not None}

@@ -13,7 +13,7 @@ Either way the model is built on the meta device and parallelized before any wei
 each rank reads only its own slices (safetensors slice reads, or DCP's resharding load), so the
 model never has to fit on one process.
 
-Decoding (one prompt, batch 1; ``lm`` is the model's adapter, :mod:`shardwise.train.decoders`)::
+Decoding (one prompt, batch 1; ``lm`` is the model's adapter, :mod:`shardwise.generate.decoders`)::
 
     logits, cache = lm(prompt, None, use_cache=True)  # prefill: the K/V of every prompt token
     repeat max_new_tokens times:
@@ -52,7 +52,7 @@ from shardwise.checkpoint.manager import CheckpointManager
 from shardwise.data.corpus import CharVocab
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
-from shardwise.train.decoders import CausalLM, causal_lm
+from shardwise.generate.decoders import CausalLM, causal_lm
 
 
 @dataclass(frozen=True)
@@ -309,7 +309,7 @@ def generate_ids(model: nn.Module | CausalLM, ids: torch.Tensor, sampling: Sampl
                  vocab_limit: int | None = None) -> torch.Tensor:
     """``ids[B, T]`` followed by up to ``max_new_tokens`` new tokens (stops early after ``eos_token_id``).
 
-    ``model``: a parallelized module (its adapter is :func:`~shardwise.train.decoders.causal_lm`'s)
+    ``model``: a parallelized module (its adapter is :func:`~shardwise.generate.decoders.causal_lm`'s)
     or an adapter. Every rank calls it with the same ``ids``; all return the same tokens.
     ``use_cache=False`` recomputes the whole sequence at every step (the reference the KV cache
     must equal). ``vocab_limit``: choose only ids below it.

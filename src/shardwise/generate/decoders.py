@@ -4,7 +4,7 @@
 is None); ``logits[B, T, V]`` are the model's, and the returned cache holds the keys and values
 of every position so far (None when ``use_cache`` is False: the caller then feeds the whole
 sequence again at every step). Two models speak it, each through a small adapter, so the loop in
-:mod:`shardwise.train.generate` has no branch on the kind of model:
+:mod:`shardwise.generate.decode` has no branch on the kind of model:
 
 - a Hugging Face causal LM: ``model(input_ids=ids, use_cache=..., past_key_values=cache)`` (the
   cache keyword is ``cache`` in recent transformers 5 releases), logits and cache read off the

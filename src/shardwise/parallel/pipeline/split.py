@@ -16,7 +16,7 @@ largest (by parameters) ``nn.ModuleList``/``nn.Sequential`` *anywhere inside the
 registered before it form the *input section* (embeddings: the first stage owns them), those after
 it the *output section* (final norm, head: the last stage owns them); modules without parameters
 (rotary embeddings, dropout) are shared by all stages. Each stage runs the model's own ``forward``
-on a view of the model (:mod:`shardwise.parallel.pipeline_stage`), so whatever the blocks receive
+on a view of the model (:mod:`shardwise.parallel.pipeline.stage`), so whatever the blocks receive
 besides the hidden state (rotary embeddings, position ids, masks) is recomputed by the model's code
 on every stage from the batch's inputs, and only the hidden state crosses a stage boundary.
 
@@ -24,8 +24,8 @@ A weight shared between stages (tied input and output embeddings: GPT-2, Gemma) 
 them; :func:`stage_ties` lists such ties, and the pipeline sums their gradients over the stages
 that hold them after each step (:mod:`shardwise.parallel.pipeline`).
 
-Stage modules keep the original parameter names (``blocks.3.attn.qkv.weight`` stays that), so a
-tensor-parallel plan written for the whole model applies to a stage unchanged, and the union of the
+Stage modules keep the original parameter names (``blocks.3.attn.qkv.weight`` stays that), so
+tensor-parallel styles written for the whole model apply to a stage unchanged, and the union of the
 stages' ``state_dict`` equals the model's.
 
 Balancing: with unit costs ``c_1..c_n`` and extra costs ``a`` (input section, stage 0) and ``b``
@@ -45,7 +45,7 @@ from torch import nn
 
 from shardwise.errors import ConfigError
 from shardwise.models.blocks import find_blocks
-from shardwise.parallel.pipeline_stage import SequentialStage, TrunkStage
+from shardwise.parallel.pipeline.stage import SequentialStage, TrunkStage
 
 Balance = Literal["params", "flops"]
 

@@ -1,6 +1,6 @@
 """Pipeline parallelism through ``torch.distributed.pipelining``.
 
-The model is cut into ``S = pp * virtual_stages`` stages (:mod:`shardwise.parallel.pipeline_split`);
+The model is cut into ``S = pp * virtual_stages`` stages (:mod:`shardwise.parallel.pipeline.split`);
 pipeline rank ``r`` owns stages ``r, r + pp, r + 2 pp, ...`` (the *looped* layout that
 interleaved 1F1B expects; with ``virtual_stages = 1`` simply stage ``r``). Each local stage module
 becomes a :class:`torch.distributed.pipelining.PipelineStage` on the ``pp`` mesh's process group,
@@ -21,7 +21,7 @@ broadcast of the scalar loss over the ``pp`` group so every rank reports it. Tru
 the microbatch's inputs as a keyword argument (torch's schedules split keyword arguments into
 microbatches and hand them to every stage; no communication), from which the model's own forward
 recomputes what its blocks need. A weight held by two stages (tied embeddings) costs one more
-all-reduce of its gradient between their ranks per step (:mod:`shardwise.parallel.pipeline_ties`).
+all-reduce of its gradient between their ranks per step (:mod:`shardwise.parallel.pipeline.ties`).
 
 Loss and gradient scale. The schedule computes ``loss_fn(output_mb, target_mb)`` on the last
 stage for each microbatch ``mb``; backward runs on ``loss_fn(...) * loss_scale / m`` (we tell the
@@ -47,9 +47,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.pipeline_split import Balance, Tie, check_ties, split_model, stage_ties
-from shardwise.parallel.pipeline_stage import TrunkStage
-from shardwise.parallel.pipeline_ties import TieSlot, grad_copy, sum_tied_grad, tie_slots
+from shardwise.parallel.pipeline.split import Balance, Tie, check_ties, split_model, stage_ties
+from shardwise.parallel.pipeline.stage import TrunkStage
+from shardwise.parallel.pipeline.ties import TieSlot, grad_copy, sum_tied_grad, tie_slots
 from shardwise.parallel.reduction import TokenShare
 from shardwise.layout import Plan
 
@@ -66,7 +66,7 @@ def _pipelining() -> Any:
 
 @dataclass(frozen=True)
 class PipelineOptions:
-    """Where to cut the model (see :func:`~shardwise.parallel.pipeline_split.split_model`)."""
+    """Where to cut the model (see :func:`~shardwise.parallel.pipeline.split.split_model`)."""
 
     balance: Balance = "params"
     split_points: tuple[int | str, ...] | None = None
@@ -149,7 +149,7 @@ class PipelineSchedule:
         self._device = torch.device(device)
         num_stages = plan.pp * plan.virtual_stages
         if plan.sharded_accumulation:
-            from shardwise.parallel.pipeline_accumulation import ShardedAccumulationStage as stage_class
+            from shardwise.parallel.pipeline.accumulation import ShardedAccumulationStage as stage_class
         else:
             stage_class = _pipelining().PipelineStage
         self.stages = [stage_class(module, index, num_stages, self._device, group=self._group) for index, module in modules]

@@ -29,8 +29,8 @@ row-wise base's output is sequence-sharded there, so its ``lora_B`` sees only th
 it is a sequence-parallel region like a norm (style ``adapter_sequence``: replicated DTensor
 weights whose partial gradients are summed over tp, output kept local).
 
-:func:`adapter_plan` rewrites a TP plan whose entries name peft LoRA layers (``...q_proj``, as a
-derived plan or a user's plan names them) into entries for their pieces, with PEFT's own module
+:func:`adapter_styles` rewrites TP styles whose entries name peft LoRA layers (``...q_proj``, as
+derived styles or a user's name them) into entries for their pieces, with PEFT's own module
 names: ``...q_proj.base_layer``, ``...q_proj.lora_A.*``, ``...q_proj.lora_B.*``,
 ``...q_proj.lora_dropout.*``. Entries that already name the pieces are kept. An adapter on a
 layer TP cannot pair (an embedding, the LM head, MoE experts) is refused with one line.
@@ -41,8 +41,11 @@ from __future__ import annotations
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.exports import renamed
 from shardwise.models.lora import is_adapter_module, is_lora_layer
-from shardwise.parallel.tp_plan import TPPlan, _match
+from shardwise.parallel.tp.styles import TPStyles, _match
+
+__getattr__ = renamed(__name__, {"adapter_plan": "adapter_styles"})  # the old names, deprecated
 
 _COLUMN = ("colwise", "colwise_rep", "colwise_fused2", "colwise_fused3")
 _ROW = ("rowwise", "rowwise_rep")
@@ -57,15 +60,15 @@ def _pieces(prefix: str, style: str) -> list[tuple[str, str]]:
     return [(f"{prefix}.base_layer", style), (f"{prefix}.lora_A.*", style), (f"{prefix}.lora_B.*", "adapter_sequence")]
 
 
-def adapter_plan(model: nn.Module, plan: TPPlan) -> TPPlan:
-    """``plan`` with every entry naming a LoRA layer expanded into its pieces (module doc); entries
+def adapter_styles(model: nn.Module, styles: TPStyles) -> TPStyles:
+    """``styles`` with every entry naming a LoRA layer expanded into its pieces (module doc); entries
     that name pieces themselves come last, so they win over the expansion."""
     layers = [name for name, module in model.named_modules() if is_lora_layer(module)]
     if not layers:
-        return plan
+        return styles
     out: list[tuple[str, str]] = []
-    own: list[tuple[str, str]] = []  # the plan's own entries for adapter pieces
-    for pattern, style in plan.entries:
+    own: list[tuple[str, str]] = []  # the styles' own entries for adapter pieces
+    for pattern, style in styles.entries:
         if is_adapter_module(pattern):
             own.append((pattern, style))
             continue
@@ -78,4 +81,4 @@ def adapter_plan(model: nn.Module, plan: TPPlan) -> TPPlan:
             raise ConfigError(f"tp cannot split the LoRA adapter of {(hits or base_hits)[0]}: its base layer's TP style is {style!r}",
                               hint="adapt only the attention and MLP projections (drop it from lora targets), or mark it 'replicate'")
         out += _pieces(pattern if hits else pattern.removesuffix(".base_layer"), style)
-    return TPPlan(tuple(dict.fromkeys(out + own)))
+    return TPStyles(tuple(dict.fromkeys(out + own)))

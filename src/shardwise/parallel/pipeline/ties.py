@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
-from shardwise.parallel.pipeline_split import Tie
+from shardwise.parallel.pipeline.split import Tie
 from shardwise.parallel.local import local_tensor
 
 

@@ -1,9 +1,9 @@
-"""The data side of tensor parallelism: a TP plan (module-name patterns -> style names), its
-automatic derivation for common transformer shapes, its validation, and how much of a model a plan
-shards. The styles themselves are applied by :mod:`shardwise.parallel.tp` (see its doc for the
+"""The data side of tensor parallelism: :class:`TPStyles` (module-name patterns -> style names,
+what torch calls a ``parallelize_plan``), their automatic derivation for common transformer shapes,
+their validation, and how much of a model they shard. The styles themselves are applied by :mod:`shardwise.parallel.tp` (see its doc for the
 table of styles and their communication).
 
-:func:`derive_tp_plan` finds q/k/v (or fused q|k|v) + output projections and MLP up/gate/down pairs
+:func:`derive_tp_styles` finds q/k/v (or fused q|k|v) + output projections and MLP up/gate/down pairs
 by module names (``q_proj``, ``c_attn``, ``fc1``, ``down_proj`` ...) or by shape (two Linear or
 Conv1D siblings where the first feeds the second), MoE experts held as 3-D tensors, the token and
 positional embeddings, the LM head and the norms. :func:`validate_tp` checks that tp divides every
@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Mapping
 
 from torch import nn
 
 from shardwise.errors import ConfigError
+from shardwise.exports import renamed
 from shardwise.models.lora import see_through
-from shardwise.parallel.tp_layers import expert_weights, in_out, inner_sizes, is_conv1d, qkv_widths
+from shardwise.parallel.tp.layers import expert_weights, in_out, inner_sizes, is_conv1d, qkv_widths
+
+__getattr__ = renamed(__name__, {"TPPlan": "TPStyles", "derive_tp_plan": "derive_tp_styles"})  # the old names, deprecated
 
 STYLES = (
     "colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise",
@@ -29,7 +33,7 @@ STYLES = (
     "experts",
     "adapter_input", "adapter_sequence",
 )
-_OWN = ("colwise_fused2", "colwise_fused3", "colwise_grouped", "experts")  # always shardwise's styles (tp_layers)
+_OWN = ("colwise_fused2", "colwise_fused3", "colwise_grouped", "experts")  # always shardwise's styles (tp/layers.py)
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 
 _COL = {"q", "k", "v", "wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "qkv", "c_attn", "query", "key", "value",
@@ -43,27 +47,41 @@ _NORMS = (nn.LayerNorm, nn.RMSNorm)
 _UNSHARDABLE = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.RNNBase)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class TPOptions:
-    """``plan``: explicit pattern -> style mapping (else annotations, else derived);
+    """``styles``: explicit pattern -> style mapping (else annotations, else derived);
     ``loss_parallel``: keep the LM head's logits vocabulary-sharded (the loss must then be
-    computed inside ``ParallelModel.step_context()``)."""
+    computed inside ``ParallelModel.step_context()``). ``plan=`` is the deprecated name of ``styles``."""
 
-    plan: Mapping[str, str] | None = None
+    styles: Mapping[str, str] | None = None
     loss_parallel: bool = False
 
+    def __init__(self, styles: Mapping[str, str] | None = None, loss_parallel: bool = False, *,
+                 plan: Mapping[str, str] | None = None) -> None:
+        if plan is not None:
+            warnings.warn("TPOptions(plan=...) is deprecated: use TPOptions(styles=...)", DeprecationWarning, stacklevel=2)
+            styles = plan if styles is None else styles
+        object.__setattr__(self, "styles", styles)
+        object.__setattr__(self, "loss_parallel", loss_parallel)
+
+    @property
+    def plan(self) -> Mapping[str, str] | None:
+        """Deprecated: :attr:`styles`."""
+        warnings.warn("TPOptions.plan is deprecated: use TPOptions.styles", DeprecationWarning, stacklevel=2)
+        return self.styles
+
 
 @dataclass(frozen=True)
-class TPPlan:
+class TPStyles:
     """Ordered (pattern, style) pairs; module paths are dotted names as in ``named_modules``."""
 
     entries: tuple[tuple[str, str], ...]
 
     @classmethod
-    def of(cls, mapping: Mapping[str, str]) -> TPPlan:
+    def of(cls, mapping: Mapping[str, str]) -> TPStyles:
         for pattern, style in mapping.items():
             if style not in STYLES:
-                raise ConfigError(f"TP plan style {style!r} for {pattern!r} is unknown", hint=f"use one of {', '.join(STYLES)}")
+                raise ConfigError(f"TP style {style!r} for {pattern!r} is unknown", hint=f"use one of {', '.join(STYLES)}")
         return cls(tuple(mapping.items()))
 
     def as_dict(self) -> dict[str, str]:
@@ -85,8 +103,8 @@ def _match(name: str, pattern: str) -> bool:
 
 
 # -- derivation --------------------------------------------------------------------------------
-def derive_tp_plan(model: nn.Module, *, tp: int) -> TPPlan:
-    """The standard plan for a transformer-like model (module doc); raises ConfigError for a
+def derive_tp_styles(model: nn.Module, *, tp: int) -> TPStyles:
+    """The standard styles for a transformer-like model (module doc); raises ConfigError for a
     layer type TP cannot shard, or when nothing shardable is found."""
     for name, module in model.named_modules():
         if isinstance(module, _UNSHARDABLE):
@@ -95,10 +113,10 @@ def derive_tp_plan(model: nn.Module, *, tp: int) -> TPPlan:
                 "its projections are fused inside one module)",
                 hint="build the layer from separate nn.Linear projections (as shardwise's GPT does), or use dp/zero/pp instead of tp",
             )
-    plan: dict[str, str] = {}
+    styles: dict[str, str] = {}
     paired: set[str] = set()
     for parent_name, parent in model.named_modules():
-        # a peft LoRA layer is derived as the layer it wraps (shardwise.parallel.tp_adapters splits its pieces)
+        # a peft LoRA layer is derived as the layer it wraps (shardwise.parallel.tp.adapters splits its pieces)
         linears = [(n, see_through(m)) for n, m in parent.named_children() if in_out(see_through(m)) is not None]
         cols = [n for n, _ in linears if n in _COL]
         rows = [n for n, _ in linears if n in _ROW]
@@ -114,35 +132,35 @@ def derive_tp_plan(model: nn.Module, *, tp: int) -> TPPlan:
         sizes = dict(linears)
         fused = _fused_pieces(sizes, cols, rows, prefix, tp=tp, parent=parent)
         for n in cols:
-            plan[prefix + n] = "colwise_grouped" if fused < 0 else f"colwise_fused{fused}" if fused > 1 else "colwise"
+            styles[prefix + n] = "colwise_grouped" if fused < 0 else f"colwise_fused{fused}" if fused > 1 else "colwise"
         for n in rows:
-            plan[prefix + n] = "rowwise"
+            styles[prefix + n] = "rowwise"
         paired.update(prefix + n for n in cols + rows)
         if parent_name:
-            plan[parent_name] = "attention_input"
+            styles[parent_name] = "attention_input"
     for name, module in model.named_modules():
         if expert_weights(module) is not None:
-            plan[name] = "experts"
+            styles[name] = "experts"
             paired.add(name)
     if not paired:
         raise ConfigError(
             f"tp={tp} found no colwise/rowwise Linear pair in {type(model).__name__}",
-            hint="annotate layers with shardwise.shard(layer, 'colwise'/'rowwise') or pass a TP plan; or use dp/zero instead of tp",
+            hint="annotate layers with shardwise.shard(layer, 'colwise'/'rowwise') or pass TP styles (TPOptions(styles=...)); or use dp/zero instead of tp",
         )
     head = _find_head(model, paired)
     vocab = head[1].out_features if head else None
     if head:
-        plan[head[0]] = "lm_head"
+        styles[head[0]] = "lm_head"
     for name, module in model.named_modules():
         leaf = name.rsplit(".", 1)[-1]
         if isinstance(module, nn.Embedding):
             if leaf in _POS:
-                plan[name] = "pos_embedding"
+                styles[name] = "pos_embedding"
             elif vocab is None or module.num_embeddings == vocab:
-                plan[name] = "vocab_embedding"
+                styles[name] = "vocab_embedding"
         elif isinstance(module, _NORMS):
-            plan[name] = "sequence_parallel"
-    return TPPlan.of(_generalize(plan))
+            styles[name] = "sequence_parallel"
+    return TPStyles.of(_generalize(styles))
 
 
 _FUSED_QKV = ("qkv", "c_attn", "query_key_value", "wqkv")
@@ -169,19 +187,19 @@ def _fused_pieces(sizes: dict[str, nn.Module], cols: list[str], rows: list[str],
         return -1
     raise ConfigError(f"tp={tp} cannot shard {prefix}{cols[0]}: it fuses projections of unequal widths ({out} outputs "
                       f"feed {prefix}{rows[0]}'s {inner} inputs)",
-                      hint="pass a TP plan that marks it 'replicate' (and its partner 'replicate'), or use dp/zero/pp instead of tp")
+                      hint="pass TP styles that mark it 'replicate' (and its partner 'replicate'), or use dp/zero/pp instead of tp")
 
 
 _BLOCK_INDEX = re.compile(r"\.\d+\.")  # a block index between two names
 
 
-def _generalize(plan: dict[str, str]) -> dict[str, str]:
+def _generalize(styles: dict[str, str]) -> dict[str, str]:
     """``blocks.0.attn.q``, ``blocks.1.attn.q`` -> ``blocks.*.attn.q`` when every block agrees."""
     groups: dict[str, set[str]] = {}
-    for name, style in plan.items():
+    for name, style in styles.items():
         groups.setdefault(_BLOCK_INDEX.sub(".*.", name), set()).add(style)
     out: dict[str, str] = {}
-    for name, style in plan.items():
+    for name, style in styles.items():
         key = _BLOCK_INDEX.sub(".*.", name)
         out[key if len(groups[key]) == 1 else name] = style
     return out
@@ -223,10 +241,10 @@ def _sharded_sizes(module: nn.Module, style: str) -> dict[str, int]:
     return {}
 
 
-def validate_tp(model: nn.Module, plan: TPPlan, *, tp: int) -> None:
-    """Raise ConfigError unless tp divides every dimension the plan shards (and the head counts)."""
+def validate_tp(model: nn.Module, styles: TPStyles, *, tp: int) -> None:
+    """Raise ConfigError unless tp divides every dimension the styles shard (and the head counts)."""
     sizes: list[tuple[str, int]] = []
-    for name, (module, style) in plan.matches(model).items():
+    for name, (module, style) in styles.matches(model).items():
         linear_like = isinstance(module, nn.Linear) or (is_conv1d(module) and style in ("colwise", "rowwise"))
         if style == "colwise_grouped" and not isinstance(module, nn.Linear):
             raise ConfigError(f"TP style 'colwise_grouped' on {name} needs an nn.Linear, not {type(module).__name__}",
@@ -251,14 +269,14 @@ def validate_tp(model: nn.Module, plan: TPPlan, *, tp: int) -> None:
 
 
 
-def tp_share(model: nn.Module, plan: TPPlan, *, tp: int) -> tuple[float, list[tuple[str, int]]]:
+def tp_share(model: nn.Module, styles: TPStyles, *, tp: int) -> tuple[float, list[tuple[str, int]]]:
     """The fraction of the model's parameters each TP rank keeps, and the matrices that no entry
-    of the plan names at all (``(module name, parameters)``, largest first): layers replicated
+    of the styles names at all (``(module name, parameters)``, largest first): layers replicated
     without anyone having asked for it (a norm, a positional embedding or a 'replicate' entry is
     replicated on purpose and not listed)."""
     sharding = {"colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise", "lm_head", *_OWN} - {
-        "colwise_grouped"}  # computed split, held whole (tp_layers.GroupedColumnSplit)
-    matched = plan.matches(model)
+        "colwise_grouped"}  # computed split, held whole (layers.GroupedColumnSplit)
+    matched = styles.matches(model)
     covered = {id(p) for _, (m, style) in matched.items() if style in sharding for p in m.parameters(recurse=False)
                if not (is_conv1d(m) and style == "rowwise" and p.dim() == 1) and not (style == "experts" and p.dim() < 3)}
     named = {id(p) for _, (m, _) in matched.items() for p in m.parameters(recurse=False)}
