@@ -84,7 +84,7 @@ def _rates(spec: BenchSpec, marks: dict[int, tuple[float, float]]) -> tuple[floa
 
 def run_trainer(spec: BenchSpec, dataset: CharWindows, vocab: int) -> tuple[float, float, float]:
     """samples/s and samples per CPU-second of steps warmup..steps, and the last logged loss."""
-    from shardwise.train import Callback, Trainer
+    from shardwise.train import Callback, LoggingOptions, TrainOptions, Trainer
 
     class Clock(Callback):
         def __init__(self) -> None:
@@ -97,10 +97,10 @@ def run_trainer(spec: BenchSpec, dataset: CharWindows, vocab: int) -> tuple[floa
 
     model, _ = _model(spec, vocab)
     clock = Clock()
-    trainer = Trainer(
-        model, loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=spec.lr), plan="dp", precision=spec.precision,
-        global_batch_size=spec.global_batch, max_steps=spec.steps, log_every=10, callbacks=[clock], progress_bar=False, seed=0,
-    )
+    trainer = Trainer(model, loss_fn=lm_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=spec.lr), plan="dp",
+                      precision=spec.precision, global_batch_size=spec.global_batch,
+                      train=TrainOptions(max_steps=spec.steps, seed=0),
+                      logging=LoggingOptions(log_every=10, progress_bar=False), callbacks=[clock])
     result = trainer.fit(dataset)
     return (*_rates(spec, clock.marks), float(result.train_loss or float("nan")))
 
