@@ -108,3 +108,12 @@ def test_unknown_keywords_and_wrong_sections_are_refused(no_process_group) -> No
     with pytest.raises(ConfigError, match="precision=16"):
         Trainer(nn.Linear(2, 2), loss_fn=F.mse_loss, global_batch_size=4, precision=16)
     assert DataOptions(num_workers=2, pin_memory=True).loader().num_workers == 2
+
+
+def test_the_sections_are_public() -> None:
+    import shardwise
+    import shardwise.train as train
+
+    for cls in (TrainOptions, DataOptions, PrecisionOptions, ParallelOptions, LoggingOptions):
+        assert getattr(shardwise, cls.__name__) is cls and getattr(train, cls.__name__) is cls
+        assert cls.__name__ in shardwise.__all__ and cls.__dataclass_params__.frozen

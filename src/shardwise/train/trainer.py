@@ -68,6 +68,7 @@ log = get_logger("train")
 _DEFERRED = frozenset({"plan", "auto_choice", "meshes", "model", "optimizer", "dp_rank", "dp_size", "precision", "micro_batch_size",
                        "eval_batch_size", "peak_flops_total", "lr_scheduler", "scaler"})
 
+
 class Trainer:
     """Train ``model`` with the layout ``plan`` (see the module doc for the math of one step).
 
@@ -113,43 +114,45 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         checkpoint: Any = None,
     ) -> None:
-        t, log_opts, par, prec = (check_section("train", train, TrainOptions), check_section("logging", logging, LoggingOptions),
-                                  check_section("parallel", parallel, ParallelOptions), PrecisionOptions.of(precision))
-        data = check_section("data", data, DataOptions)
-        check_counts(global_batch_size=global_batch_size, grad_accum_steps=t.grad_accum_steps, log_every=log_opts.log_every,
-                     max_steps=t.max_steps, max_epochs=t.max_epochs, eval_every=t.eval_every, eval_batch_size=t.eval_batch_size,
-                     clip_grad_norm=t.clip_grad_norm, tokens_per_sample=log_opts.tokens_per_sample)
+        train, data = check_section("train", train, TrainOptions), check_section("data", data, DataOptions)
+        parallel, logging = check_section("parallel", parallel, ParallelOptions), check_section("logging", logging, LoggingOptions)
+        precision = PrecisionOptions.of(precision)
+        check_counts(global_batch_size=global_batch_size, grad_accum_steps=train.grad_accum_steps, log_every=logging.log_every,
+                     max_steps=train.max_steps, max_epochs=train.max_epochs, eval_every=train.eval_every,
+                     eval_batch_size=train.eval_batch_size, clip_grad_norm=train.clip_grad_norm,
+                     tokens_per_sample=logging.tokens_per_sample)
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn={loss_fn!r} is not callable", hint="pass a function (outputs, targets) -> scalar loss")
         self.loss_fn = scalar_loss(loss_fn)
-        self.loss_reduction, self.ignore_index = check_loss_reduction(t.loss_reduction), t.ignore_index
-        self.global_batch_size, self.grad_accum_steps = global_batch_size, t.grad_accum_steps
+        self.loss_reduction, self.ignore_index = check_loss_reduction(train.loss_reduction), train.ignore_index
+        self.global_batch_size, self.grad_accum_steps = global_batch_size, train.grad_accum_steps
 
         def check(plan: Plan, device_type: str) -> None:  # before any mesh or wrapping
-            check_batch_split(global_batch_size, plan.dp_size * self.env.replicas, t.grad_accum_steps)  # replicas: train/ft.py
+            check_batch_split(global_batch_size, plan.dp_size * self.env.replicas, train.grad_accum_steps)  # replicas: train/ft.py
             check_precision(plan.precision, device_type)
 
         # The shared build step (train/build.py): init, plan (rank 0 plans "auto"), mesh, seeds,
         # parallelize, optimizer. Pipelines split each micro-batch again, so an automatic choice
         # considers them only without gradient accumulation.
-        self._build = partial(build, model, optimizer, plan=plan, global_batch_size=global_batch_size, seed=t.seed,
-                              precision=prec.compute, pipelines_allowed=t.grad_accum_steps == 1, cluster=par.cluster,
-                              tokens_per_sample=log_opts.tokens_per_sample, ddp=par.ddp, tp=par.tp, fsdp=par.fsdp,
-                              pipeline=par.pipeline, loss_fn=self.loss_fn, check=check, loss_reduction=t.loss_reduction,
-                              ignore_index=t.ignore_index, fp8=prec.fp8)
-        self._fp8 = prec.fp8
-        self.certify = CertifyOptions.of(par.certify)
-        self.clip_grad_norm, self.seed, self.max_steps, self.max_epochs = t.clip_grad_norm, t.seed, t.max_steps, t.max_epochs
-        self.eval_every, self.log_every, self.shuffle = t.eval_every, log_opts.log_every, data.shuffle
-        self._eval_batch_size, self._scale_lr = t.eval_batch_size, t.scale_lr
-        self._peak_flops_per_device, self._loss_scaler = log_opts.peak_flops_per_device, prec.loss_scaler
+        self._build = partial(build, model, optimizer, plan=plan, global_batch_size=global_batch_size, seed=train.seed,
+                              precision=precision.compute, pipelines_allowed=train.grad_accum_steps == 1,
+                              cluster=parallel.cluster, tokens_per_sample=logging.tokens_per_sample, ddp=parallel.ddp,
+                              tp=parallel.tp, fsdp=parallel.fsdp, pipeline=parallel.pipeline, loss_fn=self.loss_fn, check=check,
+                              loss_reduction=train.loss_reduction, ignore_index=train.ignore_index, fp8=precision.fp8)
+        self._fp8 = precision.fp8
+        self.certify = CertifyOptions.of(parallel.certify)
+        self.clip_grad_norm, self.seed = train.clip_grad_norm, train.seed
+        self.max_steps, self.max_epochs = train.max_steps, train.max_epochs
+        self.eval_every, self.log_every, self.shuffle = train.eval_every, logging.log_every, data.shuffle
+        self._eval_batch_size, self._scale_lr = train.eval_batch_size, train.scale_lr
+        self._peak_flops_per_device, self._loss_scaler = logging.peak_flops_per_device, precision.loss_scaler
         self.loader_options = data.loader()
-        self.metric_fns = resolve_metrics(log_opts.metrics)
-        self.flops_per_sample, self.tokens_per_sample = log_opts.flops_per_sample, log_opts.tokens_per_sample
-        self.run_dir = pathlib.Path(log_opts.run_dir) if log_opts.run_dir is not None else None
+        self.metric_fns = resolve_metrics(logging.metrics)
+        self.flops_per_sample, self.tokens_per_sample = logging.flops_per_sample, logging.tokens_per_sample
+        self.run_dir = pathlib.Path(logging.run_dir) if logging.run_dir is not None else None
         # A one-argument factory builds the scheduler with the optimizer; a two-argument one
         # (optimizer, total_steps) when fit knows the number of steps (see total_steps_for).
-        self._scheduler_factory = t.lr_scheduler
+        self._scheduler_factory = train.lr_scheduler
         # plan="auto" is chosen from the training data (its sample shape, certification), so it is
         # built when fit (or setup) sees the data; every other plan is built now.
         self._pending = isinstance(plan, str) and plan.strip().lower() == "auto"
@@ -158,15 +161,15 @@ class Trainer:
         if not self._pending:
             self._apply(self._build())
         self.state = TrainState(rank=self.env.rank)
-        self.should_stop, self.total_steps = False, t.max_steps
+        self.should_stop, self.total_steps = False, train.max_steps
         self.history: list[dict[str, Any]] = []  # every logged row
 
         # checkpoint: a directory, a CheckpointManager or a CheckpointCallback (shardwise.checkpoint)
         self.checkpoint = checkpoint_callback(checkpoint)
-        self.callbacks: list[Callback] = ordered_callbacks(callbacks, progress_bar=log_opts.progress_bar, is_main=self.env.is_main,
-                                                           checkpoint=self.checkpoint, elastic=self.env.settings.elastic is not None,
-                                                           requested_plan=str(plan))
-        self.loggers: list[Logger] = default_loggers(log_opts.loggers, run_dir=self.run_dir, is_main=self.env.is_main)
+        self.callbacks: list[Callback] = ordered_callbacks(callbacks, progress_bar=logging.progress_bar,
+                                                           is_main=self.env.is_main, checkpoint=self.checkpoint,
+                                                           elastic=self.env.settings.elastic is not None, requested_plan=str(plan))
+        self.loggers: list[Logger] = default_loggers(logging.loggers, run_dir=self.run_dir, is_main=self.env.is_main)
 
     def _apply(self, built: Built) -> None:
         """Everything that follows from the plan: meshes, the parallel model, the optimizer and the
