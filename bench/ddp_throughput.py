@@ -34,6 +34,7 @@ import itertools
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -282,16 +283,21 @@ def main() -> None:
     for kind in ("trainer", "prepare"):
         c, q, r = (report["cpu_per_step_ratio_to_plain"][kind], report["cpu_sched_per_step_ratio_to_plain"][kind],
                    report["ratio_to_plain"][kind])
-        print(f"{kind} / plain DDP, CPU per step: {c['median']:.4f} (median of {args.reps} interleaved ratios; quartiles "
-              f"{c['q1']:.4f}-{c['q3']:.4f}, range {c['min']:.4f}-{c['max']:.4f}; goal <= 1.01), schedstat {q['median']:.4f} "
+        print(f"{kind} / plain DDP, CPU per step: {c['median']:.4f} (median of {args.reps} interleaved ratios, 95% interval "
+              f"{c['median_ci95'][0]:.4f}-{c['median_ci95'][1]:.4f}; quartiles {c['q1']:.4f}-{c['q3']:.4f}, range "
+              f"{c['min']:.4f}-{c['max']:.4f}; goal <= 1.01), schedstat {q['median']:.4f} "
               f"({q['q1']:.4f}-{q['q3']:.4f}); samples per wall second {r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f})")
     print(f"wrote {args.out}")
 
 
 def spread(values: list[float]) -> dict[str, float]:
-    """Median, quartiles and range of ``values``."""
+    """Median, quartiles and range of ``values``, and a 95% bootstrap interval of the median (2000
+    resamples, fixed seed): how far the median itself may be off with this many repetitions."""
     q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
-    return {"median": statistics.median(values), "q1": q1, "q3": q3, "min": min(values), "max": max(values), "n": len(values)}
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(2000))
+    return {"median": statistics.median(values), "q1": q1, "q3": q3, "min": min(values), "max": max(values), "n": len(values),
+            "median_ci95": [medians[49], medians[1949]]}
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def _set(options: Any, path: list[str], value: Any, *, old: str) -> Any:
         return replace(options, **{name: _set(getattr(options, name), path[1:], value, old=old)})
     current, default = getattr(options, name), _default(type(options), name)
     if current is not default and current != default:
-        raise ConfigError(f"Trainer got {old}={value!r} and {type(options).__name__}({name}={current!r}) both",
+        raise ConfigError(f"Trainer got {old}={_short(value)} and {type(options).__name__}({name}={_short(current)}) both",
                           hint=f"pass {name} once, in {type(options).__name__}")
     return replace(options, **{name: value})
 
@@ -196,6 +196,11 @@ def _default(cls: type, name: str) -> Any:
 
 def _spelling(options: Any, path: list[str], value: Any) -> str:
     """How the new keyword reads, e.g. ``TrainOptions(max_steps=5)``."""
-    shown = repr(value) if len(repr(value)) <= 40 else "..."
-    inner = shown if len(path) == 1 else _spelling(getattr(options, path[0]), path[1:], value)
+    inner = _short(value) if len(path) == 1 else _spelling(getattr(options, path[0]), path[1:], value)
     return f"{type(options).__name__}({path[0]}={inner})"
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` if it is short and on one line, else ``...``."""
+    text = repr(value)
+    return text if len(text) <= 40 and "\n" not in text else "..."
