@@ -1,7 +1,8 @@
 """What certifying a ``plan="auto"`` choice costs, against a run of 1,000 steps.
 
 For each model (an MLP, a small CNN, a Hugging Face Llama and Mixtral built from tiny configs, and
-shardwise's GPT at 8 blocks, which certification cuts to 2), ``Trainer(plan="auto", certify=True)``
+shardwise's GPT at 8 blocks, which certification cuts to 2), ``Trainer(plan="auto",
+                                                                       parallel=ParallelOptions(certify=True))``
 trains for ``--steps`` steps on 2 local Gloo processes (the planner uses the ``cpu`` preset, so
 nothing is calibrated). From the same processes, the bench takes the certificate's own time (the
 shrunken copy, the single-process reference and every candidate) and the median training step
@@ -77,15 +78,17 @@ def break_first(pm, plan) -> None:  # noqa: ANN001
 def worker(kind: str, steps: int, broken: bool) -> dict:
     import torch
 
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, ParallelOptions, TrainOptions, Trainer
     from shardwise.auto.certify import CertifyOptions
 
     torch.set_num_threads(1)
     BROKEN.clear()
     model, data, loss, batch = make(kind)
-    trainer = Trainer(model, loss_fn=loss, plan="auto", cluster="cpu", global_batch_size=batch, max_steps=steps, log_every=1,
-                      certify=CertifyOptions(enabled=True, after_backward=break_first if broken else None),
-                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), progress_bar=False)
+    trainer = Trainer(model, loss_fn=loss, plan="auto", global_batch_size=batch,
+                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), train=TrainOptions(max_steps=steps),
+                      parallel=ParallelOptions(cluster="cpu",
+                                               certify=CertifyOptions(enabled=True, after_backward=break_first if broken else None)),
+                      logging=LoggingOptions(log_every=1, progress_bar=False))
     start = time.perf_counter()
     trainer.setup(data)
     setup_s = time.perf_counter() - start

@@ -21,7 +21,7 @@ def main() -> int:
     from torch.utils.data import TensorDataset
 
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     cfg = GPTConfig(vocab_size=32768, seq_len=1024, layers=8, hidden=1024, heads=16)
     ids = torch.randint(0, cfg.vocab_size, (8 * 12, cfg.seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -34,7 +34,8 @@ def main() -> int:
     for attempt in ("first", "cached"):
         start = time.perf_counter()
         trainer = Trainer(GPT(cfg, seed=0), loss_fn=loss_fn, global_batch_size=8, plan="auto", precision="bf16",
-                          optimizer=lambda p: torch.optim.Adam(p, lr=1e-4), max_steps=12, log_every=1, progress_bar=False)
+                          optimizer=lambda p: torch.optim.Adam(p, lr=1e-4), train=TrainOptions(max_steps=12),
+                          logging=LoggingOptions(log_every=1, progress_bar=False))
         trainer.setup(data)  # plan="auto" is chosen from the data
         planned_s = time.perf_counter() - start
         result = trainer.fit(data)

@@ -95,7 +95,7 @@ def peak_memory(device: torch.device) -> float | None:
 
 def run_shardwise(plan: str, *, config: Any, data: Any, args: argparse.Namespace, device: torch.device) -> dict:
     """The Trainer as a user writes it; step times from a callback after a synchronization."""
-    from shardwise.train import Callback, Trainer
+    from shardwise.train import Callback, DataOptions, LoggingOptions, TrainOptions, Trainer
 
     class Clock(Callback):
         def __init__(self) -> None:
@@ -112,8 +112,9 @@ def run_shardwise(plan: str, *, config: Any, data: Any, args: argparse.Namespace
     clock = Clock()
     model = build_model(config, device)
     trainer = Trainer(model, loss_fn=loss_fn, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4), plan=plan,
-                      global_batch_size=args.batch, max_steps=args.warmup + args.steps, log_every=args.warmup + args.steps,
-                      progress_bar=False, callbacks=[clock], shuffle=False)
+                      global_batch_size=args.batch, train=TrainOptions(max_steps=args.warmup + args.steps),
+                      data=DataOptions(shuffle=False),
+                      logging=LoggingOptions(log_every=args.warmup + args.steps, progress_bar=False), callbacks=[clock])
     trainer.fit(data)
     seconds = clock.times[-1] - clock.times[args.warmup - 1]
     out = {"seconds": seconds, "final_loss": clock.losses[-1] if clock.losses else None, "peak_memory_gib": peak_memory(device)}

@@ -75,7 +75,7 @@ def auto_worker(path: str, steps: int) -> dict:
     import torch.distributed as dist
     from torch.utils.data import TensorDataset
 
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, ParallelOptions, TrainOptions, Trainer
     from shardwise.auto.certify import CertifyOptions
 
     ns = runpy.run_path(path, run_name="wrapped")
@@ -85,9 +85,10 @@ def auto_worker(path: str, steps: int) -> dict:
     with tempfile.TemporaryDirectory() as run_dir:
         run_dir = [run_dir]
         dist.broadcast_object_list(run_dir, src=0)
-        trainer = Trainer(model, loss_fn=ns["loss_fn"], plan="auto", cluster="cpu", certify=CertifyOptions(enabled=True),
-                          global_batch_size=8, max_steps=steps, optimizer=lambda p: torch.optim.SGD(p, lr=0.05),
-                          progress_bar=False, run_dir=run_dir[0])
+        trainer = Trainer(model, loss_fn=ns["loss_fn"], plan="auto", global_batch_size=8,
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.05), train=TrainOptions(max_steps=steps),
+                          parallel=ParallelOptions(cluster="cpu", certify=CertifyOptions(enabled=True)),
+                          logging=LoggingOptions(progress_bar=False, run_dir=run_dir[0]))
         result = trainer.fit(TensorDataset(tokens[:, :-1], tokens[:, 1:]))
         dist.barrier()
         saved = json.load(open(os.path.join(run_dir[0], "auto_plan.json"))) if dist.get_rank() == 0 else {}

@@ -60,7 +60,7 @@ def count_all_to_all(steps: int) -> list[float]:
 
     from shardwise.models.gpt import GPT, GPTConfig
     from shardwise.optim import muon
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     sent = []
     original = dist.all_to_all_single
@@ -74,8 +74,10 @@ def count_all_to_all(steps: int) -> list[float]:
     try:
         config = GPTConfig(vocab_size=96, seq_len=SEQ, layers=LAYERS, hidden=HIDDEN, heads=HEADS)
         ids = torch.randint(0, 96, (64, SEQ + 1), generator=torch.Generator().manual_seed(0))
-        trainer = Trainer(GPT(config, seed=0), loss_fn=lambda o, t: torch.nn.functional.cross_entropy(o.flatten(0, 1), t.flatten()),
-                          optimizer=muon(lr=0.02), plan="zero=3", global_batch_size=8, max_steps=steps, progress_bar=False)
+        trainer = Trainer(GPT(config, seed=0),
+                          loss_fn=lambda o, t: torch.nn.functional.cross_entropy(o.flatten(0, 1), t.flatten()),
+                          optimizer=muon(lr=0.02), plan="zero=3", global_batch_size=8,
+                          train=TrainOptions(max_steps=steps), logging=LoggingOptions(progress_bar=False))
         trainer.fit(torch.utils.data.TensorDataset(ids[:, :-1], ids[:, 1:]))
     finally:
         dist.all_to_all_single = original

@@ -130,7 +130,7 @@ def measure(model: str, vocab: int, plan: str, accumulation: int, steps: int, pr
     from torch.profiler import ProfilerActivity
     from torch.utils.data import TensorDataset
 
-    from shardwise.train import Callback, Trainer
+    from shardwise.train import Callback, DataOptions, LoggingOptions, TrainOptions, Trainer
 
     import gc
 
@@ -164,9 +164,11 @@ def measure(model: str, vocab: int, plan: str, accumulation: int, steps: int, pr
             self.last = time.perf_counter()
 
     clock = Clock()
-    trainer = Trainer(build_model(model, vocab), loss_fn=_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), plan=plan,
-                      global_batch_size=BATCH, grad_accum_steps=accumulation, max_steps=total, log_every=1000, progress_bar=False,
-                      loss_reduction="tokens", callbacks=[clock], shuffle=False)
+    trainer = Trainer(build_model(model, vocab), loss_fn=_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                      plan=plan, global_batch_size=BATCH,
+                      train=TrainOptions(grad_accum_steps=accumulation, max_steps=total, loss_reduction="tokens"),
+                      data=DataOptions(shuffle=False), logging=LoggingOptions(log_every=1000, progress_bar=False),
+                      callbacks=[clock])
     trainer.fit(data)
     return {"times": clock.times, "peak": clock.peak, "plan": str(trainer.plan)}
 

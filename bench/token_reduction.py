@@ -28,7 +28,7 @@ from torch.utils.data import TensorDataset
 
 import shardwise
 from shardwise.models.gpt import GPT, GPTConfig
-from shardwise.train import Callback, Trainer
+from shardwise.train import Callback, DataOptions, LoggingOptions, TrainOptions, Trainer
 from shardwise.verify.workloads import ragged_mask
 
 SHAPE = GPTConfig(vocab_size=256, seq_len=128, layers=2, hidden=128, heads=4)
@@ -53,8 +53,10 @@ def one_fit(reduction: str, steps: int, global_batch: int) -> dict[str, list[flo
     data = TensorDataset(ids[:, :-1], ragged_mask(ids[:, 1:], gen))
     rec = StepTimes()
     trainer = Trainer(GPT(SHAPE, seed=0), loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                      plan="dp", global_batch_size=global_batch, grad_accum_steps=2, max_steps=steps, log_every=1, shuffle=False,
-                      progress_bar=False, callbacks=[rec], loss_reduction=reduction)
+                      plan="dp", global_batch_size=global_batch,
+                      train=TrainOptions(grad_accum_steps=2, max_steps=steps, loss_reduction=reduction),
+                      data=DataOptions(shuffle=False), logging=LoggingOptions(log_every=1, progress_bar=False),
+                      callbacks=[rec])
     trainer.fit(data)
     return {"wall": rec.times, "cpu": rec.cpu}
 

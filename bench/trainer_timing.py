@@ -21,7 +21,7 @@ def measure_trainer_worker(plan_text: str, config: dict[str, Any], *, global_bat
     planner call of ``plan="auto"`` (rank 0 plans, then broadcasts), the Trainer's data loader,
     its micro-step loop, its loss all-reduce each logging step (``log_every=1``, which also
     synchronizes the ranks so a logged step time is the slowest rank's) and Adam. ``cluster`` is a
-    preset name or spec file for the planner (``Trainer(cluster=...)``); None: this machine, measured. Returns the
+    preset name or spec file for the planner (``Trainer(parallel=ParallelOptions(cluster=...))``); None: this machine, measured. Returns the
     chosen plan, the median of the timed steps (slowest rank) and all of them.
     """
     import torch
@@ -31,6 +31,7 @@ def measure_trainer_worker(plan_text: str, config: dict[str, Any], *, global_bat
 
     from shardwise.models.gpt import GPT, GPTConfig
     from shardwise.train.trainer import Trainer
+    from shardwise.train.options import DataOptions, LoggingOptions, ParallelOptions, TrainOptions
 
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     cfg = GPTConfig(**config)
@@ -43,8 +44,10 @@ def measure_trainer_worker(plan_text: str, config: dict[str, Any], *, global_bat
     data = TensorDataset(ids[:, :-1], ids[:, 1:])
     try:
         trainer = Trainer(GPT(cfg, seed=0), loss_fn=loss_fn, global_batch_size=global_batch, plan=plan_text,
-                          optimizer=lambda params: torch.optim.Adam(params, lr=lr), max_steps=warmup + steps,
-                          log_every=1, progress_bar=False, shuffle=False, cluster=cluster)
+                          optimizer=lambda params: torch.optim.Adam(params, lr=lr),
+                          train=TrainOptions(max_steps=warmup + steps), data=DataOptions(shuffle=False),
+                          parallel=ParallelOptions(cluster=cluster),
+                          logging=LoggingOptions(log_every=1, progress_bar=False))
         result = trainer.fit(data)
     except (ShardwiseError, NotImplementedError, RuntimeError, ValueError) as exc:
         return {"plan": plan_text, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}

@@ -32,21 +32,20 @@ def main(max_steps: int = 60) -> None:
         GPT(config, seed=0),
         loss_fn=lm_loss,
         optimizer=lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1),
-        lr_scheduler=warmup_cosine(warmup_steps=10, total_steps=max_steps, min_lr_ratio=0.1),
         global_batch_size=32,
-        max_steps=max_steps,
-        eval_every=30,
-        log_every=10,
-        clip_grad_norm=1.0,
+        train=shardwise.TrainOptions(
+            lr_scheduler=warmup_cosine(warmup_steps=10, total_steps=max_steps, min_lr_ratio=0.1),
+            max_steps=max_steps, eval_every=30, clip_grad_norm=1.0, seed=0,
+        ),
+        logging=shardwise.LoggingOptions(
+            log_every=10, run_dir=run_dir,
+            flops_per_sample=config.flops_per_token() * config.seq_len, tokens_per_sample=config.seq_len,
+        ),
         callbacks=[
             LossMonitor(),
             ThroughputMonitor(),
             CheckpointCallback(CheckpointManager(f"{run_dir}/checkpoints", every_n_steps=20, keep_last_n=2), resume="auto"),
         ],
-        flops_per_sample=config.flops_per_token() * config.seq_len,
-        tokens_per_sample=config.seq_len,
-        run_dir=run_dir,
-        seed=0,
     )
     result = trainer.fit(CharWindows(corpus.train, config.seq_len), CharWindows(corpus.val, config.seq_len))
     if env.is_main:

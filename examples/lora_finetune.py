@@ -37,9 +37,11 @@ def train(model_dir: str, ckpt: str, plan: str, nf4: bool, steps: int) -> dict:
     tokenizer = hf.load_tokenizer(model_dir)
     data = windows(tokenizer.encode(open(os.__file__).read()))
     lora = LoRA(r=8, alpha=16, base="nf4" if nf4 else "fp32")
-    trainer = shardwise.Trainer(shardwise.Pretrained(model_dir, lora=lora), loss_fn=hf.lm_loss, global_batch_size=8, plan=plan,
-                                optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3), max_steps=steps, clip_grad_norm=1.0,
-                                checkpoint=CheckpointManager(ckpt, every_n_steps=10), progress_bar=False)
+    trainer = shardwise.Trainer(shardwise.Pretrained(model_dir, lora=lora), loss_fn=hf.lm_loss, global_batch_size=8,
+                                plan=plan, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
+                                train=shardwise.TrainOptions(max_steps=steps, clip_grad_norm=1.0),
+                                logging=shardwise.LoggingOptions(progress_bar=False),
+                                checkpoint=CheckpointManager(ckpt, every_n_steps=10))
     result = trainer.fit(data, resume="auto")
     x = data[0][0][None]
     with torch.no_grad():

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 import shardwise
 from shardwise.data.digits import load_digits
 from shardwise.models import resnet_small
+from shardwise.parallel.ddp import DDPOptions
 from shardwise.train import LossMonitor, ThroughputMonitor, scale_lr, warmup_cosine
 
 
@@ -28,15 +29,13 @@ def main(epochs: int = 4, per_rank_batch: int = 32, base_lr: float = 0.05) -> No
         resnet_small(in_channels=1, num_classes=10, seed=0),
         loss_fn=F.cross_entropy,
         optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4),
-        lr_scheduler=warmup_cosine(warmup_steps=total_steps // 10, total_steps=total_steps),
-        sync_batchnorm=True,
         global_batch_size=global_batch,
-        max_epochs=epochs,
-        metrics=["accuracy"],
+        train=shardwise.TrainOptions(
+            lr_scheduler=warmup_cosine(warmup_steps=total_steps // 10, total_steps=total_steps), max_epochs=epochs, seed=0,
+        ),
+        parallel=shardwise.ParallelOptions(ddp=DDPOptions(sync_batchnorm=True)),
+        logging=shardwise.LoggingOptions(metrics=["accuracy"], log_every=10, run_dir="runs/resnet-digits"),
         callbacks=[LossMonitor(), ThroughputMonitor()],
-        log_every=10,
-        run_dir="runs/resnet-digits",
-        seed=0,
     )
     result = trainer.fit(data.train, data.val)
     if env.is_main:

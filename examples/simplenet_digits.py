@@ -22,10 +22,8 @@ def main() -> None:
         loss_fn=F.cross_entropy,
         optimizer=lambda params: torch.optim.Adam(params, lr=1e-3),
         global_batch_size=64,
-        max_epochs=10,
-        metrics=["accuracy"],
-        run_dir="runs/simplenet-digits",
-        seed=0,
+        train=shardwise.TrainOptions(max_epochs=10, seed=0),
+        logging=shardwise.LoggingOptions(metrics=["accuracy"], run_dir="runs/simplenet-digits"),
     )
     result = trainer.fit(data.train, data.val)
     if trainer.env.is_main:

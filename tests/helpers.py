@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.utils.data import TensorDataset
 
-from shardwise.train import Callback, Trainer
+from shardwise.train import Callback, LoggingOptions, TrainOptions, Trainer
 
 SEED = 7
 N_SAMPLES = 320  # 10 steps per epoch at a global batch of 32: 20 steps cross an epoch boundary
@@ -43,20 +43,9 @@ class Record(Callback):
 
 def run_fit(steps: int = 20, gbs: int = 32, accum: int = 1, clip: float | None = None, **options) -> dict:
     rec = Record()
-    trainer = Trainer(
-        make_model(),
-        loss_fn=F.cross_entropy,
-        optimizer=sgd,
-        global_batch_size=gbs,
-        grad_accum_steps=accum,
-        clip_grad_norm=clip,
-        max_steps=steps,
-        log_every=1,
-        seed=SEED,
-        progress_bar=False,
-        callbacks=[rec],
-        **options,
-    )
+    trainer = Trainer(make_model(), loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=gbs,
+                      train=TrainOptions(grad_accum_steps=accum, clip_grad_norm=clip, max_steps=steps, seed=SEED),
+                      logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=[rec], **options)
     result = trainer.fit(make_data())
     weights = {k: v.detach().clone() for k, v in get_model_state_dict(trainer.model.module).items()}
     return {"losses": rec.losses, "norms": rec.norms, "weights": weights, "step": result.step, "epoch": result.epoch}

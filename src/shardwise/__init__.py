@@ -3,8 +3,10 @@
 Public API (everything else is an implementation detail):
 
 - :func:`init`, :func:`shutdown`, :func:`barrier`, :func:`main_process_first`, :class:`RuntimeEnv`
-- :class:`Trainer`, :func:`prepare`, :mod:`callbacks`: training with any plan; :class:`CertifyOptions`:
-  how ``plan="auto"`` certifies its choice (``Trainer(certify=...)``)
+- :class:`Trainer`, :func:`prepare`, :mod:`callbacks`: training with any plan; the Trainer's option
+  sections :class:`TrainOptions`, :class:`DataOptions`, :class:`PrecisionOptions`,
+  :class:`ParallelOptions`, :class:`LoggingOptions`; :class:`CertifyOptions`: how ``plan="auto"``
+  certifies its choice (``ParallelOptions(certify=...)``)
 - :func:`launch`: run a function on N local processes
 - :class:`ShardwiseError`: the exception every user-facing check raises
 - :func:`shard`: MindSpore-style tensor-parallel annotation of a Linear/Embedding layer
@@ -29,6 +31,11 @@ from shardwise.version import __version__
 # public name -> (module, attribute); attribute None: the module itself
 _LAZY: dict[str, tuple[str, str | None]] = {
     "CertifyOptions": ("shardwise.auto.certify", "CertifyOptions"),
+    "DataOptions": ("shardwise.train.options", "DataOptions"),
+    "LoggingOptions": ("shardwise.train.options", "LoggingOptions"),
+    "ParallelOptions": ("shardwise.train.options", "ParallelOptions"),
+    "PrecisionOptions": ("shardwise.train.options", "PrecisionOptions"),
+    "TrainOptions": ("shardwise.train.options", "TrainOptions"),
     "PipelineOptions": ("shardwise.parallel.pipeline.schedule", "PipelineOptions"),
     "Pretrained": ("shardwise.checkpoint.hf_load", "Pretrained"),
     "from_pretrained": ("shardwise.train.pretrained", "from_pretrained"),
@@ -74,6 +81,7 @@ if TYPE_CHECKING:
     from shardwise.runtime.logging import get_logger
     from shardwise.train import callbacks
     from shardwise.train.prepare import prepare
+    from shardwise.train.options import DataOptions, LoggingOptions, ParallelOptions, PrecisionOptions, TrainOptions
     from shardwise.train.pretrained import from_pretrained
     from shardwise.train.trainer import Trainer
 

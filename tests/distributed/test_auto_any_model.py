@@ -70,14 +70,16 @@ def make(kind: str) -> tuple[nn.Module, TensorDataset, object]:
 
 
 def fit_auto(kind: str, run_dir: str | None = None, corrupt: bool = False) -> dict:
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, ParallelOptions, TrainOptions, Trainer
     from shardwise.auto.certify import CertifyOptions
 
     model, data, loss = make(kind)
     options = CertifyOptions(enabled=True, after_backward=corrupt_first_plan if corrupt else None)
     CORRUPTED.clear()
-    trainer = Trainer(model, loss_fn=loss, plan="auto", cluster="cpu", certify=options, global_batch_size=8, max_steps=4, log_every=1,
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.05), progress_bar=False, run_dir=run_dir)
+    trainer = Trainer(model, loss_fn=loss, plan="auto", global_batch_size=8,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.05), train=TrainOptions(max_steps=4),
+                      parallel=ParallelOptions(cluster="cpu", certify=options),
+                      logging=LoggingOptions(log_every=1, progress_bar=False, run_dir=run_dir))
     result = trainer.fit(data)
     return {"plan": str(trainer.plan), "loss": result.train_loss, "world": dist.get_world_size(), "corrupted": list(CORRUPTED)}
 
@@ -130,7 +132,7 @@ def impossible_requests() -> list[dict]:
     time, and before the machine is measured (measuring is replaced by a failure here)."""
     import shardwise.auto.machine as machine
     from shardwise.errors import ConfigError
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     def no_measuring(env):  # noqa: ANN001
         raise AssertionError("the machine was measured before the request was checked")
@@ -148,8 +150,8 @@ def impossible_requests() -> list[dict]:
         for name, (model, data) in cases.items():
             wall, cpu = time.perf_counter(), time.process_time()
             try:
-                Trainer(model, loss_fn=nn.functional.cross_entropy, plan="auto", global_batch_size=4, max_steps=2,
-                        progress_bar=False).fit(data)
+                Trainer(model, loss_fn=nn.functional.cross_entropy, plan="auto", global_batch_size=4,
+                        train=TrainOptions(max_steps=2), logging=LoggingOptions(progress_bar=False)).fit(data)
                 message = "no error"
             except ConfigError as exc:
                 message = str(exc)

@@ -28,7 +28,7 @@ from torch import nn
 
 from shardwise.checkpoint import CheckpointManager
 from shardwise.checkpoint import commit as cm
-from shardwise.train import Trainer
+from shardwise.train import LoggingOptions, TrainOptions, Trainer
 from tests.helpers import make_data, sgd
 
 STEPS, EVERY = 6, 3  # the last step is a scheduled save
@@ -55,8 +55,9 @@ def fit_ending_on_an_async_save(directory: str, slow_rank: int | None, delay_s: 
     manager.save = counted_save  # type: ignore[method-assign]
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-    trainer = Trainer(model, loss_fn=F.cross_entropy, optimizer=sgd, plan="dp=2", global_batch_size=16, max_steps=STEPS,
-                      log_every=1, seed=3, progress_bar=False, checkpoint=manager)
+    trainer = Trainer(model, loss_fn=F.cross_entropy, optimizer=sgd, plan="dp=2", global_batch_size=16,
+                      train=TrainOptions(max_steps=STEPS, seed=3),
+                      logging=LoggingOptions(log_every=1, progress_bar=False), checkpoint=manager)
     trainer.fit(make_data(64))
     newest = cm.latest_complete(directory)
     return {"step": trainer.step, "saves": saves, "last_saved": manager.last_saved, "last_committed": manager.last_committed,

@@ -66,13 +66,15 @@ def _gpt(seed: int) -> torch.nn.Module:
 
 def _trainer(plan: str, directory: str, max_steps: int, *, model_seed: int, split: tuple[int, ...] | None, callbacks=()):
     from shardwise.parallel.pipeline import PipelineOptions
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, ParallelOptions, TrainOptions, Trainer
 
-    return Trainer(_gpt(model_seed), loss_fn=_lm_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), plan=plan,
-                   lr_scheduler=warmup_cosine(warmup_steps=4, total_steps=TOTAL), global_batch_size=8,
-                   max_steps=max_steps, log_every=1, seed=7, progress_bar=False, callbacks=list(callbacks),
-                   checkpoint=CheckpointManager(directory, keep_last_n=None),
-                   pipeline=PipelineOptions(split_points=split) if split else None)
+    return Trainer(_gpt(model_seed), loss_fn=_lm_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9),
+                   plan=plan, global_batch_size=8,
+                   train=TrainOptions(lr_scheduler=warmup_cosine(warmup_steps=4, total_steps=TOTAL),
+                                      max_steps=max_steps, seed=7),
+                   parallel=ParallelOptions(pipeline=PipelineOptions(split_points=split) if split else None),
+                   logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=list(callbacks),
+                   checkpoint=CheckpointManager(directory, keep_last_n=None))
 
 
 def leg(plan: str, directory: str, max_steps: int, split: tuple[int, ...] | None, model_seed: int) -> dict:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from shardwise.checkpoint import CheckpointManager
-from shardwise.train import Trainer, warmup_cosine
+from shardwise.train import LoggingOptions, TrainOptions, Trainer, warmup_cosine
 from tests.helpers import make_data, sgd
 
 TOTAL, STOP = 12, 7
@@ -30,8 +30,9 @@ def _model(seed: int) -> nn.Module:
 def fit_with_checkpoint(plan: str, directory: str, max_steps: int, resume: str | None, model_seed: int) -> dict:
     manager = CheckpointManager(directory, every_n_steps=3, async_save=True, keep_last_n=2)
     trainer = Trainer(_model(model_seed), loss_fn=F.cross_entropy, optimizer=sgd, plan=plan, global_batch_size=32,
-                      lr_scheduler=warmup_cosine(warmup_steps=3, total_steps=TOTAL), max_steps=max_steps, log_every=1,
-                      seed=7, progress_bar=False, checkpoint=manager)
+                      train=TrainOptions(lr_scheduler=warmup_cosine(warmup_steps=3, total_steps=TOTAL),
+                                         max_steps=max_steps, seed=7),
+                      logging=LoggingOptions(log_every=1, progress_bar=False), checkpoint=manager)
     trainer.fit(make_data(), resume=resume)
     msd, osd = get_state_dict(trainer.model.module, [trainer.optimizer], options=StateDictOptions(full_state_dict=True))
     full = {f"model.{k}": v.clone() for k, v in msd.items()}

@@ -33,12 +33,13 @@ def compiled_fit(plan: str, steps: int) -> dict:
     from shardwise.parallel.compile import compile_stats
     from tests.distributed.test_fp8 import _data, _loss
 
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     log = CompileLog()
 
     trainer = Trainer(GPTWorkload().build(0), loss_fn=_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1), plan=plan,
-                      global_batch_size=16, max_steps=steps, log_every=1, seed=7, progress_bar=False, callbacks=[log])
+                      global_batch_size=16, train=TrainOptions(max_steps=steps, seed=7),
+                      logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=[log])
     trainer.fit(_data())
     compiled = [type(m).__name__ for m in trainer.model.module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
     return {"compiled": compiled, "recompiles": log.recompiles, "first": log.first, "last": compile_stats(), "active": log.active}

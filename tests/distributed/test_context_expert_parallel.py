@@ -172,7 +172,7 @@ def trainer_run(plan: str, shape: dict, directory: str | None, stops: tuple[int,
     from torch.distributed.tensor import DTensor
     from torch.utils.data import TensorDataset
 
-    from shardwise.train import Trainer
+    from shardwise.train import DataOptions, LoggingOptions, TrainOptions, Trainer
 
     cfg = GPTConfig(**shape)
     ids = torch.randint(0, cfg.vocab_size, (64, cfg.seq_len + 1), generator=torch.Generator().manual_seed(3))
@@ -180,8 +180,9 @@ def trainer_run(plan: str, shape: dict, directory: str | None, stops: tuple[int,
     trainer = None
     for stop in stops:
         trainer = Trainer(GPT(cfg, seed=0), loss_fn=lambda o, t: F.cross_entropy(o.flatten(0, 1), t.flatten()),
-                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), plan=plan, global_batch_size=8, max_steps=stop,
-                          checkpoint=directory, progress_bar=False, shuffle=False)
+                          optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), plan=plan, global_batch_size=8,
+                          train=TrainOptions(max_steps=stop), data=DataOptions(shuffle=False),
+                          logging=LoggingOptions(progress_bar=False), checkpoint=directory)
         trainer.fit(data, resume="auto" if directory else None)
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model.module.named_parameters()}
 

@@ -121,14 +121,14 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def fit_fp8(plan: str, directory: str | None, max_steps: int, resume: str | None, model_seed: int) -> dict:
     from shardwise.checkpoint import CheckpointManager
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
     from tests.helpers import Record
 
     rec = Record()
     manager = CheckpointManager(directory, every_n_steps=STOP, async_save=False) if directory else None
     trainer = Trainer(GPTWorkload().build(model_seed), loss_fn=_loss, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
-                      plan=plan, global_batch_size=16, max_steps=max_steps, log_every=1, seed=7, progress_bar=False,
-                      checkpoint=manager, callbacks=[rec])
+                      plan=plan, global_batch_size=16, train=TrainOptions(max_steps=max_steps, seed=7),
+                      logging=LoggingOptions(log_every=1, progress_bar=False), checkpoint=manager, callbacks=[rec])
     trainer.fit(_data(), resume=resume)
     msd, osd = get_state_dict(trainer.model.module, [trainer.optimizer], options=StateDictOptions(full_state_dict=True))
     state = {f"model.{k}": v.clone() for k, v in msd.items()}

@@ -40,11 +40,12 @@ def train_checkpoint(hf: str, directory: str) -> int:
     from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.jobs.hf_train import KeepModelFiles
     from shardwise.models.hf import lm_loss
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     tokens = torch.randint(0, 128, (8, 17), generator=torch.Generator().manual_seed(0))
     trainer = Trainer(Pretrained(hf), loss_fn=lm_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.5), plan="pp=2",
-                      global_batch_size=4, max_steps=2, seed=0, progress_bar=False, callbacks=[KeepModelFiles(hf, directory)],
+                      global_batch_size=4, train=TrainOptions(max_steps=2, seed=0),
+                      logging=LoggingOptions(progress_bar=False), callbacks=[KeepModelFiles(hf, directory)],
                       checkpoint=CheckpointManager(directory))
     trainer.fit(TensorDataset(tokens[:, :-1], tokens[:, 1:]))
     return trainer.step

@@ -45,14 +45,15 @@ def _data(n: int = 32) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _trainer(model_dir: str, plan: str, ckpt: str, *, max_steps: int, every: int | None = None):
-    from shardwise import Pretrained, Trainer
+    from shardwise import DataOptions, LoggingOptions, Pretrained, Trainer, TrainOptions
     from shardwise.checkpoint import CheckpointManager
     from shardwise.models.hf import lm_loss
 
     return Trainer(Pretrained(model_dir, lora=_lora(), seed=1), loss_fn=lm_loss, global_batch_size=8, plan=plan,
-                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), max_steps=max_steps, clip_grad_norm=0.5,
-                   checkpoint=CheckpointManager(ckpt, every_n_steps=every, keep_last_n=None), loss_reduction="tokens",
-                   progress_bar=False, log_every=1, shuffle=True)
+                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                   train=TrainOptions(max_steps=max_steps, clip_grad_norm=0.5, loss_reduction="tokens"),
+                   data=DataOptions(shuffle=True), logging=LoggingOptions(progress_bar=False, log_every=1),
+                   checkpoint=CheckpointManager(ckpt, every_n_steps=every, keep_last_n=None))
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -87,7 +87,7 @@ def fit(plan: str, model: str = "toy", ns_dtype: str = "fp32", route: str = "all
         lr: float = 0.05, steps: int = STEPS, checkpoint: str | None = None, **shape) -> dict:
     import shardwise.optim.exchange as routing
     from shardwise.optim import muon
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     from shardwise.optim import Units
 
@@ -105,8 +105,10 @@ def fit(plan: str, model: str = "toy", ns_dtype: str = "fp32", route: str = "all
         opt = muon(lr=lr, adamw_lr=0.01, ns_dtype=getattr(torch, {"fp32": "float32", "bf16": "bfloat16"}[ns_dtype]),
                    route=route)
         rec = Record()
-        trainer = Trainer(net, loss_fn=loss, optimizer=opt, plan=plan, global_batch_size=8, max_steps=steps, log_every=1,
-                          seed=SEED, progress_bar=False, callbacks=[rec], checkpoint=checkpoint)
+        trainer = Trainer(net, loss_fn=loss, optimizer=opt, plan=plan, global_batch_size=8,
+                          train=TrainOptions(max_steps=steps, seed=SEED),
+                          logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=[rec],
+                          checkpoint=checkpoint)
         trainer.fit(data, resume="auto" if checkpoint else None)
         return {"losses": rec.losses, "weights": full_weights(trainer.model.module)}
     finally:
@@ -175,13 +177,13 @@ class Lamb(torch.optim.Adam):
 
 def refusal(plan: str, which: str) -> str:
     from shardwise.errors import ConfigError
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     factories = {"torch_muon": lambda ps: torch.optim.Muon([p for p in ps if p.dim() == 2], lr=0.02),
                  "lamb": lambda ps: Lamb(ps, lr=1e-3), "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3)}
     try:
         trainer = Trainer(Toy(), loss_fn=F.cross_entropy, optimizer=factories[which], plan=plan, global_batch_size=8,
-                          max_steps=1, progress_bar=False)
+                          train=TrainOptions(max_steps=1), logging=LoggingOptions(progress_bar=False))
         trainer.fit(make_data(16))
     except ConfigError as exc:
         return str(exc)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 from shardwise.errors import ConfigError
-from shardwise.train import Callback, Trainer
+from shardwise.train import Callback, LoggingOptions, TrainOptions, Trainer
 
 SEED = 7
 
@@ -40,11 +40,10 @@ class Record(Callback):
 
 def run_fit(plan: str, accum: int = 1, gbs: int = 32) -> dict:
     rec = Record()
-    trainer = Trainer(
-        make_model(), loss_fn=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9), plan=plan,
-        global_batch_size=gbs, grad_accum_steps=accum, clip_grad_norm=0.5, max_steps=20, log_every=1, seed=SEED,
-        progress_bar=False, callbacks=[rec],
-    )
+    trainer = Trainer(make_model(), loss_fn=F.cross_entropy,
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9), plan=plan, global_batch_size=gbs,
+                      train=TrainOptions(grad_accum_steps=accum, clip_grad_norm=0.5, max_steps=20, seed=SEED),
+                      logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=[rec])
     trainer.fit(make_data())
     weights = {}
     for name, p in trainer.model.module.named_parameters():

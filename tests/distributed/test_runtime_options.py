@@ -97,7 +97,7 @@ def train_params16(plan: str, steps: int = 4) -> dict:
     a block sees in forward (its input: the residual stream; its weight) and the masters hold."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from shardwise.train import Trainer
+    from shardwise.train import DataOptions, LoggingOptions, TrainOptions, Trainer
 
     seen: dict[str, str] = {}
     model = GPT(SHAPE, seed=0)
@@ -108,8 +108,8 @@ def train_params16(plan: str, steps: int = 4) -> dict:
 
     model.blocks[1].register_forward_pre_hook(hook)
     trainer = Trainer(model, loss_fn=_gpt_loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), plan=plan,
-                      global_batch_size=16, max_steps=steps, log_every=1, seed=0, progress_bar=False, shuffle=False,
-                      loss_reduction="tokens")
+                      global_batch_size=16, train=TrainOptions(max_steps=steps, seed=0, loss_reduction="tokens"),
+                      data=DataOptions(shuffle=False), logging=LoggingOptions(log_every=1, progress_bar=False))
     trainer.fit(_data())
     masters = {str(p.dtype) for group in trainer.optimizer.param_groups for p in group["params"]}
     weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone()

@@ -11,15 +11,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shardwise.observe.callbacks import DeepProfileCallback, NanGuardCallback, StepProfilerCallback, WatchdogCallback
-from shardwise.train import Trainer
+from shardwise.train import LoggingOptions, TrainOptions, Trainer
 from tests.helpers import make_data, make_model
 
 
 def _fit(out_dir: str):
     prof_cb = StepProfilerCallback(log_every=3, timeline_png=os.path.join(out_dir, "timeline.png"))
     deep_cb = DeepProfileCallback(os.path.join(out_dir, "traces"), skip=1, warmup=1, active=2)
-    trainer = Trainer(make_model(), loss_fn=F.cross_entropy, global_batch_size=8, max_steps=6, log_every=3,
-                      callbacks=[prof_cb, deep_cb, NanGuardCallback(), WatchdogCallback()], progress_bar=False)
+    trainer = Trainer(make_model(), loss_fn=F.cross_entropy, global_batch_size=8, train=TrainOptions(max_steps=6),
+                      logging=LoggingOptions(log_every=3, progress_bar=False),
+                      callbacks=[prof_cb, deep_cb, NanGuardCallback(), WatchdogCallback()])
     trainer.fit(make_data(64))
     res = deep_cb.profiler.result
     return [r.comm_s for r in prof_cb.profiler.records], [r.forward_s for r in prof_cb.profiler.records], \

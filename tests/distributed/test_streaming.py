@@ -97,13 +97,15 @@ def fit_stream(plan: str, files: list[str], directory: str, max_steps: int, resu
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from shardwise.checkpoint import CheckpointManager
-    from shardwise.train import Trainer
+    from shardwise.train import DataOptions, LoggingOptions, TrainOptions, Trainer
 
     model = Recorder()
     trainer = Trainer(model, loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9), plan=plan, global_batch_size=GBS,
-                      max_steps=max_steps, log_every=1, seed=3, progress_bar=False, num_workers=workers, worker_start_method="fork",
-                      checkpoint=CheckpointManager(directory), callbacks=[])
+                      train=TrainOptions(max_steps=max_steps, seed=3),
+                      data=DataOptions(num_workers=workers, worker_start_method="fork"),
+                      logging=LoggingOptions(log_every=1, progress_bar=False), checkpoint=CheckpointManager(directory),
+                      callbacks=[])
     trainer.fit(PackedStream(files, seq_len=SEQ, eos_id=0, shuffle=True, seed=5, shuffle_windows=2 * GBS), resume=resume)
     weights = {k: v.detach().clone() for k, v in get_model_state_dict(trainer.model.module).items()}
     # per optimizer step, this rank's windows (one micro-batch per step here)
@@ -216,13 +218,14 @@ def test_a_large_token_file_is_read_a_window_at_a_time_and_its_position_is_small
 
 
 def fit_auto_stream(files: list[str], directory: str) -> dict:
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, ParallelOptions, TrainOptions, Trainer
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))  # (the Recorder's forward reads values: not on meta)
     trainer = Trainer(model, loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.5), plan="auto", cluster="cpu", certify=True,
-                      global_batch_size=GBS, max_steps=3, log_every=1, seed=3, progress_bar=False, run_dir=directory)
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.5), plan="auto", global_batch_size=GBS,
+                      train=TrainOptions(max_steps=3, seed=3), parallel=ParallelOptions(cluster="cpu", certify=True),
+                      logging=LoggingOptions(log_every=1, progress_bar=False, run_dir=directory))
     result = trainer.fit(PackedStream(files, seq_len=SEQ, eos_id=0))
     choice = trainer.auto_choice  # rank 0's (it decides and broadcasts)
     return {"plan": str(trainer.plan), "steps": result.step, "certificate": choice.certificate if choice is not None else None}

@@ -1,4 +1,4 @@
-"""``Trainer(..., loss_reduction="tokens")``: the update of every plan equals one process running the
+"""``Trainer(..., train=TrainOptions(loss_reduction="tokens"))``: the update of every plan equals one process running the
 user's own mean loss, ``F.cross_entropy(..., ignore_index=-100)``, over the whole global batch.
 
 The targets carry ragged masks (each sample keeps one random span of its targets, from none to all
@@ -29,7 +29,7 @@ from dataclasses import replace
 
 from shardwise.models.gpt import GPT
 from shardwise.parallel.tp import TPOptions
-from shardwise.train import Callback, Trainer
+from shardwise.train import Callback, DataOptions, LoggingOptions, ParallelOptions, TrainOptions, Trainer
 from shardwise.verify.workloads import SMALL_GPT, ragged_mask
 
 GLOBAL, STEPS, SEQ = 8, 3, 16
@@ -95,9 +95,11 @@ def _weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def fit(kind: str, plan: str, accum: int = 1, reduction: str = "tokens", loss_parallel: bool = False) -> dict:
     rec = Record()
-    trainer = Trainer(build(kind), loss_fn=loss_fn, optimizer=sgd, plan=plan, global_batch_size=GLOBAL, grad_accum_steps=accum,
-                      max_steps=STEPS, log_every=1, shuffle=False, progress_bar=False, callbacks=[rec], loss_reduction=reduction,
-                      tp=TPOptions(loss_parallel=loss_parallel))
+    trainer = Trainer(build(kind), loss_fn=loss_fn, optimizer=sgd, plan=plan, global_batch_size=GLOBAL,
+                      train=TrainOptions(grad_accum_steps=accum, max_steps=STEPS, loss_reduction=reduction),
+                      data=DataOptions(shuffle=False),
+                      parallel=ParallelOptions(tp=TPOptions(loss_parallel=loss_parallel)),
+                      logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=[rec])
     trainer.fit(make_data())
     return {"losses": rec.losses, "weights": _weights(trainer.model.module), "reduction": trainer.run_info()["loss_reduction"]}
 
@@ -182,8 +184,9 @@ def test_plans_on_four_processes(pools) -> None:
 
 
 def regression_under_tokens() -> str:
-    trainer = Trainer(torch.nn.Linear(4, 2), loss_fn=F.mse_loss, global_batch_size=4, max_steps=1, progress_bar=False,
-                      loss_reduction="tokens")
+    trainer = Trainer(torch.nn.Linear(4, 2), loss_fn=F.mse_loss, global_batch_size=4,
+                      train=TrainOptions(max_steps=1, loss_reduction="tokens"),
+                      logging=LoggingOptions(progress_bar=False))
     try:
         trainer.fit(TensorDataset(torch.randn(8, 4), torch.randn(8, 2)))
     except Exception as exc:  # noqa: BLE001 - the message is what is checked
@@ -202,4 +205,5 @@ def test_unknown_reduction_is_one_line(value) -> None:
     from shardwise.errors import ConfigError
 
     with pytest.raises(ConfigError, match="loss_reduction=.* is unknown"):
-        Trainer(torch.nn.Linear(2, 2), loss_fn=F.mse_loss, global_batch_size=2, loss_reduction=value)
+        Trainer(torch.nn.Linear(2, 2), loss_fn=F.mse_loss, global_batch_size=2,
+                train=TrainOptions(loss_reduction=value))

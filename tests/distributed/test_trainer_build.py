@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from shardwise.callback import Callback
 from shardwise.errors import ConfigError
 from shardwise.parallel.fsdp import FSDPOptions
-from shardwise.train import Trainer, warmup_cosine
+from shardwise.train import LoggingOptions, ParallelOptions, TrainOptions, Trainer, warmup_cosine
 from tests.helpers import make_data, make_model, sgd
 
 
@@ -25,9 +25,10 @@ class LRs(Callback):
 
 def fit_with_deferred_schedule(scale: str) -> dict:
     rec = LRs()
-    trainer = Trainer(make_model(), loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=32, max_epochs=2,
-                      lr_scheduler=warmup_cosine(warmup_steps=4, min_lr_ratio=0.1), scale_lr=scale,
-                      callbacks=[rec], progress_bar=False)
+    trainer = Trainer(make_model(), loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=32,
+                      train=TrainOptions(max_epochs=2, lr_scheduler=warmup_cosine(warmup_steps=4, min_lr_ratio=0.1),
+                                         scale_lr=scale),
+                      logging=LoggingOptions(progress_bar=False), callbacks=[rec])
     before = (trainer.lr_scheduler, trainer.total_steps_for(make_data()), trainer.optimizer.param_groups[0]["lr"])
     trainer.fit(make_data())
     return {"scheduler_before_fit": before[0] is not None, "total": before[1], "base_lr": before[2], "lrs": rec.lrs,
@@ -53,8 +54,10 @@ def fsdp_compute_dtype() -> dict:
     seen: list[torch.dtype] = []
     model = make_model()
     model[0].register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
-    trainer = Trainer(model, loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=32, max_steps=1,
-                      plan="zero=3,precision=bf16", fsdp=FSDPOptions(reshard_after_forward=True), progress_bar=False)
+    trainer = Trainer(model, loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=32, plan="zero=3,precision=bf16",
+                      train=TrainOptions(max_steps=1),
+                      parallel=ParallelOptions(fsdp=FSDPOptions(reshard_after_forward=True)),
+                      logging=LoggingOptions(progress_bar=False))
     trainer.fit(make_data())
     master = {str(p.dtype) for p in trainer.model.parameters()}
     return {"compute": [str(d) for d in seen], "master": sorted(master)}
@@ -69,7 +72,7 @@ def test_fsdp_options_keep_the_plans_precision(pools) -> None:
 
 def fit_with_vector_loss() -> str:
     trainer = Trainer(make_model(), loss_fn=lambda out, y: F.cross_entropy(out, y, reduction="none"), optimizer=sgd,
-                      global_batch_size=32, max_steps=1, progress_bar=False)
+                      global_batch_size=32, train=TrainOptions(max_steps=1), logging=LoggingOptions(progress_bar=False))
     try:
         trainer.fit(make_data())
     except ConfigError as exc:
@@ -94,8 +97,9 @@ def fit_and_resume(directory: str) -> list[int | None]:
     seen = []
     for max_steps in (3, 6):
         cb = SeesStep()
-        trainer = Trainer(make_model(), loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=32, max_steps=max_steps,
-                          callbacks=[cb], checkpoint=directory, progress_bar=False)
+        trainer = Trainer(make_model(), loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=32,
+                          train=TrainOptions(max_steps=max_steps), logging=LoggingOptions(progress_bar=False),
+                          callbacks=[cb], checkpoint=directory)
         trainer.fit(make_data(), resume="auto")
         seen.append(cb.at_start)
     return seen

@@ -11,11 +11,13 @@ from shardwise.train import (
     Callback,
     EarlyStopping,
     LearningRateMonitor,
+    LoggingOptions,
     LossMonitor,
     PlotCurves,
     ProgressBar,
     ThroughputMonitor,
     Trainer,
+    TrainOptions,
     warmup_cosine,
 )
 from shardwise.train.plot import read_csv
@@ -44,22 +46,12 @@ def fit_with_callbacks(run_dir: str, early: bool) -> dict:
     callbacks = [hooks, LossMonitor(), ThroughputMonitor(), LearningRateMonitor(), PlotCurves(), ProgressBar()]
     if early:  # an improvement of more than 1e9 never happens: no improvement after the first evaluation
         callbacks.append(EarlyStopping("val_loss", mode="min", patience=2, min_delta=1e9))
-    trainer = Trainer(
-        make_model(),
-        loss_fn=F.cross_entropy,
-        optimizer=sgd,
-        lr_scheduler=warmup_cosine(warmup_steps=2, total_steps=20),
-        global_batch_size=32,
-        max_epochs=2,
-        eval_every=4 if early else None,
-        log_every=5,
-        metrics=["accuracy"],
-        tokens_per_sample=8,
-        flops_per_sample=1e6,
-        peak_flops_per_device=1e12,
-        run_dir=run_dir,
-        callbacks=callbacks,
-    )
+    trainer = Trainer(make_model(), loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=32,
+                      train=TrainOptions(lr_scheduler=warmup_cosine(warmup_steps=2, total_steps=20), max_epochs=2,
+                                         eval_every=4 if early else None),
+                      logging=LoggingOptions(log_every=5, metrics=["accuracy"], tokens_per_sample=8,
+                                             flops_per_sample=1e6, peak_flops_per_device=1e12, run_dir=run_dir),
+                      callbacks=callbacks)
     result = trainer.fit(make_data(), Subset(make_data(), range(50)))
     return {"calls": hooks.calls, "step": result.step, "epoch": result.epoch, "val": result.val_metrics, "train_loss": result.train_loss, "history": result.history}
 

@@ -73,13 +73,12 @@ def test_dtensor_grad_norm_counts_each_shard_once(dist4) -> None:
 
 
 def fit_with_plan(plan: str) -> dict:
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     rec = Record()
-    trainer = Trainer(
-        make_model(), loss_fn=torch.nn.functional.cross_entropy, optimizer=sgd, plan=plan, global_batch_size=32, clip_grad_norm=0.5,
-        max_steps=12, log_every=1, seed=7, progress_bar=False, callbacks=[rec],
-    )
+    trainer = Trainer(make_model(), loss_fn=torch.nn.functional.cross_entropy, optimizer=sgd, plan=plan,
+                      global_batch_size=32, train=TrainOptions(clip_grad_norm=0.5, max_steps=12, seed=7),
+                      logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=[rec])
     trainer.fit(make_data())
     return {"losses": rec.losses, "norms": rec.norms, "val": trainer.evaluate(make_data(10)), "world": dist.get_world_size()}
 
@@ -100,7 +99,7 @@ def fit_gpt(plan: str, run_dir: str | None = None) -> dict:
     from torch.utils.data import TensorDataset
 
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 16, (64, 9), generator=g)
@@ -111,8 +110,9 @@ def fit_gpt(plan: str, run_dir: str | None = None) -> dict:
 
     rec = Record()
     model = GPT(GPTConfig(vocab_size=16, seq_len=8, layers=2, hidden=16, heads=2), seed=0)
-    trainer = Trainer(model, loss_fn=lm_loss, optimizer=sgd, plan=plan, global_batch_size=16, max_steps=6, log_every=1, seed=7,
-                      progress_bar=False, callbacks=[rec], run_dir=run_dir)
+    trainer = Trainer(model, loss_fn=lm_loss, optimizer=sgd, plan=plan, global_batch_size=16,
+                      train=TrainOptions(max_steps=6, seed=7),
+                      logging=LoggingOptions(log_every=1, progress_bar=False, run_dir=run_dir), callbacks=[rec])
     trainer.fit(data)
     return {"losses": rec.losses, "plan": str(trainer.plan)}
 
@@ -135,12 +135,12 @@ def auto_on_too_small_cluster() -> str:
 
     from shardwise.errors import ConfigError
     from shardwise.plan.cluster import resolve
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, ParallelOptions, Trainer
 
     tiny = replace(resolve("cpu", devices=2), memory_bytes=1e3)
     try:
-        Trainer(make_model(), loss_fn=torch.nn.functional.cross_entropy, plan="auto", cluster=tiny, global_batch_size=32,
-                progress_bar=False).fit(make_data())
+        Trainer(make_model(), loss_fn=torch.nn.functional.cross_entropy, plan="auto", global_batch_size=32,
+                parallel=ParallelOptions(cluster=tiny), logging=LoggingOptions(progress_bar=False)).fit(make_data())
     except ConfigError as exc:
         return str(exc)
     return "no error"

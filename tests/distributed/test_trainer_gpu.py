@@ -23,7 +23,8 @@ for precision in ("bf16", "fp16"):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t = Trainer(make_model(), loss_fn=F.cross_entropy, optimizer=sgd, precision=precision, global_batch_size=32,
-                    max_steps=20, log_every=1, pin_memory=True, flops_per_sample=1e6, progress_bar=False, callbacks=[rec])
+                    train=TrainOptions(max_steps=20), data=DataOptions(pin_memory=True),
+                    logging=LoggingOptions(log_every=1, flops_per_sample=1e6, progress_bar=False), callbacks=[rec])
     result = t.fit(make_data())
     out[precision] = {"losses": rec.losses, "device": str(t.env.device), "mfu": t.history[-1].get("mfu"),
                       "scale": t.scaler.scale if t.scaler else None, "cpu_warning": any("CPU" in str(w.message) for w in caught)}

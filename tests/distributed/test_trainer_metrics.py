@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardwise.train import Trainer
+from shardwise.train import LoggingOptions, TrainOptions, Trainer
 from tests.helpers import make_data, make_model
 
 
@@ -15,9 +15,9 @@ def top2(outputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, in
 
 
 def evaluate_on(n_samples: int, eval_batch_size: int) -> dict:
-    trainer = Trainer(
-        make_model(), loss_fn=F.cross_entropy, global_batch_size=4, eval_batch_size=eval_batch_size, metrics={"accuracy": "accuracy", "top2": top2}, progress_bar=False
-    )
+    trainer = Trainer(make_model(), loss_fn=F.cross_entropy, global_batch_size=4,
+                      train=TrainOptions(eval_batch_size=eval_batch_size),
+                      logging=LoggingOptions(metrics={"accuracy": "accuracy", "top2": top2}, progress_bar=False))
     return trainer.evaluate(make_data(n_samples))
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.errors import ConfigError
-from shardwise.train import Trainer
+from shardwise.train import DataOptions, LoggingOptions, TrainOptions, Trainer
 from tests.helpers import SEED, make_data, make_model, run_fit, sgd
 
 
@@ -36,7 +36,8 @@ def manual_loop(steps: int = 20, gbs: int = 32) -> dict:
 
 def bad_batch() -> str:
     try:
-        Trainer(make_model(), loss_fn=F.cross_entropy, global_batch_size=6, grad_accum_steps=2, progress_bar=False)
+        Trainer(make_model(), loss_fn=F.cross_entropy, global_batch_size=6, train=TrainOptions(grad_accum_steps=2),
+                logging=LoggingOptions(progress_bar=False))
     except ConfigError as exc:
         return str(exc)
     return "no error"
@@ -92,5 +93,5 @@ def test_loader_workers_do_not_change_the_data(pools) -> None:
     one = pools(1)
     ref = one.run(run_fit, steps=12)[0]
     # fork: the test ranks are spawned processes, whose default would re-import torch per worker.
-    got = one.run(run_fit, steps=12, num_workers=2, persistent_workers=True, worker_start_method="fork")[0]
+    got = one.run(run_fit, steps=12, data=DataOptions(num_workers=2, persistent_workers=True, worker_start_method="fork"))[0]
     assert got["losses"] == ref["losses"]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from shardwise.train import Callback, LossScaler, Trainer
+from shardwise.train import Callback, LoggingOptions, LossScaler, PrecisionOptions, TrainOptions, Trainer
 from tests.helpers import Record, make_data, make_model, run_fit, sgd
 
 INJECT_AT = 3  # the 3rd optimizer step
@@ -41,27 +41,20 @@ def run_fp16(inject_rank: int) -> dict:
     snap = Snapshot()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = Trainer(
-            make_model(),
-            loss_fn=F.cross_entropy,
-            optimizer=sgd,
-            precision="fp16",
-            loss_scaler=LossScaler(init_scale=2.0**10, growth_interval=3),
-            global_batch_size=32,
-            max_steps=6,
-            log_every=1,
-            progress_bar=False,
-            callbacks=[InjectInf(inject_rank), snap],
-        )
+        trainer = Trainer(make_model(), loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=32,
+                          precision=PrecisionOptions("fp16",
+                                                     loss_scaler=LossScaler(init_scale=2.0**10, growth_interval=3)),
+                          train=TrainOptions(max_steps=6), logging=LoggingOptions(log_every=1, progress_bar=False),
+                          callbacks=[InjectInf(inject_rank), snap])
     trainer.fit(make_data())
     return {"rows": snap.rows, "warned": any("fp16" in str(w.message) and "CPU" in str(w.message) for w in caught), "skipped": trainer.scaler.skipped_steps}
 
 
 def run_bf16() -> dict:
     rec = Record()
-    trainer = Trainer(
-        make_model(), loss_fn=F.cross_entropy, optimizer=sgd, precision="bf16", global_batch_size=32, max_steps=20, log_every=1, seed=7, progress_bar=False, callbacks=[rec]
-    )
+    trainer = Trainer(make_model(), loss_fn=F.cross_entropy, optimizer=sgd, precision="bf16", global_batch_size=32,
+                      train=TrainOptions(max_steps=20, seed=7), logging=LoggingOptions(log_every=1, progress_bar=False),
+                      callbacks=[rec])
     trainer.fit(make_data())
     return {"losses": rec.losses}
 

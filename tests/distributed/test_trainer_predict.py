@@ -24,11 +24,12 @@ def predict_under(plan: str, output_dir: str | None = None, evaluate: bool = Fal
     import torch.distributed as dist
 
     from shardwise.models.gpt import GPT, GPTConfig
-    from shardwise.train import Trainer
+    from shardwise.train import LoggingOptions, TrainOptions, Trainer
 
     model = GPT(GPTConfig(vocab_size=VOCAB, seq_len=SEQ, layers=2, hidden=16, heads=2), seed=5)
     trainer = Trainer(model, loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), plan=plan, global_batch_size=4, seed=1, progress_bar=False)
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), plan=plan, global_batch_size=4,
+                      train=TrainOptions(seed=1), logging=LoggingOptions(progress_bar=False))
     loss = trainer.evaluate(_data())["loss"] if evaluate else None  # before any step: a fresh model
     out = trainer.predict(_data(), batch_size=3, output_dir=output_dir)
     return {"out": out, "rank": dist.get_rank() if dist.is_initialized() else 0, "plan": trainer.plan, "loss": loss}

@@ -39,7 +39,7 @@ def test_prepare_trains_like_the_trainer(pools) -> None:
 
 def micro_step_loop() -> dict:
     """A loop that lets prepare() run each step's forward and backward (two micro-batches of 8 per
-    rank): the Trainer's own micro-step, so it trains like Trainer(grad_accum_steps=2)."""
+    rank): the Trainer's own micro-step, so it trains like Trainer(train=TrainOptions(grad_accum_steps=2))."""
     import shardwise
 
     prepared = shardwise.prepare(make_model(), sgd, make_data(), batch_size=8, seed=7, loss_fn=F.cross_entropy)

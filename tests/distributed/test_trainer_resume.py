@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from shardwise.train import Callback, Trainer, warmup_cosine
+from shardwise.train import Callback, LoggingOptions, TrainOptions, Trainer, warmup_cosine
 from tests.helpers import Record, make_data, make_model, sgd
 
 STOP_AT, TOTAL = 13, 14
@@ -30,18 +30,10 @@ class Restore(Callback):
 
 
 def _trainer(model: nn.Module, max_steps: int, callbacks: list) -> Trainer:
-    return Trainer(
-        model,
-        loss_fn=F.cross_entropy,
-        optimizer=sgd,
-        lr_scheduler=warmup_cosine(warmup_steps=3, total_steps=TOTAL),
-        global_batch_size=32,
-        max_steps=max_steps,
-        log_every=1,
-        seed=7,
-        progress_bar=False,
-        callbacks=callbacks,
-    )
+    return Trainer(model, loss_fn=F.cross_entropy, optimizer=sgd, global_batch_size=32,
+                   train=TrainOptions(lr_scheduler=warmup_cosine(warmup_steps=3, total_steps=TOTAL),
+                                      max_steps=max_steps, seed=7),
+                   logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=callbacks)
 
 
 def _weights(trainer: Trainer) -> dict:

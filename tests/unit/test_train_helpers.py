@@ -122,6 +122,7 @@ def test_csv_logger_writes_nothing_before_begin_and_keeps_history_on_resume(tmp_
 def test_trainer_arguments_fail_before_any_process_group(monkeypatch) -> None:
     from torch import nn
 
+    from shardwise.train.options import TrainOptions
     from shardwise.train.trainer import Trainer
 
     def no_init(*args, **kwargs):
@@ -129,9 +130,10 @@ def test_trainer_arguments_fail_before_any_process_group(monkeypatch) -> None:
 
     monkeypatch.setattr("shardwise.runtime.env.init", no_init)
     model = nn.Linear(2, 2)
-    for kwargs, pattern in [({"max_steps": -5}, "max_steps=-5 must be a positive integer"),
-                            ({"max_epochs": 0}, "max_epochs=0"), ({"eval_every": 0}, "eval_every=0"),
-                            ({"clip_grad_norm": -1.0}, "clip_grad_norm=-1.0"), ({"global_batch_size": 0}, "global_batch_size=0"),
+    for kwargs, pattern in [({"train": TrainOptions(max_steps=-5)}, "max_steps=-5 must be a positive integer"),
+                            ({"train": TrainOptions(max_epochs=0)}, "max_epochs=0"), ({"train": TrainOptions(eval_every=0)}, "eval_every=0"),
+                            ({"train": TrainOptions(clip_grad_norm=-1.0)}, "clip_grad_norm=-1.0"),
+                            ({"global_batch_size": 0}, "global_batch_size=0"),
                             ({"loss_fn": "mse"}, "loss_fn='mse' is not callable")]:
         args = {"loss_fn": nn.functional.mse_loss, "global_batch_size": 4, **kwargs}
         with pytest.raises(ConfigError, match=pattern):

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CertifyOptions:
-    """``Trainer(certify=...)``. ``enabled``: True, False, or None (the default): on when the run has
+    """``ParallelOptions(certify=...)`` of the Trainer. ``enabled``: True, False, or None (the default): on when the run has
     at least ``long_run`` optimizer steps. ``after_backward(pm, plan)`` runs in each candidate's
     parallel run after every backward (tests break a plan with it on purpose)."""
 

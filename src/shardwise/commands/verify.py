@@ -8,7 +8,7 @@ weights with a pass/fail verdict at ``--rtol`` (float32 tolerance by default). T
 
 The built-in workload's targets carry ragged ``-100`` masks (:mod:`shardwise.verify.workloads`),
 and each micro-step's loss is weighted by its valid targets (``--loss-reduction tokens``, the
-default), as ``Trainer(loss_reduction="tokens")`` does; ``--loss-reduction samples`` weighs every
+default), as ``Trainer(train=TrainOptions(loss_reduction="tokens"))`` does; ``--loss-reduction samples`` weighs every
 micro-step the same, for per-sample losses (the built-in workload then has no masked targets).
 
 ``--nproc N`` fills in what the plan leaves out for a world of ``N`` processes, with the same rules as

@@ -49,7 +49,7 @@ def warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_
 def warmup_cosine(
     *, warmup_steps: int, total_steps: int | None = None, min_lr_ratio: float = 0.0, warmup_start_factor: float = 0.0
 ) -> Callable[..., LRScheduler]:
-    """A scheduler factory for ``Trainer(lr_scheduler=...)``: stepped once per optimizer step.
+    """A scheduler factory for ``TrainOptions(lr_scheduler=...)``: stepped once per optimizer step.
 
     Without ``total_steps`` the factory takes ``(optimizer, total_steps)`` and the Trainer calls it
     when ``fit`` knows the number of steps; the warmup is then at most that number."""

@@ -1,7 +1,7 @@
 """Experiment trackers: MLflow and Weights & Biases loggers (optional extras ``shardwise[mlflow]``,
 ``shardwise[wandb]``), beside the CSV and TensorBoard loggers of :mod:`shardwise.train.loggers`.
 
-Pass them as ``Trainer(..., loggers=[MLflowLogger(...)])``. Every rank may hold one; only global
+Pass them as ``Trainer(..., logging=LoggingOptions(loggers=[MLflowLogger(...)]))``. Every rank may hold one; only global
 rank 0 talks to the tracker (the metrics are already global), the others do nothing. The trainer
 calls ``describe(info)`` once when ``fit`` starts (the plan, the world and batch layout, the
 planner's predicted step time with ``plan="auto"``), then ``begin(step)``, ``log(metrics, step)``

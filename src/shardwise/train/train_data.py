@@ -28,7 +28,8 @@ def batches_per_epoch(train_data: Dataset, *, global_batch_size: int, max_steps:
     has no length to count (0): it needs ``max_steps``."""
     if isinstance(train_data, PackedStream):
         if max_steps is None:
-            raise ConfigError("a streaming dataset has no length known before training", hint="pass Trainer(max_steps=...)")
+            raise ConfigError("a streaming dataset has no length known before training",
+                              hint="pass Trainer(train=TrainOptions(max_steps=...))")
         return 0
     per_epoch = len(train_data) // global_batch_size  # type: ignore[arg-type]
     if per_epoch < 1:

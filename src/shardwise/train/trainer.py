@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import pathlib
 import time
-from dataclasses import replace
 from functools import partial
 from typing import Any, Callable, Sequence
 
@@ -35,27 +34,25 @@ from torch.utils.data import Dataset
 from shardwise.callback import Callback
 from shardwise.checkpoint.adapters import lora_of
 from shardwise.checkpoint.callback import checkpoint_callback
-from shardwise.data.loader import LoaderOptions, eval_loader
+from shardwise.data.loader import eval_loader
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
-from shardwise.parallel.ddp import DDPOptions
-from shardwise.parallel.fp8 import Fp8Options, compute_precision
-from shardwise.parallel.fsdp import FSDPOptions
+from shardwise.parallel.fp8 import compute_precision
 from shardwise.parallel.parallelize import ParallelModel
-from shardwise.parallel.pipeline import PipelineOptions
-from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss_reduction
-from shardwise.parallel.tp import TPOptions
+from shardwise.parallel.reduction import LossReduction, check_loss_reduction
 from shardwise.runtime import env as runtime
 from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
 from shardwise.train import predict as _predict
 from shardwise.data.batch import chunks
 from shardwise.auto.sample import AutoData
-from shardwise.train.build import Built, ClusterArg, OptimizerFactory, build, default_optimizer
+from shardwise.train.build import Built, OptimizerFactory, build, default_optimizer
 from shardwise.train.attachments import default_loggers, open_run_files, ordered_callbacks, run_info
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.loggers import Logger
-from shardwise.train.metrics import MetricsArg, peak_flops, resolve_metrics
+from shardwise.train.metrics import peak_flops, resolve_metrics
+from shardwise.train.options import (DataOptions, LoggingOptions, ParallelOptions, PrecisionOptions, TrainOptions, accepts_old_keywords,
+                                     check_section)
 from shardwise.train.precision import LossScaler, autocast_precision, check_precision
 from shardwise.train.result import FitResult, stop_of
 from shardwise.train.step import OptimizerStep
@@ -71,8 +68,6 @@ log = get_logger("train")
 _DEFERRED = frozenset({"plan", "auto_choice", "meshes", "model", "optimizer", "dp_rank", "dp_size", "precision", "micro_batch_size",
                        "eval_batch_size", "peak_flops_total", "lr_scheduler", "scaler"})
 
-SchedulerFactory = Callable[..., Any]  # (optimizer) or (optimizer, total_steps) -> scheduler
-
 
 class Trainer:
     """Train ``model`` with the layout ``plan`` (see the module doc for the math of one step).
@@ -84,22 +79,25 @@ class Trainer:
     chosen from the training data (:mod:`shardwise.auto`), so everything but ``env`` exists
     once :meth:`fit` or :meth:`setup` has seen it.
 
-    Options (all keyword-only):
+    Arguments (all but ``model`` keyword-only):
 
     - ``loss_fn(outputs, targets)``: the mean loss of a micro-batch. Batches are ``(inputs, targets)``.
-    - ``loss_reduction``: ``"samples"`` (each micro-batch weighs the same: per-sample losses) or
-      ``"tokens"`` (each weighs its targets that are not ``ignore_index``: a token-mean loss such as
-      masked cross-entropy gives one process's global-batch update under every plan).
     - ``global_batch_size``: samples per optimizer step over all data-parallel ranks and micro-steps;
-      each rank's micro-batch is ``global_batch_size / (dp_size * grad_accum_steps)``.
-    - Every other option (optimizer and scheduler factories, plan, precision, accumulation,
-      clipping, step/epoch limits, evaluation, data loading, DDP/TP/FSDP/pipeline options,
-      callbacks, loggers, MFU inputs) is documented with its default in docs/training.md.
+      each rank's micro-batch is ``global_batch_size / (dp_size * train.grad_accum_steps)``.
+    - ``optimizer``: a factory ``params -> Optimizer``; ``plan``: a Plan, a plan string or ``"auto"``;
+      ``precision``: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"fp8"`` or a :class:`PrecisionOptions`.
+    - ``train``, ``data``, ``parallel``, ``logging``: the option sections of
+      :mod:`shardwise.train.options` (:class:`TrainOptions`: accumulation, clipping, schedule, limits,
+      evaluation, loss reduction; :class:`DataOptions`: loading; :class:`ParallelOptions`: DDP, TP,
+      FSDP, pipeline, ``plan="auto"``'s cluster and certification; :class:`LoggingOptions`: loggers,
+      cadence, metrics, run directory, progress, MFU inputs), each documented with its defaults in
+      docs/training.md. The earlier flat keywords (``max_steps=``, ...) still work, with a
+      DeprecationWarning naming the new spelling.
+    - ``callbacks``: :class:`~shardwise.callback.Callback` objects, run on every rank.
     - ``checkpoint``: a directory, CheckpointManager or CheckpointCallback (``shardwise.checkpoint``).
-    - ``certify``: certification of a ``plan="auto"`` choice by parity (True, False, a
-      :class:`~shardwise.CertifyOptions`; None: on for runs of 1000 steps or more).
     """
 
+    @accepts_old_keywords
     def __init__(
         self,
         model: nn.Module,
@@ -108,78 +106,53 @@ class Trainer:
         global_batch_size: int,
         optimizer: OptimizerFactory = default_optimizer,
         plan: Plan | str = "dp",
-        precision: str | None = None,
-        grad_accum_steps: int = 1,
-        clip_grad_norm: float | None = None,
-        lr_scheduler: SchedulerFactory | None = None,
-        scale_lr: str = "none",
+        precision: str | PrecisionOptions | None = None,
+        train: TrainOptions | None = None,
+        data: DataOptions | None = None,
+        parallel: ParallelOptions | None = None,
+        logging: LoggingOptions | None = None,
         callbacks: Sequence[Callback] = (),
-        loggers: Sequence[Logger] = (),
-        seed: int = 0,
-        max_steps: int | None = None,
-        max_epochs: int | None = None,
-        eval_every: int | None = None,
-        eval_batch_size: int | None = None,
-        log_every: int = 10,
-        num_workers: int = 0,
-        pin_memory: bool = False,
-        persistent_workers: bool = False,
-        worker_start_method: str | None = None,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        shuffle: bool = True,
-        sync_batchnorm: bool = False,
-        ddp: DDPOptions = DDPOptions(),
-        tp: TPOptions | None = None,
-        fsdp: FSDPOptions | None = None,
-        pipeline: PipelineOptions | None = None,
-        fp8: Fp8Options | None = None,
-        cluster: ClusterArg = None,
-        run_dir: str | os.PathLike[str] | None = None,
-        metrics: MetricsArg = None,
-        flops_per_sample: float | None = None,
-        tokens_per_sample: int | None = None,
-        peak_flops_per_device: float | None = None,
-        loss_scaler: LossScaler | None = None,
-        progress_bar: bool = True,
         checkpoint: Any = None,
-        certify: bool | CertifyOptions | None = None,
-        loss_reduction: str = "samples",
-        ignore_index: int = IGNORE_INDEX,
     ) -> None:
-        check_counts(global_batch_size=global_batch_size, grad_accum_steps=grad_accum_steps, log_every=log_every,
-                     max_steps=max_steps, max_epochs=max_epochs, eval_every=eval_every, eval_batch_size=eval_batch_size,
-                     clip_grad_norm=clip_grad_norm, tokens_per_sample=tokens_per_sample)
+        train, data = check_section("train", train, TrainOptions), check_section("data", data, DataOptions)
+        parallel, logging = check_section("parallel", parallel, ParallelOptions), check_section("logging", logging, LoggingOptions)
+        precision = PrecisionOptions.of(precision)
+        check_counts(global_batch_size=global_batch_size, grad_accum_steps=train.grad_accum_steps, log_every=logging.log_every,
+                     max_steps=train.max_steps, max_epochs=train.max_epochs, eval_every=train.eval_every,
+                     eval_batch_size=train.eval_batch_size, clip_grad_norm=train.clip_grad_norm,
+                     tokens_per_sample=logging.tokens_per_sample)
         if not callable(loss_fn):
             raise ConfigError(f"loss_fn={loss_fn!r} is not callable", hint="pass a function (outputs, targets) -> scalar loss")
         self.loss_fn = scalar_loss(loss_fn)
-        self.loss_reduction, self.ignore_index = check_loss_reduction(loss_reduction), ignore_index
-        self.global_batch_size, self.grad_accum_steps = global_batch_size, grad_accum_steps
+        self.loss_reduction, self.ignore_index = check_loss_reduction(train.loss_reduction), train.ignore_index
+        self.global_batch_size, self.grad_accum_steps = global_batch_size, train.grad_accum_steps
 
         def check(plan: Plan, device_type: str) -> None:  # before any mesh or wrapping
-            check_batch_split(global_batch_size, plan.dp_size * self.env.replicas, grad_accum_steps)  # replicas: train/ft.py
+            check_batch_split(global_batch_size, plan.dp_size * self.env.replicas, train.grad_accum_steps)  # replicas: train/ft.py
             check_precision(plan.precision, device_type)
 
         # The shared build step (train/build.py): init, plan (rank 0 plans "auto"), mesh, seeds,
         # parallelize, optimizer. Pipelines split each micro-batch again, so an automatic choice
         # considers them only without gradient accumulation.
-        self._build = partial(build, model, optimizer, plan=plan, global_batch_size=global_batch_size, seed=seed, precision=precision,
-                              pipelines_allowed=grad_accum_steps == 1, cluster=cluster, tokens_per_sample=tokens_per_sample,
-                              ddp=replace(ddp, sync_batchnorm=ddp.sync_batchnorm or sync_batchnorm), tp=tp, fsdp=fsdp,
-                              pipeline=pipeline, loss_fn=self.loss_fn, check=check, loss_reduction=loss_reduction,
-                              ignore_index=ignore_index, fp8=fp8)
-        self._fp8 = fp8
-        self.certify = CertifyOptions.of(certify)
-        self.clip_grad_norm, self.seed, self.max_steps, self.max_epochs = clip_grad_norm, seed, max_steps, max_epochs
-        self.eval_every, self.log_every, self.shuffle = eval_every, log_every, shuffle
-        self._eval_batch_size, self._scale_lr, self._peak_flops_per_device, self._loss_scaler = eval_batch_size, scale_lr, peak_flops_per_device, loss_scaler
-        self.loader_options = LoaderOptions(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=persistent_workers,
-                                            collate_fn=collate_fn, worker_start_method=worker_start_method)
-        self.metric_fns = resolve_metrics(metrics)
-        self.flops_per_sample, self.tokens_per_sample = flops_per_sample, tokens_per_sample
-        self.run_dir = pathlib.Path(run_dir) if run_dir is not None else None
+        self._build = partial(build, model, optimizer, plan=plan, global_batch_size=global_batch_size, seed=train.seed,
+                              precision=precision.compute, pipelines_allowed=train.grad_accum_steps == 1,
+                              cluster=parallel.cluster, tokens_per_sample=logging.tokens_per_sample, ddp=parallel.ddp,
+                              tp=parallel.tp, fsdp=parallel.fsdp, pipeline=parallel.pipeline, loss_fn=self.loss_fn, check=check,
+                              loss_reduction=train.loss_reduction, ignore_index=train.ignore_index, fp8=precision.fp8)
+        self._fp8 = precision.fp8
+        self.certify = CertifyOptions.of(parallel.certify)
+        self.clip_grad_norm, self.seed = train.clip_grad_norm, train.seed
+        self.max_steps, self.max_epochs = train.max_steps, train.max_epochs
+        self.eval_every, self.log_every, self.shuffle = train.eval_every, logging.log_every, data.shuffle
+        self._eval_batch_size, self._scale_lr = train.eval_batch_size, train.scale_lr
+        self._peak_flops_per_device, self._loss_scaler = logging.peak_flops_per_device, precision.loss_scaler
+        self.loader_options = data.loader()
+        self.metric_fns = resolve_metrics(logging.metrics)
+        self.flops_per_sample, self.tokens_per_sample = logging.flops_per_sample, logging.tokens_per_sample
+        self.run_dir = pathlib.Path(logging.run_dir) if logging.run_dir is not None else None
         # A one-argument factory builds the scheduler with the optimizer; a two-argument one
         # (optimizer, total_steps) when fit knows the number of steps (see total_steps_for).
-        self._scheduler_factory = lr_scheduler
+        self._scheduler_factory = train.lr_scheduler
         # plan="auto" is chosen from the training data (its sample shape, certification), so it is
         # built when fit (or setup) sees the data; every other plan is built now.
         self._pending = isinstance(plan, str) and plan.strip().lower() == "auto"
@@ -188,15 +161,15 @@ class Trainer:
         if not self._pending:
             self._apply(self._build())
         self.state = TrainState(rank=self.env.rank)
-        self.should_stop, self.total_steps = False, max_steps
+        self.should_stop, self.total_steps = False, train.max_steps
         self.history: list[dict[str, Any]] = []  # every logged row
 
         # checkpoint: a directory, a CheckpointManager or a CheckpointCallback (shardwise.checkpoint)
         self.checkpoint = checkpoint_callback(checkpoint)
-        self.callbacks: list[Callback] = ordered_callbacks(callbacks, progress_bar=progress_bar, is_main=self.env.is_main,
-                                                           checkpoint=self.checkpoint, elastic=self.env.settings.elastic is not None,
-                                                           requested_plan=str(plan))
-        self.loggers: list[Logger] = default_loggers(loggers, run_dir=self.run_dir, is_main=self.env.is_main)
+        self.callbacks: list[Callback] = ordered_callbacks(callbacks, progress_bar=logging.progress_bar,
+                                                           is_main=self.env.is_main, checkpoint=self.checkpoint,
+                                                           elastic=self.env.settings.elastic is not None, requested_plan=str(plan))
+        self.loggers: list[Logger] = default_loggers(logging.loggers, run_dir=self.run_dir, is_main=self.env.is_main)
 
     def _apply(self, built: Built) -> None:
         """Everything that follows from the plan: meshes, the parallel model, the optimizer and the

@@ -14,7 +14,7 @@ from torch.utils.data import TensorDataset
 import shardwise
 from shardwise.checkpoint import CheckpointManager
 from shardwise.models.mlp import SimpleNet
-from shardwise.train import Callback, Trainer
+from shardwise.train import Callback, LoggingOptions, TrainOptions, Trainer
 
 
 class PrintLoss(Callback):
@@ -57,19 +57,12 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 16, generator=g)
     y = (x @ torch.randn(16, 4, generator=g)).argmax(1)
-    trainer = Trainer(
-        SimpleNet(16, 32, 4, dropout=0.0, seed=1),
-        loss_fn=F.cross_entropy,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2),
-        plan=args.plan,
-        global_batch_size=8,
-        max_steps=args.steps,
-        log_every=1,
-        seed=3,
-        progress_bar=False,
-        callbacks=[PrintLoss([tuple(map(int, h.split(":"))) for h in args.hold_at], args.step_sleep)],
-        checkpoint=CheckpointManager(args.dir, every_n_steps=args.save_every, keep_last_n=3),
-    )
+    trainer = Trainer(SimpleNet(16, 32, 4, dropout=0.0, seed=1), loss_fn=F.cross_entropy,
+                      optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2), plan=args.plan, global_batch_size=8,
+                      train=TrainOptions(max_steps=args.steps, seed=3),
+                      logging=LoggingOptions(log_every=1, progress_bar=False),
+                      callbacks=[PrintLoss([tuple(map(int, h.split(":"))) for h in args.hold_at], args.step_sleep)],
+                      checkpoint=CheckpointManager(args.dir, every_n_steps=args.save_every, keep_last_n=3))
     trainer.fit(TensorDataset(x, y))
     shardwise.shutdown()
 

@@ -84,9 +84,11 @@ def main() -> None:
     kill = sys.argv[5] if len(sys.argv) > 5 else ""
     torch.manual_seed(0)
     model = TokenMLP()
-    trainer = shardwise.Trainer(model, loss_fn=loss_fn, global_batch_size=int(os.environ.get("FT_GLOBAL_BATCH", "8")), plan=plan, max_steps=steps, seed=0, log_every=1,
-                                loss_reduction="tokens", optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), progress_bar=False,
-                                lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+    trainer = shardwise.Trainer(model, loss_fn=loss_fn, global_batch_size=int(os.environ.get("FT_GLOBAL_BATCH", "8")),
+                                plan=plan, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                                train=shardwise.TrainOptions(max_steps=steps, seed=0, loss_reduction="tokens",
+                                                             lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)),
+                                logging=shardwise.LoggingOptions(log_every=1, progress_bar=False),
                                 callbacks=[Report(sleep_s, kill)], checkpoint=os.environ.get("FT_CHECKPOINT") or None)
     result = trainer.fit(data())
     weights = get_model_state_dict(trainer.model.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
