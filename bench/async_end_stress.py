@@ -24,7 +24,16 @@ ARGS = ["--nproc", "2", "--max-steps", "12", "--checkpoint.every_n_steps=3", "--
 
 
 def one_run(cwd: str, index: int, hang_timeout: float) -> dict:
-    cmd = [sys.executable, "-m", "shardwise", "train", f"--run.name=s{index}", *ARGS, "--hang-timeout", f"{hang_timeout:g}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardwise",
+        "train",
+        f"--run.name=s{index}",
+        *ARGS,
+        "--hang-timeout",
+        f"{hang_timeout:g}",
+    ]
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=hang_timeout + 300,
@@ -34,8 +43,13 @@ def one_run(cwd: str, index: int, hang_timeout: float) -> dict:
         rc, output = None, str(err.stdout or "") + str(err.stderr or "")
     ckpts = os.path.join(cwd, "runs", f"s{index}", "checkpoints")
     steps = sorted(int(n[5:]) for n in os.listdir(ckpts) if n.startswith("step_")) if os.path.isdir(ckpts) else []
-    return {"run": index, "rc": rc, "hang": rc is None or "HANG" in output, "wall_s": round(time.monotonic() - start, 1),
-            "checkpoints": steps}
+    return {
+        "run": index,
+        "rc": rc,
+        "hang": rc is None or "HANG" in output,
+        "wall_s": round(time.monotonic() - start, 1),
+        "checkpoints": steps,
+    }
 
 
 def main() -> None:
@@ -49,7 +63,10 @@ def main() -> None:
         for i in range(1, args.runs + 1):
             r = one_run(cwd, i, args.hang_timeout)
             results.append(r)
-            print(f"run {r['run']:2d}: exit {r['rc']}, hang {r['hang']}, {r['wall_s']} s, checkpoints {r['checkpoints']}", flush=True)
+            print(
+                f"run {r['run']:2d}: exit {r['rc']}, hang {r['hang']}, {r['wall_s']} s, checkpoints {r['checkpoints']}",
+                flush=True,
+            )
     ok = sum(r["rc"] == 0 and not r["hang"] for r in results)
     hangs = sum(r["hang"] for r in results)
     print(f"{ok} of {len(results)} runs ended normally, {hangs} hung")

@@ -48,15 +48,24 @@ def make(kind: str):  # noqa: ANN201
         return model, TensorDataset(x, x[:, :10].argmax(1)), ce, 64
     if kind == "cnn":
         x = torch.randn(2048, 3, 16, 16, generator=g)
-        stages = nn.Sequential(*[nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU()) for _ in range(4)])
-        model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), stages, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+        stages = nn.Sequential(
+            *[nn.Sequential(nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU()) for _ in range(4)]
+        )
+        model = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), stages, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)
+        )
         return model, TensorDataset(x, (x.mean((1, 2, 3)) > 0).long()), ce, 32
     if kind == "gpt":
         from shardwise.models.gpt import GPT, GPTConfig
 
         cfg = GPTConfig(vocab_size=256, seq_len=128, layers=8, hidden=128, heads=4)
         ids = torch.randint(0, 256, (1024, 129), generator=g)
-        return GPT(cfg, seed=0), TensorDataset(ids[:, :-1], ids[:, 1:]), lambda out, y: ce(out.flatten(0, 1), y.flatten()), 16
+        return (
+            GPT(cfg, seed=0),
+            TensorDataset(ids[:, :-1], ids[:, 1:]),
+            lambda out, y: ce(out.flatten(0, 1), y.flatten()),
+            16,
+        )
     from shardwise.models.hf import build_causal_lm, lm_loss, tiny_config
 
     model = build_causal_lm(tiny_config(kind, layers=6, hidden=64, heads=4, kv_heads=2, vocab=256, seq=64), seed=0)
@@ -84,11 +93,18 @@ def worker(kind: str, steps: int, broken: bool) -> dict:
     torch.set_num_threads(1)
     BROKEN.clear()
     model, data, loss, batch = make(kind)
-    trainer = Trainer(model, loss_fn=loss, plan="auto", global_batch_size=batch,
-                      optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3), train=TrainOptions(max_steps=steps),
-                      parallel=ParallelOptions(cluster="cpu",
-                                               certify=CertifyOptions(enabled=True, after_backward=break_first if broken else None)),
-                      logging=LoggingOptions(log_every=1, progress_bar=False))
+    trainer = Trainer(
+        model,
+        loss_fn=loss,
+        plan="auto",
+        global_batch_size=batch,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+        train=TrainOptions(max_steps=steps),
+        parallel=ParallelOptions(
+            cluster="cpu", certify=CertifyOptions(enabled=True, after_backward=break_first if broken else None)
+        ),
+        logging=LoggingOptions(log_every=1, progress_bar=False),
+    )
     start = time.perf_counter()
     trainer.setup(data)
     setup_s = time.perf_counter() - start
@@ -125,8 +141,15 @@ def main() -> int:
             print(f"{kind:8} {'broken ' if broken else ''}{got['plan']:<24} certification {cert['seconds']:.2f} s "
                   f"({len(cert['candidates'])} candidate(s)), step {1e3 * got['step_s']:.1f} ms -> "
                   f"{100 * row['overhead_of_1000_steps']:.2f}% of 1000 steps", flush=True)
-    out = {"nproc": args.nproc, "steps": args.steps, "cpu_count": os.cpu_count(), "rows": rows,
-           "max_overhead_unbroken": max((r["overhead_of_1000_steps"] for r in rows if not r["broken_on_purpose"]), default=None)}
+    out = {
+        "nproc": args.nproc,
+        "steps": args.steps,
+        "cpu_count": os.cpu_count(),
+        "rows": rows,
+        "max_overhead_unbroken": max(
+            (r["overhead_of_1000_steps"] for r in rows if not r["broken_on_purpose"]), default=None
+        ),
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=2)

@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--baseline-steps", type=int, default=10)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "checkpoint_async.json"))
+    p.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "checkpoint_async.json")
+    )
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)
     model = _model(args.width)
@@ -85,7 +87,9 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": args.repeats,
         "step_s_baseline": statistics.median(base_steps),
         "step_s_during_async_save": statistics.median(overlap_steps) if overlap_steps else None,
-        "step_ratio_during_async_save": (statistics.median(overlap_steps) / statistics.median(base_steps)) if overlap_steps else None,
+        "step_ratio_during_async_save": (statistics.median(overlap_steps) / statistics.median(base_steps))
+        if overlap_steps
+        else None,
         "steps_overlapping_a_save_median": statistics.median(overlapped),
         "sync_save_blocked_s": statistics.median(sync_s),
         "async_save_blocked_s": statistics.median(async_blocked_s),

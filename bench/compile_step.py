@@ -80,7 +80,11 @@ def main() -> None:
         steps(compiled, compiled_opt, batches[:1])
     pairs = []
     for rep in range(args.reps):
-        order = [(eager, eager_opt), (compiled, compiled_opt)] if rep % 2 == 0 else [(compiled, compiled_opt), (eager, eager_opt)]
+        order = (
+            [(eager, eager_opt), (compiled, compiled_opt)]
+            if rep % 2 == 0
+            else [(compiled, compiled_opt), (eager, eager_opt)]
+        )
         times = {id(pm): steps(pm, opt, batches) for pm, opt in order}
         pairs.append((times[id(eager)], times[id(compiled)]))
     final = compile_stats()
@@ -95,7 +99,13 @@ def main() -> None:
         "graphs_after_first_step": after_first.graphs,
         "graph_breaks": final.graph_breaks,
         "recompiles_after_first_step": final.graphs - after_first.graphs,
-        "shape": {"layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads, "seq_len": shape.seq_len, "batch": args.batch},
+        "shape": {
+            "layers": shape.layers,
+            "hidden": shape.hidden,
+            "heads": shape.heads,
+            "seq_len": shape.seq_len,
+            "batch": args.batch,
+        },
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "command": "python bench/compile_step.py " + " ".join(sys.argv[1:]),
@@ -103,9 +113,11 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=2)
-    print(f"compiled step: {result['median_speedup_eager_over_compiled']:.2f}x eager (median of {args.reps} interleaved pairs), "
-          f"first compiled step {first_compiled:.1f} s, {final.graphs} graphs, {final.graph_breaks} graph breaks, "
-          f"{result['recompiles_after_first_step']} recompiles; {args.out}")
+    print(
+        f"compiled step: {result['median_speedup_eager_over_compiled']:.2f}x eager (median of {args.reps} interleaved pairs), "
+        f"first compiled step {first_compiled:.1f} s, {final.graphs} graphs, {final.graph_breaks} graph breaks, "
+        f"{result['recompiles_after_first_step']} recompiles; {args.out}"
+    )
 
 
 if __name__ == "__main__":

@@ -80,7 +80,13 @@ def main() -> None:
 
     from shardwise.testing import WorkerPool
 
-    shape = {"vocab_size": 256, "seq_len": args.seq, "layers": args.layers, "hidden": args.hidden, "heads": max(1, args.hidden // 32)}
+    shape = {
+        "vocab_size": 256,
+        "seq_len": args.seq,
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "heads": max(1, args.hidden // 32),
+    }
     batch = 2
     rows = []
     for n, plan in PLANS:
@@ -99,8 +105,10 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=2)
     for row in rows:
-        print(f"{row['plan']:<10} cp={row['cp']}: measured {row['measured_bytes'] / 2**20:8.1f} MiB ({row['measured_vs_cp1']:.2f} x cp=1), "
-              f"predicted {row['predicted_bytes'] / 2**20:8.1f} MiB ({row['predicted_over_measured']:.2f} x measured)")
+        print(
+            f"{row['plan']:<10} cp={row['cp']}: measured {row['measured_bytes'] / 2**20:8.1f} MiB ({row['measured_vs_cp1']:.2f} x cp=1), "
+            f"predicted {row['predicted_bytes'] / 2**20:8.1f} MiB ({row['predicted_over_measured']:.2f} x measured)"
+        )
     try:
         import matplotlib
 

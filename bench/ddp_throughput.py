@@ -141,8 +141,15 @@ def run_plain(spec: BenchSpec, dataset: CharWindows, vocab: int, env: Any) -> tu
     model, _ = _model(spec, vocab)
     model = model.to(env.device)
     if env.world_size > 1:
-        model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, bucket_cap_mb=25, gradient_as_bucket_view=True)
-    sampler = DistributedSampler(dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=0, drop_last=True)
+        model = DDP(
+            model,
+            device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+            bucket_cap_mb=25,
+            gradient_as_bucket_view=True,
+        )
+    sampler = DistributedSampler(
+        dataset, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=0, drop_last=True
+    )
     loader = DataLoader(dataset, batch_size=spec.global_batch // env.world_size, sampler=sampler, drop_last=True,
                         pin_memory=env.device.type == "cuda")
 
@@ -197,7 +204,9 @@ def worker(spec: BenchSpec) -> dict[str, Any]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     corpus = load_stdlib_corpus(max_chars=400_000)
     dataset = CharWindows(corpus.train, spec.seq_len)
-    figures: dict[str, dict[str, list[float]]] = {k: {"rate": [], "cpu": [], "cpu_sched": [], "loss": []} for k in KINDS}
+    figures: dict[str, dict[str, list[float]]] = {
+        k: {"rate": [], "cpu": [], "cpu_sched": [], "loss": []} for k in KINDS
+    }
     for rep in range(spec.reps):
         for kind in KINDS[rep % 3:] + KINDS[:rep % 3]:  # each loop first, second and third in turn
             if kind == "trainer":
@@ -212,10 +221,17 @@ def worker(spec: BenchSpec) -> dict[str, Any]:
 
     _, config = _model(spec, corpus.vocab_size)
     peak = peak_flops(env.device, spec.precision)
-    return {"figures": figures, "flops_per_sample": config.flops_per_token() * spec.seq_len,
-            "peak_flops_per_device": peak, "world_size": env.world_size, "device": str(env.device),
-            "device_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else platform.processor() or "cpu",
-            "params": config.param_count()}
+    return {
+        "figures": figures,
+        "flops_per_sample": config.flops_per_token() * spec.seq_len,
+        "peak_flops_per_device": peak,
+        "world_size": env.world_size,
+        "device": str(env.device),
+        "device_name": torch.cuda.get_device_name(env.device)
+        if env.device.type == "cuda"
+        else platform.processor() or "cpu",
+        "params": config.param_count(),
+    }
 
 
 def report_of(result: dict[str, Any], spec: BenchSpec, argv: list[str], started: float) -> dict[str, Any]:
@@ -229,7 +245,10 @@ def report_of(result: dict[str, Any], spec: BenchSpec, argv: list[str], started:
 
     report: dict[str, Any] = {
         "command": "OMP_NUM_THREADS=1 python bench/ddp_throughput.py " + " ".join(argv),
-        "spec": asdict(spec), "device": result["device_name"], "world_size": result["world_size"], "params": result["params"],
+        "spec": asdict(spec),
+        "device": result["device_name"],
+        "world_size": result["world_size"],
+        "params": result["params"],
         # CPU-seconds per optimizer step, all ranks together (user + system, /proc/self/stat)
         "cpu_s_per_step": {k: fig[k]["cpu"] for k in KINDS},
         "median_cpu_s_per_step": {k: med[k]["cpu"] for k in KINDS},
@@ -244,7 +263,10 @@ def report_of(result: dict[str, Any], spec: BenchSpec, argv: list[str], started:
         "ratio_to_plain": ratios("rate"),  # samples per wall second: higher is better
         "ratio_of_medians": {k: med[k]["rate"] / med["plain"]["rate"] for k in ("trainer", "prepare")},
         "final_losses": {k: fig[k]["loss"] for k in KINDS},
-        "torch": torch.__version__, "host": platform.node(), "load_average": os.getloadavg(), "wall_s": time.time() - started,
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "load_average": os.getloadavg(),
+        "wall_s": time.time() - started,
     }
     peak = result["peak_flops_per_device"]
     if peak:
@@ -259,23 +281,36 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40 if gpu else 45)
     ap.add_argument("--warmup", type=int, default=10 if gpu else 5)
     ap.add_argument("--nproc", type=int, default=min(2, torch.cuda.device_count()) if gpu else 2)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ddp_throughput.json"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "ddp_throughput.json")
+    )
     args = ap.parse_args()
     if gpu:  # GPT-2 small shape with a character vocabulary, bf16
         spec = BenchSpec(layers=12, hidden=768, heads=12, seq_len=512, global_batch=16 * args.nproc, steps=args.steps,
                          warmup=args.warmup, reps=args.reps, precision="bf16", lr=3e-4)
     else:
-        spec = BenchSpec(layers=2, hidden=128, heads=4, seq_len=64, global_batch=32, steps=args.steps, warmup=args.warmup,
-                         reps=args.reps, precision="fp32")
+        spec = BenchSpec(
+            layers=2,
+            hidden=128,
+            heads=4,
+            seq_len=64,
+            global_batch=32,
+            steps=args.steps,
+            warmup=args.warmup,
+            reps=args.reps,
+            precision="fp32",
+        )
     started = time.time()
     result = shardwise.launch(worker, nprocs=args.nproc, args=(spec,), timeout_s=1800)[0]
     report = report_of(result, spec, sys.argv[1:], started)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
-    print(f"{result['world_size']} process(es) on {result['device_name']}, {spec.precision}, GPT {result['params']:,} params, "
-          f"global batch {spec.global_batch} x {spec.seq_len} tokens, {args.reps} interleaved repetitions of "
-          f"{spec.steps - spec.warmup} timed steps")
+    print(
+        f"{result['world_size']} process(es) on {result['device_name']}, {spec.precision}, GPT {result['params']:,} params, "
+        f"global batch {spec.global_batch} x {spec.seq_len} tokens, {args.reps} interleaved repetitions of "
+        f"{spec.steps - spec.warmup} timed steps"
+    )
     for kind in KINDS:
         mfu = f", MFU {report['mfu'][kind]:.1%}" if "mfu" in report else ""
         print(f"  {kind:<8} median {report['median_cpu_s_per_step'][kind] * 1e3:7.2f} CPU-ms per step (all ranks), "
@@ -283,10 +318,12 @@ def main() -> None:
     for kind in ("trainer", "prepare"):
         c, q, r = (report["cpu_per_step_ratio_to_plain"][kind], report["cpu_sched_per_step_ratio_to_plain"][kind],
                    report["ratio_to_plain"][kind])
-        print(f"{kind} / plain DDP, CPU per step: {c['median']:.4f} (median of {args.reps} interleaved ratios, 95% interval "
-              f"{c['median_ci95'][0]:.4f}-{c['median_ci95'][1]:.4f}; quartiles {c['q1']:.4f}-{c['q3']:.4f}, range "
-              f"{c['min']:.4f}-{c['max']:.4f}; goal <= 1.01), schedstat {q['median']:.4f} "
-              f"({q['q1']:.4f}-{q['q3']:.4f}); samples per wall second {r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f})")
+        print(
+            f"{kind} / plain DDP, CPU per step: {c['median']:.4f} (median of {args.reps} interleaved ratios, 95% interval "
+            f"{c['median_ci95'][0]:.4f}-{c['median_ci95'][1]:.4f}; quartiles {c['q1']:.4f}-{c['q3']:.4f}, range "
+            f"{c['min']:.4f}-{c['max']:.4f}; goal <= 1.01), schedstat {q['median']:.4f} "
+            f"({q['q1']:.4f}-{q['q3']:.4f}); samples per wall second {r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f})"
+        )
     print(f"wrote {args.out}")
 
 
@@ -296,8 +333,15 @@ def spread(values: list[float]) -> dict[str, float]:
     q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values[0],) * 3
     rng = random.Random(0)
     medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(2000))
-    return {"median": statistics.median(values), "q1": q1, "q3": q3, "min": min(values), "max": max(values), "n": len(values),
-            "median_ci95": [medians[49], medians[1949]]}
+    return {
+        "median": statistics.median(values),
+        "q1": q1,
+        "q3": q3,
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+        "median_ci95": [medians[49], medians[1949]],
+    }
 
 
 if __name__ == "__main__":

@@ -34,12 +34,28 @@ RESULTS = os.path.join(HERE, "results")
 
 def job_command(precision: str, *, args: argparse.Namespace, runs_dir: str) -> list[str]:
     """One ``shardwise train`` run of the built-in job at ``precision``."""
-    return [sys.executable, "-m", "shardwise", "train", f"--train.precision={precision}", f"--train.max_steps={args.steps}",
-            f"--train.eval_every={args.eval_every}", "--train.log_every=10", f"--train.global_batch_size={args.batch}",
-            f"--train.warmup_steps={args.steps // 10}", f"--model.layers={args.layers}", f"--model.hidden={args.hidden}",
-            f"--model.heads={args.heads}", f"--model.seq_len={args.seq_len}", f"--data.max_chars={args.max_chars}",
-            "--parallel.nproc=1", "--sample.chars=0", f"--run.name={precision}", f"--run.runs_dir={runs_dir}",
-            "--checkpoint.every_n_steps=0"]
+    return [
+        sys.executable,
+        "-m",
+        "shardwise",
+        "train",
+        f"--train.precision={precision}",
+        f"--train.max_steps={args.steps}",
+        f"--train.eval_every={args.eval_every}",
+        "--train.log_every=10",
+        f"--train.global_batch_size={args.batch}",
+        f"--train.warmup_steps={args.steps // 10}",
+        f"--model.layers={args.layers}",
+        f"--model.hidden={args.hidden}",
+        f"--model.heads={args.heads}",
+        f"--model.seq_len={args.seq_len}",
+        f"--data.max_chars={args.max_chars}",
+        "--parallel.nproc=1",
+        "--sample.chars=0",
+        f"--run.name={precision}",
+        f"--run.runs_dir={runs_dir}",
+        "--checkpoint.every_n_steps=0",
+    ]
 
 
 def run_jobs(precisions: tuple[str, ...], *, args: argparse.Namespace, runs_dir: str) -> dict[str, dict]:
@@ -47,8 +63,16 @@ def run_jobs(precisions: tuple[str, ...], *, args: argparse.Namespace, runs_dir:
     measures losses, not time); each one's logged training and validation losses."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.perf_counter()
-    procs = {p: subprocess.Popen(job_command(p, args=args, runs_dir=runs_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                 text=True, env=env) for p in precisions}
+    procs = {
+        p: subprocess.Popen(
+            job_command(p, args=args, runs_dir=runs_dir),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for p in precisions
+    }
     out = {}
     for precision, proc in procs.items():
         _, stderr = proc.communicate()
@@ -58,9 +82,14 @@ def run_jobs(precisions: tuple[str, ...], *, args: argparse.Namespace, runs_dir:
         train = [(int(r["step"]), float(r["loss"])) for r in rows if r.get("loss")]
         val = [(int(r["step"]), float(r["val_loss"])) for r in rows if r.get("val_loss")]
         converted = [line.split(" I ", 1)[-1] for line in stderr.splitlines() if "fp8 (" in line]
-        out[precision] = {"train": train, "val": val, "final_val_loss": val[-1][1], "seconds": time.perf_counter() - start,
-                          "command": " ".join(["shardwise", *job_command(precision, args=args, runs_dir="RUNS")[3:]]),
-                          "conversion_log": converted[:1]}
+        out[precision] = {
+            "train": train,
+            "val": val,
+            "final_val_loss": val[-1][1],
+            "seconds": time.perf_counter() - start,
+            "command": " ".join(["shardwise", *job_command(precision, args=args, runs_dir="RUNS")[3:]]),
+            "conversion_log": converted[:1],
+        }
     return out
 
 
@@ -99,9 +128,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="fp8-convergence-") as runs_dir:
         runs = run_jobs(("bf16", "fp8"), args=args, runs_dir=runs_dir)
     ratio = runs["fp8"]["final_val_loss"] / runs["bf16"]["final_val_loss"]
-    result = {"steps": args.steps, "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "batch")},
-              "runs": runs, "ratio": ratio, "within_2_percent": abs(ratio - 1) <= 0.02,
-              "command": "python bench/fp8_convergence.py " + " ".join(sys.argv[1:])}
+    result = {
+        "steps": args.steps,
+        "shape": {k: getattr(args, k) for k in ("layers", "hidden", "heads", "seq_len", "batch")},
+        "runs": runs,
+        "ratio": ratio,
+        "within_2_percent": abs(ratio - 1) <= 0.02,
+        "command": "python bench/fp8_convergence.py " + " ".join(sys.argv[1:]),
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".json", "w") as fh:
         json.dump(result, fh, indent=2)

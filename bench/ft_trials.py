@@ -68,15 +68,33 @@ def trial(work: Path, *, replicas: int, rng: random.Random, sleep_s: float, hear
     import torch
 
     first = final[0]["weights"]
-    equal = len(final) == replicas and all(torch.equal(first[k], f["weights"][k]) for f in final.values() for k in first)
-    redone = sum(max(0, a.step - b.step + 1) for r in range(replicas) if r != victim
-                 for a, b in zip([s for s in survivors if s.replica == r], [s for s in survivors if s.replica == r][1:]))
-    return {"replicas": replicas, "victim": victim, "killed_in_step": at + 1, "exit_code": code,
-            "to_next_commit_s": round(min(after), 3) if after else None, "back_s": round(min(back), 3) if back else None,
-            "heal_s": heals[0] if heals else None, "discarded_steps": summary["discarded_steps"],
-            "healed_replicas": summary["healed_replicas"], "seconds_lost": summary["seconds_lost"],
-            "survivor_restarted": any(len({s.pid for s in survivors if s.replica == r}) > 1 for r in range(replicas) if r != victim),
-            "steps_redone": redone, "weights_equal": equal, "timeline": [[round(s.t - killed, 3), s.replica, s.step, s.pid] for s in job.steps]}
+    equal = len(final) == replicas and all(
+        torch.equal(first[k], f["weights"][k]) for f in final.values() for k in first
+    )
+    redone = sum(
+        max(0, a.step - b.step + 1)
+        for r in range(replicas)
+        if r != victim
+        for a, b in zip([s for s in survivors if s.replica == r], [s for s in survivors if s.replica == r][1:])
+    )
+    return {
+        "replicas": replicas,
+        "victim": victim,
+        "killed_in_step": at + 1,
+        "exit_code": code,
+        "to_next_commit_s": round(min(after), 3) if after else None,
+        "back_s": round(min(back), 3) if back else None,
+        "heal_s": heals[0] if heals else None,
+        "discarded_steps": summary["discarded_steps"],
+        "healed_replicas": summary["healed_replicas"],
+        "seconds_lost": summary["seconds_lost"],
+        "survivor_restarted": any(
+            len({s.pid for s in survivors if s.replica == r}) > 1 for r in range(replicas) if r != victim
+        ),
+        "steps_redone": redone,
+        "weights_equal": equal,
+        "timeline": [[round(s.t - killed, 3), s.replica, s.step, s.pid] for s in job.steps],
+    }
 
 
 def elastic_reference(path: Path) -> list[dict]:
@@ -96,12 +114,21 @@ def plot(trials: list[dict], path: Path) -> None:
         for r in range(t["replicas"]):
             points = [(x, step) for x, rep, step, _ in t["timeline"] if rep == r]
             killed = r == t["victim"]  # drawn larger, underneath: the groups step together, so the points overlap
-            ax.plot([p[0] for p in points], [p[1] for p in points], "o" if killed else ".", ms=6 if killed else 3, zorder=1 if killed else 2,
-                    label=f"group {r}" + (" (killed)" if killed else ""))
+            ax.plot(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                "o" if killed else ".",
+                ms=6 if killed else 3,
+                zorder=1 if killed else 2,
+                label=f"group {r}" + (" (killed)" if killed else ""),
+            )
         ax.axvline(0, color="red", lw=1)
         ax.set_ylabel("committed step")
-        ax.set_title(f"{t['replicas']} groups, group {t['victim']} killed in step {t['killed_in_step']}: next commit "
-                     f"{t['to_next_commit_s']} s, back after {t['back_s']} s, {t['discarded_steps']} discarded", fontsize=8)
+        ax.set_title(
+            f"{t['replicas']} groups, group {t['victim']} killed in step {t['killed_in_step']}: next commit "
+            f"{t['to_next_commit_s']} s, back after {t['back_s']} s, {t['discarded_steps']} discarded",
+            fontsize=8,
+        )
         ax.legend(fontsize=7, loc="lower right")
     axes[-1, 0].set_xlabel("seconds from the kill")
     fig.tight_layout()
@@ -131,22 +158,42 @@ def main() -> None:
         finally:
             shutil.rmtree(work, ignore_errors=True)
         print(json.dumps({k: v for k, v in trials[-1].items() if k != "timeline"}), flush=True)
-    med = lambda key: statistics.median([t[key] for t in trials if t[key] is not None]) if any(t[key] is not None for t in trials) else None  # noqa: E731
-    summary = {"trials": len(trials), "median_to_next_commit_s": med("to_next_commit_s"), "median_back_s": med("back_s"),
-               "median_heal_s": med("heal_s"), "discarded_steps": [t["discarded_steps"] for t in trials],
-               "steps_redone_by_survivors": sum(t["steps_redone"] for t in trials),
-               "survivors_restarted": sum(t["survivor_restarted"] for t in trials), "all_weights_equal": all(t["weights_equal"] for t in trials),
-               "failed_trials": failed}
+
+    def med(key: str) -> float | None:
+        values = [t[key] for t in trials if t[key] is not None]
+        return statistics.median(values) if values else None
+
+    summary = {
+        "trials": len(trials),
+        "median_to_next_commit_s": med("to_next_commit_s"),
+        "median_back_s": med("back_s"),
+        "median_heal_s": med("heal_s"),
+        "discarded_steps": [t["discarded_steps"] for t in trials],
+        "steps_redone_by_survivors": sum(t["steps_redone"] for t in trials),
+        "survivors_restarted": sum(t["survivor_restarted"] for t in trials),
+        "all_weights_equal": all(t["weights_equal"] for t in trials),
+        "failed_trials": failed,
+    }
     out = Path(args.out)
     elastic = elastic_reference(out.parent / "node_loss_cost.json")
-    result = {"command": "python bench/ft_trials.py " + " ".join(sys.argv[1:]), "cpu_count": os.cpu_count(), "steps": STEPS,
-              "ft_flags": h.FAST + ["--ft-heartbeat-timeout", f"{args.heartbeat:g}"], "sleep_s": args.sleep, "summary": summary, "elastic_dp2_node_loss_cost": elastic, "trials": trials}
+    result = {
+        "command": "python bench/ft_trials.py " + " ".join(sys.argv[1:]),
+        "cpu_count": os.cpu_count(),
+        "steps": STEPS,
+        "ft_flags": h.FAST + ["--ft-heartbeat-timeout", f"{args.heartbeat:g}"],
+        "sleep_s": args.sleep,
+        "summary": summary,
+        "elastic_dp2_node_loss_cost": elastic,
+        "trials": trials,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     plot(trials, out.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
     for row in elastic:
-        print(f"elastic restart ({row['event']}): first step after {row['median_to_first_step_s']} s, steps redone {row['steps_redone']}")
+        print(
+            f"elastic restart ({row['event']}): first step after {row['median_to_first_step_s']} s, steps redone {row['steps_redone']}"
+        )
 
 
 if __name__ == "__main__":

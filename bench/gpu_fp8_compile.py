@@ -52,10 +52,28 @@ def llama_config(tiny: bool) -> Any:
     from transformers import LlamaConfig
 
     if tiny:
-        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           vocab_size=256, max_position_embeddings=128, attn_implementation="sdpa", use_cache=False)
-    return LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
-                       vocab_size=32000, max_position_embeddings=2048, attn_implementation="sdpa", use_cache=False)
+        return LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            max_position_embeddings=128,
+            attn_implementation="sdpa",
+            use_cache=False,
+        )
+    return LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        max_position_embeddings=2048,
+        attn_implementation="sdpa",
+        use_cache=False,
+    )
 
 
 def build_model(config: Any, device: torch.device) -> torch.nn.Module:
@@ -117,7 +135,11 @@ def run_shardwise(plan: str, *, config: Any, data: Any, args: argparse.Namespace
                       logging=LoggingOptions(log_every=args.warmup + args.steps, progress_bar=False), callbacks=[clock])
     trainer.fit(data)
     seconds = clock.times[-1] - clock.times[args.warmup - 1]
-    out = {"seconds": seconds, "final_loss": clock.losses[-1] if clock.losses else None, "peak_memory_gib": peak_memory(device)}
+    out = {
+        "seconds": seconds,
+        "final_loss": clock.losses[-1] if clock.losses else None,
+        "peak_memory_gib": peak_memory(device),
+    }
     del trainer, model
     return out
 
@@ -152,14 +174,20 @@ def run_reference(precision: str, *, config: Any, data: Any, args: argparse.Name
         opt.zero_grad(set_to_none=True)
         sync(device)
         times.append(time.perf_counter())
-    out = {"seconds": times[-1] - times[args.warmup - 1], "final_loss": float(loss.detach()), "peak_memory_gib": peak_memory(device)}
+    out = {
+        "seconds": times[-1] - times[args.warmup - 1],
+        "final_loss": float(loss.detach()),
+        "peak_memory_gib": peak_memory(device),
+    }
     del model, opt
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny Llama on the CPU: checks the script, measures nothing")
+    parser.add_argument(
+        "--tiny", action="store_true", help="a tiny Llama on the CPU: checks the script, measures nothing"
+    )
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
@@ -191,26 +219,40 @@ def main() -> None:
     peak = H200_BF16_PEAK if device.type == "cuda" else None
 
     runs: dict[str, dict] = {}
-    plans = {"shardwise bf16 eager": "zero=3,precision=bf16", "shardwise bf16 compiled": "zero=3,precision=bf16,compile",
-             "shardwise fp8 compiled": "zero=3,precision=fp8,compile"}
+    plans = {
+        "shardwise bf16 eager": "zero=3,precision=bf16",
+        "shardwise bf16 compiled": "zero=3,precision=bf16,compile",
+        "shardwise fp8 compiled": "zero=3,precision=fp8,compile",
+    }
     for name, plan in plans.items():
         runs[name] = {"plan": plan, **run_shardwise(plan, config=config, data=data, args=args, device=device)}
     for precision in ("bf16", "fp8"):
-        runs[f"reference {precision} compiled"] = run_reference(precision, config=config, data=data, args=args, device=device)
+        runs[f"reference {precision} compiled"] = run_reference(
+            precision, config=config, data=data, args=args, device=device
+        )
     tokens = args.steps * args.batch * args.seq
     for run in runs.values():
         run["tokens_per_s"] = tokens / run["seconds"]
         run["mfu_bf16_peak"] = run["tokens_per_s"] * fpt / peak if peak else None
     tps = {k: v["tokens_per_s"] for k, v in runs.items()}
     result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (--tiny: FP8 emulated, numbers mean nothing)",
-        "model": {"params": params, "layers": config.num_hidden_layers, "hidden": config.hidden_size, "seq": args.seq, "batch": args.batch,
-                  "flops_per_token": fpt},
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else "cpu (--tiny: FP8 emulated, numbers mean nothing)",
+        "model": {
+            "params": params,
+            "layers": config.num_hidden_layers,
+            "hidden": config.hidden_size,
+            "seq": args.seq,
+            "batch": args.batch,
+            "flops_per_token": fpt,
+        },
         "runs": runs,
         "ratios": {
             "shardwise/reference bf16 compiled": tps["shardwise bf16 compiled"] / tps["reference bf16 compiled"],
             "shardwise/reference fp8 compiled": tps["shardwise fp8 compiled"] / tps["reference fp8 compiled"],
-            "shardwise bf16 eager/reference bf16 compiled": tps["shardwise bf16 eager"] / tps["reference bf16 compiled"],
+            "shardwise bf16 eager/reference bf16 compiled": tps["shardwise bf16 eager"]
+            / tps["reference bf16 compiled"],
             "compiled/eager (shardwise bf16)": tps["shardwise bf16 compiled"] / tps["shardwise bf16 eager"],
             "fp8/bf16 (shardwise compiled)": tps["shardwise fp8 compiled"] / tps["shardwise bf16 compiled"],
         },
@@ -223,7 +265,9 @@ def main() -> None:
     for name, run in runs.items():
         mfu = f"{run['mfu_bf16_peak']:.1%}" if run["mfu_bf16_peak"] else "-"
         mem = f"{run['peak_memory_gib']:.1f} GiB" if run["peak_memory_gib"] else "-"
-        print(f"{name:26s} {run['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>6s}  peak {mem:>9s}  loss {run['final_loss']:.4f}")
+        print(
+            f"{name:26s} {run['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>6s}  peak {mem:>9s}  loss {run['final_loss']:.4f}"
+        )
     for name, value in result["ratios"].items():
         print(f"{name:45s} {value:.3f}")
     print(args.out)

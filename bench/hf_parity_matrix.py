@@ -46,7 +46,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--extra", action="store_true")
-    parser.add_argument("--worlds", default="2,4", help="process counts to run (2: the 2-process plans, 4: the 4-process ones)")
+    parser.add_argument(
+        "--worlds", default="2,4", help="process counts to run (2: the 2-process plans, 4: the 4-process ones)"
+    )
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -60,11 +62,21 @@ def main() -> int:
                                        Training(steps=args.steps))[0]
                     for plan, report in zip(plans, reports):
                         name, wdiff = report.weight_diff
-                        row = {"family": family, "plan": plan, "loss": report.loss_diff, "grad_norm": report.grad_norm_diff,
-                               "weights": wdiff, "worst_weight": name, "passed": report.passed(1e-5)}
+                        row = {
+                            "family": family,
+                            "plan": plan,
+                            "loss": report.loss_diff,
+                            "grad_norm": report.grad_norm_diff,
+                            "weights": wdiff,
+                            "worst_weight": name,
+                            "passed": report.passed(1e-5),
+                        }
                         rows.append(row)
-                        print(f"{family:8s} {plan:58s} loss {row['loss']:.1e}  grad norm {row['grad_norm']:.1e}  weights {wdiff:.1e}  "
-                              f"{'PASS' if row['passed'] else 'FAIL'}", flush=True)
+                        print(
+                            f"{family:8s} {plan:58s} loss {row['loss']:.1e}  grad norm {row['grad_norm']:.1e}  weights {wdiff:.1e}  "
+                            f"{'PASS' if row['passed'] else 'FAIL'}",
+                            flush=True,
+                        )
                     print(f"  ({family} on {world} processes: {time.perf_counter() - start:.0f} s)", flush=True)
             finally:
                 pool.close()

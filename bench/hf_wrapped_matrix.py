@@ -109,7 +109,9 @@ def main() -> int:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--attention", default="sdpa,eager")
     parser.add_argument("--worlds", default="2,4")
-    parser.add_argument("--auto", action="store_true", help="instead: Trainer(plan='auto') on each wrapped family, 2 processes")
+    parser.add_argument(
+        "--auto", action="store_true", help="instead: Trainer(plan='auto') on each wrapped family, 2 processes"
+    )
     args = parser.parse_args()
     if args.auto:
         return auto_main(args)
@@ -126,9 +128,18 @@ def main() -> int:
         every = kept + rows
         ran = [r for r in every if not r.get("refused")]
         with open(out, "w") as fh:
-            json.dump({"steps": args.steps, "wrapper": "forward(ids) -> self.model(ids).logits (examples/hf_wrapped_script.py)",
-                       "passed": sum(r["passed"] for r in ran), "ran": len(ran), "refused": len(every) - len(ran),
-                       "rows": every}, fh, indent=2)
+            json.dump(
+                {
+                    "steps": args.steps,
+                    "wrapper": "forward(ids) -> self.model(ids).logits (examples/hf_wrapped_script.py)",
+                    "passed": sum(r["passed"] for r in ran),
+                    "ran": len(ran),
+                    "refused": len(every) - len(ran),
+                    "rows": every,
+                },
+                fh,
+                indent=2,
+            )
 
     with tempfile.TemporaryDirectory() as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
@@ -147,16 +158,32 @@ def main() -> int:
                                              "refused": why, "passed": None})
                                 print(f"{family:8s} {attention:5s} {plan:34s} refused before launch: {why}", flush=True)
                         if plans:
-                            reports = pool.run(parity_worker, ScriptWorkload(path), [Run(p) for p in plans], Training(steps=args.steps))[0]
+                            reports = pool.run(
+                                parity_worker, ScriptWorkload(path), [Run(p) for p in plans], Training(steps=args.steps)
+                            )[0]
                             for plan, report in zip(plans, reports):
                                 name, wdiff = report.weight_diff
-                                row = {"family": family, "attention": attention, "plan": plan, "world": world, "loss": report.loss_diff,
-                                       "grad_norm": report.grad_norm_diff, "weights": wdiff, "worst_weight": name,
-                                       "passed": report.passed(1e-5)}
+                                row = {
+                                    "family": family,
+                                    "attention": attention,
+                                    "plan": plan,
+                                    "world": world,
+                                    "loss": report.loss_diff,
+                                    "grad_norm": report.grad_norm_diff,
+                                    "weights": wdiff,
+                                    "worst_weight": name,
+                                    "passed": report.passed(1e-5),
+                                }
                                 rows.append(row)
-                                print(f"{family:8s} {attention:5s} {plan:34s} loss {row['loss']:.1e}  grad norm {row['grad_norm']:.1e}  "
-                                      f"weights {wdiff:.1e}  {'PASS' if row['passed'] else 'FAIL'}", flush=True)
-                        print(f"  ({family}/{attention} on {world} processes: {time.perf_counter() - start:.0f} s)", flush=True)
+                                print(
+                                    f"{family:8s} {attention:5s} {plan:34s} loss {row['loss']:.1e}  grad norm {row['grad_norm']:.1e}  "
+                                    f"weights {wdiff:.1e}  {'PASS' if row['passed'] else 'FAIL'}",
+                                    flush=True,
+                                )
+                        print(
+                            f"  ({family}/{attention} on {world} processes: {time.perf_counter() - start:.0f} s)",
+                            flush=True,
+                        )
                         save()
             finally:
                 pool.close()
@@ -181,8 +208,12 @@ def auto_main(args: argparse.Namespace) -> int:
                         row = {"family": family, "attention": attention, **got, "trained": got["loss"] == got["loss"],
                                "seconds": round(time.perf_counter() - start, 1)}
                     except Exception as exc:  # noqa: BLE001 - recorded, the next family still runs
-                        row = {"family": family, "attention": attention, "error": f"{type(exc).__name__}: {str(exc)[:300]}",
-                               "trained": False}
+                        row = {
+                            "family": family,
+                            "attention": attention,
+                            "error": f"{type(exc).__name__}: {str(exc)[:300]}",
+                            "trained": False,
+                        }
                     rows.append(row)
                     print(f"{family:8s} {attention:5s} {row.get('plan', '-'):24s} certified {row.get('certified')}  "
                           f"{row.get('error', '')}", flush=True)
@@ -192,7 +223,11 @@ def auto_main(args: argparse.Namespace) -> int:
                             done = {(r["family"], r["attention"]) for r in rows}
                             kept = [r for r in json.load(fh)["rows"] if (r["family"], r["attention"]) not in done]
                     with open(out, "w") as fh:
-                        json.dump({"steps": args.steps, "world": 2, "cluster": "cpu preset", "rows": kept + rows}, fh, indent=2)
+                        json.dump(
+                            {"steps": args.steps, "world": 2, "cluster": "cpu preset", "rows": kept + rows},
+                            fh,
+                            indent=2,
+                        )
         finally:
             pool.close()
     return 0 if all(r["trained"] and r.get("certified") for r in rows) else 1

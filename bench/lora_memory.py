@@ -79,9 +79,14 @@ def measure(hidden: int, layers: int, steps: int, seq: int, batch: int, ckpt_roo
             ckpt = os.path.join(ckpt_root, f"{plan_text}-{mode}")
             CheckpointManager(ckpt, keep_last_n=None).save({"model": pm.module, "optimizer": opt}, step=1)
             size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt) for f in fs)
-            out[f"{plan_text}|{mode}"] = {"params": held["nf4"] + held["frozen"] + held["trainable"], "nf4": held["nf4"],
-                                          "grads": grads, "optimizer": _bytes(state), "step_s": statistics.median(times),
-                                          "checkpoint_bytes": size}
+            out[f"{plan_text}|{mode}"] = {
+                "params": held["nf4"] + held["frozen"] + held["trainable"],
+                "nf4": held["nf4"],
+                "grads": grads,
+                "optimizer": _bytes(state),
+                "step_s": statistics.median(times),
+                "checkpoint_bytes": size,
+            }
     return out
 
 
@@ -100,7 +105,9 @@ def predict(hidden: int, layers: int, seq: int, batch: int) -> dict:
         for mode in MODES:
             s = stats if mode == "full" else with_lora(stats, r=16, base="nf4" if mode == "qlora" else "fp32")
             est = estimate(s, cluster, Plan.parse(plan_text), global_batch=batch)
-            out[f"{plan_text}|{mode}"] = {k: est.memory[k] for k in ("params", "grads", "optimizer")} | {"step_s": est.step_time_s}
+            out[f"{plan_text}|{mode}"] = {k: est.memory[k] for k in ("params", "grads", "optimizer")} | {
+                "step_s": est.step_time_s
+            }
     return out
 
 
@@ -116,7 +123,9 @@ def main() -> None:
     from shardwise.testing import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
-        measured = run_distributed(measure, 2, args.hidden, args.layers, args.steps, args.seq, args.batch, tmp, timeout_s=1800)[0]
+        measured = run_distributed(
+            measure, 2, args.hidden, args.layers, args.steps, args.seq, args.batch, tmp, timeout_s=1800
+        )[0]
     predicted = predict(args.hidden, args.layers, args.seq, args.batch)
     rows = []
     for key, m in measured.items():
@@ -125,17 +134,34 @@ def main() -> None:
         full_m, full_p = measured[f"{plan}|full"], predicted[f"{plan}|full"]
         states_m = m["params"] + m["grads"] + m["optimizer"]
         states_p = p["params"] + p["grads"] + p["optimizer"]
-        rows.append({"plan": plan, "mode": mode, "measured": m, "predicted": p, "states_measured": states_m, "states_predicted": states_p,
-                     "states_error": states_p / states_m - 1, "step_ratio_measured": m["step_s"] / full_m["step_s"],
-                     "step_ratio_predicted": p["step_s"] / full_p["step_s"],
-                     "checkpoint_vs_full": m["checkpoint_bytes"] / full_m["checkpoint_bytes"]})
-        print(f"{plan:16s} {mode:6s} states/rank measured {states_m / 1e6:7.2f} MB predicted {states_p / 1e6:7.2f} MB "
-              f"({100 * (states_p / states_m - 1):+5.1f}%)  step vs full: measured {rows[-1]['step_ratio_measured']:.2f} "
-              f"predicted {rows[-1]['step_ratio_predicted']:.2f}  checkpoint {m['checkpoint_bytes'] / 1e6:.2f} MB "
-              f"({100 * rows[-1]['checkpoint_vs_full']:.1f}% of full)", flush=True)
+        rows.append(
+            {
+                "plan": plan,
+                "mode": mode,
+                "measured": m,
+                "predicted": p,
+                "states_measured": states_m,
+                "states_predicted": states_p,
+                "states_error": states_p / states_m - 1,
+                "step_ratio_measured": m["step_s"] / full_m["step_s"],
+                "step_ratio_predicted": p["step_s"] / full_p["step_s"],
+                "checkpoint_vs_full": m["checkpoint_bytes"] / full_m["checkpoint_bytes"],
+            }
+        )
+        print(
+            f"{plan:16s} {mode:6s} states/rank measured {states_m / 1e6:7.2f} MB predicted {states_p / 1e6:7.2f} MB "
+            f"({100 * (states_p / states_m - 1):+5.1f}%)  step vs full: measured {rows[-1]['step_ratio_measured']:.2f} "
+            f"predicted {rows[-1]['step_ratio_predicted']:.2f}  checkpoint {m['checkpoint_bytes'] / 1e6:.2f} MB "
+            f"({100 * rows[-1]['checkpoint_vs_full']:.1f}% of full)",
+            flush=True,
+        )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
-        json.dump({"command": "python " + " ".join(sys.argv), "hidden": args.hidden, "layers": args.layers, "rows": rows}, fh, indent=2)
+        json.dump(
+            {"command": "python " + " ".join(sys.argv), "hidden": args.hidden, "layers": args.layers, "rows": rows},
+            fh,
+            indent=2,
+        )
     try:
         import matplotlib
 

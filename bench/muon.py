@@ -33,8 +33,12 @@ LAYERS, HIDDEN, HEADS, SEQ = 2, 64, 4, 64
 MODEL = [f"--model.layers={LAYERS}", f"--model.hidden={HIDDEN}", f"--model.heads={HEADS}", f"--model.seq_len={SEQ}",
          "--data.max_chars=300000", "--train.global_batch_size=16", "--train.warmup_steps=10", "--train.log_every=1",
          "--train.eval_every=0", "--sample.chars=0"]
-GRID = {"adamw lr=3e-3": ["--train.lr=3e-3"], "adamw lr=1e-2": ["--train.lr=1e-2"],
-        "muon lr=0.02": ["--train.optimizer=muon", "--train.muon_lr=0.02"], "muon lr=0.05": ["--train.optimizer=muon", "--train.muon_lr=0.05"]}
+GRID = {
+    "adamw lr=3e-3": ["--train.lr=3e-3"],
+    "adamw lr=1e-2": ["--train.lr=1e-2"],
+    "muon lr=0.02": ["--train.optimizer=muon", "--train.muon_lr=0.02"],
+    "muon lr=0.05": ["--train.optimizer=muon", "--train.muon_lr=0.05"],
+}
 
 
 def train(name: str, extra: list[str], *, steps: int, nproc: int, cwd: str) -> dict:
@@ -49,8 +53,12 @@ def train(name: str, extra: list[str], *, steps: int, nproc: int, cwd: str) -> d
     with open(os.path.join(cwd, "runs", run, "summary.json")) as fh:
         summary = json.load(fh)
     times = [float(r["step_time_s"]) for r in rows[5:]]
-    return {"steps": [int(r["step"]) for r in rows], "loss": [float(r["loss"]) for r in rows], "val_loss": summary["val_loss"],
-            "step_time_s": statistics.median(times) if times else None}
+    return {
+        "steps": [int(r["step"]) for r in rows],
+        "loss": [float(r["loss"]) for r in rows],
+        "val_loss": summary["val_loss"],
+        "step_time_s": statistics.median(times) if times else None,
+    }
 
 
 def count_all_to_all(steps: int) -> list[float]:
@@ -104,11 +112,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         grid = {name: train(name, ["--plan", f"dp={args.nproc}", *extra], steps=args.steps, nproc=args.nproc, cwd=tmp)
                 for name, extra in GRID.items()}
-        timing = {f"{opt} {plan}": train(f"t {opt} {plan}", ["--plan", plan, *GRID[best]], steps=20, nproc=args.nproc, cwd=tmp)
-                  for plan in (f"dp={args.nproc}", "zero=3")
-                  for opt, best in (("adamw", "adamw lr=3e-3"), ("muon", "muon lr=0.02"))}
+        timing = {
+            f"{opt} {plan}": train(
+                f"t {opt} {plan}", ["--plan", plan, *GRID[best]], steps=20, nproc=args.nproc, cwd=tmp
+            )
+            for plan in (f"dp={args.nproc}", "zero=3")
+            for opt, best in (("adamw", "adamw lr=3e-3"), ("muon", "muon lr=0.02"))
+        }
     best = {k: min((n for n in grid if n.startswith(k)), key=lambda n: grid[n]["val_loss"]) for k in ("adamw", "muon")}
-    out["loss"] = {name: {"val_loss": run["val_loss"], "final_train_loss": run["loss"][-1]} for name, run in grid.items()}
+    out["loss"] = {
+        name: {"val_loss": run["val_loss"], "final_train_loss": run["loss"][-1]} for name, run in grid.items()
+    }
     out["best"] = {k: {"run": n, "val_loss": grid[n]["val_loss"]} for k, n in best.items()}
     out["step_time_s"] = {name: run["step_time_s"] for name, run in timing.items()}
     out["muon_overhead"] = {plan: timing[f"muon {plan}"]["step_time_s"] / timing[f"adamw {plan}"]["step_time_s"]
@@ -121,12 +135,19 @@ def main() -> int:
         measured = pool.run(__import__("muon").count_all_to_all, 3)
     finally:
         pool.close()
-    out["all_to_all_bytes_per_rank_step"] = {"measured": [m[0] for m in measured], "predicted": predicted_bytes(args.nproc)}
+    out["all_to_all_bytes_per_rank_step"] = {
+        "measured": [m[0] for m in measured],
+        "predicted": predicted_bytes(args.nproc),
+    }
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "muon.json"), "w") as fh:
         json.dump(out, fh, indent=2)
     _plot(grid, out)
-    print(json.dumps({k: out[k] for k in ("best", "step_time_s", "muon_overhead", "all_to_all_bytes_per_rank_step")}, indent=2))
+    print(
+        json.dumps(
+            {k: out[k] for k in ("best", "step_time_s", "muon_overhead", "all_to_all_bytes_per_rank_step")}, indent=2
+        )
+    )
     return 0
 
 

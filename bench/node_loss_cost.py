@@ -52,7 +52,9 @@ def trial(work: Path, *, plan: str, nproc: int, event: str, conf: str, expected:
     port = free_port()
     server = rendezvous_server(port)
     world = 2 * nproc
-    args = job_args(directory, steps=STEPS, save_every=SAVE_EVERY, plan=plan, extra=("--hold-at", f"{EVENT_AT}:{world}"))
+    args = job_args(
+        directory, steps=STEPS, save_every=SAVE_EVERY, plan=plan, extra=("--hold-at", f"{EVENT_AT}:{world}")
+    )
     a = agent("A", f"127.0.0.1:{port}", args, rdzv_id="cost", nproc=nproc, rdzv_conf=conf)
     time.sleep(0.5)
     b = agent("B", f"127.0.0.1:{port}", args, rdzv_id="cost", nproc=nproc, rdzv_conf=conf)
@@ -73,7 +75,11 @@ def trial(work: Path, *, plan: str, nproc: int, event: str, conf: str, expected:
         out["to_first_step_s"] = round(first[1] - at, 2) if first else None
         named = [t for line, t in zip(survivor.lines, survivor.times) if "sent no heartbeat" in line]
         out["named_after_s"] = round(named[0] - at, 2) if named else None
-        reformed = [t for line, t in zip(survivor.lines, survivor.times) if line.startswith("elastic: the world re-formed") and t > at]
+        reformed = [
+            t
+            for line, t in zip(survivor.lines, survivor.times)
+            if line.startswith("elastic: the world re-formed") and t > at
+        ]
         out["reformed_after_s"] = round(reformed[0] - at, 2) if reformed else None
         if event == "frozen":
             lost.signal_all(signal.SIGCONT)
@@ -84,13 +90,18 @@ def trial(work: Path, *, plan: str, nproc: int, event: str, conf: str, expected:
         for p in (a, b, server):
             p.stop()
     text = "\n".join(survivor.lines)
-    m = re.search(r"^elastic: resumed from the checkpoint of step (\d+); (no steps are redone|step \d+ is redone|steps (\d+)-(\d+) are redone)",
-                  text, re.M)
+    m = re.search(
+        r"^elastic: resumed from the checkpoint of step (\d+); (no steps are redone|step \d+ is redone|steps (\d+)-(\d+) are redone)",
+        text,
+        re.M,
+    )
     out["resumed_from"] = int(m.group(1)) if m else None
     out["steps_redone"] = (0 if m.group(2).startswith("no") else 1 if m.group(2).startswith("step ") else
                            int(m.group(4)) - int(m.group(3)) + 1) if m else None
     got = losses(a.lines + b.lines) | losses(survivor.lines)  # the survivor's report of a redone step wins
-    out["losses_match"] = sorted(got) == sorted(expected) and all(abs(got[s] - expected[s]) <= 1e-5 * abs(expected[s]) for s in expected)
+    out["losses_match"] = sorted(got) == sorted(expected) and all(
+        abs(got[s] - expected[s]) <= 1e-5 * abs(expected[s]) for s in expected
+    )
     out["orphans"] = len(a.orphans() + b.orphans())
     return out
 
@@ -98,7 +109,9 @@ def trial(work: Path, *, plan: str, nproc: int, event: str, conf: str, expected:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--defaults", action="store_true", help="torch's rendezvous defaults instead of the tests' fast ones")
+    p.add_argument(
+        "--defaults", action="store_true", help="torch's rendezvous defaults instead of the tests' fast ones"
+    )
     p.add_argument("--plan", action="append", choices=list(PLANS), help="only this plan (repeatable; default: both)")
     p.add_argument("--events", default=",".join(EVENTS))
     p.add_argument("--out", default=None)
@@ -109,7 +122,10 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="node-loss-cost-") as tmp:
         work = Path(tmp)
-        expected = {plan: reference(work / f"ref-{PLANS[plan]}", steps=STEPS, save_every=SAVE_EVERY, plan=plan) for plan in plans}
+        expected = {
+            plan: reference(work / f"ref-{PLANS[plan]}", steps=STEPS, save_every=SAVE_EVERY, plan=plan)
+            for plan in plans
+        }
         for r in range(args.repeats):  # interleaved: every (plan, event) once per round
             for plan in plans:
                 for event in events:
@@ -132,10 +148,12 @@ def main() -> None:
                             "all_losses_match": all(x["losses_match"] for x in rows),
                             "orphans": sum(x["orphans"] for x in rows)})
     for s in summary:
-        print(f"{s['plan']:10s} {s['processes']} procs  {s['event']:12s}  named after {s['median_named_after_s']} s, world "
-              f"re-formed after {s['median_reformed_after_s']} s, first step of the new world after "
-              f"{s['median_to_first_step_s']} s (median of {s['trials']}), "
-              f"steps redone {s['steps_redone']}, losses match: {s['all_losses_match']}, orphans {s['orphans']}")
+        print(
+            f"{s['plan']:10s} {s['processes']} procs  {s['event']:12s}  named after {s['median_named_after_s']} s, world "
+            f"re-formed after {s['median_reformed_after_s']} s, first step of the new world after "
+            f"{s['median_to_first_step_s']} s (median of {s['trials']}), "
+            f"steps redone {s['steps_redone']}, losses match: {s['all_losses_match']}, orphans {s['orphans']}"
+        )
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"command": "python bench/node_loss_cost.py " + " ".join(sys.argv[1:]), "rdzv_conf": conf,

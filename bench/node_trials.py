@@ -30,7 +30,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.integration.nodes_harness import Proc, agent, alive, free_port, job_args, losses, reference, rendezvous_server  # noqa: E402
+from tests.integration.nodes_harness import (
+    Proc,
+    agent,
+    alive,
+    free_port,
+    job_args,
+    losses,
+    reference,
+    rendezvous_server,
+)  # noqa: E402
 
 STEPS, SAVE_EVERY, STEP_SLEEP = 40, 4, "0.15"
 HANG_S = 120.0
@@ -58,8 +67,18 @@ def trial(work: Path, index: int, rng: random.Random, expected: dict[int, float]
     out: dict = {"trial": index, "kind": kind, "victim": victim + (" (started first)" if victim == "A" else ""),
                  "when": f"{delay:.1f} s after the launch" if during_start else f"{delay:.1f} s after the first step"}
     try:
-        return _strike(out, nodes, lost, other, server, kind=kind, delay=delay, during_start=during_start, thaw_after=thaw_after,
-                       expected=expected)
+        return _strike(
+            out,
+            nodes,
+            lost,
+            other,
+            server,
+            kind=kind,
+            delay=delay,
+            during_start=during_start,
+            thaw_after=thaw_after,
+            expected=expected,
+        )
     finally:  # also when interrupted: leave no process behind
         for p in (*nodes.values(), server):
             p.stop()
@@ -74,7 +93,10 @@ def _strike(out: dict, nodes: dict[str, Proc], lost: Proc, other: Proc, server: 
         for p in nodes.values():
             p.pids()  # remember every process either node ever had
         if origin is None:
-            origin = next((t for p in nodes.values() for line, t in zip(list(p.lines), list(p.times)) if line.startswith("LOSS")), None)
+            origin = next(
+                (t for p in nodes.values() for line, t in zip(list(p.lines), list(p.times)) if line.startswith("LOSS")),
+                None,
+            )
             if origin is None and time.monotonic() - start > HANG_S:
                 raise RuntimeError("the job did not start training within 120 s")
         time.sleep(0.05)
@@ -106,7 +128,9 @@ def _strike(out: dict, nodes: dict[str, Proc], lost: Proc, other: Proc, server: 
         time.sleep(0.2)
     out["orphans"] = [pid for p in nodes.values() for pid in p.seen if alive(pid)]
     got = losses(lost.lines) | losses(other.lines)  # the survivor's report of a redone step wins
-    out["losses_match"] = sorted(got) == sorted(expected) and all(abs(got[s] - expected[s]) <= 1e-5 * abs(expected[s]) for s in expected)
+    out["losses_match"] = sorted(got) == sorted(expected) and all(
+        abs(got[s] - expected[s]) <= 1e-5 * abs(expected[s]) for s in expected
+    )
     for name, p in nodes.items():
         rc = p.proc.returncode
         line = _clear_line(p)
@@ -133,15 +157,22 @@ def main() -> None:
         for i in range(args.trials):
             r = trial(work, i, rng, expected)
             results.append(r)
-            lines = "; ".join(f"{n}: exit {r[n + '_rc']}" + (f" {r[n + '_line'][:90]!r}" if r[n + "_line"] else "") for n in "AB")
-            print(f"trial {i:2d} {r['kind']:6s} {r['victim']:18s} {r['when']:28s} (step {r['steps_done_at_event']:2d} done): "
-                  f"{lines}; losses match {r['losses_match']}, orphans {len(r['orphans'])}, hang {r['hang']}"
-                  f"{'' if r['as_expected'] else '  <-- UNEXPECTED'}", flush=True)
+            lines = "; ".join(
+                f"{n}: exit {r[n + '_rc']}" + (f" {r[n + '_line'][:90]!r}" if r[n + "_line"] else "") for n in "AB"
+            )
+            print(
+                f"trial {i:2d} {r['kind']:6s} {r['victim']:18s} {r['when']:28s} (step {r['steps_done_at_event']:2d} done): "
+                f"{lines}; losses match {r['losses_match']}, orphans {len(r['orphans'])}, hang {r['hang']}"
+                f"{'' if r['as_expected'] else '  <-- UNEXPECTED'}",
+                flush=True,
+            )
     print(f"{sum(r['as_expected'] for r in results)} of {len(results)} trials as documented; "
           f"{sum(len(r['orphans']) for r in results)} orphans, {sum(r['hang'] for r in results)} hangs")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"command": "python bench/node_trials.py " + " ".join(sys.argv[1:]), "trials": results}, fh, indent=1)
+            json.dump(
+                {"command": "python bench/node_trials.py " + " ".join(sys.argv[1:]), "trials": results}, fh, indent=1
+            )
 
 
 if __name__ == "__main__":

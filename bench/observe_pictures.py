@@ -79,7 +79,9 @@ def pipeline_chart(png: str) -> str | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "img")
+    )
     ap.add_argument("--timeline-only", action="store_true")
     args = ap.parse_args()
     print(shardwise.launch(straggler_timeline, nprocs=4, args=(os.path.join(args.out, "timeline_straggler.png"),))[0])

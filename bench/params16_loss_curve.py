@@ -47,8 +47,24 @@ RUNS = {
 def train(name: str, extra: list[str], *, steps: int, nproc: int, cwd: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.join(ROOT, "src")}
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", "--nproc", str(nproc), f"--run.name={name.replace(' ', '-').replace('=', '')}",
-                           f"--max-steps={steps}", *MODEL, *extra], cwd=cwd, env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardwise.cli",
+            "train",
+            "--nproc",
+            str(nproc),
+            f"--run.name={name.replace(' ', '-').replace('=', '')}",
+            f"--max-steps={steps}",
+            *MODEL,
+            *extra,
+        ],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
     run_dir = os.path.join(cwd, "runs", name.replace(" ", "-").replace("=", ""))
@@ -56,8 +72,13 @@ def train(name: str, extra: list[str], *, steps: int, nproc: int, cwd: str) -> d
         rows = list(csv.DictReader(fh))
     with open(os.path.join(run_dir, "summary.json")) as fh:
         summary = json.load(fh)
-    return {"steps": [int(r["step"]) for r in rows if r.get("loss")], "loss": [float(r["loss"]) for r in rows if r.get("loss")],
-            "val_loss": summary.get("val_loss"), "plan": summary.get("plan"), "seconds": time.perf_counter() - start}
+    return {
+        "steps": [int(r["step"]) for r in rows if r.get("loss")],
+        "loss": [float(r["loss"]) for r in rows if r.get("loss")],
+        "val_loss": summary.get("val_loss"),
+        "plan": summary.get("plan"),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def main() -> int:
@@ -68,11 +89,17 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         curves = {name: train(name, extra, steps=args.steps, nproc=args.nproc, cwd=tmp) for name, extra in RUNS.items()}
     ref = curves["fp32"]
-    out: dict = {"command": f"bench/params16_loss_curve.py --steps {args.steps} --nproc {args.nproc}", "model": MODEL, "runs": curves,
-                 "vs_fp32": {}}
+    out: dict = {
+        "command": f"bench/params16_loss_curve.py --steps {args.steps} --nproc {args.nproc}",
+        "model": MODEL,
+        "runs": curves,
+        "vs_fp32": {},
+    }
     for name in [n for n in curves if n != "fp32"]:
         rel = [abs(a - b) / b for a, b, s in zip(curves[name]["loss"], ref["loss"], ref["steps"]) if s > 20]
-        last = [abs(a - b) / b for a, b, s in zip(curves[name]["loss"], ref["loss"], ref["steps"]) if s > args.steps - 50]
+        last = [
+            abs(a - b) / b for a, b, s in zip(curves[name]["loss"], ref["loss"], ref["steps"]) if s > args.steps - 50
+        ]
         out["vs_fp32"][name] = {"max_rel_loss_diff": max(rel), "max_rel_loss_diff_last_50": max(last),
                                 "val_loss": curves[name]["val_loss"], "fp32_val_loss": ref["val_loss"],
                                 "val_rel_diff": abs(curves[name]["val_loss"] - ref["val_loss"]) / ref["val_loss"]}
@@ -89,7 +116,9 @@ def main() -> int:
         for name, curve in curves.items():
             top.plot(curve["steps"], curve["loss"], label=f"{name} (val {curve['val_loss']:.4f})")
         for name in [n for n in curves if n != "fp32"]:
-            bottom.plot(ref["steps"], [100 * (a - b) / b for a, b in zip(curves[name]["loss"], ref["loss"])], label=name)
+            bottom.plot(
+                ref["steps"], [100 * (a - b) / b for a, b in zip(curves[name]["loss"], ref["loss"])], label=name
+            )
         top.set_ylabel("training loss")
         top.set_title(f"built-in job on {args.nproc} processes: 16-bit parameter storage against fp32")
         top.legend()
@@ -102,8 +131,10 @@ def main() -> int:
     except ImportError:
         print("matplotlib is not installed: no PNG")
     for name, row in out["vs_fp32"].items():
-        print(f"{name:16s} max |loss - fp32| / fp32 after warm-up {row['max_rel_loss_diff']:.4f}, last 50 steps "
-              f"{row['max_rel_loss_diff_last_50']:.4f}; val loss {row['val_loss']:.4f} vs fp32 {row['fp32_val_loss']:.4f}")
+        print(
+            f"{name:16s} max |loss - fp32| / fp32 after warm-up {row['max_rel_loss_diff']:.4f}, last 50 steps "
+            f"{row['max_rel_loss_diff_last_50']:.4f}; val loss {row['val_loss']:.4f} vs fp32 {row['fp32_val_loss']:.4f}"
+        )
     return 0
 
 

@@ -86,7 +86,12 @@ def measure(schedule: str, m: int, v: int, tf: float, repeats: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[SleepStage(tf / v) for _ in range(p * v)])
     pm = parallelize(model, plan, meshes, loss_fn=lambda out, y: (out - y).pow(2).mean())
-    stages = [s for stage in (pm.module if isinstance(pm.module, nn.ModuleList) else [pm.module]) for s in stage.modules() if isinstance(s, SleepStage)]
+    stages = [
+        s
+        for stage in (pm.module if isinstance(pm.module, nn.ModuleList) else [pm.module])
+        for s in stage.modules()
+        if isinstance(s, SleepStage)
+    ]
     x, y = torch.randn(8 * m, 8), torch.randn(8 * m, 8)
     pm.pipeline.step(x, y)  # warm-up: shape inference and communicator set-up
     idles, spans, events = [], [], []
@@ -95,14 +100,18 @@ def measure(schedule: str, m: int, v: int, tf: float, repeats: int) -> dict:
             s.events.clear()
         dist.barrier()
         pm.pipeline.step(x, y)
-        mine = sorted(((kind, a, b, s_index) for s_index, s in enumerate(stages) for kind, a, b in s.events), key=lambda e: e[1])
+        mine = sorted(
+            ((kind, a, b, s_index) for s_index, s in enumerate(stages) for kind, a, b in s.events), key=lambda e: e[1]
+        )
         bounds = torch.tensor([-mine[0][1], mine[-1][2]], dtype=torch.float64)
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX)  # earliest start (negated) and latest end
         span = float(bounds[1] + bounds[0])
         busy = sum(b - a for _, a, b, _ in mine)
         idles.append(1.0 - busy / span)
         spans.append(span)
-        events = [(kind, a + float(bounds[0]), b + float(bounds[0]), k) for kind, a, b, k in mine]  # relative to the start
+        events = [
+            (kind, a + float(bounds[0]), b + float(bounds[0]), k) for kind, a, b, k in mine
+        ]  # relative to the start
     return {"idle": statistics.median(idles), "span_s": statistics.median(spans), "events": events}
 
 
@@ -148,7 +157,13 @@ def plot(results: dict, path: str) -> None:
         for schedule, marker in (("gpipe", "o"), ("1f1b", "s"), ("interleaved_1f1b", "^")):
             runs = [r for r in results["runs"][p] if r["schedule"] == schedule]
             if runs:
-                ax.plot([r["m"] for r in runs], [r["mean_idle"] for r in runs], marker=marker, linestyle="", label=f"{schedule} measured")
+                ax.plot(
+                    [r["m"] for r in runs],
+                    [r["mean_idle"] for r in runs],
+                    marker=marker,
+                    linestyle="",
+                    label=f"{schedule} measured",
+                )
         ms = list(range(1, 9))
         ax.plot(ms, [theory(int(p), m) for m in ms], "k-", label="(p-1)/(m+p-1)")
         ax.plot(ms, [theory(int(p), m, 2) for m in ms], "k:", label="(p-1)/(2m+p-1)")
@@ -191,16 +206,24 @@ def main() -> None:
                     "events": [r["events"] for r in per_rank],
                 }
                 runs.append(entry)
-                print(f"p={p} {schedule:17s} m={m} v={v}: idle per stage {', '.join(f'{i:.3f}' for i in idle)}"
-                      f"  mean {entry['mean_idle']:.3f}  theory {entry['theory']:.3f}  span {entry['span_ms']:.0f} ms (ideal {entry['ideal_span_ms']:.0f})",
-                      flush=True)
+                print(
+                    f"p={p} {schedule:17s} m={m} v={v}: idle per stage {', '.join(f'{i:.3f}' for i in idle)}"
+                    f"  mean {entry['mean_idle']:.3f}  theory {entry['theory']:.3f}  span {entry['span_ms']:.0f} ms (ideal {entry['ideal_span_ms']:.0f})",
+                    flush=True,
+                )
         finally:
             pool.close()
         results["runs"][str(p)] = runs
     errors = [abs(r["mean_idle"] - r["theory"]) for runs in results["runs"].values() for r in runs if r["v"] == 1]
     results["max_abs_error"] = max(errors)
     os.makedirs(RESULTS, exist_ok=True)
-    slim = {**results, "runs": {p: [{k: v for k, v in r.items() if k != "events" or (r["m"] == 4)} for r in runs] for p, runs in results["runs"].items()}}
+    slim = {
+        **results,
+        "runs": {
+            p: [{k: v for k, v in r.items() if k != "events" or (r["m"] == 4)} for r in runs]
+            for p, runs in results["runs"].items()
+        },
+    }
     with open(os.path.join(RESULTS, "pipeline_bubble.json"), "w") as fh:
         json.dump(slim, fh, indent=1)
     plot(results, os.path.join(RESULTS, "pipeline_bubble.png"))

@@ -91,11 +91,22 @@ def trial(cwd: str, index: int, kind: str, delay: float) -> dict:
     match = LINE.search(text)
     checkpoint_ok = None
     if match:
-        checkpoint_ok = cm.verify(match.group(3))[0] is not None and match.group(3).endswith(cm.step_dirname(int(match.group(2))))
-    return {"trial": index, "kind": kind, "delay_s": round(delay, 2), "rc": rc, "workers_seen": len(seen),
-            "orphans": orphans, "hang": rc is None or "HANG" in errors, "preempted_line": match.group(0) if match else None,
-            "checkpoint_ok": checkpoint_ok, "gone_after_s": round(time.monotonic() - sent, 1),
-            "last_stderr": errors.strip().splitlines()[-1] if errors.strip() else ""}
+        checkpoint_ok = cm.verify(match.group(3))[0] is not None and match.group(3).endswith(
+            cm.step_dirname(int(match.group(2)))
+        )
+    return {
+        "trial": index,
+        "kind": kind,
+        "delay_s": round(delay, 2),
+        "rc": rc,
+        "workers_seen": len(seen),
+        "orphans": orphans,
+        "hang": rc is None or "HANG" in errors,
+        "preempted_line": match.group(0) if match else None,
+        "checkpoint_ok": checkpoint_ok,
+        "gone_after_s": round(time.monotonic() - sent, 1),
+        "last_stderr": errors.strip().splitlines()[-1] if errors.strip() else "",
+    }
 
 
 def expected(r: dict) -> bool:

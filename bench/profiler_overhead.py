@@ -82,10 +82,14 @@ def measure(h: int, args: argparse.Namespace) -> dict:
     prof.detach()
     result = {
         "model": f"MLP 3x Linear({h},{h}), batch {args.batch}, AdamW, all_reduce per parameter (world of 1, gloo)",
-        "rounds": args.rounds, "steps_per_block": args.steps,
-        "median_step_ms_without": med_off * 1e3, "median_step_ms_with": med_on * 1e3,
-        "overhead_ratio": med_on / med_off, "overhead_percent": (med_on / med_off - 1) * 100,
-        "median_round_ratio": statistics.median(ratios), "round_overhead_percent": (statistics.median(ratios) - 1) * 100,
+        "rounds": args.rounds,
+        "steps_per_block": args.steps,
+        "median_step_ms_without": med_off * 1e3,
+        "median_step_ms_with": med_on * 1e3,
+        "overhead_ratio": med_on / med_off,
+        "overhead_percent": (med_on / med_off - 1) * 100,
+        "median_round_ratio": statistics.median(ratios),
+        "round_overhead_percent": (statistics.median(ratios) - 1) * 100,
         "instrumentation_us_per_step": per_step_us,
         "instrumentation_percent_of_median_step": per_step_us / (med_off * 1e6) * 100,
         "overhead_us_per_step": (med_on - med_off) * 1e6,
@@ -101,7 +105,9 @@ def main() -> None:
                     help="MLP widths to measure: a tiny ~3 ms step (worst case) and a ~10x larger one")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1 keeps the shared CPU quieter)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "profiler_overhead.json"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "profiler_overhead.json")
+    )
     args = ap.parse_args()
     shardwise.init(backend="gloo", hang_timeout_s=0)
     torch.set_num_threads(args.threads)
@@ -112,10 +118,12 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     for r in results:
-        print(f"{r['model']}: median step without profiler {r['median_step_ms_without']:.3f} ms, with "
-              f"{r['median_step_ms_with']:.3f} ms: overhead {r['overhead_percent']:+.2f}% ({r['overhead_us_per_step']:+.0f} us/step), "
-              f"median over ABBA rounds {r['round_overhead_percent']:+.2f}%; the profiler's own bookkeeping "
-              f"{r['instrumentation_us_per_step']:.1f} us/step (target < 3%)")
+        print(
+            f"{r['model']}: median step without profiler {r['median_step_ms_without']:.3f} ms, with "
+            f"{r['median_step_ms_with']:.3f} ms: overhead {r['overhead_percent']:+.2f}% ({r['overhead_us_per_step']:+.0f} us/step), "
+            f"median over ABBA rounds {r['round_overhead_percent']:+.2f}%; the profiler's own bookkeeping "
+            f"{r['instrumentation_us_per_step']:.1f} us/step (target < 3%)"
+        )
     print(f"-> {args.out}")
     shardwise.shutdown()
 

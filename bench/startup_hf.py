@@ -69,18 +69,48 @@ def main() -> None:
     with open(os.path.join(work, "hand.py"), "w") as fh:
         fh.write(HAND_WRITTEN)
     runs = {
-        "shardwise train --model.hf": ([sys.executable, "-m", "shardwise.cli", "train", "--nproc", "2", "--model.hf", "model",
-                                        "--data.files", "data.txt", "--max-steps", "1", "--model.seq_len", "16", "--train.global_batch_size", "2",
-                                        "--train.warmup_steps", "1", "--train.eval_every", "0", "--train.log_every", "1",
-                                        "--checkpoint.every_n_steps", "0"], "step 1/"),
-        "torchrun hand-written": ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "hand.py", "model"], "step 1 loss"),
+        "shardwise train --model.hf": (
+            [
+                sys.executable,
+                "-m",
+                "shardwise.cli",
+                "train",
+                "--nproc",
+                "2",
+                "--model.hf",
+                "model",
+                "--data.files",
+                "data.txt",
+                "--max-steps",
+                "1",
+                "--model.seq_len",
+                "16",
+                "--train.global_batch_size",
+                "2",
+                "--train.warmup_steps",
+                "1",
+                "--train.eval_every",
+                "0",
+                "--train.log_every",
+                "1",
+                "--checkpoint.every_n_steps",
+                "0",
+            ],
+            "step 1/",
+        ),
+        "torchrun hand-written": (
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "hand.py", "model"],
+            "step 1 loss",
+        ),
     }
     figures: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for i in range(args.repeats):
         for name, (argv, marker) in runs.items():
             argv = [*argv, "--run.name", f"r{i}"] if name.startswith("shardwise") else argv
             figures[name].append(_first_step(argv, marker, work))
-    print(f"time to the first step, 2 processes, best of {args.repeats} (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):")
+    print(
+        f"time to the first step, 2 processes, best of {args.repeats} (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):"
+    )
     for name, got in figures.items():
         print(f"  {name:28s} {min(s for s, _ in got):6.1f} s   {min(c for _, c in got):6.1f} CPU-s")
 

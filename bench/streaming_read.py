@@ -56,8 +56,13 @@ def main() -> int:
             return sum(1 for row in rows if torch.from_numpy(row.astype(np.int64)).numel())
 
         def stream(dp_size: int) -> int:
-            loader = StreamLoader(PackedStream([path], seq_len=args.seq), dp_rank=0, dp_size=dp_size, micro_batch_size=8,
-                                  global_batch_size=args.global_batch)
+            loader = StreamLoader(
+                PackedStream([path], seq_len=args.seq),
+                dp_rank=0,
+                dp_size=dp_size,
+                micro_batch_size=8,
+                global_batch_size=args.global_batch,
+            )
             return sum(len(x) for x, _ in loader)
 
         readers = {"baseline": baseline, "stream": lambda: stream(1), "stream_rank_of_8": lambda: stream(8)}

@@ -80,13 +80,19 @@ def main() -> int:
     parser.add_argument("--global-batch", type=int, default=16)
     args = parser.parse_args()
     nproc = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    results = shardwise.launch(worker, nprocs=nproc, args=(args.reps, args.steps, args.warmup, args.global_batch), timeout_s=3600)
+    results = shardwise.launch(
+        worker, nprocs=nproc, args=(args.reps, args.steps, args.warmup, args.global_batch), timeout_s=3600
+    )
     r = results[0]
     pairs = [t / s for t, s in zip(r["tokens"], r["samples"])]
     summary = {
         "command": f"python bench/token_reduction.py --reps {args.reps} --steps {args.steps} --warmup {args.warmup}",
-        "machine": platform.node(), "processes": nproc, "model": f"GPT {SHAPE.layers}x{SHAPE.hidden}, seq {SHAPE.seq_len}",
-        "global_batch": args.global_batch, "grad_accum_steps": 2, "plan": f"dp={nproc}",
+        "machine": platform.node(),
+        "processes": nproc,
+        "model": f"GPT {SHAPE.layers}x{SHAPE.hidden}, seq {SHAPE.seq_len}",
+        "global_batch": args.global_batch,
+        "grad_accum_steps": 2,
+        "plan": f"dp={nproc}",
         "median_pair_ratio_wall": statistics.median(pairs),
         "ratio_of_medians_wall": statistics.median(r["tokens"]) / statistics.median(r["samples"]),
         "ratio_of_medians_cpu": statistics.median(r["tokens_cpu"]) / statistics.median(r["samples_cpu"]),

@@ -52,19 +52,39 @@ def main() -> int:
     os.makedirs(data_dir, exist_ok=True)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
         texts = [text for _, text in stdlib_texts("json") + stdlib_texts("email")]
-        hf.save_tiny(model_dir, family="llama", texts=texts, vocab=1024, layers=4, hidden=64, heads=4, kv_heads=2, seq=128)
+        hf.save_tiny(
+            model_dir, family="llama", texts=texts, vocab=1024, layers=4, hidden=64, heads=4, kv_heads=2, seq=128
+        )
         print(f"made a Llama-style model and its tokenizer in {model_dir}", flush=True)
     for name, text in stdlib_texts("logging") + stdlib_texts("importlib"):
         with open(os.path.join(data_dir, name.replace(".py", ".txt")), "w", encoding="utf-8") as fh:
             fh.write(text)
 
-    common = ["--model.hf", model_dir, "--data.files", os.path.join(args.dir, "data", "**", "*.txt"), "--model.seq_len=64",
-              "--nproc", args.nproc, "--plan", args.plan, "--train.global_batch_size=8", "--train.lr=3e-3", "--train.eval_every=20",
-              "--checkpoint.every_n_steps=20", "--run.runs_dir", os.path.join(args.dir, "runs"), "--run.name", "finetune"]
+    common = [
+        "--model.hf",
+        model_dir,
+        "--data.files",
+        os.path.join(args.dir, "data", "**", "*.txt"),
+        "--model.seq_len=64",
+        "--nproc",
+        args.nproc,
+        "--plan",
+        args.plan,
+        "--train.global_batch_size=8",
+        "--train.lr=3e-3",
+        "--train.eval_every=20",
+        "--checkpoint.every_n_steps=20",
+        "--run.runs_dir",
+        os.path.join(args.dir, "runs"),
+        "--run.name",
+        "finetune",
+    ]
     shardwise("train", *common, "--max-steps", str(args.steps))
     shardwise("train", *common, "--max-steps", str(args.steps + 20), "--resume", "auto")
     export = os.path.join(args.dir, "export")
-    shardwise("checkpoint", "export", "--format", "hf", os.path.join(args.dir, "runs", "finetune", "checkpoints"), export)
+    shardwise(
+        "checkpoint", "export", "--format", "hf", os.path.join(args.dir, "runs", "finetune", "checkpoints"), export
+    )
 
     import torch
     import transformers

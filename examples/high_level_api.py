@@ -35,16 +35,23 @@ def main(max_steps: int = 60) -> None:
         global_batch_size=32,
         train=shardwise.TrainOptions(
             lr_scheduler=warmup_cosine(warmup_steps=10, total_steps=max_steps, min_lr_ratio=0.1),
-            max_steps=max_steps, eval_every=30, clip_grad_norm=1.0, seed=0,
+            max_steps=max_steps,
+            eval_every=30,
+            clip_grad_norm=1.0,
+            seed=0,
         ),
         logging=shardwise.LoggingOptions(
-            log_every=10, run_dir=run_dir,
-            flops_per_sample=config.flops_per_token() * config.seq_len, tokens_per_sample=config.seq_len,
+            log_every=10,
+            run_dir=run_dir,
+            flops_per_sample=config.flops_per_token() * config.seq_len,
+            tokens_per_sample=config.seq_len,
         ),
         callbacks=[
             LossMonitor(),
             ThroughputMonitor(),
-            CheckpointCallback(CheckpointManager(f"{run_dir}/checkpoints", every_n_steps=20, keep_last_n=2), resume="auto"),
+            CheckpointCallback(
+                CheckpointManager(f"{run_dir}/checkpoints", every_n_steps=20, keep_last_n=2), resume="auto"
+            ),
         ],
     )
     result = trainer.fit(CharWindows(corpus.train, config.seq_len), CharWindows(corpus.val, config.seq_len))

@@ -60,7 +60,9 @@ def main() -> None:
         model_dir, ckpt = os.path.join(tmp, "llama"), os.path.join(tmp, "ckpt")
         hf.save_tiny(model_dir, family="llama", texts=[open(os.__file__).read()], vocab=256, seq=SEQ, hidden=64)
         first = shardwise.launch(train, args.nproc, (model_dir, ckpt, args.plan, args.nf4, 10))[0]
-        second = shardwise.launch(train, args.nproc, (model_dir, ckpt, args.plan, args.nf4, 20))[0]  # resumes at step 10
+        second = shardwise.launch(train, args.nproc, (model_dir, ckpt, args.plan, args.nf4, 20))[
+            0
+        ]  # resumes at step 10
         size = lambda d: sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)  # noqa: E731
         print(f"loss {first['loss']:.3f} at step 10, {second['loss']:.3f} at step 20; a checkpoint is "
               f"{size(os.path.join(ckpt, 'step_00000020')) / 1e3:.0f} kB, the base {size(model_dir) / 1e3:.0f} kB")

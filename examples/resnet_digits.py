@@ -31,7 +31,9 @@ def main(epochs: int = 4, per_rank_batch: int = 32, base_lr: float = 0.05) -> No
         optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=1e-4),
         global_batch_size=global_batch,
         train=shardwise.TrainOptions(
-            lr_scheduler=warmup_cosine(warmup_steps=total_steps // 10, total_steps=total_steps), max_epochs=epochs, seed=0,
+            lr_scheduler=warmup_cosine(warmup_steps=total_steps // 10, total_steps=total_steps),
+            max_epochs=epochs,
+            seed=0,
         ),
         parallel=shardwise.ParallelOptions(ddp=DDPOptions(sync_batchnorm=True)),
         logging=shardwise.LoggingOptions(metrics=["accuracy"], log_every=10, run_dir="runs/resnet-digits"),

@@ -27,7 +27,9 @@ def main() -> None:
     )
     result = trainer.fit(data.train, data.val)
     if trainer.env.is_main:
-        print(f"validation loss {result.val_metrics['val_loss']:.4f}, accuracy {result.val_metrics['val_accuracy']:.3f}")
+        print(
+            f"validation loss {result.val_metrics['val_loss']:.4f}, accuracy {result.val_metrics['val_accuracy']:.3f}"
+        )
     shardwise.shutdown()
 
 

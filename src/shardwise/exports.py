@@ -26,7 +26,9 @@ def lazy_exports(package: str, names: Mapping[str, str], deprecated: Mapping[str
 
     def __getattr__(name: str) -> Any:
         if name in old:
-            warnings.warn(f"{package}.{name} is deprecated: use {package}.{old[name]}", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                f"{package}.{name} is deprecated: use {package}.{old[name]}", DeprecationWarning, stacklevel=2
+            )
             return getattr(importlib.import_module(names[old[name]]), old[name])
         if name not in names:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")

@@ -112,17 +112,27 @@ class Plan:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"plan zero={self.zero!r} is not a ZeRO stage", hint="use 0 (off), 1, 2 or 3")
         if self.zero == 0 and self.shard > 1:
-            raise ConfigError(f"plan shard={self.shard} needs a ZeRO stage", hint=f"add zero=3 (or 1, 2), or use dp={self.shard}")
+            raise ConfigError(
+                f"plan shard={self.shard} needs a ZeRO stage", hint=f"add zero=3 (or 1, 2), or use dp={self.shard}"
+            )
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"plan schedule={self.schedule!r} is unknown", hint=f"use one of {', '.join(SCHEDULES)}")
         if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"plan recompute={self.recompute!r} is unknown", hint=f"use one of {', '.join(RECOMPUTE)}")
+            raise ConfigError(
+                f"plan recompute={self.recompute!r} is unknown", hint=f"use one of {', '.join(RECOMPUTE)}"
+            )
         if self.precision not in PRECISIONS:
-            raise ConfigError(f"plan precision={self.precision!r} is unknown", hint=f"use one of {', '.join(PRECISIONS)}")
+            raise ConfigError(
+                f"plan precision={self.precision!r} is unknown", hint=f"use one of {', '.join(PRECISIONS)}"
+            )
         if self.fp8_recipe not in FP8_RECIPES:
-            raise ConfigError(f"plan fp8_recipe={self.fp8_recipe!r} is unknown", hint=f"use one of {', '.join(FP8_RECIPES)}")
+            raise ConfigError(
+                f"plan fp8_recipe={self.fp8_recipe!r} is unknown", hint=f"use one of {', '.join(FP8_RECIPES)}"
+            )
         if self.params16 and self.precision == "fp32":
-            raise ConfigError("plan params16 needs a 16-bit precision", hint="add precision=bf16 (or fp16, fp8), or drop params16")
+            raise ConfigError(
+                "plan params16 needs a 16-bit precision", hint="add precision=bf16 (or fp16, fp8), or drop params16"
+            )
         if self.sharded_accumulation and self.zero < 2:
             raise ConfigError(f"plan sharded_accumulation needs sharded gradients (zero=2 or 3), not zero={self.zero}",
                               hint="add zero=3 (or 2), or drop sharded_accumulation")
@@ -133,11 +143,15 @@ class Plan:
             )
         if self.ep > 1 and (self.shard if self.zero > 0 else self.dp) % self.ep:
             inner = "shard" if self.zero > 0 else "dp"
-            raise ConfigError(f"plan ep={self.ep} does not divide {inner}={self.shard if self.zero > 0 else self.dp}: "
-                              "experts are split over data-parallel ranks",
-                              hint=f"use an ep that divides {inner}, or more data-parallel ranks (e.g. {inner}={self.ep})")
+            raise ConfigError(
+                f"plan ep={self.ep} does not divide {inner}={self.shard if self.zero > 0 else self.dp}: "
+                "experts are split over data-parallel ranks",
+                hint=f"use an ep that divides {inner}, or more data-parallel ranks (e.g. {inner}={self.ep})",
+            )
         if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("plan sequence_parallel needs tp > 1", hint="add tp=2 (or more), or drop sequence_parallel")
+            raise ConfigError(
+                "plan sequence_parallel needs tp > 1", hint="add tp=2 (or more), or drop sequence_parallel"
+            )
         if self.pp > 1 and self.microbatches < self.pp and self.schedule != "gpipe":
             raise ConfigError(
                 f"plan microbatches={self.microbatches} is fewer than pp={self.pp} stages for schedule {self.schedule}",
@@ -245,7 +259,9 @@ class Plan:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"plan file is not JSON ({exc.msg} at line {exc.lineno})", hint="write it with Plan.save") from None
+            raise ConfigError(
+                f"plan file is not JSON ({exc.msg} at line {exc.lineno})", hint="write it with Plan.save"
+            ) from None
         data.pop("shardwise_plan", None)
         return cls.from_dict(data)
 
@@ -278,14 +294,43 @@ class Plan:
         rows = [
             ("world size", str(self.world_size)),
             ("mesh (pp, dp_replicate, dp_shard, cp, tp)", str(self.mesh_shape)),
-            ("data parallel", f"{self.dp_size} ({'HSDP' if self.hsdp_enabled else 'FSDP' if self.fsdp_enabled else 'DDP' if self.dp_enabled else 'off'})"),
-            ("ZeRO stage", f"{self.zero}" + ({1: " (optimizer state sharded)", 2: " (+ gradients)", 3: " (+ parameters)"}.get(self.zero, " (off)"))),
-            ("context parallel", f"{self.cp}" + (f" (each sequence in {2 * self.cp} zig-zag chunks)" if self.cp_enabled else "")),
+            (
+                "data parallel",
+                f"{self.dp_size} ({'HSDP' if self.hsdp_enabled else 'FSDP' if self.fsdp_enabled else 'DDP' if self.dp_enabled else 'off'})",
+            ),
+            (
+                "ZeRO stage",
+                f"{self.zero}"
+                + (
+                    {1: " (optimizer state sharded)", 2: " (+ gradients)", 3: " (+ parameters)"}.get(
+                        self.zero, " (off)"
+                    )
+                ),
+            ),
+            (
+                "context parallel",
+                f"{self.cp}" + (f" (each sequence in {2 * self.cp} zig-zag chunks)" if self.cp_enabled else ""),
+            ),
             ("tensor parallel", f"{self.tp}" + (" + sequence parallel" if self.sequence_parallel else "")),
-            ("pipeline parallel", f"{self.pp}" + (f", {self.schedule}, {self.microbatches} microbatches" + (f", {self.virtual_stages} virtual stages" if self.virtual_stages > 1 else "") if self.pp_enabled else "")),
-            ("expert parallel", f"{self.ep}" + (" (experts split over data-parallel ranks)" if self.ep_enabled else "")),
+            (
+                "pipeline parallel",
+                f"{self.pp}"
+                + (
+                    f", {self.schedule}, {self.microbatches} microbatches"
+                    + (f", {self.virtual_stages} virtual stages" if self.virtual_stages > 1 else "")
+                    if self.pp_enabled
+                    else ""
+                ),
+            ),
+            (
+                "expert parallel",
+                f"{self.ep}" + (" (experts split over data-parallel ranks)" if self.ep_enabled else ""),
+            ),
             ("activation recompute", self.recompute),
-            ("precision", self.precision + (" (fp32 master weights and reductions)" if self.precision != "fp32" else "")),
+            (
+                "precision",
+                self.precision + (" (fp32 master weights and reductions)" if self.precision != "fp32" else ""),
+            ),
         ]
         if self.precision == "fp8":
             rows.append(("fp8 recipe", f"{self.fp8_recipe} (torchao float8 linear layers)"))
@@ -356,8 +401,10 @@ def _fill_degrees(values: dict[str, Any], world_size: int) -> dict[str, Any]:
         elif "dp" not in out:
             shard = out["shard"]
             if not isinstance(shard, int) or shard < 1 or rest % shard:
-                raise ConfigError(f"plan {given}: shard={shard} does not divide the {rest} data-parallel ranks of {world_size} processes",
-                                  hint=f"use a shard degree that divides {rest}, or leave shard out (shard={rest})")
+                raise ConfigError(
+                    f"plan {given}: shard={shard} does not divide the {rest} data-parallel ranks of {world_size} processes",
+                    hint=f"use a shard degree that divides {rest}, or leave shard out (shard={rest})",
+                )
             out["dp"] = rest // shard
     elif "dp" not in out:
         out["dp"] = rest

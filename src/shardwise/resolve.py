@@ -24,8 +24,14 @@ def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = N
     regained under ``--nnodes MIN:MAX``), so a plan that no longer fits is re-planned with
     :func:`replan` instead of refused.
     """
-    if isinstance(plan, str) and precision is not None and plan.strip().lower() not in ("dp", "ddp", "", "single", "none"):
-        if "precision" not in named_keys(plan):  # before parsing: "zero=3,params16" needs the precision it is checked against
+    if (
+        isinstance(plan, str)
+        and precision is not None
+        and plan.strip().lower() not in ("dp", "ddp", "", "single", "none")
+    ):
+        if "precision" not in named_keys(
+            plan
+        ):  # before parsing: "zero=3,params16" needs the precision it is checked against
             plan = f"{plan},precision={precision}"
     if isinstance(plan, str):
         if plan.strip().lower() in ("dp", "ddp"):
@@ -40,7 +46,10 @@ def resolve_plan(plan: Plan | str, world_size: int, *, precision: str | None = N
     if elastic and isinstance(plan, Plan) and plan.world_size != world_size:
         plan = replan(plan, world_size)
     if not isinstance(plan, Plan):
-        raise ConfigError(f"plan must be a Plan or a string, got {type(plan).__name__}", hint='for example plan="dp" or plan="dp=2,tp=2"')
+        raise ConfigError(
+            f"plan must be a Plan or a string, got {type(plan).__name__}",
+            hint='for example plan="dp" or plan="dp=2,tp=2"',
+        )
     if precision is not None and precision != plan.precision:
         if plan.precision != "fp32":
             raise ConfigError(
@@ -72,7 +81,9 @@ def replan(plan: Plan, world_size: int) -> Plan:
     Pure, so the Trainer's build step and the tests call the same function.
     """
     if world_size < 1:
-        raise ConfigError(f"cannot re-plan {plan} for a world of {world_size} processes", hint="the world needs at least one process")
+        raise ConfigError(
+            f"cannot re-plan {plan} for a world of {world_size} processes", hint="the world needs at least one process"
+        )
     if plan.world_size == world_size:
         return plan
     tp = math.gcd(plan.tp, world_size)

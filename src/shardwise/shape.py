@@ -58,7 +58,9 @@ class TransformerShape:
     tied_embeddings: bool = _opt(False, "the LM head shares the token embedding's weight")
     bias: bool = _opt(True, "linear layers and norms have biases")
     learned_positions: bool = _opt(True, "learned position embeddings (False: rotary, nothing learned)")
-    attention: str = _opt("fused", "fused (scaled_dot_product_attention / FlashAttention) or eager (keeps the s^2 softmax)")
+    attention: str = _opt(
+        "fused", "fused (scaled_dot_product_attention / FlashAttention) or eager (keeps the s^2 softmax)"
+    )
     separate_qkv: bool = _opt(False, "q, k and v are three Linear layers instead of one fused projection")
     experts: int = _opt(0, "experts per MoE layer (0: a dense MLP in every block)", min=0)
     top_k: int = _opt(2, "experts each token is routed to (MoE)", min=1)
@@ -76,7 +78,9 @@ class TransformerShape:
         for key in ("ffn", "kv_heads"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"model shape {key}={value!r} must be a non-negative integer", hint="leave it out for the default")
+                raise ConfigError(
+                    f"model shape {key}={value!r} must be a non-negative integer", hint="leave it out for the default"
+                )
         if self.hidden % self.heads:
             raise ConfigError(f"model shape hidden={self.hidden} is not divisible by heads={self.heads}",
                               hint=f"use a hidden size that is a multiple of {self.heads}")
@@ -88,7 +92,9 @@ class TransformerShape:
         for key in ("experts", "expert_ffn"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"model shape {key}={value!r} must be a non-negative integer", hint="0 for a dense model")
+                raise ConfigError(
+                    f"model shape {key}={value!r} must be a non-negative integer", hint="0 for a dense model"
+                )
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise ConfigError(f"model shape top_k={self.top_k} must lie in [1, experts={self.experts}]",
                               hint="route each token to at most as many experts as there are")
@@ -125,7 +131,9 @@ class TransformerShape:
         h, f, v, b = self.hidden, self.ffn_, self.vocab_size, int(self.bias)
         kv = self.head_dim * self.kv_heads_
         attn = 2 * h * h + 2 * h * kv + b * (2 * h + 2 * kv)
-        mlp = 2 * h * f + b * (f + h) if not self.experts else self.experts * 2 * h * self.expert_ffn_ + h * self.experts
+        mlp = (
+            2 * h * f + b * (f + h) if not self.experts else self.experts * 2 * h * self.expert_ffn_ + h * self.experts
+        )
         per_block = attn + mlp + 4 * h
         head = 2 * h + (0 if self.tied_embeddings else v * h + b * v)
         embed = v * h + (self.seq_len * h if self.learned_positions else 0)
@@ -174,7 +182,10 @@ class TransformerShape:
             raise ConfigError(f"model spec is not JSON ({exc.msg} at column {exc.colno})",
                               hint='e.g. {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 64}') from None
         if not isinstance(data, dict):
-            raise ConfigError("model spec must be a JSON object", hint='e.g. {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 64}')
+            raise ConfigError(
+                "model spec must be a JSON object",
+                hint='e.g. {"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 64}',
+            )
         return cls.from_dict(data, name=name)
 
     def to_dict(self) -> dict[str, Any]:

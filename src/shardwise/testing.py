@@ -92,7 +92,11 @@ def _worker_main(rank: int, world_size: int, port: int, conn: Connection, parent
 
     torch.set_num_threads(threads)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=600)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=600),
     )
     conn.send_bytes(pickle.dumps(("ok", "ready", 1)))
     while True:
@@ -154,7 +158,16 @@ class WorkerPool:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, port, child, os.getpid(), self.threads_per_rank, dict(os.environ), os.getcwd()),
+                args=(
+                    rank,
+                    self.world_size,
+                    port,
+                    child,
+                    os.getpid(),
+                    self.threads_per_rank,
+                    dict(os.environ),
+                    os.getcwd(),
+                ),
                 name=f"shardwise-test-rank{rank}",
             )
             proc.start()
@@ -191,7 +204,9 @@ class WorkerPool:
         payload = pickle.dumps((fn, args, kwargs, list(sys.path)))
         for conn in self._conns:
             conn.send_bytes(payload)
-        return self._collect(deadline=time.monotonic() + (timeout_s or self.timeout_s), what=getattr(fn, "__name__", "call"))
+        return self._collect(
+            deadline=time.monotonic() + (timeout_s or self.timeout_s), what=getattr(fn, "__name__", "call")
+        )
 
     def _collect(self, deadline: float, what: str) -> list[Any]:
         results: dict[int, Any] = {}
@@ -239,7 +254,9 @@ class WorkerPool:
                 first = min(errors)
                 others = f" (ranks {stuck} did not finish)" if stuck else ""
                 raise RankFailed(f"{what}: rank {first} failed{others}:\n{errors[first]}")
-            raise RanksTimedOut(f"{what}: ranks {stuck} did not finish in time; their stacks are in the captured stderr")
+            raise RanksTimedOut(
+                f"{what}: ranks {stuck} did not finish in time; their stacks are in the captured stderr"
+            )
         if self._groups > self.max_groups:
             # Each Gloo group keeps its own connection threads, and DeviceMesh caches groups by
             # name, so they cannot be destroyed one by one. Hundreds of them mean thousands of
@@ -248,7 +265,9 @@ class WorkerPool:
         return [results[r] for r in range(self.world_size)]
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, **kwargs: Any) -> list[Any]:
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0, **kwargs: Any
+) -> list[Any]:
     """Run ``fn`` once on a fresh pool of ``world_size`` processes (for tests that need a new world)."""
     pool = WorkerPool(world_size, timeout_s=timeout_s)
     try:

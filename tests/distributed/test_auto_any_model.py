@@ -24,7 +24,9 @@ class SmallCNN(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.stem = nn.Conv2d(1, 8, 3, padding=1)
-        self.stages = nn.ModuleList(nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU()) for _ in range(3))
+        self.stages = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU()) for _ in range(3)
+        )
         self.head = nn.Linear(8, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,9 @@ def make(kind: str) -> tuple[nn.Module, TensorDataset, object]:
         return SmallCNN(), TensorDataset(x, (x.mean((1, 2, 3)) > 0).long() + 2 * (x[:, 0, 0, 0] > 0).long()), ce
     from shardwise.models.hf import build_causal_lm, lm_loss, tiny_config
 
-    if kind == "wrapped":  # a user's wrapper: eager attention and a data-dependent op, which the meta forward cannot run
+    if (
+        kind == "wrapped"
+    ):  # a user's wrapper: eager attention and a data-dependent op, which the meta forward cannot run
         config = tiny_config("llama", layers=3, hidden=32, heads=4, kv_heads=2, vocab=64, seq=32)
         config._attn_implementation = "eager"
         model = Wrapped(build_causal_lm(config, seed=0))
@@ -81,7 +85,12 @@ def fit_auto(kind: str, run_dir: str | None = None, corrupt: bool = False) -> di
                       parallel=ParallelOptions(cluster="cpu", certify=options),
                       logging=LoggingOptions(log_every=1, progress_bar=False, run_dir=run_dir))
     result = trainer.fit(data)
-    return {"plan": str(trainer.plan), "loss": result.train_loss, "world": dist.get_world_size(), "corrupted": list(CORRUPTED)}
+    return {
+        "plan": str(trainer.plan),
+        "loss": result.train_loss,
+        "world": dist.get_world_size(),
+        "corrupted": list(CORRUPTED),
+    }
 
 
 CORRUPTED: list[str] = []
@@ -100,8 +109,10 @@ def corrupt_first_plan(pm, plan) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind,world", [("mlp", 2), ("mlp", 4), ("cnn", 2), ("cnn", 4), ("llama", 2), ("gpt2", 2), ("mixtral", 2),
-                                        ("wrapped", 2)])
+@pytest.mark.parametrize(
+    "kind,world",
+    [("mlp", 2), ("mlp", 4), ("cnn", 2), ("cnn", 4), ("llama", 2), ("gpt2", 2), ("mixtral", 2), ("wrapped", 2)],
+)
 def test_auto_trains_any_model_with_a_certified_plan(pools, tmp_path, kind: str, world: int) -> None:
     results = pools(world).run(fit_auto, kind, str(tmp_path))
     plan = Plan.parse(results[0]["plan"])
@@ -123,7 +134,12 @@ def test_certification_refuses_a_broken_plan_and_falls_back(dist2, tmp_path) -> 
     assert results[0]["plan"] != broken and all(r["plan"] == results[0]["plan"] for r in results)
     cert = json.loads((tmp_path / "auto_plan.json").read_text())["certificate"]
     first, last = cert["candidates"][0], cert["candidates"][-1]
-    assert first["plan"] == broken and not first["passed"] and "diverged" in first["failed"] and "> rtol 1e-05" in first["failed"]
+    assert (
+        first["plan"] == broken
+        and not first["passed"]
+        and "diverged" in first["failed"]
+        and "> rtol 1e-05" in first["failed"]
+    )
     assert last["passed"] and cert["certified"] == results[0]["plan"]
 
 
@@ -137,7 +153,9 @@ def impossible_requests() -> list[dict]:
     def no_measuring(env):  # noqa: ANN001
         raise AssertionError("the machine was measured before the request was checked")
 
-    huge = nn.Sequential(nn.Linear(100_000, 100_000, device="meta"), nn.ReLU(), nn.Linear(100_000, 4, device="meta"))  # 10B
+    huge = nn.Sequential(
+        nn.Linear(100_000, 100_000, device="meta"), nn.ReLU(), nn.Linear(100_000, 4, device="meta")
+    )  # 10B
     labels = torch.zeros(8, dtype=torch.long)
     cases = {
         "too big": (huge, TensorDataset(torch.zeros(8, 100_000), labels)),
@@ -155,7 +173,14 @@ def impossible_requests() -> list[dict]:
                 message = "no error"
             except ConfigError as exc:
                 message = str(exc)
-            out.append({"case": name, "message": message, "cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - wall})
+            out.append(
+                {
+                    "case": name,
+                    "message": message,
+                    "cpu_s": time.process_time() - cpu,
+                    "wall_s": time.perf_counter() - wall,
+                }
+            )
     finally:
         machine.machine_spec = measure  # the pool's processes serve later tests
     return out
@@ -181,8 +206,12 @@ def certify_each(kind: str, plans: list[str]) -> list[dict]:
 
     model, data, loss = make(kind)
     auto = AutoData(data, certify=CertifyOptions(enabled=True))
-    return [certify_plans(model, [Plan.parse(p, world_size=dist.get_world_size())], data=auto, env=init(), loss_fn=loss).to_dict()
-            for p in plans]
+    return [
+        certify_plans(
+            model, [Plan.parse(p, world_size=dist.get_world_size())], data=auto, env=init(), loss_fn=loss
+        ).to_dict()
+        for p in plans
+    ]
 
 
 @pytest.mark.timeout(300)

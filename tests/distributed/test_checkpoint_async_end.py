@@ -60,8 +60,14 @@ def fit_ending_on_an_async_save(directory: str, slow_rank: int | None, delay_s: 
                       logging=LoggingOptions(log_every=1, progress_bar=False), checkpoint=manager)
     trainer.fit(make_data(64))
     newest = cm.latest_complete(directory)
-    return {"step": trainer.step, "saves": saves, "last_saved": manager.last_saved, "last_committed": manager.last_committed,
-            "newest": newest.step if newest else None, "in_flight": manager.in_flight()}
+    return {
+        "step": trainer.step,
+        "saves": saves,
+        "last_saved": manager.last_saved,
+        "last_committed": manager.last_committed,
+        "newest": newest.step if newest else None,
+        "in_flight": manager.in_flight(),
+    }
 
 
 @pytest.mark.timeout(300)
@@ -72,6 +78,13 @@ def test_async_save_on_the_last_step_never_hangs(dist2, tmp_path_factory):
             directory = str(tmp_path_factory.mktemp(f"r{round_}-slow{slow_rank}"))
             results = dist2.run(fit_ending_on_an_async_save, directory, slow_rank, 0.5, timeout_s=60)
             for r in results:
-                assert r == {"step": STEPS, "saves": [EVERY, STEPS], "last_saved": STEPS, "last_committed": STEPS, "newest": STEPS, "in_flight": False}, r
+                assert r == {
+                    "step": STEPS,
+                    "saves": [EVERY, STEPS],
+                    "last_saved": STEPS,
+                    "last_committed": STEPS,
+                    "newest": STEPS,
+                    "in_flight": False,
+                }, r
             fits += 1
     assert fits == 3 * ROUNDS

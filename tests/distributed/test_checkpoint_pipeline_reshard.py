@@ -64,7 +64,9 @@ def _gpt(seed: int) -> torch.nn.Module:
     return GPT(GPTConfig(vocab_size=16, seq_len=8, layers=4, hidden=16, heads=2), seed=seed)
 
 
-def _trainer(plan: str, directory: str, max_steps: int, *, model_seed: int, split: tuple[int, ...] | None, callbacks=()):
+def _trainer(
+    plan: str, directory: str, max_steps: int, *, model_seed: int, split: tuple[int, ...] | None, callbacks=()
+):
     from shardwise.parallel.pipeline import PipelineOptions
     from shardwise.train import LoggingOptions, ParallelOptions, TrainOptions, Trainer
 
@@ -103,7 +105,10 @@ def test_pp2_to_one_to_pp4_to_dp2_to_interleaved_to_tp2_equals_one_run(pools, tm
         # every leg after the first starts from a model seeded differently: only the checkpoint carries over
         results = pools(nprocs).run(leg, plan, chain, LEG_STEPS * (k + 1), split, k)
         for got in results:
-            assert got["step"] == LEG_STEPS * (k + 1) and got["resumed_from"] == (LEG_STEPS * k if k else None), (plan, got)
+            assert got["step"] == LEG_STEPS * (k + 1) and got["resumed_from"] == (LEG_STEPS * k if k else None), (
+                plan,
+                got,
+            )
             assert got["losses"] == results[0]["losses"]
         losses.extend(results[0]["losses"])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)

@@ -36,7 +36,14 @@ def fit_with_checkpoint(plan: str, directory: str, max_steps: int, resume: str |
     trainer.fit(make_data(), resume=resume)
     msd, osd = get_state_dict(trainer.model.module, [trainer.optimizer], options=StateDictOptions(full_state_dict=True))
     full = {f"model.{k}": v.clone() for k, v in msd.items()}
-    full.update({f"optim.{fqn}.{key}": v.clone() for fqn, st in osd["state"].items() for key, v in st.items() if isinstance(v, torch.Tensor)})
+    full.update(
+        {
+            f"optim.{fqn}.{key}": v.clone()
+            for fqn, st in osd["state"].items()
+            for key, v in st.items()
+            if isinstance(v, torch.Tensor)
+        }
+    )
     loaded = trainer.checkpoint.loaded
     return {"state": full, "step": trainer.step, "resumed_from": loaded.step if loaded else None}
 

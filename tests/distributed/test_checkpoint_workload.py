@@ -79,19 +79,28 @@ class Job:
         self.model = model
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=7, gamma=0.7)
-        self.sampler = ShardedSampler(N_SAMPLES, num_replicas=self.dp_size, rank=self.dp_rank, seed=5, drop_unit=GLOBAL_BATCH)
+        self.sampler = ShardedSampler(
+            N_SAMPLES, num_replicas=self.dp_size, rank=self.dp_rank, seed=5, drop_unit=GLOBAL_BATCH
+        )
         self.state = TrainState(self.sampler)
         self.x, self.y = dataset()
         self.seen: list[int] = []
         torch.manual_seed(100 + seed + (dist.get_rank() if dist.is_initialized() and layout != "single" else 0))
 
     def components(self) -> dict[str, Any]:
-        return {"model": self.model, "optimizer": self.optimizer, "lr_scheduler": self.scheduler, "train_state": self.state}
+        return {
+            "model": self.model,
+            "optimizer": self.optimizer,
+            "lr_scheduler": self.scheduler,
+            "train_state": self.state,
+        }
 
     def manager(self, directory: str, **options: Any) -> CheckpointManager:
         return CheckpointManager(directory, plan=self.plan, dp_size=self.dp_size, dp_rank=self.dp_rank, **options)
 
-    def train_to(self, total_steps: int, *, manager: CheckpointManager | None = None, save_every: int = 0) -> list[float]:
+    def train_to(
+        self, total_steps: int, *, manager: CheckpointManager | None = None, save_every: int = 0
+    ) -> list[float]:
         per_rank = GLOBAL_BATCH // self.dp_size
         losses = []
         while self.state.step < total_steps:
@@ -118,7 +127,9 @@ class Job:
         out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
         for fqn, st in osd["state"].items():
             for key, value in st.items():
-                out[f"optim.{fqn}.{key}"] = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+                out[f"optim.{fqn}.{key}"] = (
+                    value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
+                )
         out["lr"] = torch.tensor(self.optimizer.param_groups[0]["lr"])
         return out
 

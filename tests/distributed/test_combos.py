@@ -8,7 +8,9 @@ from shardwise.verify.parity import GPTWorkload, Run, Training, parity_worker
 from tests.distributed.test_tp import LargeModelWorkload
 
 RTOL = 1e-5
-TRAINING = Training(steps=4, global_batch=8)  # same rtol as at 20 steps; steps 2-4 use the momentum buffers (sharded, where the layout shards them)
+TRAINING = Training(
+    steps=4, global_batch=8
+)  # same rtol as at 20 steps; steps 2-4 use the momentum buffers (sharded, where the layout shards them)
 
 
 def _check(per_rank):
@@ -35,7 +37,11 @@ def test_dp_tp_and_fsdp_tp_on_4(dist4):
 def test_meta_init_replays_reset_parameters_on_4(dist4):
     """LargeModel has no init_weights: materialize replays each layer's reset_parameters from the
     seed on a full-size stand-in and keeps the local shard; the result must equal plain construction."""
-    runs = [Run("zero=3,shard=4", meta_init=True), Run("zero=3,shard=2,tp=2", meta_init=True), Run("dp=4", meta_init=True)]
+    runs = [
+        Run("zero=3,shard=4", meta_init=True),
+        Run("zero=3,shard=2,tp=2", meta_init=True),
+        Run("dp=4", meta_init=True),
+    ]
     _check(dist4.run(parity_worker, LargeModelWorkload(tp=2), runs, TRAINING))
 
 

@@ -184,7 +184,10 @@ def trainer_run(plan: str, shape: dict, directory: str | None, stops: tuple[int,
                           train=TrainOptions(max_steps=stop), data=DataOptions(shuffle=False),
                           logging=LoggingOptions(progress_bar=False), checkpoint=directory)
         trainer.fit(data, resume="auto" if directory else None)
-    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in trainer.model.module.named_parameters()}
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in trainer.model.module.named_parameters()
+    }
 
 
 @pytest.mark.parametrize(("plan", "shape"), [

@@ -48,7 +48,11 @@ def bf16_hook_error() -> str:
 
 def test_bucketing_and_graph_options_are_exact(dist2) -> None:
     base = dist2.run(train_ddp, DDPOptions())
-    for options in (DDPOptions(bucket_cap_mb=0.0005), DDPOptions(static_graph=True), DDPOptions(gradient_as_bucket_view=False)):
+    for options in (
+        DDPOptions(bucket_cap_mb=0.0005),
+        DDPOptions(static_graph=True),
+        DDPOptions(gradient_as_bucket_view=False),
+    ):
         for b, got in zip(base, dist2.run(train_ddp, options)):
             torch.testing.assert_close(got["weights"], b["weights"], rtol=1e-6, atol=1e-7)
 
@@ -77,7 +81,10 @@ def sync_bn_on_cpu() -> dict:
         warnings.simplefilter("always")
         ddp = apply_ddp(model, meshes.dp, options=DDPOptions(sync_batchnorm=True))
     ddp(torch.randn(8, 4)).sum().backward()
-    return {"warned": any("SyncBatchNorm" in str(w.message) for w in caught), "types": [type(m).__name__ for m in ddp.module]}
+    return {
+        "warned": any("SyncBatchNorm" in str(w.message) for w in caught),
+        "types": [type(m).__name__ for m in ddp.module],
+    }
 
 
 def test_sync_batchnorm_on_cpu_warns(dist2) -> None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 from shardwise.verify.parity import GPTWorkload, Run, Training, parity_worker
 
 RTOL = 1e-5
-TRAINING = Training(steps=4, global_batch=8)  # same rtol as at 20 steps; steps 2-4 use the momentum buffers (sharded, where the layout shards them)
+TRAINING = Training(
+    steps=4, global_batch=8
+)  # same rtol as at 20 steps; steps 2-4 use the momentum buffers (sharded, where the layout shards them)
 
 
 def _check(reports):
@@ -20,7 +22,9 @@ def _check(reports):
 
 
 def test_zero_stages_on_2(dist2):
-    reports = dist2.run(parity_worker, GPTWorkload(), [Run("zero=1,shard=2"), Run("zero=2,shard=2"), Run("zero=3,shard=2")], TRAINING)
+    reports = dist2.run(
+        parity_worker, GPTWorkload(), [Run("zero=1,shard=2"), Run("zero=2,shard=2"), Run("zero=3,shard=2")], TRAINING
+    )
     for rank_reports in reports:
         _check(rank_reports)
 

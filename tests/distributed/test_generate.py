@@ -29,7 +29,9 @@ def hf_dir(tmp_path_factory) -> str:
     from shardwise.models.hf import save_tiny
 
     directory = str(tmp_path_factory.mktemp("tiny-llama"))
-    texts = [open(f).read()[:3000] for f in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "json", "*.py")))]
+    texts = [
+        open(f).read()[:3000] for f in sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "json", "*.py")))
+    ]
     save_tiny(directory, family="llama", texts=texts, vocab=128, hidden=32, heads=4, kv_heads=2, layers=2, seq=64)
     return directory
 
@@ -73,8 +75,26 @@ def test_tp2_generates_the_tokens_of_one_process(pools, hf_dir, tmp_path) -> Non
     export_hf(ckpt, str(tmp_path / "exported"))
     assert pools(1).run(_gen, str(tmp_path / "exported"), "tp=1", GREEDY)[0] == one
 
-    cli = subprocess.run([sys.executable, "-m", "shardwise", "generate", "--checkpoint", ckpt, "--prompt", PROMPT, "--plan", "tp=2",
-                          "--max-new-tokens", "10", "--ids"], capture_output=True, text=True, timeout=300)
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardwise",
+            "generate",
+            "--checkpoint",
+            ckpt,
+            "--prompt",
+            PROMPT,
+            "--plan",
+            "tp=2",
+            "--max-new-tokens",
+            "10",
+            "--ids",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert f"ids: {','.join(map(str, one))}" in cli.stdout
 

@@ -30,7 +30,9 @@ TRAIN = ["--nproc", "1", "--run.name=g", "--max-steps", "2", "--model.layers=2",
 
 def _shardwise(args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MPLCONFIGDIR": os.path.join(cwd, ".mpl")}
-    return subprocess.run([sys.executable, "-m", "shardwise", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +79,9 @@ def test_tp2_dp2_zero3_decode_the_tokens_of_one_process(pools, run_dir) -> None:
             assert pools(2).run(_gen, ckpt, "dp=2", sampling) == [one, one]
             assert pools(2).run(_gen, ckpt, "zero=3,dp=2", sampling) == [one, one]
 
-    cli = _shardwise(["generate", "--checkpoint", ckpt, "--prompt", PROMPT, "--max-new-tokens", "12", "--ids"], run_dir, timeout=180)
+    cli = _shardwise(
+        ["generate", "--checkpoint", ckpt, "--prompt", PROMPT, "--max-new-tokens", "12", "--ids"], run_dir, timeout=180
+    )
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert f"ids: {','.join(map(str, tokens[GREEDY]))}" in cli.stdout
     assert cli.stdout.startswith(PROMPT)

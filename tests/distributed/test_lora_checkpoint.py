@@ -153,7 +153,11 @@ def test_reshard_4_2_1_exports_and_refusal(dist4, dist2, pools, model_dirs, tmp_
     from shardwise.checkpoint.commit import latest_complete
 
     step_dir = latest_complete(ckpt).path
-    names = [k for k in SafeFileSystemReader(step_dir).read_metadata().state_dict_metadata if k.startswith(("model.", "optim."))]
+    names = [
+        k
+        for k in SafeFileSystemReader(step_dir).read_metadata().state_dict_metadata
+        if k.startswith(("model.", "optim."))
+    ]
     assert names and all(".lora_" in k for k in names), [k for k in names if ".lora_" not in k][:3]
 
     # the PEFT export gives the trained logits through peft, the merged one through transformers alone

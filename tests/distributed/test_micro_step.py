@@ -78,13 +78,27 @@ def test_a_defect_in_the_micro_step_fails_verify_and_reaches_the_trainer(dist2):
 
 def test_a_comparison_of_vanished_gradients_does_not_pass():
     """Zero gradients on both sides (a plan that trains nothing) match perfectly and prove nothing."""
-    still = ParityReport(plan="dp=2", losses=(1.0, 1.0), ref_losses=(1.0, 1.0), grad_norms=(0.0, 0.0), ref_grad_norms=(0.0, 0.0),
-                         weight_diffs={"w": 0.0}, ref_moved=0.0)
+    still = ParityReport(
+        plan="dp=2",
+        losses=(1.0, 1.0),
+        ref_losses=(1.0, 1.0),
+        grad_norms=(0.0, 0.0),
+        ref_grad_norms=(0.0, 0.0),
+        weight_diffs={"w": 0.0},
+        ref_moved=0.0,
+    )
     assert not still.reference_moved and not still.passed(1e-5)
     assert "did not train" in still.format(1e-5)
     assert _rel(0.0, 0.0) == float("inf") and _rel(1.0, 1.0) == 0.0
-    moved = ParityReport(plan="dp=2", losses=(1.0, 0.9), ref_losses=(1.0, 0.9), grad_norms=(0.5, 0.4), ref_grad_norms=(0.5, 0.4),
-                         weight_diffs={"w": 0.0}, ref_moved=0.1)
+    moved = ParityReport(
+        plan="dp=2",
+        losses=(1.0, 0.9),
+        ref_losses=(1.0, 0.9),
+        grad_norms=(0.5, 0.4),
+        ref_grad_norms=(0.5, 0.4),
+        weight_diffs={"w": 0.0},
+        ref_moved=0.1,
+    )
     assert moved.passed(1e-5)
     nan = ParityReport(plan="dp=2", losses=(1.0, float("nan")), ref_losses=(1.0, 0.9), grad_norms=(0.5, 0.4),
                        ref_grad_norms=(0.5, 0.4), weight_diffs={"w": 0.0}, ref_moved=0.1)
@@ -104,7 +118,9 @@ def adamw(params):
 
 
 def _verify_with_adamw() -> tuple[bool, str, dict[str, int]]:
-    [report] = parity_worker(WORKLOAD, [Run("dp=2", accumulation=2)], Training(steps=3, global_batch=8, optimizer=adamw))
+    [report] = parity_worker(
+        WORKLOAD, [Run("dp=2", accumulation=2)], Training(steps=3, global_batch=8, optimizer=adamw)
+    )
     return report.passed(1e-5), report.format(1e-5), report.memory
 
 
@@ -120,10 +136,12 @@ def test_verify_runs_the_users_optimizer_factory(dist2):
 
 def test_a_script_names_its_optimizer(tmp_path):
     script = tmp_path / "model.py"
-    script.write_text("import torch\n"
-                      "def build_model(seed):\n    return torch.nn.Linear(2, 2)\n"
-                      "def make_batch(step, size):\n    return torch.zeros(size, 2), torch.zeros(size, dtype=torch.long)\n"
-                      "def make_optimizer(params):\n    return torch.optim.Adagrad(params, lr=0.5)\n")
+    script.write_text(
+        "import torch\n"
+        "def build_model(seed):\n    return torch.nn.Linear(2, 2)\n"
+        "def make_batch(step, size):\n    return torch.zeros(size, 2), torch.zeros(size, dtype=torch.long)\n"
+        "def make_optimizer(params):\n    return torch.optim.Adagrad(params, lr=0.5)\n"
+    )
     factory = ScriptWorkload(str(script)).optimizer()
     assert isinstance(factory(torch.nn.Linear(2, 2).parameters()), torch.optim.Adagrad)
     assert pickle.loads(pickle.dumps(factory)) == factory  # it reaches the spawned processes

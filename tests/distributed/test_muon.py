@@ -80,7 +80,10 @@ def _freeze_key_biases(net: nn.Module) -> None:
 def full_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {n.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()}
+    return {
+        n.removeprefix("module."): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in module.named_parameters()
+    }
 
 
 def fit(plan: str, model: str = "toy", ns_dtype: str = "fp32", route: str = "all_to_all", negative: bool = False,
@@ -117,8 +120,12 @@ def fit(plan: str, model: str = "toy", ns_dtype: str = "fp32", route: str = "all
 
 def rel_err(ref: dict, got: dict) -> float:
     """Largest relative Frobenius change of a weight against one process, over the weights ``got`` has."""
-    return max(float((got["weights"][k].reshape(ref["weights"][k].shape) - ref["weights"][k]).norm() / ref["weights"][k].norm())
-               for k in got["weights"])
+    return max(
+        float(
+            (got["weights"][k].reshape(ref["weights"][k].shape) - ref["weights"][k]).norm() / ref["weights"][k].norm()
+        )
+        for k in got["weights"]
+    )
 
 
 def assert_parity(ref: dict, results: list[dict], rtol: float = 1e-5) -> None:
@@ -126,7 +133,9 @@ def assert_parity(ref: dict, results: list[dict], rtol: float = 1e-5) -> None:
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=1e-6)
         for k, w in got["weights"].items():
             # a TP fused view (in, 3, w) holds the same elements in the same order as (in, 3w)
-            torch.testing.assert_close(w.reshape(ref["weights"][k].shape), ref["weights"][k], rtol=rtol, atol=1e-6, msg=k)
+            torch.testing.assert_close(
+                w.reshape(ref["weights"][k].shape), ref["weights"][k], rtol=rtol, atol=1e-6, msg=k
+            )
 
 
 def fits(runs: list[dict]) -> list[dict]:
@@ -151,7 +160,9 @@ def test_gpt_under_tp_pp_zero_on_2(pools) -> None:
     Muon's usual lr 0.02 (measured: 1.1e-3, the largest relative Frobenius difference of a weight,
     from bf16 roundings flipped by fp32 reduction order; dp=2 gives the same; bf16 against fp32
     Newton–Schulz on one process: 3.0e-2)."""
-    ref, ref16 = pools(1).run(fits, [dict(plan="dp", model="gpt"), dict(plan="dp", model="gpt", ns_dtype="bf16", lr=0.02)])[0]
+    ref, ref16 = pools(1).run(
+        fits, [dict(plan="dp", model="gpt"), dict(plan="dp", model="gpt", ns_dtype="bf16", lr=0.02)]
+    )[0]
     plans = ["tp=2", "pp=2,microbatches=2", "zero=3,shard=2", "dp=2", "cp=2"]
     per_rank = pools(2).run(fits, [dict(plan=p, model="gpt") for p in plans]
                               + [dict(plan="zero=3,shard=2", model="gpt", ns_dtype="bf16", lr=0.02)])
@@ -163,7 +174,11 @@ def test_gpt_under_tp_pp_zero_on_2(pools) -> None:
 def test_gpt_dp_tp_and_hsdp_on_4(pools) -> None:
     """dp x tp (owner path over tp), FSDP x TP and HSDP (2-D meshes: the gather path)."""
     ref = pools(1).run(fit, "dp", "gpt")[0]
-    runs = [dict(plan="dp=2,tp=2", model="gpt"), dict(plan="zero=3,shard=2,tp=2", model="gpt"), dict(plan="zero=3,dp=2,shard=2", model="gpt")]
+    runs = [
+        dict(plan="dp=2,tp=2", model="gpt"),
+        dict(plan="zero=3,shard=2,tp=2", model="gpt"),
+        dict(plan="zero=3,dp=2,shard=2", model="gpt"),
+    ]
     for results in pools(4).run(fits, runs):
         assert_parity(ref, results)
 

@@ -65,11 +65,17 @@ def test_nan_in_one_layer_is_named_with_step_and_rank_and_stops_every_rank(dist4
     for status, message, findings in results:
         assert status == "stopped"
         assert f"non-finite values at step {BAD_STEP}" in message
-        assert f"rank {BAD_RANK}: first non-finite output in module 'fc1' (Linear output contains NaN or inf)" in message
+        assert (
+            f"rank {BAD_RANK}: first non-finite output in module 'fc1' (Linear output contains NaN or inf)" in message
+        )
         first = min(findings, key=lambda f: ("forward", "loss", "gradient").index(f["stage"]))
         assert (first["rank"], first["stage"], first["module"], first["step"]) == (BAD_RANK, "forward", "fc1", BAD_STEP)
         # The other ranks only see the NaN arrive in their gradients through DDP's all-reduce.
-        assert {f["rank"]: f["stage"] for f in findings if f["rank"] != BAD_RANK} == {0: "gradient", 2: "gradient", 3: "gradient"}
+        assert {f["rank"]: f["stage"] for f in findings if f["rank"] != BAD_RANK} == {
+            0: "gradient",
+            2: "gradient",
+            3: "gradient",
+        }
     assert len({r[1] for r in results}) == 1  # the same report on every rank
 
 

@@ -106,8 +106,20 @@ def run_parity(plan_text: str, kind: str, steps: int = STEPS, split_points: tupl
 def check_parity(results: list[dict]) -> None:
     covered: set[str] = set()
     for rank, r in enumerate(results):
-        torch.testing.assert_close(torch.tensor(r["loss"]), torch.tensor(r["ref_loss"]), rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} loss: {m}")
-        torch.testing.assert_close(torch.tensor(r["norm"]), torch.tensor(r["ref_norm"]), rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} grad norm: {m}")
+        torch.testing.assert_close(
+            torch.tensor(r["loss"]),
+            torch.tensor(r["ref_loss"]),
+            rtol=1e-5,
+            atol=0,
+            msg=lambda m: f"rank {rank} loss: {m}",
+        )
+        torch.testing.assert_close(
+            torch.tensor(r["norm"]),
+            torch.tensor(r["ref_norm"]),
+            rtol=1e-5,
+            atol=0,
+            msg=lambda m: f"rank {rank} grad norm: {m}",
+        )
         for name, (got, want) in r["weights"].items():
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank} {name}: {m}")
         covered |= set(r["weights"])
@@ -146,11 +158,15 @@ def test_pp2_explicit_split_points(dist2) -> None:
     """An uneven user split (1 block + 3 blocks) trains identically too."""
     results = dist2.run(run_parity, "pp=2,schedule=1f1b,microbatches=2", "gpt", 5, ("blocks.1",))
     check_parity(results)
-    assert sorted(n for n in results[0]["weights"] if n.startswith("blocks.")) == sorted(n for n in results[0]["all_names"] if n.startswith("blocks.0."))
+    assert sorted(n for n in results[0]["weights"] if n.startswith("blocks.")) == sorted(
+        n for n in results[0]["all_names"] if n.startswith("blocks.0.")
+    )
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("plan_text", ["dp=2,pp=2,schedule=1f1b,microbatches=2", "zero=3,shard=2,pp=2,schedule=gpipe,microbatches=2"])
+@pytest.mark.parametrize(
+    "plan_text", ["dp=2,pp=2,schedule=1f1b,microbatches=2", "zero=3,shard=2,pp=2,schedule=gpipe,microbatches=2"]
+)
 def test_dp2_pp2_parity(dist4, plan_text: str) -> None:
     check_parity(dist4.run(run_parity, plan_text, "gpt"))
 
@@ -224,7 +240,9 @@ def eval_and_shape_changes(plan_text: str) -> tuple[list[float], list[float]]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("plan_text", ["pp=2,schedule=1f1b,microbatches=4", "pp=2,schedule=interleaved_1f1b,virtual_stages=2,microbatches=4"])
+@pytest.mark.parametrize(
+    "plan_text", ["pp=2,schedule=1f1b,microbatches=4", "pp=2,schedule=interleaved_1f1b,virtual_stages=2,microbatches=4"]
+)
 def test_eval_loss_and_changing_batch_sizes(dist2, plan_text: str) -> None:
     for got, want in dist2.run(eval_and_shape_changes, plan_text):
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=0)

@@ -9,8 +9,16 @@ from torch import nn
 from shardwise.errors import ConfigError
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.parallel.pipeline import check_microbatches, local_stage_indices
-from shardwise.parallel.pipeline.split import (PipelineStages, TrunkStage, balanced_cuts, check_ties, find_trunk, split_model, stage_summary,
-                                              stage_ties)
+from shardwise.parallel.pipeline.split import (
+    PipelineStages,
+    TrunkStage,
+    balanced_cuts,
+    check_ties,
+    find_trunk,
+    split_model,
+    stage_summary,
+    stage_ties,
+)
 
 
 def small_gpt(layers: int = 4) -> GPT:

@@ -51,9 +51,22 @@ def test_every_window_once_over_ranks_and_workers(tmp_path) -> None:
                                   global_batch_size=GBS))
     assert len(alone) == whole
     ids = np.concatenate([np.append(np.load(f), 0) for f in files]).tolist()  # the packed token stream
-    assert alone == [ids[k * (SEQ + 1): k * (SEQ + 1) + SEQ] for k in range(whole)]  # window k: inputs are its first SEQ
-    per_rank = [_windows(StreamLoader(PackedStream(files, seq_len=SEQ, eos_id=0), dp_rank=r, dp_size=2, micro_batch_size=2,
-                                      global_batch_size=GBS, num_workers=2)) for r in range(2)]
+    assert alone == [
+        ids[k * (SEQ + 1) : k * (SEQ + 1) + SEQ] for k in range(whole)
+    ]  # window k: inputs are its first SEQ
+    per_rank = [
+        _windows(
+            StreamLoader(
+                PackedStream(files, seq_len=SEQ, eos_id=0),
+                dp_rank=r,
+                dp_size=2,
+                micro_batch_size=2,
+                global_batch_size=GBS,
+                num_workers=2,
+            )
+        )
+        for r in range(2)
+    ]
     assert [len(w) for w in per_rank] == [whole // 2] * 2
     # rank r holds windows r, r + 2, ... in order; together each window exactly once
     assert per_rank[0] == alone[0::2] and per_rank[1] == alone[1::2]
@@ -64,8 +77,12 @@ def test_every_window_once_over_ranks_and_workers(tmp_path) -> None:
 def test_text_jsonl_and_token_files_pack_across_boundaries(tmp_path) -> None:
     (tmp_path / "a.txt").write_text("abcdefg")
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "hij"}) + "\n" + json.dumps({"text": "klmnopqrstu"}) + "\n")
-    stream = PackedStream([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], seq_len=3, tokenize=lambda s: [ord(c) for c in s],
-                          eos_id=0)
+    stream = PackedStream(
+        [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")],
+        seq_len=3,
+        tokenize=lambda s: [ord(c) for c in s],
+        eos_id=0,
+    )
     got = [(bytes(x[0].tolist()), bytes(y[0].tolist())) for x, y in
            StreamLoader(stream, dp_rank=0, dp_size=1, micro_batch_size=1, global_batch_size=1)]
     # "abcdefg|hij|klmnopqrstu|" in windows of 4 tokens: inputs are the first 3, targets the last 3
@@ -93,7 +110,9 @@ class Recorder(nn.Module):
         return self.head(self.emb(ids))
 
 
-def fit_stream(plan: str, files: list[str], directory: str, max_steps: int, resume: str | int | None, workers: int) -> dict:
+def fit_stream(
+    plan: str, files: list[str], directory: str, max_steps: int, resume: str | int | None, workers: int
+) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from shardwise.checkpoint import CheckpointManager
@@ -106,7 +125,9 @@ def fit_stream(plan: str, files: list[str], directory: str, max_steps: int, resu
                       data=DataOptions(num_workers=workers, worker_start_method="fork"),
                       logging=LoggingOptions(log_every=1, progress_bar=False), checkpoint=CheckpointManager(directory),
                       callbacks=[])
-    trainer.fit(PackedStream(files, seq_len=SEQ, eos_id=0, shuffle=True, seed=5, shuffle_windows=2 * GBS), resume=resume)
+    trainer.fit(
+        PackedStream(files, seq_len=SEQ, eos_id=0, shuffle=True, seed=5, shuffle_windows=2 * GBS), resume=resume
+    )
     weights = {k: v.detach().clone() for k, v in get_model_state_dict(trainer.model.module).items()}
     # per optimizer step, this rank's windows (one micro-batch per step here)
     return {"seen": model.seen, "losses": [h["loss"] for h in trainer.history if "loss" in h], "weights": weights}
@@ -130,7 +151,9 @@ def test_streaming_resume_is_exact_on_the_same_and_another_layout(pools, tmp_pat
         assert all(torch.equal(s["weights"][k], r["weights"][k]) for k in s["weights"])
     other = pools(1).run(fit_stream, "dp", files, cut, 8, 4, 0)  # the step-4 checkpoint again, on one process
     assert _steps(other) == _steps(straight)[4:]
-    torch.testing.assert_close(torch.tensor(other[0]["losses"]), torch.tensor(straight[0]["losses"][4:]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(other[0]["losses"]), torch.tensor(straight[0]["losses"][4:]), rtol=1e-5, atol=0
+    )
 
 
 def test_a_restored_loader_continues_without_rereading_and_another_layout_rereads() -> None:
@@ -142,8 +165,13 @@ def test_a_restored_loader_continues_without_rereading_and_another_layout_reread
         return [ord(c) for c in text]
 
     def loader(dp_size: int = 1) -> StreamLoader:
-        return StreamLoader(PackedStream(lambda: iter(docs), seq_len=SEQ, tokenize=tokenize, eos_id=0), dp_rank=0, dp_size=dp_size,
-                            micro_batch_size=2, global_batch_size=GBS)
+        return StreamLoader(
+            PackedStream(lambda: iter(docs), seq_len=SEQ, tokenize=tokenize, eos_id=0),
+            dp_rank=0,
+            dp_size=dp_size,
+            micro_batch_size=2,
+            global_batch_size=GBS,
+        )
 
     whole = _windows(loader())
     first = loader()
@@ -155,7 +183,9 @@ def test_a_restored_loader_continues_without_rereading_and_another_layout_reread
     resumed = loader()
     resumed.position.load_state_dict(state)
     assert head + _windows(resumed) == whole
-    assert len(calls) < len(docs) and calls[0] != docs[0]  # restored where it was: the documents before are not tokenized again
+    assert (
+        len(calls) < len(docs) and calls[0] != docs[0]
+    )  # restored where it was: the documents before are not tokenized again
     calls.clear()
     other = loader(dp_size=2)  # another data-parallel degree: rank 0 of 2 continues from the global position
     other.position.load_state_dict(state)
@@ -188,7 +218,9 @@ def test_a_shuffle_buffer_permutes_windows_within_blocks_and_resumes_exactly(tmp
     same = loader(workers=2, shuffle_windows=12)
     same.position.load_state_dict(state)  # every worker restored with the block it holds
     assert head + _windows(same) == shuffled
-    for rank in range(2):  # another data-parallel degree: the block re-read, the same permutation, skipped to the position
+    for rank in range(
+        2
+    ):  # another data-parallel degree: the block re-read, the same permutation, skipped to the position
         other = loader(rank, 2, 0, shuffle_windows=12)
         other.position.load_state_dict(state)
         assert _windows(other) == shuffled[GBS:][rank::2]
@@ -221,14 +253,20 @@ def fit_auto_stream(files: list[str], directory: str) -> dict:
     from shardwise.train import LoggingOptions, ParallelOptions, TrainOptions, Trainer
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB))  # (the Recorder's forward reads values: not on meta)
+    model = nn.Sequential(
+        nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)
+    )  # (the Recorder's forward reads values: not on meta)
     trainer = Trainer(model, loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
                       optimizer=lambda p: torch.optim.SGD(p, lr=0.5), plan="auto", global_batch_size=GBS,
                       train=TrainOptions(max_steps=3, seed=3), parallel=ParallelOptions(cluster="cpu", certify=True),
                       logging=LoggingOptions(log_every=1, progress_bar=False, run_dir=directory))
     result = trainer.fit(PackedStream(files, seq_len=SEQ, eos_id=0))
     choice = trainer.auto_choice  # rank 0's (it decides and broadcasts)
-    return {"plan": str(trainer.plan), "steps": result.step, "certificate": choice.certificate if choice is not None else None}
+    return {
+        "plan": str(trainer.plan),
+        "steps": result.step,
+        "certificate": choice.certificate if choice is not None else None,
+    }
 
 
 def test_plan_auto_sizes_and_certifies_on_a_stream(pools, tmp_path) -> None:
@@ -237,5 +275,7 @@ def test_plan_auto_sizes_and_certifies_on_a_stream(pools, tmp_path) -> None:
     results = pools(2).run(fit_auto_stream, _token_files(str(tmp_path)), str(tmp_path / "run"))
     assert [r["steps"] for r in results] == [3, 3] and results[0]["plan"] == results[1]["plan"]
     certificate = results[0]["certificate"]
-    assert certificate is not None and certificate["certified"] == results[0]["plan"], certificate  # certified on the stream's first batches
+    assert certificate is not None and certificate["certified"] == results[0]["plan"], (
+        certificate
+    )  # certified on the stream's first batches
     assert (tmp_path / "run" / "auto_plan.json").is_file()

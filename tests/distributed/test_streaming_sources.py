@@ -49,7 +49,9 @@ def _ids() -> list[list[int]]:
 
 def _parquet(directory, name: str, rows_per_group: int = 7) -> str:
     path = os.path.join(directory, name)
-    pq.write_table(pa.table({"text": _texts(), "ids": _ids(), "label": list(range(N_DOCS))}), path, row_group_size=rows_per_group)
+    pq.write_table(
+        pa.table({"text": _texts(), "ids": _ids(), "label": list(range(N_DOCS))}), path, row_group_size=rows_per_group
+    )
     return path
 
 
@@ -63,7 +65,9 @@ def _windows(loader: StreamLoader) -> list[list[int]]:
 
 def _loader(source, *, dp_rank: int = 0, dp_size: int = 1, workers: int = 0, **kwargs) -> StreamLoader:
     stream = PackedStream(source, seq_len=SEQ, eos_id=0, **kwargs)
-    return StreamLoader(stream, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=2, global_batch_size=GBS, num_workers=workers)
+    return StreamLoader(
+        stream, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=2, global_batch_size=GBS, num_workers=workers
+    )
 
 
 def _hf(path: str, tmp_path, streaming: bool = False):
@@ -82,8 +86,12 @@ def test_parquet_columns_pack_like_jsonl_and_npy_and_resume_skips_row_groups(tmp
 
     read = []
     original = pq.ParquetFile.read_row_group
-    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda self, i, **kw: read.append(i) or original(self, i, **kw))
-    source = FileSource([path], text_key="text", has_tokenizer=True, bin_dtype=np.dtype("uint16"), shuffle=False, seed=0)
+    monkeypatch.setattr(
+        pq.ParquetFile, "read_row_group", lambda self, i, **kw: read.append(i) or original(self, i, **kw)
+    )
+    source = FileSource(
+        [path], text_key="text", has_tokenizer=True, bin_dtype=np.dtype("uint16"), shuffle=False, seed=0
+    )
     assert list(source.documents(0, 0, 30)) == _texts()[30:]
     assert read == [4, 5]  # rows 30.. live in row groups 4 (28..34) and 5: groups 0-3 are not read
 
@@ -91,7 +99,11 @@ def test_parquet_columns_pack_like_jsonl_and_npy_and_resume_skips_row_groups(tmp
 @pytest.mark.parametrize("kind", ["parquet", "dataset", "iterable"])
 def test_every_window_once_over_ranks_and_workers(kind: str, tmp_path) -> None:
     path = _parquet(tmp_path, "a.parquet")
-    source = {"parquet": lambda: [path], "dataset": lambda: _hf(path, tmp_path), "iterable": lambda: _hf(path, tmp_path, True)}[kind]
+    source = {
+        "parquet": lambda: [path],
+        "dataset": lambda: _hf(path, tmp_path),
+        "iterable": lambda: _hf(path, tmp_path, True),
+    }[kind]
     alone = _windows(_loader(source(), text_key="ids"))
     flat = [t for d in _ids() for t in d + [0]]
     whole = len(flat) // (SEQ + 1) // GBS * GBS
@@ -107,8 +119,13 @@ def test_a_restored_loader_continues_exactly_on_the_same_and_another_layout(kind
     path = _parquet(tmp_path, "a.parquet")
 
     def loader(dp_rank: int = 0, dp_size: int = 1, workers: int = 2) -> StreamLoader:
-        return _loader(_hf(path, tmp_path, streaming=kind == "iterable"), dp_rank=dp_rank, dp_size=dp_size, workers=workers,
-                       tokenize=_tokenize)
+        return _loader(
+            _hf(path, tmp_path, streaming=kind == "iterable"),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            workers=workers,
+            tokenize=_tokenize,
+        )
 
     whole = _windows(loader(workers=0))
     first = loader()

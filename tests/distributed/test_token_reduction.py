@@ -101,15 +101,20 @@ def fit(kind: str, plan: str, accum: int = 1, reduction: str = "tokens", loss_pa
                       parallel=ParallelOptions(tp=TPOptions(loss_parallel=loss_parallel)),
                       logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=[rec])
     trainer.fit(make_data())
-    return {"losses": rec.losses, "weights": _weights(trainer.model.module), "reduction": trainer.run_info()["loss_reduction"]}
+    return {
+        "losses": rec.losses,
+        "weights": _weights(trainer.model.module),
+        "reduction": trainer.run_info()["loss_reduction"],
+    }
 
 
 def prepared_loop(accum: int = 2) -> dict:
     """A user's own loop over ``prepare()``: accumulation with the token weights."""
     import shardwise
 
-    model, opt, loader = prepared = shardwise.prepare(build("gpt"), sgd, make_data(), batch_size=GLOBAL // (2 * accum), shuffle=False,
-                                                      loss_reduction="tokens")
+    model, opt, loader = prepared = shardwise.prepare(
+        build("gpt"), sgd, make_data(), batch_size=GLOBAL // (2 * accum), shuffle=False, loss_reduction="tokens"
+    )
     batches = list(loader)
     for step in range(STEPS):
         micro = batches[step * accum:(step + 1) * accum]
@@ -164,20 +169,36 @@ def test_one_process_with_accumulation_4(pools) -> None:
 def test_plans_on_two_processes(pools) -> None:
     # ~35 s under load: eight Trainer fits in one pool call (apart, each would pay for its own call)
     refs = {kind: reference(kind) for kind in ("gpt", "gpt4", "mixtral")}
-    configs = [("gpt", "dp=2", 2), ("gpt", "zero=3,shard=2", 1), ("gpt", "pp=2,microbatches=2", 1),
-               ("gpt", "pp=2,microbatches=2,schedule=1f1b", 1), ("gpt4", "pp=2,virtual_stages=2,microbatches=2,schedule=interleaved_1f1b", 1),
-               ("gpt", "cp=2", 1), ("mixtral", "dp=2,ep=2", 1), ("prepare",)]
+    configs = [
+        ("gpt", "dp=2", 2),
+        ("gpt", "zero=3,shard=2", 1),
+        ("gpt", "pp=2,microbatches=2", 1),
+        ("gpt", "pp=2,microbatches=2,schedule=1f1b", 1),
+        ("gpt4", "pp=2,virtual_stages=2,microbatches=2,schedule=interleaved_1f1b", 1),
+        ("gpt", "cp=2", 1),
+        ("mixtral", "dp=2,ep=2", 1),
+        ("prepare",),
+    ]
     per_rank = pools(2).run(runs, *configs)
     for i, config in enumerate(configs):
         results = [rank[i] for rank in per_rank]
-        check(refs["gpt" if config[0] == "prepare" else config[0]], results, " ".join(map(str, config)), losses=config[0] != "prepare")
+        check(
+            refs["gpt" if config[0] == "prepare" else config[0]],
+            results,
+            " ".join(map(str, config)),
+            losses=config[0] != "prepare",
+        )
 
 
 def test_plans_on_four_processes(pools) -> None:
     # ~45 s under load on 2 cores: four 4-process fits (two of them pipelines) in one pool call
     gpt, llama = reference("gpt"), reference("llama")
-    configs = [("gpt", "dp=2,tp=2", 1, "tokens", True), ("gpt", "zero=3,dp=2,shard=2", 1), ("gpt", "dp=2,pp=2,microbatches=2", 2),
-               ("llama", "tp=2,pp=2,microbatches=2", 1)]
+    configs = [
+        ("gpt", "dp=2,tp=2", 1, "tokens", True),
+        ("gpt", "zero=3,dp=2,shard=2", 1),
+        ("gpt", "dp=2,pp=2,microbatches=2", 2),
+        ("llama", "tp=2,pp=2,microbatches=2", 1),
+    ]
     per_rank = pools(4).run(runs, *configs)
     for i, config in enumerate(configs):
         check(llama if config[0] == "llama" else gpt, [rank[i] for rank in per_rank], " ".join(map(str, config)))

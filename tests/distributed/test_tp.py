@@ -20,16 +20,22 @@ import shardwise.parallel.annotate as annotate
 from shardwise.verify.parity import GPTWorkload, Run, Training, parity_worker
 
 RTOL = 1e-5
-TRAINING = Training(steps=4, global_batch=8)  # same rtol as at 20 steps; steps 2-4 use the momentum buffers (sharded, where the layout shards them)
+TRAINING = Training(
+    steps=4, global_batch=8
+)  # same rtol as at 20 steps; steps 2-4 use the momentum buffers (sharded, where the layout shards them)
 
 
 class LargeModel(nn.Module):
     """The guide's LargeModel; ``tp`` replaces its 8-way splits. ``fc1_colwise`` annotates fc1 as
     ``"colwise"`` instead of data parallel, leaving fc2's role to partner inference."""
 
-    def __init__(self, *, tp: int, vocab: int = 64, embedding_dim: int = 32, hidden: int = 64, fc1_colwise: bool = False):
+    def __init__(
+        self, *, tp: int, vocab: int = 64, embedding_dim: int = 32, hidden: int = 64, fc1_colwise: bool = False
+    ):
         super().__init__()
-        self.embedding = shardwise.shard(nn.Embedding(vocab, embedding_dim), ((1, tp), (1, 1)))  # split the embedding dim
+        self.embedding = shardwise.shard(
+            nn.Embedding(vocab, embedding_dim), ((1, tp), (1, 1))
+        )  # split the embedding dim
         self.fc1 = nn.Linear(embedding_dim, hidden)
         self.fc2 = nn.Linear(hidden, hidden)
         self.fc3 = shardwise.shard(nn.Linear(hidden, vocab), ((tp, 1), (1, 1)))  # batch split: replicated weight

@@ -30,15 +30,25 @@ def fit_tracked(run_dir: str, store: str, max_steps: int) -> list[float]:
 
     tokens = torch.randint(0, 16, (64, 9), generator=torch.Generator().manual_seed(0))
     rec = Record()
-    trainer = Trainer(GPT(GPTConfig(vocab_size=16, seq_len=8, layers=2, hidden=16, heads=2), seed=0),
-                      loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
-                      optimizer=lambda p: torch.optim.SGD(p, lr=0.1), plan="auto", global_batch_size=8,
-                      train=TrainOptions(max_steps=max_steps, seed=7), parallel=ParallelOptions(cluster="cpu"),
-                      logging=LoggingOptions(log_every=1, progress_bar=False, run_dir=run_dir,
-                                             loggers=[MLflowLogger(store, experiment="tracked", config={"lr": 0.1}), WandbLogger(project="tracked")]),
-                      callbacks=[rec],
-                      checkpoint=CheckpointCallback(CheckpointManager(os.path.join(run_dir, "ckpt"), every_n_steps=3),
-                                                    save_on_fit_end=False))
+    trainer = Trainer(
+        GPT(GPTConfig(vocab_size=16, seq_len=8, layers=2, hidden=16, heads=2), seed=0),
+        loss_fn=lambda out, y: torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        plan="auto",
+        global_batch_size=8,
+        train=TrainOptions(max_steps=max_steps, seed=7),
+        parallel=ParallelOptions(cluster="cpu"),
+        logging=LoggingOptions(
+            log_every=1,
+            progress_bar=False,
+            run_dir=run_dir,
+            loggers=[MLflowLogger(store, experiment="tracked", config={"lr": 0.1}), WandbLogger(project="tracked")],
+        ),
+        callbacks=[rec],
+        checkpoint=CheckpointCallback(
+            CheckpointManager(os.path.join(run_dir, "ckpt"), every_n_steps=3), save_on_fit_end=False
+        ),
+    )
     trainer.fit(TensorDataset(tokens[:, :-1], tokens[:, 1:]), resume="auto")
     return rec.losses
 

@@ -40,7 +40,9 @@ def test_a_schedule_without_total_steps_is_built_when_fit_knows_them(pools) -> N
     # 320 samples, global batch 32: 10 steps per epoch, 2 epochs.
     assert not got["scheduler_before_fit"] and got["total"] == got["total_steps"] == got["steps"] == 20
     assert got["lrs"][3] == pytest.approx(0.2 * 1.0)  # the end of the warmup reaches the peak lr
-    assert got["lrs"][-1] == pytest.approx(0.2 * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 16 / 16)).item())), abs=1e-6)
+    assert got["lrs"][-1] == pytest.approx(
+        0.2 * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * 16 / 16)).item())), abs=1e-6
+    )
 
 
 def test_scale_lr_follows_the_plans_data_parallel_size(pools) -> None:

@@ -53,7 +53,14 @@ def fit_with_callbacks(run_dir: str, early: bool) -> dict:
                                              flops_per_sample=1e6, peak_flops_per_device=1e12, run_dir=run_dir),
                       callbacks=callbacks)
     result = trainer.fit(make_data(), Subset(make_data(), range(50)))
-    return {"calls": hooks.calls, "step": result.step, "epoch": result.epoch, "val": result.val_metrics, "train_loss": result.train_loss, "history": result.history}
+    return {
+        "calls": hooks.calls,
+        "step": result.step,
+        "epoch": result.epoch,
+        "val": result.val_metrics,
+        "train_loss": result.train_loss,
+        "history": result.history,
+    }
 
 
 def test_outputs_and_hook_order(pools, tmp_path) -> None:

@@ -51,7 +51,12 @@ def dtensor_norms() -> dict:
     got = global_grad_norm(params).item()
     got_inf = global_grad_norm(params, norm_type=float("inf")).item()
     before = clip_grad_norm_(params, max_norm=1.0).item()
-    clipped = math.sqrt(sum(p.grad.full_tensor().pow(2).sum().item() if hasattr(p.grad, "full_tensor") else p.grad.pow(2).sum().item() for p in params))
+    clipped = math.sqrt(
+        sum(
+            p.grad.full_tensor().pow(2).sum().item() if hasattr(p.grad, "full_tensor") else p.grad.pow(2).sum().item()
+            for p in params
+        )
+    )
     return {
         "expected": expected,
         "got": got,
@@ -80,7 +85,12 @@ def fit_with_plan(plan: str) -> dict:
                       global_batch_size=32, train=TrainOptions(clip_grad_norm=0.5, max_steps=12, seed=7),
                       logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=[rec])
     trainer.fit(make_data())
-    return {"losses": rec.losses, "norms": rec.norms, "val": trainer.evaluate(make_data(10)), "world": dist.get_world_size()}
+    return {
+        "losses": rec.losses,
+        "norms": rec.norms,
+        "val": trainer.evaluate(make_data(10)),
+        "world": dist.get_world_size(),
+    }
 
 
 @pytest.mark.parametrize("plan", ["zero=3,dp=2", "zero=1,dp=2", "tp=2", "pp=2,schedule=gpipe,microbatches=2"])

@@ -37,8 +37,14 @@ print("RESULT" + json.dumps(out))
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_trainer_on_one_gpu_in_bf16_and_fp16() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, repo], capture_output=True, text=True, timeout=300, env=env, cwd=repo)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, repo], capture_output=True, text=True, timeout=300, env=env, cwd=repo
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT", 1)[1])
     for precision in ("bf16", "fp16"):

@@ -26,7 +26,13 @@ def reference(n_samples: int) -> dict:
     x, y = data.tensors
     with torch.no_grad():
         out = make_model()(x)
-    return {"loss": F.cross_entropy(out, y).item(), "accuracy": (out.argmax(1) == y).sum().item() / len(y), "top2": top2(out, y)[0].item() / len(y), "out": out, "y": y}
+    return {
+        "loss": F.cross_entropy(out, y).item(),
+        "accuracy": (out.argmax(1) == y).sum().item() / len(y),
+        "top2": top2(out, y)[0].item() / len(y),
+        "out": out,
+        "y": y,
+    }
 
 
 def test_ten_samples_on_four_ranks_give_the_single_process_metrics(pools) -> None:

@@ -93,5 +93,7 @@ def test_loader_workers_do_not_change_the_data(pools) -> None:
     one = pools(1)
     ref = one.run(run_fit, steps=12)[0]
     # fork: the test ranks are spawned processes, whose default would re-import torch per worker.
-    got = one.run(run_fit, steps=12, data=DataOptions(num_workers=2, persistent_workers=True, worker_start_method="fork"))[0]
+    got = one.run(
+        run_fit, steps=12, data=DataOptions(num_workers=2, persistent_workers=True, worker_start_method="fork")
+    )[0]
     assert got["losses"] == ref["losses"]

@@ -47,7 +47,11 @@ def run_fp16(inject_rank: int) -> dict:
                           train=TrainOptions(max_steps=6), logging=LoggingOptions(log_every=1, progress_bar=False),
                           callbacks=[InjectInf(inject_rank), snap])
     trainer.fit(make_data())
-    return {"rows": snap.rows, "warned": any("fp16" in str(w.message) and "CPU" in str(w.message) for w in caught), "skipped": trainer.scaler.skipped_steps}
+    return {
+        "rows": snap.rows,
+        "warned": any("fp16" in str(w.message) and "CPU" in str(w.message) for w in caught),
+        "skipped": trainer.scaler.skipped_steps,
+    }
 
 
 def run_bf16() -> dict:
@@ -64,7 +68,14 @@ def test_inf_on_one_rank_skips_the_step_on_every_rank(pools) -> None:
     for res in results:
         assert res["warned"], "fp16 on a CPU must warn"
         assert [r["skipped"] for r in res["rows"]] == [False, False, True, False, False, False]
-        assert [r["scale"] for r in res["rows"]] == [1024.0, 1024.0, 512.0, 512.0, 512.0, 1024.0]  # back off, regrow after 3
+        assert [r["scale"] for r in res["rows"]] == [
+            1024.0,
+            1024.0,
+            512.0,
+            512.0,
+            512.0,
+            1024.0,
+        ]  # back off, regrow after 3
         assert res["skipped"] == 1
         rows = res["rows"]
         assert torch.equal(rows[2]["weights"], rows[1]["weights"])  # the skipped step changed nothing

@@ -16,7 +16,9 @@ def own_loop(pass_loader: bool) -> dict:
 
     per_process = 32 // dist.get_world_size()
     data = DataLoader(make_data(), batch_size=per_process) if pass_loader else make_data()
-    model, optimizer, loader = shardwise.prepare(make_model(), sgd, data, batch_size=None if pass_loader else per_process, seed=7)
+    model, optimizer, loader = shardwise.prepare(
+        make_model(), sgd, data, batch_size=None if pass_loader else per_process, seed=7
+    )
     epochs = []
     for _ in range(2):  # 10 steps per epoch; the loader reshuffles by itself
         for x, y in loader:
@@ -25,7 +27,11 @@ def own_loop(pass_loader: bool) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         epochs.append(loader.sampler.epoch)
-    return {"weights": {k: v.detach().clone() for k, v in get_model_state_dict(model).items()}, "epochs": epochs, "type": type(model).__name__}
+    return {
+        "weights": {k: v.detach().clone() for k, v in get_model_state_dict(model).items()},
+        "epochs": epochs,
+        "type": type(model).__name__,
+    }
 
 
 def test_prepare_trains_like_the_trainer(pools) -> None:

@@ -52,7 +52,9 @@ def interrupted_and_straight() -> dict:
 
     torch.manual_seed(999)
     resumed_rec = Record()
-    resumed = _trainer(nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3)), TOTAL, [Restore(saved), resumed_rec])
+    resumed = _trainer(
+        nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3)), TOTAL, [Restore(saved), resumed_rec]
+    )
     result = resumed.fit(make_data())
     return {
         "saved_position": saved["train_state"]["sampler"],

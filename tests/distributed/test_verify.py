@@ -19,16 +19,25 @@ from shardwise.layout import Plan
     [
         ("tp=3", "shardwise verify: error: tp=3 does not divide tok_emb.num_embeddings=64; use tp=2 or tp=4\n"),
         ("tp=8", "shardwise verify: error: tp=8 does not divide blocks.0.attn.heads=4; use tp=2 or tp=4\n"),
-        ("dp=3", "shardwise verify: error: --global-batch 8 does not split into 3 data-parallel ranks x 1 micro-steps; "
-                 "use a multiple of 3, e.g. 6\n"),
+        (
+            "dp=3",
+            "shardwise verify: error: --global-batch 8 does not split into 3 data-parallel ranks x 1 micro-steps; "
+            "use a multiple of 3, e.g. 6\n",
+        ),
         ("zero=1,shard=2,tp=2", None),
-        ("pp=2,microbatches=3,schedule=gpipe", "shardwise verify: error: --global-batch 8 does not split into 1 data-parallel ranks x "
-                                               "1 micro-steps x 3 pipeline microbatches; use a multiple of 3, e.g. 6\n"),
+        (
+            "pp=2,microbatches=3,schedule=gpipe",
+            "shardwise verify: error: --global-batch 8 does not split into 1 data-parallel ranks x "
+            "1 micro-steps x 3 pipeline microbatches; use a multiple of 3, e.g. 6\n",
+        ),
         # ZeroRedundancyOptimizer cannot take the pipeline stages' DTensor parameters: refused up front.
-        ("zero=1,shard=2,pp=2,microbatches=2", "shardwise verify: error: plan dp=1,shard=2,pp=2,zero=1: zero=1 "
-         "(ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages; use zero=2 or zero=3 with pp "
-         "(FSDP composes with pipeline stages), e.g. dp=1,shard=2,pp=2,zero=2, or plain data parallelism: "
-         "dp=2,pp=2\n"),
+        (
+            "zero=1,shard=2,pp=2,microbatches=2",
+            "shardwise verify: error: plan dp=1,shard=2,pp=2,zero=1: zero=1 "
+            "(ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages; use zero=2 or zero=3 with pp "
+            "(FSDP composes with pipeline stages), e.g. dp=1,shard=2,pp=2,zero=2, or plain data parallelism: "
+            "dp=2,pp=2\n",
+        ),
     ],
 )
 def test_bad_plans_fail_as_one_line(plan, message, capsys):
@@ -56,8 +65,12 @@ def make_batch(step, size):
 def test_verify_user_script_under_tp(tmp_path):
     script = tmp_path / "model.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    proc = subprocess.run([sys.executable, "-m", "shardwise", "verify", "--plan", "tp=2", "--steps", "5", "--script", str(script)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardwise", "verify", "--plan", "tp=2", "--steps", "5", "--script", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict    PASS at rtol 1e-05" in proc.stdout
     for row in ("loss       max rel diff", "grad norm  max rel diff", "weights    max rel diff"):
@@ -92,8 +105,12 @@ def test_verify_engine_pipeline_on_2(dist2):
 def test_verify_engine_pipeline_combinations_on_4(dist4):
     """DPxPP, TPxPP (also with the LM head's loss kept vocabulary-parallel) and ZeRO-2xPP (the
     alternative the zero=1 error suggests) in one reference run."""
-    runs = [Run("dp=2,pp=2,microbatches=2"), Run("tp=2,pp=2,microbatches=2"), Run("tp=2,pp=2,microbatches=2", loss_parallel=True),
-            Run("zero=2,shard=2,pp=2,microbatches=2")]
+    runs = [
+        Run("dp=2,pp=2,microbatches=2"),
+        Run("tp=2,pp=2,microbatches=2"),
+        Run("tp=2,pp=2,microbatches=2", loss_parallel=True),
+        Run("zero=2,shard=2,pp=2,microbatches=2"),
+    ]
     per_rank = dist4.run(parity_worker, PIPE_GPT, runs, Training(steps=3, global_batch=4))
     _check_pipeline_reports(per_rank, [r.label for r in runs])
 
@@ -117,7 +134,9 @@ def test_validate_refuses_zero1_with_pipeline_and_its_alternatives_are_accepted(
         validate(model, Plan.parse(plan_text))
     message = str(info.value)
     assert "zero=1" in message and "pipeline" in message
-    suggested = [part.split(", or ")[0].strip() for part in (message.split("e.g. ")[1], message.split("data parallelism: ")[1])]
+    suggested = [
+        part.split(", or ")[0].strip() for part in (message.split("e.g. ")[1], message.split("data parallelism: ")[1])
+    ]
     for alternative in suggested:
         plan = Plan.parse(alternative)
         assert plan.world_size == Plan.parse(plan_text).world_size and plan.pp == 2

@@ -190,7 +190,9 @@ def test_imports_point_down() -> None:
         upward.append(e)
         if not e.why:
             unexplained.append(f"{e.source}:{e.line} imports {e.target} ({dst} is not below {src})")
-    assert not unexplained, "imports must point down (or say why, in an 'Upward import' comment):\n" + "\n".join(unexplained)
+    assert not unexplained, "imports must point down (or say why, in an 'Upward import' comment):\n" + "\n".join(
+        unexplained
+    )
     assert len(upward) <= MAX_UPWARD, [f"{e.source} -> {e.target}" for e in upward]
 
 
@@ -210,8 +212,18 @@ def test_the_planner_imports_no_torch() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.split(".")[0] == "torch" for n in names), f"{path.name} imports torch"
-    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import shardwise.plan, shardwise.cli; shardwise.cli.build_parser()"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-c",
+            "import shardwise.plan, shardwise.cli; shardwise.cli.build_parser()",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     loaded = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line]
     assert "shardwise.plan.search" in loaded and not [m for m in loaded if m.split(".")[0] == "torch"]
 
@@ -223,7 +235,12 @@ def test_the_repository_stands_alone() -> None:
     offenders = []
     for path in root.rglob("*"):
         rel = path.relative_to(root)
-        if rel.parts[0] in (".venv", ".git", "build") or "egg-info" in str(rel) or not path.is_file() or path.suffix not in suffixes:
+        if (
+            rel.parts[0] in (".venv", ".git", "build")
+            or "egg-info" in str(rel)
+            or not path.is_file()
+            or path.suffix not in suffixes
+        ):
             continue
         if path == pathlib.Path(__file__).resolve():
             continue

@@ -31,7 +31,9 @@ def test_the_first_sample_sets_the_shape_and_tokens_per_sample_overrides_it() ->
     llama = hf.build_causal_lm(hf.tiny_config("llama", seq=64), seed=0)
     assert sample_stats(llama, torch.zeros(1, 24, dtype=torch.long)).seq == 24  # token ids: dimension 1
     assert sample_stats(llama, torch.zeros(1, 24, dtype=torch.long), tokens_per_sample=48).seq == 48
-    with pytest.raises(ConfigError, match=r"cannot run its first training sample \(a torch.float32 tensor of shape \(1, 5\)\)"):
+    with pytest.raises(
+        ConfigError, match=r"cannot run its first training sample \(a torch.float32 tensor of shape \(1, 5\)\)"
+    ):
         sample_stats(nn.Linear(12, 4), torch.zeros(1, 5))
 
 
@@ -142,8 +144,14 @@ def test_auto_sizing_falls_back_when_the_meta_forward_fails(caplog: pytest.LogCa
     config._attn_implementation = "eager"
     wrapped = _Wrapped(hf.build_causal_lm(config, seed=0))
     stats = sample_stats(wrapped, torch.zeros(1, 256, dtype=torch.long))
-    assert stats.seq == 256 and stats.blocks == 4 and stats.params_total == pytest.approx(sum(p.numel() for p in wrapped.parameters()), rel=0.05)
-    assert "from the Hugging Face config inside it" in caplog.text and "item" in caplog.text  # and why the meta forward failed
+    assert (
+        stats.seq == 256
+        and stats.blocks == 4
+        and stats.params_total == pytest.approx(sum(p.numel() for p in wrapped.parameters()), rel=0.05)
+    )
+    assert (
+        "from the Hugging Face config inside it" in caplog.text and "item" in caplog.text
+    )  # and why the meta forward failed
     caplog.clear()
     mlp = _ItemMLP()
     ids = torch.randint(0, 32, (1, 256))
@@ -155,8 +163,14 @@ def test_auto_sizing_falls_back_when_the_meta_forward_fails(caplog: pytest.LogCa
     caplog.clear()
     on_meta = _ItemMLP().to("meta")
     stats = sample_stats(on_meta, ids)
-    assert stats.blocks == 4 and stats.act_bytes_per_block == 34 * 64 * 256 and "from its parameter count" in caplog.text
+    assert (
+        stats.blocks == 4 and stats.act_bytes_per_block == 34 * 64 * 256 and "from its parameter count" in caplog.text
+    )
     with pytest.raises(ConfigError, match=r"cannot run its first training sample .*on the meta device .*on the CPU"):
         sample_stats(_ItemMLP(), torch.zeros(1, 4))  # float ids: cannot run at all
     small, what = shrink(wrapped, blocks=2)  # certification's copy: the HF config inside says 2 layers
-    assert "2 of 4 blocks" in what and small.model.config.num_hidden_layers == 2 and wrapped.model.config.num_hidden_layers == 4
+    assert (
+        "2 of 4 blocks" in what
+        and small.model.config.num_hidden_layers == 2
+        and wrapped.model.config.num_hidden_layers == 4
+    )

@@ -10,7 +10,9 @@ import pytest
 from shardwise.checkpoint import commit as cm
 
 
-def _fake_step(root: str, step: int, *, committed: bool = True, metrics: dict | None = None, payload: bytes = b"x" * 100) -> str:
+def _fake_step(
+    root: str, step: int, *, committed: bool = True, metrics: dict | None = None, payload: bytes = b"x" * 100
+) -> str:
     path = os.path.join(root, cm.step_dirname(step))
     os.makedirs(os.path.join(path, "ranks"), exist_ok=True)
     for name in ("__0_0.distcp", ".metadata", "ranks/rank_00000.pt"):

@@ -39,7 +39,9 @@ def test_linear_cross_entropy_equals_the_unchunked_loss(chunk, reduction, bias) 
     y[0, :5] = -100
     y[2, 3] = -100
     leaves = [t for t in (h, w, b) if t is not None]
-    want, want_grads = _grads(lambda: F.cross_entropy(F.linear(h, w, b).flatten(0, 1), y.flatten(), reduction=reduction), *leaves)
+    want, want_grads = _grads(
+        lambda: F.cross_entropy(F.linear(h, w, b).flatten(0, 1), y.flatten(), reduction=reduction), *leaves
+    )
     got, got_grads = _grads(lambda: linear_cross_entropy(h, w, b, y, reduction=reduction, chunk=chunk), *leaves)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     for g, r in zip(got_grads, want_grads):
@@ -51,7 +53,9 @@ def test_linear_cross_entropy_edge_cases() -> None:
     h, w = torch.randn(2, 3, 8, generator=gen), torch.randn(20, 8, generator=gen)
     # no valid target: F.cross_entropy's mean is nan, the sum 0
     none = torch.full((2, 3), -100)
-    assert torch.isnan(linear_cross_entropy(h, w, None, none)) and torch.isnan(F.cross_entropy(F.linear(h, w).flatten(0, 1), none.flatten()))
+    assert torch.isnan(linear_cross_entropy(h, w, None, none)) and torch.isnan(
+        F.cross_entropy(F.linear(h, w).flatten(0, 1), none.flatten())
+    )
     assert float(linear_cross_entropy(h, w, None, none, reduction="sum")) == 0.0
     # a frozen head gets no gradient, the input still does
     hg = h.clone().requires_grad_()
@@ -135,7 +139,9 @@ def test_chunked_loss_says_in_one_line_when_it_cannot_apply() -> None:
     # plan="auto" considers chunked_loss only where it can run
     assert chunkable_loss(GPT(SHAPE), _gpt_loss) and not chunkable_loss(GPT(SHAPE), None)
     assert not chunkable_loss(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 3)), _gpt_loss)
-    assert not chunkable_loss(GPT(SHAPE), lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), label_smoothing=0.1))
+    assert not chunkable_loss(
+        GPT(SHAPE), lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), label_smoothing=0.1)
+    )
     with pytest.raises(ConfigError, match="params16 needs a 16-bit precision"):
         Plan.parse("params16")
 

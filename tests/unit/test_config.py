@@ -6,7 +6,16 @@ import pytest
 
 from dataclasses import fields
 
-from shardwise.config import TrainJobConfig, TrainSection, describe_keys, load_config, override_keys, replace, section_fields, to_toml
+from shardwise.config import (
+    TrainJobConfig,
+    TrainSection,
+    describe_keys,
+    load_config,
+    override_keys,
+    replace,
+    section_fields,
+    to_toml,
+)
 from shardwise.errors import ConfigError
 
 

@@ -29,7 +29,9 @@ def test_size_cap_split_and_round_trip(corpus) -> None:
     assert len(corpus.train) == 45_000 and len(corpus.val) == 5_000
     assert corpus.decode(torch.cat([corpus.train, corpus.val])) == corpus.text
     assert corpus.vocab == "".join(sorted(set(corpus.text)))
-    assert corpus.text.startswith(open(f"{stdlib_dir()}/{corpus.files[0]}", encoding="utf-8", errors="replace").read()[:1000])
+    assert corpus.text.startswith(
+        open(f"{stdlib_dir()}/{corpus.files[0]}", encoding="utf-8", errors="replace").read()[:1000]
+    )
     assert load_stdlib_corpus(max_chars=50_000).text == corpus.text  # deterministic
 
 

@@ -28,7 +28,14 @@ def test_slurm_srun_task() -> None:
            "SLURM_JOB_NODELIST": "gpu-[01-02,05]"}
     info = detect_process(env)
     assert info.launcher == "slurm"
-    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank, info.num_nodes) == (6, 8, 2, 4, 1, 2)
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size, info.node_rank, info.num_nodes) == (
+        6,
+        8,
+        2,
+        4,
+        1,
+        2,
+    )
     assert info.master_addr == "gpu-01"
     assert info.master_port == 15000 + 1234 % 20000
 
@@ -43,7 +50,13 @@ def test_openmpi() -> None:
     env = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
            "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
     info = detect_process(env)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.master_addr) == ("openmpi", 3, 4, 3, "127.0.0.1")
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.master_addr) == (
+        "openmpi",
+        3,
+        4,
+        3,
+        "127.0.0.1",
+    )
 
 
 def test_openmpi_multi_host_needs_master_addr() -> None:
@@ -58,7 +71,14 @@ def test_openmpi_multi_host_needs_master_addr() -> None:
 def test_mpich_and_intel_mpi() -> None:
     env = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2", "MASTER_ADDR": "h0"}
     info = detect_process(env)
-    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.node_rank, info.num_nodes) == ("mpich", 2, 4, 0, 1, 2)
+    assert (info.launcher, info.rank, info.world_size, info.local_rank, info.node_rank, info.num_nodes) == (
+        "mpich",
+        2,
+        4,
+        0,
+        1,
+        2,
+    )
 
 
 def test_mpirun_inside_slurm_allocation_prefers_mpi() -> None:
@@ -76,7 +96,10 @@ def test_mpirun_inside_slurm_allocation_prefers_mpi() -> None:
         ({"RANK": "4", "WORLD_SIZE": "4", "MASTER_ADDR": "x"}, "rank 4 is outside the world of 4"),
         ({"RANK": "a", "WORLD_SIZE": "4", "MASTER_ADDR": "x"}, "RANK='a' is not an integer"),
         ({"RANK": "0", "WORLD_SIZE": "4"}, "MASTER_ADDR is not set"),
-        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "x"}, "local rank 3"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "x"},
+            "local rank 3",
+        ),
         ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "WORLD_SIZE": "4"}, "WORLD_SIZE=4 contradicts"),
         ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "x", "MASTER_PORT": "99999"}, "not a TCP port"),
     ],
@@ -94,7 +117,12 @@ def test_settings_are_read_once_into_the_runtime_env(tmp_path) -> None:
            "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
     settings = detect_process(env).settings
     assert settings == read_settings(env)
-    assert (settings.cluster, settings.cache_dir, settings.fault, settings.hang_timeout_s) == ("h100", str(tmp_path), "rank=0,step=3", 45.0)
+    assert (settings.cluster, settings.cache_dir, settings.fault, settings.hang_timeout_s) == (
+        "h100",
+        str(tmp_path),
+        "rank=0,step=3",
+        45.0,
+    )
     assert (settings.run_id, settings.restart_count, settings.use_agent_store) == ("job7", 2, True)
     assert settings.attempt_namespace == "job7/2"
     bare = detect_process({}).settings

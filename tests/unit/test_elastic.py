@@ -56,10 +56,15 @@ def test_elastic_setting_and_launch_variables(tmp_path) -> None:
     script.write_text("")
     elastic = resolve(RunOptions(script=str(script), nproc_per_node="1", nnodes="1:2", rdzv_endpoint="h:1", rdzv_id="j",
                                  rdzv_conf="last_call_timeout=5,is_host=1"), environ={})
-    assert elastic.worker_env["SHARDWISE_ELASTIC"] == "1:2" and elastic.worker_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert (
+        elastic.worker_env["SHARDWISE_ELASTIC"] == "1:2"
+        and elastic.worker_env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    )
     assert elastic.config.rdzv_configs["last_call_timeout"] == "5" and elastic.config.rdzv_configs["is_host"] == "1"
     single = resolve(RunOptions(script=str(script), nproc_per_node="1"), environ={})
-    assert "SHARDWISE_ELASTIC" not in single.worker_env and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in single.worker_env
+    assert (
+        "SHARDWISE_ELASTIC" not in single.worker_env and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in single.worker_env
+    )
     with pytest.raises(LaunchError, match="not key=value"):
         parse_rdzv_conf("last_call_timeout")
 
@@ -67,15 +72,23 @@ def test_elastic_setting_and_launch_variables(tmp_path) -> None:
 def test_attempt_namespace_ignores_per_node_restart_counts() -> None:
     """On a fresh per-round store (multi-node) two nodes whose agents counted restarts
     differently must still meet under the same prefix."""
-    a = read_settings({"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"})
-    b = read_settings({"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    a = read_settings(
+        {"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    )
+    b = read_settings(
+        {"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    )
     assert a.attempt_namespace == b.attempt_namespace == "j"
-    shared = read_settings({"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    shared = read_settings(
+        {"TORCHELASTIC_RUN_ID": "j", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    )
     assert shared.attempt_namespace == "j/2"
 
 
 def _record(step: int, plan: str, nodes: tuple[Node, ...], dp: int) -> WorldRecord:
-    return WorldRecord(run_id="j", world_size=sum(len(n.ranks) for n in nodes), plan=plan, dp_size=dp, step=step, nodes=nodes)
+    return WorldRecord(
+        run_id="j", world_size=sum(len(n.ranks) for n in nodes), plan=plan, dp_size=dp, step=step, nodes=nodes
+    )
 
 
 def test_the_log_says_who_was_lost_the_plans_and_the_steps_redone() -> None:
@@ -88,14 +101,19 @@ def test_the_log_says_who_was_lost_the_plans_and_the_steps_redone() -> None:
         "elastic: resumed from the checkpoint of step 10; steps 11-14 are redone",
     ]
     back = _record(0, "dp=2,tp=2", (a, Node("gpu-b", 300, (2, 3))), dp=2)
-    lines = describe_change(_record(20, "dp=1,tp=2", (a,), dp=1), back, requested_plan="dp=2,tp=2", resumed_step=20, global_batch=8)
+    lines = describe_change(
+        _record(20, "dp=1,tp=2", (a,), dp=1), back, requested_plan="dp=2,tp=2", resumed_step=20, global_batch=8
+    )
     assert lines[0] == "elastic: 1 node joined after step 20: gpu-b (ranks 2-3); 4 processes on 2 nodes"
     assert lines[-1] == "elastic: resumed from the checkpoint of step 20; no steps are redone"
     first = describe_change(None, now, requested_plan="dp=2,tp=2", resumed_step=None, global_batch=8)
     assert first == ["elastic: 2 processes on 1 node [gpu-a (ranks 0-1)], plan dp=1,tp=2 (re-planned from dp=2,tp=2)"]
-    filled = describe_change(None, _record(0, "dp=1,shard=2,zero=3", (a,), dp=2), requested_plan="zero=3", resumed_step=None,
-                             global_batch=8)
-    assert filled == ["elastic: 2 processes on 1 node [gpu-a (ranks 0-1)], plan dp=1,shard=2,zero=3"]  # filled in, not re-planned
+    filled = describe_change(
+        None, _record(0, "dp=1,shard=2,zero=3", (a,), dp=2), requested_plan="zero=3", resumed_step=None, global_batch=8
+    )
+    assert filled == [
+        "elastic: 2 processes on 1 node [gpu-a (ranks 0-1)], plan dp=1,shard=2,zero=3"
+    ]  # filled in, not re-planned
     lost_early = describe_change(_record(3, "dp=4", (a, b), dp=4), _record(0, "dp=2", (a,), dp=2), requested_plan="dp",
                                  resumed_step=None, global_batch=8)
     assert lost_early[-1] == "elastic: no checkpoint to resume: starting again from step 0; steps 1-3 are redone"
@@ -105,7 +123,9 @@ def test_nodes_of_groups_ranks_and_shared_hosts_show_the_agent() -> None:
     nodes = nodes_of([("h", 7), ("h", 7), ("h", 9), ("h", 9)])
     assert nodes == (Node("h", 7, (0, 1)), Node("h", 9, (2, 3)))
     before = _record(5, "dp=4", nodes, dp=4)
-    line = describe_change(before, _record(0, "dp=2", nodes[:1], dp=2), requested_plan="dp", resumed_step=4, global_batch=8)[0]
+    line = describe_change(
+        before, _record(0, "dp=2", nodes[:1], dp=2), requested_plan="dp", resumed_step=4, global_batch=8
+    )[0]
     assert line == "elastic: lost 1 node after step 5: h (agent pid 9, ranks 2-3); 2 processes remain on 1 node"
 
 

@@ -65,7 +65,11 @@ def test_sizes_not_a_multiple_of_16_and_the_head_stay_high_precision_and_are_nam
     conversion = apply_fp8(model, recipe="tensorwise")
     assert kinds(model) == {"up": "Float8Linear", "odd": "Linear", "down": "Linear", "lm_head": "Linear"}
     assert conversion.converted == ("up",)
-    assert dict(conversion.kept) == {"odd": "64x20 is not a multiple of 16", "down": "20x32 is not a multiple of 16", "lm_head": "LM head"}
+    assert dict(conversion.kept) == {
+        "odd": "64x20 is not a multiple of 16",
+        "down": "20x32 is not a multiple of 16",
+        "lm_head": "LM head",
+    }
     line = next(x for x in parallel_log if x.startswith("fp8 (tensorwise)"))
     for name in ("up", "odd (64x20 is not a multiple of 16)", "lm_head (LM head)", "emulated"):
         assert name in line, line
@@ -76,8 +80,12 @@ def test_sizes_not_a_multiple_of_16_and_the_head_stay_high_precision_and_are_nam
 
 def test_the_user_filter_and_keep_head_override_the_default() -> None:
     model = GPT(GPTConfig(vocab_size=64, hidden=32, heads=2, layers=2, seq_len=8))
-    conversion = apply_fp8(model, recipe="rowwise", options=Fp8Options(filter=lambda m, name: "mlp" not in name, keep_head=False),
-                           log_it=False)
+    conversion = apply_fp8(
+        model,
+        recipe="rowwise",
+        options=Fp8Options(filter=lambda m, name: "mlp" not in name, keep_head=False),
+        log_it=False,
+    )
     got = kinds(model)
     assert got["lm_head"] == "Float8Linear" and got["blocks.0.attn.q_proj"] == "Float8Linear"
     assert got["blocks.1.mlp.fc_in"] == "Linear"
@@ -109,8 +117,16 @@ def test_bad_fp8_input_is_one_line() -> None:
     with pytest.raises(ConfigError, match="fp8_recipe"):
         Plan.parse("dp=1,precision=fp8,fp8_recipe=blockwise")
     with pytest.raises(ConfigError, match="tensorwise"):
-        apply_fp8(nn.Sequential(nn.Linear(16, 16)), recipe="rowwise", options=Fp8Options(fsdp_float8_all_gather=True), fsdp=True)
-    assert compute_precision("fp8", None) == "bf16" and compute_precision("fp8", Fp8Options(high_precision="fp32")) == "fp32"
+        apply_fp8(
+            nn.Sequential(nn.Linear(16, 16)),
+            recipe="rowwise",
+            options=Fp8Options(fsdp_float8_all_gather=True),
+            fsdp=True,
+        )
+    assert (
+        compute_precision("fp8", None) == "bf16"
+        and compute_precision("fp8", Fp8Options(high_precision="fp32")) == "fp32"
+    )
     assert compute_precision("bf16", None) == "bf16"
 
 

@@ -27,7 +27,9 @@ def test_each_group_runs_on_its_hosts_with_its_own_rendezvous_and_the_lighthouse
     ft = FtOptions(replicas=2, min_replicas=1, timeout_s=20, quorum_timeout_s=40)
     stores = [f"10.0.0.9:{29400}"] * 4
     lighthouses = ["10.0.0.9:29510"] * 4
-    nodes = group_nodes(options, HOSTS, ft, store_endpoints=stores, lighthouses=lighthouses, run_id="job", hang_timeout_s=None)
+    nodes = group_nodes(
+        options, HOSTS, ft, store_endpoints=stores, lighthouses=lighthouses, run_id="job", hang_timeout_s=None
+    )
     assert [(n.host.name, n.replica) for n in nodes] == [("n0", 0), ("n1", 0), ("n2", 1), ("n3", 1)]
     parsed = [_parse(n.args) for n in nodes]
     for node, args in zip(nodes, parsed):
@@ -46,7 +48,10 @@ def test_module_targets_and_per_host_addresses_stay_in_place() -> None:
                         run_id="r", hang_timeout_s=120)
     assert [n.args[-3:] for n in nodes] == [("-m", "pkg.train", "-x")] * 2
     parsed = [_parse(n.args) for n in nodes]
-    assert [(a.rdzv_endpoint, a.lighthouse, a.rdzv_id) for a in parsed] == [("a:1", "a:2", "r-ft0"), ("b:1", "b:2", "r-ft1")]
+    assert [(a.rdzv_endpoint, a.lighthouse, a.rdzv_id) for a in parsed] == [
+        ("a:1", "a:2", "r-ft0"),
+        ("b:1", "b:2", "r-ft1"),
+    ]
     assert all(a.module and a.hang_timeout == 120 and a.nnodes == "1" for a in parsed)
 
 
@@ -67,7 +72,9 @@ def test_hosts_must_split_evenly(hosts: int, replicas: int, pattern: str) -> Non
 def test_what_a_fault_tolerant_hostfile_job_refuses(kw: dict, ft: FtOptions, store: str | None, pattern: str) -> None:
     with pytest.raises(LaunchError, match=pattern):
         check_ft_hosts(RunOptions(script="t.py", **kw), ft, store)
-    check_ft_hosts(RunOptions(script="t.py"), FtOptions(replicas=2, lighthouse="h:1"), "login:29400")  # both off the launcher: fine
+    check_ft_hosts(
+        RunOptions(script="t.py"), FtOptions(replicas=2, lighthouse="h:1"), "login:29400"
+    )  # both off the launcher: fine
 
 
 def test_the_cli_refuses_an_uneven_split_in_one_line(tmp_path, capsys) -> None:
@@ -76,4 +83,8 @@ def test_the_cli_refuses_an_uneven_split_in_one_line(tmp_path, capsys) -> None:
     (tmp_path / "train.py").write_text("")
     code = main(["run", "--hosts", "a:1,b:1,c:1", "--ft-replicas", "2", str(tmp_path / "train.py")])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 1 and any("--ft-replicas 2 does not divide the 3 hosts" in line for line in err) and "Traceback" not in "\n".join(err)
+    assert (
+        code == 1
+        and any("--ft-replicas 2 does not divide the 3 hosts" in line for line in err)
+        and "Traceback" not in "\n".join(err)
+    )

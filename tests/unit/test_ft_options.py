@@ -20,7 +20,11 @@ def test_workers_read_what_the_launcher_sets() -> None:
     env = worker_env(options, 2, "127.0.0.1:29510", "/tmp/ft")
     ft = ft_settings(env)
     assert ft is not None and (ft.replica, ft.replicas, ft.min_replicas) == (2, 3, 2)
-    assert ft.lighthouse == "http://127.0.0.1:29510" and (ft.timeout_s, ft.quorum_timeout_s) == (7, 11) and ft.events_dir == "/tmp/ft"
+    assert (
+        ft.lighthouse == "http://127.0.0.1:29510"
+        and (ft.timeout_s, ft.quorum_timeout_s) == (7, 11)
+        and ft.events_dir == "/tmp/ft"
+    )
     runtime = RuntimeEnv("torchrun", 0, 1, 0, 1, 0, 1, settings=read_settings(env))
     assert (runtime.replica, runtime.replicas) == (2, 3)
     plain = RuntimeEnv("none", 0, 1, 0, 1, 0, 1, settings=read_settings({}))
@@ -60,7 +64,10 @@ def test_the_watchdog_must_outlast_torchfts_timeouts() -> None:
 def _events(path: Path, replica: int, rows: list[tuple[float, str, dict]]) -> None:
     with open(path / f"replica{replica}.jsonl", "w") as fh:
         for t, event, extra in rows:
-            fh.write(json.dumps({"t": t, "event": event, "replica": replica, "pid": extra.pop("pid", 10 + replica), **extra}) + "\n")
+            fh.write(
+                json.dumps({"t": t, "event": event, "replica": replica, "pid": extra.pop("pid", 10 + replica), **extra})
+                + "\n"
+            )
 
 
 def test_summary_counts_discards_heals_and_seconds_lost(tmp_path: Path) -> None:
@@ -69,8 +76,16 @@ def test_summary_counts_discards_heals_and_seconds_lost(tmp_path: Path) -> None:
                           (4.0, "discarded", {"step": 4}), (9.0, "commit", {"step": 4, "samples_skipped": 4}),
                           (10.0, "commit", {"step": 5, "samples_skipped": 4})])
     # group 1: synced at step 0 (not a heal), killed, back in a new process healed at step 4
-    _events(tmp_path, 1, [(0.5, "healed", {"step": 0}), (1.0, "commit", {"step": 1}), (9.5, "healed", {"step": 4, "pid": 99}),
-                          (10.0, "commit", {"step": 5, "pid": 99})])
+    _events(
+        tmp_path,
+        1,
+        [
+            (0.5, "healed", {"step": 0}),
+            (1.0, "commit", {"step": 1}),
+            (9.5, "healed", {"step": 4, "pid": 99}),
+            (10.0, "commit", {"step": 5, "pid": 99}),
+        ],
+    )
     summary = summarize(str(tmp_path), replicas=2, codes=[0, 0])
     assert summary["committed_steps"] == 5 and summary["discarded_steps"] == 1 and summary["healed_replicas"] == 1
     assert summary["seconds_lost"] == pytest.approx(5.0) and summary["samples_skipped"] == 8
@@ -81,5 +96,7 @@ def test_the_core_never_imports_torchft() -> None:
     import subprocess
     import sys
 
-    code = "import sys, shardwise.train.trainer, shardwise.launch.run, shardwise.cli; assert 'torchft' not in sys.modules"
+    code = (
+        "import sys, shardwise.train.trainer, shardwise.launch.run, shardwise.cli; assert 'torchft' not in sys.modules"
+    )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0

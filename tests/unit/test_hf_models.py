@@ -48,8 +48,14 @@ def test_gpt2_plan_covers_conv1d_fused_qkv_and_tied_embeddings() -> None:
     with torch.device("meta"):
         model = hf.build_causal_lm(hf.tiny_config("gpt2"))
     styles = derive_tp_styles(model, tp=2).as_dict()
-    assert styles["transformer.h.*.attn.c_attn"] == "colwise_fused3" and styles["transformer.h.*.attn.c_proj"] == "rowwise"
-    assert styles["transformer.h.*.mlp.c_fc"] == "colwise" and styles["lm_head"] == "lm_head" and styles["transformer.wte"] == "vocab_embedding"
+    assert (
+        styles["transformer.h.*.attn.c_attn"] == "colwise_fused3" and styles["transformer.h.*.attn.c_proj"] == "rowwise"
+    )
+    assert (
+        styles["transformer.h.*.mlp.c_fc"] == "colwise"
+        and styles["lm_head"] == "lm_head"
+        and styles["transformer.wte"] == "vocab_embedding"
+    )
     share, replicated = tp_share(model, derive_tp_styles(model, tp=2), tp=2)
     assert 0.5 < share < 0.53 and replicated == []
     with pytest.raises(ConfigError, match=r"tp=3 does not divide .*; use tp=2 or tp=4"):
@@ -71,7 +77,10 @@ def test_a_fused_projection_of_unequal_pieces_is_named() -> None:
     class Attn(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.qkv_proj, self.o_proj = nn.Linear(32, 64), nn.Linear(32, 32)  # q 32 + k 16 + v 16 (grouped query): not 3 x 32
+            self.qkv_proj, self.o_proj = (
+                nn.Linear(32, 64),
+                nn.Linear(32, 32),
+            )  # q 32 + k 16 + v 16 (grouped query): not 3 x 32
 
     model = nn.Sequential(Attn(), Attn())
     with pytest.raises(ConfigError, match=r"tp=2 cannot shard 0\.qkv_proj: it fuses projections of unequal widths"):
@@ -80,7 +89,14 @@ def test_a_fused_projection_of_unequal_pieces_is_named() -> None:
 
 def test_shape_of_a_config() -> None:
     shape = hf.shape_of(hf.tiny_config("gpt2").to_dict())
-    assert (shape.layers, shape.hidden, shape.heads, shape.vocab_size, shape.tied_embeddings, shape.learned_positions) == (4, 32, 4, 64, True, True)
+    assert (
+        shape.layers,
+        shape.hidden,
+        shape.heads,
+        shape.vocab_size,
+        shape.tied_embeddings,
+        shape.learned_positions,
+    ) == (4, 32, 4, 64, True, True)
     llama = hf.shape_of(hf.tiny_config("llama"), seq_len=16)
     assert (llama.kv_heads, llama.ffn, llama.seq_len, llama.learned_positions) == (2, 64, 16, False)
 
@@ -94,8 +110,13 @@ def test_text_files_are_packed_in_a_fixed_order(tmp_path) -> None:
     (tmp_path / "c.jsonl").write_text(json.dumps({"text": "cc"}) + "\n\n" + json.dumps({"text": "dd"}) + "\n")
     files = find_files(f"{tmp_path}/**/*.txt,{tmp_path}/*.jsonl")
     assert [f.rsplit("/", 1)[-1] for f in files] == ["a.txt", "x.txt", "c.jsonl"]
-    corpus = load_text_corpus(f"{tmp_path}/**/*.txt,{tmp_path}/*.jsonl", tokenize=lambda t: [ord(c) - 90 for c in t], eos_id=0,
-                              vocab_size=16, val_fraction=0.2)
+    corpus = load_text_corpus(
+        f"{tmp_path}/**/*.txt,{tmp_path}/*.jsonl",
+        tokenize=lambda t: [ord(c) - 90 for c in t],
+        eos_id=0,
+        vocab_size=16,
+        val_fraction=0.2,
+    )
     stream = torch.cat([corpus.train, corpus.val]).tolist()
     assert stream == [7, 7, 0, 8, 8, 0, 9, 9, 0, 10, 10, 0] and corpus.documents == 4 and len(corpus.val) == 2
     with pytest.raises(ConfigError, match="match no file"):
@@ -107,9 +128,17 @@ def test_text_files_are_packed_in_a_fixed_order(tmp_path) -> None:
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["ee", "ff", "gg"], "n": [1, 2, 3]}), tmp_path / "d.parquet", row_group_size=2)
-    corpus = load_text_corpus(f"{tmp_path}/c.jsonl,{tmp_path}/d.parquet", tokenize=lambda t: [ord(c) - 90 for c in t], eos_id=0,
-                              vocab_size=16, val_fraction=0.1)  # one document per row, row groups in order
-    assert torch.cat([corpus.train, corpus.val]).tolist()[-9:] == [11, 11, 0, 12, 12, 0, 13, 13, 0] and corpus.documents == 2 + 3
+    corpus = load_text_corpus(
+        f"{tmp_path}/c.jsonl,{tmp_path}/d.parquet",
+        tokenize=lambda t: [ord(c) - 90 for c in t],
+        eos_id=0,
+        vocab_size=16,
+        val_fraction=0.1,
+    )  # one document per row, row groups in order
+    assert (
+        torch.cat([corpus.train, corpus.val]).tolist()[-9:] == [11, 11, 0, 12, 12, 0, 13, 13, 0]
+        and corpus.documents == 2 + 3
+    )
     with pytest.raises(ConfigError, match=r"d\.parquet row 1: column 'n' holds int, not text"):
         load_text_corpus(str(tmp_path / "d.parquet"), tokenize=list, eos_id=None, vocab_size=4, text_key="n")
     with pytest.raises(ConfigError, match=r"has no column 'body'"):

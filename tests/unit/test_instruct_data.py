@@ -39,7 +39,9 @@ def tok():
 
 def chat(*turns: str, system: str | None = None) -> dict:
     roles = ["user", "assistant"] * len(turns)
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": r, "content": c} for r, c in zip(roles, turns)]
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": r, "content": c} for r, c in zip(roles, turns)
+    ]
     return {"messages": messages}
 
 
@@ -64,30 +66,44 @@ def test_chat_loss_covers_the_assistant_turns_only(tok) -> None:
 
 def test_prompt_completion_learns_the_completion_and_its_end(tok) -> None:
     assert learned_text(tok, {"prompt": "def f(x):", "completion": " return x"}, PC) == [" return x<eos>"]
-    tokens, learned = tokenize(Record("t:1", {"q": "a", "a": "b"}), tok, InstructFormat(prompt_key="q", completion_key="a"))
+    tokens, learned = tokenize(
+        Record("t:1", {"q": "a", "a": "b"}), tok, InstructFormat(prompt_key="q", completion_key="a")
+    )
     p = piece(tokens, learned, seq_len=16)
     assert p.shape[0] == 2 and (p[1] >= 0).sum() == learned[1:].sum()  # targets are the next tokens where learned
 
 
 def test_a_prompt_that_fills_the_context_is_dropped_and_counted(tok) -> None:
-    records = [Record("t:1", {"prompt": "two plus three " * 8, "completion": "five"}), Record("t:2", {"prompt": "x", "completion": "y"})]
+    records = [
+        Record("t:1", {"prompt": "two plus three " * 8, "completion": "five"}),
+        Record("t:2", {"prompt": "x", "completion": "y"}),
+    ]
     examples = make_examples(records, tok, PC, seq_len=8)
     assert (examples.records, examples.dropped, len(examples.pieces)) == (2, 1, 1)
     assert "dropped 1 of 2 whose prompt alone fills the 8-token context (the first: t:1)" in examples.describe(8)
-    with pytest.raises(ConfigError, match=r"none of the 1 record\(s\) leaves a target to learn within the 8-token context \(the first: t:1\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"none of the 1 record\(s\) leaves a target to learn within the 8-token context \(the first: t:1\)",
+    ):
         make_examples(records[:1], tok, PC, seq_len=8)
 
 
-@pytest.mark.parametrize("line, fmt, expect", [
-    ("{oops", PC, r"data\.jsonl:2 is not JSON"),
-    ("[1, 2]", PC, r"data\.jsonl:2 is a JSON list, not an object"),
-    ('{"prompt": "x"}', PC, r"data\.jsonl:2 has no field 'completion'"),
-    ('{"prompt": 3, "completion": "y"}', PC, r"data\.jsonl:2: field 'prompt' holds int, not str"),
-    (json.dumps(chat("hi")), CHAT, r"data\.jsonl:2: the chat has no assistant turn"),
-    ('{"messages": [{"role": "user"}]}', CHAT, r"data\.jsonl:2: message 0 of 'messages' is not"),
-    ('{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}', CHAT,
-     r"data\.jsonl:2: message 0 has role 'wizard', which the tokenizer's chat template does not know; use one of assistant, system, tool, user"),
-])
+@pytest.mark.parametrize(
+    "line, fmt, expect",
+    [
+        ("{oops", PC, r"data\.jsonl:2 is not JSON"),
+        ("[1, 2]", PC, r"data\.jsonl:2 is a JSON list, not an object"),
+        ('{"prompt": "x"}', PC, r"data\.jsonl:2 has no field 'completion'"),
+        ('{"prompt": 3, "completion": "y"}', PC, r"data\.jsonl:2: field 'prompt' holds int, not str"),
+        (json.dumps(chat("hi")), CHAT, r"data\.jsonl:2: the chat has no assistant turn"),
+        ('{"messages": [{"role": "user"}]}', CHAT, r"data\.jsonl:2: message 0 of 'messages' is not"),
+        (
+            '{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}',
+            CHAT,
+            r"data\.jsonl:2: message 0 has role 'wizard', which the tokenizer's chat template does not know; use one of assistant, system, tool, user",
+        ),
+    ],
+)
 def test_bad_records_name_the_file_and_line(tmp_path: Path, tok, line: str, fmt: InstructFormat, expect: str) -> None:
     path = tmp_path / "data.jsonl"
     good = json.dumps(chat("hi", "hello") if fmt.format == "chat" else {"prompt": "a", "completion": "b"})
@@ -101,7 +117,9 @@ def test_chat_needs_a_template_that_renders_turn_by_turn(tok) -> None:
     with pytest.raises(ConfigError, match="the tokenizer has no chat template"):
         make_examples([Record("t:1", chat("a", "b"))], plain, CHAT, seq_len=16)
     plain.chat_template = "{% for m in messages|reverse %}{{ m['content'] }}{% endfor %}"
-    with pytest.raises(ConfigError, match="t:1: the tokenizer's chat template does not render the conversation turn by turn"):
+    with pytest.raises(
+        ConfigError, match="t:1: the tokenizer's chat template does not render the conversation turn by turn"
+    ):
         make_examples([Record("t:1", chat("a", "b"))], plain, CHAT, seq_len=16)
 
 
@@ -109,9 +127,18 @@ def test_the_roles_of_a_chat_are_the_standard_ones_and_those_the_template_names(
     named = ("{% for m in messages %}{% if m['role'] == 'ipython' %}<|ipython|>{% elif \"critic\" == m.role %}C"
              "{% elif m['role'] not in ['developer', 'user'] %}{% endif %}{{ m['content'] }}{% endfor %}")
     assert template_roles(named) == {"system", "user", "assistant", "tool", "ipython", "critic", "developer"}
-    assert template_roles({"default": named, "tool_use": "{% if message.role == 'observer' %}{% endif %}"}) >= {"ipython", "observer"}
+    assert template_roles({"default": named, "tool_use": "{% if message.role == 'observer' %}{% endif %}"}) >= {
+        "ipython",
+        "observer",
+    }
     assert template_roles(tok.chat_template) == {"system", "user", "assistant", "tool"}
-    record = {"messages": [{"role": "tool", "content": "3"}, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]}
+    record = {
+        "messages": [
+            {"role": "tool", "content": "3"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
     assert learned_text(tok, record) == ["ok<eos>\n"]
 
 
@@ -152,7 +179,9 @@ def test_a_model_that_ignores_document_boundaries_is_refused() -> None:
     from shardwise.models.gpt import GPT, GPTConfig
 
     with pytest.raises(ConfigError, match="does not keep packed documents apart"):
-        hf.check_packing(GPT(GPTConfig(vocab_size=64, seq_len=32, layers=1, hidden=32, heads=2)), vocab_size=64, what="the GPT")
+        hf.check_packing(
+            GPT(GPTConfig(vocab_size=64, seq_len=32, layers=1, hidden=32, heads=2)), vocab_size=64, what="the GPT"
+        )
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -190,7 +219,10 @@ def test_parquet_records_name_their_row_and_skip_whole_row_groups(tmp_path: Path
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     path = tmp_path / "qa.parquet"
     pq.write_table(pa.table({"q": ["a", "b", "c", "d", "e"], "a": ["1", "2", "3", "4", None]}), path, row_group_size=2)
-    assert [(r.where.rsplit(" ", 2)[-2:], r.value["q"]) for r in read_records(str(path), skip=3)] == [(["row", "4"], "d"), (["row", "5"], "e")]
+    assert [(r.where.rsplit(" ", 2)[-2:], r.value["q"]) for r in read_records(str(path), skip=3)] == [
+        (["row", "4"], "d"),
+        (["row", "5"], "e"),
+    ]
     fmt = InstructFormat(prompt_key="q", completion_key="a")
     with pytest.raises(ConfigError, match=r"qa\.parquet row 5: field 'a' holds NoneType, not str"):
         make_examples(read_records(str(path)), tok, fmt, seq_len=16)

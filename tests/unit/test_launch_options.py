@@ -35,7 +35,9 @@ def test_module_target() -> None:
 
 
 def test_multi_node_static(script: str) -> None:
-    opts = RunOptions(script=script, nproc_per_node="2", nnodes="2", node_rank=1, master_addr="127.0.0.1", master_port=29999)
+    opts = RunOptions(
+        script=script, nproc_per_node="2", nnodes="2", node_rank=1, master_addr="127.0.0.1", master_port=29999
+    )
     cfg = resolve(opts, environ={}).config
     assert (cfg.min_nodes, cfg.max_nodes, cfg.rdzv_backend, cfg.rdzv_endpoint) == (2, 2, "static", "127.0.0.1:29999")
     assert cfg.rdzv_configs["rank"] == 1 and cfg.max_restarts == 0
@@ -44,7 +46,9 @@ def test_multi_node_static(script: str) -> None:
 def test_elastic_range_needs_dynamic_rendezvous(script: str) -> None:
     with pytest.raises(LaunchError, match="elastic world"):
         resolve(RunOptions(script=script, nnodes="1:4", nproc_per_node="1"), environ={})
-    cfg = resolve(RunOptions(script=script, nnodes="1:4", nproc_per_node="1", rdzv_endpoint="h:1", rdzv_id="j"), environ={}).config
+    cfg = resolve(
+        RunOptions(script=script, nnodes="1:4", nproc_per_node="1", rdzv_endpoint="h:1", rdzv_id="j"), environ={}
+    ).config
     assert (cfg.min_nodes, cfg.max_nodes, cfg.rdzv_backend, cfg.run_id) == (1, 4, "c10d", "j")
 
 
@@ -52,7 +56,12 @@ def test_inside_srun_takes_topology_from_slurm(script: str) -> None:
     env = {"SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": "1",
            "SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "localhost,node4"}
     cfg = resolve(RunOptions(script=script, nproc_per_node="4"), environ=env).config
-    assert (cfg.max_nodes, cfg.rdzv_configs["rank"], cfg.rdzv_endpoint, cfg.run_id) == (2, 1, f"localhost:{15000 + 77}", "77")
+    assert (cfg.max_nodes, cfg.rdzv_configs["rank"], cfg.rdzv_endpoint, cfg.run_id) == (
+        2,
+        1,
+        f"localhost:{15000 + 77}",
+        "77",
+    )
 
 
 @pytest.mark.parametrize(
@@ -82,11 +91,20 @@ def test_port_in_use(script: str) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         with pytest.raises(LaunchError, match=f"port {port} is already in use"):
-            resolve(RunOptions(script=script, nnodes="2", node_rank=0, master_addr="127.0.0.1", master_port=port), environ={})
+            resolve(
+                RunOptions(script=script, nnodes="2", node_rank=0, master_addr="127.0.0.1", master_port=port),
+                environ={},
+            )
 
 
 def test_srun_with_one_task_per_gpu_is_refused(script: str) -> None:
-    env = {"SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_NTASKS": "16", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "n[1-2]"}
+    env = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "16",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_NODELIST": "n[1-2]",
+    }
     with pytest.raises(LaunchError, match="one task per node"):
         resolve(RunOptions(script=script), environ=env)
 
@@ -98,7 +116,11 @@ def test_output_goes_straight_through_unless_kept_or_prefixed(script: str, tmp_p
     from torch.distributed.elastic.multiprocessing import Std
 
     plain = resolve(RunOptions(script=script, nproc_per_node="2"), environ={})
-    assert plain.config.logs_specs._tee == Std.NONE and plain.config.log_line_prefix_template is None and plain.temp_log_dir is None
+    assert (
+        plain.config.logs_specs._tee == Std.NONE
+        and plain.config.log_line_prefix_template is None
+        and plain.temp_log_dir is None
+    )
     prefixed = resolve(RunOptions(script=script, nproc_per_node="2", log_prefix="[${rank}]: "), environ={})
     try:
         assert prefixed.config.logs_specs._tee == Std.ALL and prefixed.config.log_line_prefix_template == "[${rank}]: "
@@ -111,7 +133,9 @@ def test_output_goes_straight_through_unless_kept_or_prefixed(script: str, tmp_p
         resolve(RunOptions(script=script, log_prefix=" "), environ={})
 
 
-def test_a_module_in_the_current_directory_is_found_as_python_dash_m_finds_it(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_module_in_the_current_directory_is_found_as_python_dash_m_finds_it(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The `shardwise` console script's sys.path starts with its bin/ directory, not the current
     one; `shardwise run -m mypkg.train` from the project directory used to be refused."""
     (tmp_path / "mypkg_here").mkdir()

@@ -12,8 +12,15 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="ruff is not installed (pip install shardwise[dev])")
+@pytest.mark.skipif(
+    importlib.util.find_spec("ruff") is None, reason="ruff is not installed (pip install shardwise[dev])"
+)
 def test_ruff_is_clean() -> None:
-    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "src", "tests", "bench", "examples"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "src", "tests", "bench", "examples"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -27,7 +27,9 @@ def test_tp_plan_names_peft_pieces_and_follows_the_base() -> None:
     styles = dict(validate(model, Plan.parse("tp=2")).entries)
     attn = "base_model.model.model.layers.*.self_attn"
     assert styles[f"{attn}.q_proj.base_layer"] == "colwise" and styles[f"{attn}.q_proj.lora_B.*"] == "colwise"
-    assert styles[f"{attn}.q_proj.lora_A.*"] == "replicate" and styles[f"{attn}.q_proj.lora_dropout.*"] == "adapter_input"
+    assert (
+        styles[f"{attn}.q_proj.lora_A.*"] == "replicate" and styles[f"{attn}.q_proj.lora_dropout.*"] == "adapter_input"
+    )
     assert styles[f"{attn}.o_proj.base_layer"] == "rowwise" and styles[f"{attn}.o_proj.lora_A.*"] == "rowwise"
     assert styles[f"{attn}.o_proj.lora_B.*"] == "adapter_sequence"
     assert styles[f"{attn}.k_proj"] == "colwise"  # no adapter: the layer itself
@@ -59,7 +61,10 @@ def test_spec_checks_and_family_defaults() -> None:
     model = add_adapters(_llama(layers=1), LoRA(r=2))
     wrapped = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "base_layer")}
     assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    assert base_key("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == "model.layers.0.self_attn.q_proj.weight"
+    assert (
+        base_key("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight")
+        == "model.layers.0.self_attn.q_proj.weight"
+    )
 
 
 def test_adapters_on_a_meta_model_equal_those_on_the_real_one() -> None:
@@ -83,8 +88,11 @@ def test_nf4_base_bytes_and_tp_refused() -> None:
     from shardwise.parallel.parallelize import validate
 
     model = add_adapters(_llama(hidden=64), LoRA(r=4), seed=0)
-    fp32 = sum(p.numel() * 4 for n, p in model.named_parameters() if not p.requires_grad and "embed" not in n and "lm_head" not in n
-               and p.dim() == 2)
+    fp32 = sum(
+        p.numel() * 4
+        for n, p in model.named_parameters()
+        if not p.requires_grad and "embed" not in n and "lm_head" not in n and p.dim() == 2
+    )
     names = quantize_base(model)
     assert names and all(".base_layer." in n for n in names)
     held = parameter_bytes(model)
@@ -127,8 +135,20 @@ def test_train_command_refuses_bad_lora_input_in_one_line(tmp_path, capsys) -> N
              (["--lora.r", "4"], "lora.r adds adapters to a Hugging Face model"),
              (["--model.hf", str(model_dir), "--lora.base", "nf4"], "add --lora.r")]
     for extra, expected in cases:
-        code = main(["train", "--data.files", str(tmp_path / "d.txt"), "--nproc", "1", "--run.runs_dir", str(tmp_path / "runs"), *extra]
-                    if "--model.hf" in extra else ["train", "--nproc", "1", "--run.runs_dir", str(tmp_path / "runs"), *extra])
+        code = main(
+            [
+                "train",
+                "--data.files",
+                str(tmp_path / "d.txt"),
+                "--nproc",
+                "1",
+                "--run.runs_dir",
+                str(tmp_path / "runs"),
+                *extra,
+            ]
+            if "--model.hf" in extra
+            else ["train", "--nproc", "1", "--run.runs_dir", str(tmp_path / "runs"), *extra]
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert code == 2 and expected in err[-1], (extra, err)
     assert not (tmp_path / "runs").exists()  # nothing written

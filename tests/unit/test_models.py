@@ -27,8 +27,20 @@ def test_gpt_shapes_and_module_names() -> None:
     assert logits.shape == (3, 16, 50)
     assert model(torch.randint(0, 50, (2, 5))).shape == (2, 5, 50)  # shorter than seq_len
     names = dict(model.named_modules())
-    for name in ("tok_emb", "pos_emb", "blocks.1.ln1", "blocks.1.attn.q_proj", "blocks.1.attn.k_proj", "blocks.1.attn.v_proj",
-                 "blocks.1.attn.o_proj", "blocks.1.ln2", "blocks.1.mlp.fc_in", "blocks.1.mlp.fc_out", "ln_f", "lm_head"):
+    for name in (
+        "tok_emb",
+        "pos_emb",
+        "blocks.1.ln1",
+        "blocks.1.attn.q_proj",
+        "blocks.1.attn.k_proj",
+        "blocks.1.attn.v_proj",
+        "blocks.1.attn.o_proj",
+        "blocks.1.ln2",
+        "blocks.1.mlp.fc_in",
+        "blocks.1.mlp.fc_out",
+        "ln_f",
+        "lm_head",
+    ):
         assert name in names, name
     assert isinstance(model.blocks, nn.ModuleList)
     with pytest.raises(ConfigError, match="exceeds the model's seq_len"):

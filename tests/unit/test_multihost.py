@@ -64,30 +64,47 @@ def test_hosts_from_needs_exactly_one_source(tmp_path) -> None:
 def test_ssh_argv_batch_mode_first_and_user_options_before_defaults(tmp_path) -> None:
     cfg = tmp_path / "cfg"
     cfg.write_text("")
-    argv = ssh_argv("node1", "true", SshOptions(config_file=str(cfg), options=("ConnectTimeout=3",), connect_timeout_s=7))
+    argv = ssh_argv(
+        "node1", "true", SshOptions(config_file=str(cfg), options=("ConnectTimeout=3",), connect_timeout_s=7)
+    )
     assert argv[:5] == ["ssh", "-T", "-x", "-o", "BatchMode=yes"]
     assert argv[argv.index("-F") + 1] == str(cfg)
     assert argv.index("ConnectTimeout=3") < argv.index("ConnectTimeout=7")  # ssh keeps the first value
     assert argv[-3:] == ["--", "node1", "true"]
 
 
-@pytest.mark.parametrize(("kwargs", "pattern"), [({"options": ("Port",)}, "not KEY=VALUE"), ({"connect_timeout_s": 0}, "at least 1"),
-                                                 ({"config_file": "/no/such/ssh_config"}, "does not exist")])
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"options": ("Port",)}, "not KEY=VALUE"),
+        ({"connect_timeout_s": 0}, "at least 1"),
+        ({"config_file": "/no/such/ssh_config"}, "does not exist"),
+    ],
+)
 def test_bad_ssh_options(kwargs, pattern) -> None:
     with pytest.raises(LaunchError, match=pattern):
         SshOptions(**kwargs)
 
 
 def test_remote_command_quotes_every_word() -> None:
-    line = remote_command(["/opt/my env/python", "-m", "shardwise", "run", "it's.py", "--x", "a b"], env={"A": "1 2"}, chdir="/w d")
+    line = remote_command(
+        ["/opt/my env/python", "-m", "shardwise", "run", "it's.py", "--x", "a b"], env={"A": "1 2"}, chdir="/w d"
+    )
     assert line.startswith("cd '/w d' && exec env A='1 2' ")
     words = shlex.split(line.split("&& ", 1)[1])
     assert words == ["exec", "env", "A=1 2", "/opt/my env/python", "-m", "shardwise", "run", "it's.py", "--x", "a b"]
 
 
 def test_forwarded_environment() -> None:
-    env = {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": "/p", "SHARDWISE_HANG_TIMEOUT": "60",
-           "HOME": "/root", "WANDB_API_KEY": "k", "CUDA_VISIBLE_DEVICES": "0"}
+    env = {
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "PYTHONPATH": "/p",
+        "SHARDWISE_HANG_TIMEOUT": "60",
+        "HOME": "/root",
+        "WANDB_API_KEY": "k",
+        "CUDA_VISIBLE_DEVICES": "0",
+    }
     assert forwarded_env(env, ["WANDB_API_KEY", "EXTRA=1"]) == {
         "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": "/p", "SHARDWISE_HANG_TIMEOUT": "60",
         "WANDB_API_KEY": "k", "EXTRA": "1"}
@@ -104,8 +121,16 @@ def _target(**kw) -> Target:
 
 
 def _facts(**kw) -> dict:
-    return {"hostname": "h", "python": "3.11.7", "torch": "2.13.0", "shardwise": "0.1.0", "chdir_ok": True, "script_ok": True,
-            "master_resolves": True, **kw}
+    return {
+        "hostname": "h",
+        "python": "3.11.7",
+        "torch": "2.13.0",
+        "shardwise": "0.1.0",
+        "chdir_ok": True,
+        "script_ok": True,
+        "master_resolves": True,
+        **kw,
+    }
 
 
 def test_judge_names_every_problem_by_host() -> None:
@@ -131,7 +156,9 @@ def test_judge_names_every_problem_by_host() -> None:
 
 
 def test_judge_master_port_in_use_on_node_0() -> None:
-    problems, port = judge([HostFacts(Host("a"), _facts(port_free=False)), HostFacts(Host("b"), _facts())], _target(master_port=29500))
+    problems, port = judge(
+        [HostFacts(Host("a"), _facts(port_free=False)), HostFacts(Host("b"), _facts())], _target(master_port=29500)
+    )
     assert problems == ["host a: the master port 29500 is in use there; pick another --master-port"] and port == 29500
 
 
@@ -149,22 +176,37 @@ def test_node_args_static_and_elastic() -> None:
     opts = RunOptions(script="train.py", script_args=("--lr", "1"))
     static = World(nnodes="2", elastic=False, master_addr="10.0.0.1", master_port=29500, run_id="r")
     args = node_args(opts, Host("b", 4), 1, static, hang_timeout_s=60)
-    restarting = " ".join(node_args(RunOptions(script="t.py", max_restarts=2), Host("b"), 1, static, hang_timeout_s=None))
+    restarting = " ".join(
+        node_args(RunOptions(script="t.py", max_restarts=2), Host("b"), 1, static, hang_timeout_s=None)
+    )
     assert "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500" in restarting  # a restart must re-form every node
     assert args[:1] == ["--stop-with-stdin"] and args[-3:] == ["train.py", "--lr", "1"]
     assert " ".join(args).count("--node-rank 1 --master-addr 10.0.0.1 --master-port 29500") == 1
     assert "--nproc-per-node 4" in " ".join(args) and "--hang-timeout 60" in " ".join(args)
     elastic = World(nnodes="1:2", elastic=True, master_addr="10.0.0.1", master_port=29500, run_id="job")
-    a0, a1 = (" ".join(node_args(RunOptions(script="t.py", rdzv_conf="last_call_timeout=5"), Host(n), r, elastic, hang_timeout_s=None))
-              for r, n in ((0, "a"), (1, "b")))
-    assert "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id job --rdzv-conf last_call_timeout=5,is_host=1" in a0
+    a0, a1 = (
+        " ".join(
+            node_args(
+                RunOptions(script="t.py", rdzv_conf="last_call_timeout=5"), Host(n), r, elastic, hang_timeout_s=None
+            )
+        )
+        for r, n in ((0, "a"), (1, "b"))
+    )
+    assert (
+        "--rdzv-backend c10d --rdzv-endpoint 10.0.0.1:29500 --rdzv-id job --rdzv-conf last_call_timeout=5,is_host=1"
+        in a0
+    )
     assert "is_host=0" in a1 and "--node-rank" not in a1 and "--nproc-per-node auto" in a1
 
 
 @pytest.mark.parametrize(
     ("kw", "pattern"),
-    [({"nnodes": "3"}, r"--nnodes 3 but 2 hosts"), ({"nnodes": "3:4"}, r"does not admit the 2 hosts"),
-     ({"node_rank": 1}, r"--node-rank cannot be combined"), ({"rdzv_endpoint": "h:1"}, r"--rdzv-endpoint cannot be combined")],
+    [
+        ({"nnodes": "3"}, r"--nnodes 3 but 2 hosts"),
+        ({"nnodes": "3:4"}, r"does not admit the 2 hosts"),
+        ({"node_rank": 1}, r"--node-rank cannot be combined"),
+        ({"rdzv_endpoint": "h:1"}, r"--rdzv-endpoint cannot be combined"),
+    ],
 )
 def test_topology_errors(kw, pattern) -> None:
     with pytest.raises(LaunchError, match=pattern):
@@ -220,14 +262,16 @@ def test_replica_group_sessions_stop_the_stragglers_after_the_grace() -> None:
 
 # -- the remote half: a node dies with its session's stdin ----------------------------------------
 def test_stdin_lifeline_stops_the_node_and_its_children(tmp_path) -> None:
-    code = ("import os, signal, subprocess, sys, time\n"
-            "from shardwise.launch.lifeline import stop_with_stdin\n"
-            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'],"
-            " start_new_session=True)\n"
-            "print(child.pid, flush=True)\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stubborn node: only the SIGKILL stage ends it\n"
-            "stop_with_stdin(grace_s=1.0)\n"
-            "time.sleep(60)\n")
+    code = (
+        "import os, signal, subprocess, sys, time\n"
+        "from shardwise.launch.lifeline import stop_with_stdin\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'],"
+        " start_new_session=True)\n"
+        "print(child.pid, flush=True)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stubborn node: only the SIGKILL stage ends it\n"
+        "stop_with_stdin(grace_s=1.0)\n"
+        "time.sleep(60)\n"
+    )
     node = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     child = int(node.stdout.readline())
     node.stdin.close()  # the ssh session ended

@@ -14,7 +14,13 @@ from shardwise.launch.options import hang_timeout_env
 from shardwise.errors import ConfigError, LaunchError
 from shardwise.observe.deep import _intersect, _union
 from shardwise.runtime.hang_report import Heartbeat, InFlight, Stall, diagnose, verdict
-from shardwise.observe.plots import PipelineEvent, bubble_fraction, plot_bandwidth, plot_pipeline_schedule, plot_timeline
+from shardwise.observe.plots import (
+    PipelineEvent,
+    bubble_fraction,
+    plot_bandwidth,
+    plot_pipeline_schedule,
+    plot_timeline,
+)
 from shardwise.observe.profiler import StepProfiler, StepTimes
 from shardwise.observe.stragglers import RankSummary, find_stragglers, format_table, summarize
 from shardwise.runtime.settings import DEFAULT_HANG_TIMEOUT_S, hang_timeout as hang_timeout_from_env
@@ -57,7 +63,9 @@ AR = InFlight(pg="0", seq=7, op="all_reduce", sizes=((272,),), dtypes=("Float",)
 
 
 def _beat(rank: int, *, t: float = 100.0, issued: int = 7, state: str = "running", flights=()) -> Heartbeat:
-    return Heartbeat(rank=rank, host="h", pid=10 + rank, time=t, state=state, step=3, issued={"0": issued}, in_flight=tuple(flights))
+    return Heartbeat(
+        rank=rank, host="h", pid=10 + rank, time=t, state=state, step=3, issued={"0": issued}, in_flight=tuple(flights)
+    )
 
 
 def test_heartbeat_json_round_trip() -> None:
@@ -78,7 +86,13 @@ def test_diagnose_names_each_kind_of_culprit() -> None:
         6: None,
     }
     culprits = diagnose(stall, beats, now=101.0, stale_s=10.0, world_size=7)
-    assert [(c.rank, c.reason) for c in culprits] == [(2, "behind"), (3, "frozen"), (4, "mismatch"), (5, "finished"), (6, "silent")]
+    assert [(c.rank, c.reason) for c in culprits] == [
+        (2, "behind"),
+        (3, "frozen"),
+        (4, "mismatch"),
+        (5, "finished"),
+        (6, "silent"),
+    ]
     text = verdict(stall, culprits)
     assert "Stuck rank(s): 2, 3, 4, 5, 6." in text and "all_reduce #7 on group 0 (shapes [272] Float)" in text
     assert "has issued only 6 collectives" in text and "no heartbeat for 41 s" in text
@@ -152,7 +166,11 @@ def test_find_stragglers_uses_busy_time_not_wall_time() -> None:
 def test_summarize_means() -> None:
     recs = [StepTimes(step=i, total_s=0.1 * i, forward_s=0.05, comm_s={"all_reduce": 0.01}) for i in (1, 2)]
     s = summarize(recs, rank=3, host="h")
-    assert (s.step_s, s.forward_s, s.comm_s) == (pytest.approx(0.15), pytest.approx(0.05), {"all_reduce": pytest.approx(0.01)})
+    assert (s.step_s, s.forward_s, s.comm_s) == (
+        pytest.approx(0.15),
+        pytest.approx(0.05),
+        {"all_reduce": pytest.approx(0.01)},
+    )
 
 
 # -- deep-profile arithmetic and plots ---------------------------------------------------------
@@ -162,7 +180,12 @@ def test_interval_union_and_intersection() -> None:
 
 
 def test_plots_write_pngs(tmp_path) -> None:
-    rec = StepTimes(step=1, total_s=0.1, start=0.0, segments=(("forward", 0.0, 0.03), ("backward", 0.03, 0.08), ("comm", 0.08, 0.09)))
+    rec = StepTimes(
+        step=1,
+        total_s=0.1,
+        start=0.0,
+        segments=(("forward", 0.0, 0.03), ("backward", 0.03, 0.08), ("comm", 0.08, 0.09)),
+    )
     assert _is_png(plot_timeline({0: [rec], 1: [rec]}, tmp_path / "t.png"))
     events = [PipelineEvent(s, m, "F", s + m, s + m + 1) for s in range(2) for m in range(2)]
     assert bubble_fraction(events) == pytest.approx(1 - 4 / (2 * 3))
@@ -187,5 +210,7 @@ def test_finished_rank_that_skipped_a_collective_blames_itself() -> None:
     assert [(c.rank, c.reason) for c in culprits] == [(1, "finished")]
     assert "but other ranks wait in all_reduce #7" in culprits[0].detail
     # Peers still computing (no collective in flight) are the ones behind.
-    culprits = diagnose(stall, {0: _beat(0), 1: _beat(1, issued=7, state="finished")}, now=101.0, stale_s=10.0, world_size=2)
+    culprits = diagnose(
+        stall, {0: _beat(0), 1: _beat(1, issued=7, state="finished")}, now=101.0, stale_s=10.0, world_size=2
+    )
     assert [(c.rank, c.reason) for c in culprits] == [(0, "behind")]

@@ -100,7 +100,9 @@ def test_newton_schulz_orthogonalizes_units() -> None:
     pieces = orthogonalize(g, Units(logical=(12, 5), sizes=(4, 4, 4)), dtype=torch.float32, adjust_lr=None)
     for piece, part in zip(pieces.split(4), g.split(4)):
         torch.testing.assert_close(piece, newton_schulz(part, dtype=torch.float32))
-    batch = orthogonalize(torch.randn(3, 4, 6), Units(logical=(3, 4, 6), split_dim=1, fan_out_dim=1), dtype=torch.float32)
+    batch = orthogonalize(
+        torch.randn(3, 4, 6), Units(logical=(3, 4, 6), split_dim=1, fan_out_dim=1), dtype=torch.float32
+    )
     assert batch.shape == (3, 4, 6)
 
 
@@ -111,7 +113,10 @@ def test_muon_step_matches_torch_muon() -> None:
     a, b = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(6, 4))
     b.data.copy_(a.data)
     start = a.detach().clone()
-    ours, theirs = Muon([a], lr=0.1, adjust_lr="match_rms_adamw"), torch.optim.Muon([b], lr=0.1, adjust_lr_fn="match_rms_adamw")
+    ours, theirs = (
+        Muon([a], lr=0.1, adjust_lr="match_rms_adamw"),
+        torch.optim.Muon([b], lr=0.1, adjust_lr_fn="match_rms_adamw"),
+    )
     for step in range(3):
         g = torch.randn(6, 4)
         a.grad, b.grad = g.clone(), g.clone()
@@ -169,8 +174,12 @@ def test_plan_auto_searches_only_plans_the_optimizer_runs_exactly_and_prices_muo
     free = plan_for_trainer(model, stats, cpu, world_size=4, global_batch=16)
     assert any(sharding(e.plan) for e in free.result.plans)
     whole = plan_for_trainer(model, stats, cpu, world_size=4, global_batch=16, optimizer="whole_tensor")
-    assert whole.result.plans and all(sharding(e.plan) is None and allows("whole_tensor", e.plan) for e in whole.result.plans)
-    adam = plan_for_trainer(model, stats, cpu, world_size=4, global_batch=16, optimizer="elementwise", pipelines_allowed=False)
+    assert whole.result.plans and all(
+        sharding(e.plan) is None and allows("whole_tensor", e.plan) for e in whole.result.plans
+    )
+    adam = plan_for_trainer(
+        model, stats, cpu, world_size=4, global_batch=16, optimizer="elementwise", pipelines_allowed=False
+    )
     muon_plan = plan_for_trainer(model, stats, cpu, world_size=4, global_batch=16, optimizer="muon")
     same = next(e for e in muon_plan.result.plans if any(a.plan == e.plan for a in adam.result.plans))
     theirs = next(a for a in adam.result.plans if a.plan == same.plan)

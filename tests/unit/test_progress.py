@@ -18,7 +18,9 @@ class Terminal(io.StringIO):
         return True
 
 
-def _fit(bar: ProgressBar, steps: int, *, log_every: int = 2, clock: list[float] | None = None, stop_at: int | None = None) -> None:
+def _fit(
+    bar: ProgressBar, steps: int, *, log_every: int = 2, clock: list[float] | None = None, stop_at: int | None = None
+) -> None:
     trainer = SimpleNamespace(env=SimpleNamespace(is_main=True), step=0, total_steps=steps)
     bar.on_fit_start(trainer)
     for step in range(1, (stop_at or steps) + 1):

@@ -21,8 +21,16 @@ def _shown(environ: dict[str, str]) -> tuple[list[str], list[int]]:
             for message, category, module in (
                 ("`is_gradient_checkpointing` is deprecated", FutureWarning, "transformers.modeling_utils"),
                 ("old peft api", DeprecationWarning, "peft.tuners.lora"),
-                ("'set_vital' is deprecated, please do not call", UserWarning, "torchdata.stateful_dataloader.stateful_dataloader"),
-                ("torch.distributed is disabled, unavailable or uninitialized, assuming", UserWarning, "torch.distributed.checkpoint.utils"),
+                (
+                    "'set_vital' is deprecated, please do not call",
+                    UserWarning,
+                    "torchdata.stateful_dataloader.stateful_dataloader",
+                ),
+                (
+                    "torch.distributed is disabled, unavailable or uninitialized, assuming",
+                    UserWarning,
+                    "torch.distributed.checkpoint.utils",
+                ),
                 ("a user's own deprecation", FutureWarning, "my_transformers_project.model"),
                 ("torchdata says something else", UserWarning, "torchdata.nodes"),
                 ("a torch warning that matters", UserWarning, "torch.distributed.fsdp"),

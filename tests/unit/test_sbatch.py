@@ -32,7 +32,9 @@ def test_no_limit_keeps_the_two_minute_warning() -> None:
     assert "#SBATCH --signal=B:USR1@120 " in render_sbatch(SbatchSpec(script=("train.py",), time="0"))
 
 
-@pytest.mark.parametrize("value", ["forever", "", "1:2:3:4", "10:75", "1:60:00", "2-", "2-24", "-5", "1.5", "1d", "1-2-3", " 120"])
+@pytest.mark.parametrize(
+    "value", ["forever", "", "1:2:3:4", "10:75", "1:60:00", "2-", "2-24", "-5", "1.5", "1d", "1-2-3", " 120"]
+)
 def test_other_forms_are_refused(value: str) -> None:
     with pytest.raises(ShardwiseError, match="is not a Slurm time"):
         render_sbatch(SbatchSpec(script=("train.py",), time=value))

@@ -36,25 +36,48 @@ def test_every_group_has_its_id_the_lighthouse_and_its_own_rendezvous() -> None:
     groups = _groups(text)
     assert len(groups) == 3
     for r, (srun, args) in enumerate(groups):
-        assert "--nodes=2" in srun and "--ntasks=2" in srun and f"--relative={2 * r}" in srun and "--kill-on-bad-exit=1" in srun
+        assert (
+            "--nodes=2" in srun
+            and "--ntasks=2" in srun
+            and f"--relative={2 * r}" in srun
+            and "--kill-on-bad-exit=1" in srun
+        )
         assert (args.ft_replicas, args.ft_replica_id, args.ft_min_replicas) == (3, r, 2)
         assert args.lighthouse == "$lighthouse_host:29600" and args.rdzv_backend == "c10d"
-        assert args.rdzv_endpoint == f"${{nodes[{2 * r}]}}:{29400 + r}" and args.nnodes is None  # node count: the step's
-        assert (args.nproc_per_node, args.max_restarts, args.script, args.script_args) == ("4", 3, "train.py", ["--lr", "1"])
+        assert (
+            args.rdzv_endpoint == f"${{nodes[{2 * r}]}}:{29400 + r}" and args.nnodes is None
+        )  # node count: the step's
+        assert (args.nproc_per_node, args.max_restarts, args.script, args.script_args) == (
+            "4",
+            3,
+            "train.py",
+            ["--lr", "1"],
+        )
     assert len({args.rdzv_id for _, args in groups}) == 3
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("shardwise lighthouse --port 29600 --min-replicas 2 &"))
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("shardwise lighthouse --port 29600 --min-replicas 2 &")
+    )
     stop = next(i for i, line in enumerate(lines) if line.startswith("kill -TERM \"$lighthouse\""))
     sruns = [i for i, line in enumerate(lines) if line.startswith("srun ")]
     assert start < min(sruns) and max(sruns) < stop
 
 
-@pytest.mark.parametrize(("spec", "pattern"), [
-    (SbatchSpec(script=("t.py",), nodes=3, ft_replicas=2), "--ft-replicas 2 does not divide --nodes 3"),
-    (SbatchSpec(script=("t.py",), nodes=2, ft_replicas=0), "--ft-replicas 0 must be at least 1"),
-    (SbatchSpec(script=("t.py",), nodes=2, ft_replicas=2, ft_min_replicas=3), "--ft-min-replicas 3 is outside 1..2"),
-    (SbatchSpec(script=("t.py",), nodes=2, ft_replicas=2, lighthouse_port=70000), "--lighthouse-port 70000 is not a port"),
-])
+@pytest.mark.parametrize(
+    ("spec", "pattern"),
+    [
+        (SbatchSpec(script=("t.py",), nodes=3, ft_replicas=2), "--ft-replicas 2 does not divide --nodes 3"),
+        (SbatchSpec(script=("t.py",), nodes=2, ft_replicas=0), "--ft-replicas 0 must be at least 1"),
+        (
+            SbatchSpec(script=("t.py",), nodes=2, ft_replicas=2, ft_min_replicas=3),
+            "--ft-min-replicas 3 is outside 1..2",
+        ),
+        (
+            SbatchSpec(script=("t.py",), nodes=2, ft_replicas=2, lighthouse_port=70000),
+            "--lighthouse-port 70000 is not a port",
+        ),
+    ],
+)
 def test_bad_groups_are_one_line(spec: SbatchSpec, pattern: str) -> None:
     with pytest.raises(ShardwiseError, match=pattern):
         render_sbatch(spec)
@@ -91,8 +114,14 @@ def test_the_script_runs_the_lighthouse_around_the_groups(tmp_path: Path) -> Non
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(SbatchSpec(script=("train.py",), nodes=4, ft_replicas=2, lighthouse_port=port)))
     log = tmp_path / "log"
-    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_LOG": str(log), "FAKE_PY": sys.executable, "SLURM_JOB_ID": "77",
-           "SLURM_JOB_NODELIST": "localhost,node[1-3]"}
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path}:{os.environ['PATH']}",
+        "FAKE_LOG": str(log),
+        "FAKE_PY": sys.executable,
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "localhost,node[1-3]",
+    }
     done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     rows = log.read_text().splitlines()
     assert done.returncode == 0, done.stderr  # group 1 finished: the job did, though group 0 was lost

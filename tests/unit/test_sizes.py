@@ -42,7 +42,9 @@ def test_no_file_over_400_lines() -> None:
 
 
 def test_no_function_over_80_lines() -> None:
-    long = [f"{p.relative_to(SRC)}: {name} ({n} lines)" for p in _modules() for name, n in long_functions(p.read_text())]
+    long = [
+        f"{p.relative_to(SRC)}: {name} ({n} lines)" for p in _modules() for name, n in long_functions(p.read_text())
+    ]
     assert not long, "split these functions:\n" + "\n".join(long)
 
 

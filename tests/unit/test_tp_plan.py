@@ -32,7 +32,10 @@ def test_gpt_plan_is_derived_as_patterns():
 
 def test_sequence_parallel_styles_only_with_sp():
     styles = derive_tp_styles(_gpt(), tp=2)
-    without, with_sp = to_torch_styles(styles, sequence_parallel=False, loss_parallel=False), to_torch_styles(styles, sequence_parallel=True, loss_parallel=False)
+    without, with_sp = (
+        to_torch_styles(styles, sequence_parallel=False, loss_parallel=False),
+        to_torch_styles(styles, sequence_parallel=True, loss_parallel=False),
+    )
     assert "ln_f" not in without and "pos_emb" not in without and "ln_f" in with_sp and "pos_emb" in with_sp
 
 
@@ -130,11 +133,16 @@ def test_strategy_for_other_tp_is_one_line_with_the_fix():
     shard(model.up, ((1, 1), (1, 8)))
     with pytest.raises(ConfigError) as err:
         annotated_styles(model, tp=2)
-    assert str(err.value) == "strategy ((1, 1), (1, 8)) on up splits 8 ways but the plan has tp=2; write ((1, 1), (1, 2)), or use tp=8"
+    assert (
+        str(err.value)
+        == "strategy ((1, 1), (1, 8)) on up splits 8 ways but the plan has tp=2; write ((1, 1), (1, 2)), or use tp=8"
+    )
 
 
 def test_shard_refuses_layers_tp_cannot_split():
-    with pytest.raises(ConfigError, match=r"shard\(Conv2d, 'colwise'\): tensor parallel styles apply to nn.Linear and nn.Embedding"):
+    with pytest.raises(
+        ConfigError, match=r"shard\(Conv2d, 'colwise'\): tensor parallel styles apply to nn.Linear and nn.Embedding"
+    ):
         shard(nn.Conv2d(3, 8, 3), "colwise")
     with pytest.raises(ConfigError, match="2-D"):
         annotated_styles(shard(nn.Linear(4, 4), ((1, 2), (2, 2))), tp=2)

@@ -27,11 +27,15 @@ def clean(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
 
 
 def test_the_default_store_opens_and_needs_no_switch(clean: Path) -> None:
-    assert check_tracker(LogSection(tracker="mlflow")) == {}  # sqlite:///mlflow.db: SQLAlchemy and Alembic are installed
+    assert (
+        check_tracker(LogSection(tracker="mlflow")) == {}
+    )  # sqlite:///mlflow.db: SQLAlchemy and Alembic are installed
     assert (clean / "mlflow.db").is_file()
 
 
-def test_a_named_file_store_gets_the_switch_and_one_switched_off_is_refused(clean: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_named_file_store_gets_the_switch_and_one_switched_off_is_refused(
+    clean: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     uri = (clean / "mlruns").as_uri()
     assert check_tracker(LogSection(tracker="mlflow", tracking_uri=uri)) == {FILE_STORE_SWITCH: "true"}
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # named through MLflow's own variable: the same
@@ -41,7 +45,9 @@ def test_a_named_file_store_gets_the_switch_and_one_switched_off_is_refused(clea
         check_tracker(LogSection(tracker="mlflow", tracking_uri=uri))
 
 
-def test_a_logger_given_a_file_store_switches_it_on_with_one_line(clean: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_logger_given_a_file_store_switches_it_on_with_one_line(
+    clean: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from shardwise.train.trackers import MLflowLogger
 
     logger = MLflowLogger((clean / "mlruns").as_uri(), experiment="x", run_name="r")
@@ -53,4 +59,6 @@ def test_a_logger_given_a_file_store_switches_it_on_with_one_line(clean: Path, c
             logging.getLogger("shardwise").propagate = False
     logger.close()
     assert os.environ[FILE_STORE_SWITCH] == "true"
-    assert [r.getMessage() for r in caplog.records if FILE_STORE_SWITCH in r.getMessage()] and (clean / "mlruns").is_dir()
+    assert [r.getMessage() for r in caplog.records if FILE_STORE_SWITCH in r.getMessage()] and (
+        clean / "mlruns"
+    ).is_dir()

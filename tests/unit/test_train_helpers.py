@@ -130,11 +130,14 @@ def test_trainer_arguments_fail_before_any_process_group(monkeypatch) -> None:
 
     monkeypatch.setattr("shardwise.runtime.env.init", no_init)
     model = nn.Linear(2, 2)
-    for kwargs, pattern in [({"train": TrainOptions(max_steps=-5)}, "max_steps=-5 must be a positive integer"),
-                            ({"train": TrainOptions(max_epochs=0)}, "max_epochs=0"), ({"train": TrainOptions(eval_every=0)}, "eval_every=0"),
-                            ({"train": TrainOptions(clip_grad_norm=-1.0)}, "clip_grad_norm=-1.0"),
-                            ({"global_batch_size": 0}, "global_batch_size=0"),
-                            ({"loss_fn": "mse"}, "loss_fn='mse' is not callable")]:
+    for kwargs, pattern in [
+        ({"train": TrainOptions(max_steps=-5)}, "max_steps=-5 must be a positive integer"),
+        ({"train": TrainOptions(max_epochs=0)}, "max_epochs=0"),
+        ({"train": TrainOptions(eval_every=0)}, "eval_every=0"),
+        ({"train": TrainOptions(clip_grad_norm=-1.0)}, "clip_grad_norm=-1.0"),
+        ({"global_batch_size": 0}, "global_batch_size=0"),
+        ({"loss_fn": "mse"}, "loss_fn='mse' is not callable"),
+    ]:
         args = {"loss_fn": nn.functional.mse_loss, "global_batch_size": 4, **kwargs}
         with pytest.raises(ConfigError, match=pattern):
             Trainer(model, **args)

@@ -27,13 +27,21 @@ def _saved(tmp_path: Path, name: str = "model.safetensors") -> Path:
 
 def test_a_whole_file_gives_every_tensor_with_dtype_and_shape(tmp_path: Path) -> None:
     header = read_header(str(_saved(tmp_path)))
-    assert {k: (t.dtype, t.shape) for k, t in header.items()} == {"a.weight": ("F32", (4, 3)), "b.weight": ("BF16", (5,))}
+    assert {k: (t.dtype, t.shape) for k, t in header.items()} == {
+        "a.weight": ("F32", (4, 3)),
+        "b.weight": ("BF16", (5,)),
+    }
 
 
-@pytest.mark.parametrize("cut, expect", [(lambda b: b[: len(b) - 7], r"is truncated: it has \d+ bytes, its header describes \d+"),
-                                         (lambda b: b + b"xx", r"is longer than its header describes"),
-                                         (lambda b: b[:20], r"truncated or not a safetensors file"),
-                                         (lambda b: b[:4], r"truncated or not a safetensors file")])
+@pytest.mark.parametrize(
+    "cut, expect",
+    [
+        (lambda b: b[: len(b) - 7], r"is truncated: it has \d+ bytes, its header describes \d+"),
+        (lambda b: b + b"xx", r"is longer than its header describes"),
+        (lambda b: b[:20], r"truncated or not a safetensors file"),
+        (lambda b: b[:4], r"truncated or not a safetensors file"),
+    ],
+)
 def test_a_cut_or_padded_file_is_one_line_naming_it(tmp_path: Path, cut, expect: str) -> None:
     path = _saved(tmp_path)
     path.write_bytes(cut(path.read_bytes()))
@@ -61,11 +69,16 @@ def test_an_index_names_shards_that_must_be_there_and_hold_their_tensors(tmp_pat
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
                                                 "c.weight": "model-00002-of-00002.safetensors"}}))
-    with pytest.raises(ConfigError, match=r"model-00002-of-00002\.safetensors is missing: .* names it for 1 tensor\(s\), e\.g\. 'c\.weight'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model-00002-of-00002\.safetensors is missing: .* names it for 1 tensor\(s\), e\.g\. 'c\.weight'",
+    ):
         check_weights(str(tmp_path))
     index.write_text(json.dumps({"weight_map": {"a.weight": "model-00001-of-00002.safetensors",
                                                 "c.weight": "model-00001-of-00002.safetensors"}}))
-    with pytest.raises(ConfigError, match=r"lacks tensor 'c\.weight', which model\.safetensors\.index\.json places there"):
+    with pytest.raises(
+        ConfigError, match=r"lacks tensor 'c\.weight', which model\.safetensors\.index\.json places there"
+    ):
         check_weights(str(tmp_path))
     index.write_text("[]")
     with pytest.raises(ConfigError, match=r"is not a safetensors index"):
@@ -84,7 +97,9 @@ class _Model(nn.Module):
 def test_the_shapes_must_be_the_models_and_every_parameter_stored(tmp_path: Path) -> None:
     _saved(tmp_path)
     check_weights(str(tmp_path), _Model(4))
-    with pytest.raises(ConfigError, match=r"model\.safetensors: tensor 'a\.weight' has shape \[4, 3\], but the model .* needs \[6, 3\]"):
+    with pytest.raises(
+        ConfigError, match=r"model\.safetensors: tensor 'a\.weight' has shape \[4, 3\], but the model .* needs \[6, 3\]"
+    ):
         check_weights(str(tmp_path), _Model(6))
     save_file({"b.weight": TENSORS["b.weight"]}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ConfigError, match=r"has no weights for 1 parameter\(s\) of the model, e\.g\. 'a\.weight'"):

@@ -25,8 +25,14 @@ def _run(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # strace would show the writes; instead the child's stdout is a pipe read in one piece, and the
     # line-buffered stream is checked by its own flag and by the whole lines that come out
-    return subprocess.run([sys.executable, "-m", "shardwise.launch.worker_main", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.launch.worker_main", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_a_script_runs_as_main_with_its_argv_path_and_exit_status(tmp_path: Path) -> None:

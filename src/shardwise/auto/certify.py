@@ -112,7 +112,11 @@ def shrink(model: nn.Module, *, blocks: int) -> tuple[nn.Module, str]:
     else:
         name, container = found
         kind = nn.Sequential if isinstance(container, nn.Sequential) else nn.ModuleList
-        short = kind(list(container.children())[:blocks]) if kind is nn.ModuleList else kind(*list(container.children())[:blocks])
+        short = (
+            kind(list(container.children())[:blocks])
+            if kind is nn.ModuleList
+            else kind(*list(container.children())[:blocks])
+        )
         if not name:  # the model is the sequence of blocks itself
             small = copy.deepcopy(short)
         else:
@@ -197,7 +201,9 @@ class Verdict:
         if self.error:
             return f"the plan did not run: {self.error}"
         for check, value in self.divergences.items():
-            tolerance = max(self.rtol, self.weight_rtol) if check == "weights" and self.weight_rtol is not None else self.rtol
+            tolerance = (
+                max(self.rtol, self.weight_rtol) if check == "weights" and self.weight_rtol is not None else self.rtol
+            )
             if not value <= tolerance:  # NaN fails too
                 where = f" ({self.weight})" if check == "weights" and self.weight else ""
                 return f"{check} diverged: max rel diff {value:.3g}{where} > rtol {tolerance:g}"
@@ -239,8 +245,13 @@ class Certificate:
         return f"certified {self.plan} by parity in {self.seconds:.2f} s{refused}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"certified": self.plan, "compared": dict(self.compared), "rtol": self.verdicts[0].rtol if self.verdicts else None,
-                "candidates": [v.to_dict() for v in self.verdicts], "seconds": round(self.seconds, 4)}
+        return {
+            "certified": self.plan,
+            "compared": dict(self.compared),
+            "rtol": self.verdicts[0].rtol if self.verdicts else None,
+            "candidates": [v.to_dict() for v in self.verdicts],
+            "seconds": round(self.seconds, 4),
+        }
 
 
 def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan], *, options: CertifyOptions,
@@ -252,8 +263,15 @@ def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan],
     trained once per distinct workload. ``optimizer``: the user's factory (None: SGD with momentum
     at ``options.lr``). Collective: every rank of the world."""
     start = time.perf_counter()
-    training = Training(steps=options.steps, global_batch=global_batch, lr=options.lr, optimizer=optimizer or "sgd", device=device,
-                        loss_reduction=loss_reduction, ignore_index=ignore_index)
+    training = Training(
+        steps=options.steps,
+        global_batch=global_batch,
+        lr=options.lr,
+        optimizer=optimizer or "sgd",
+        device=device,
+        loss_reduction=loss_reduction,
+        ignore_index=ignore_index,
+    )
     references: dict[int, Any] = {}
     verdicts: list[Verdict] = []
     chosen: str | None = None
@@ -266,8 +284,14 @@ def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan],
         error, weight, weight_rtol = "", "", None
         values = [float("inf")] * 3
         try:
-            report = run_parallel(workload, Run(str(plan), accumulation=accumulation, loss_parallel=loss_parallel), batches,
-                                  references[id(workload)], training, after_backward=options.after_backward)
+            report = run_parallel(
+                workload,
+                Run(str(plan), accumulation=accumulation, loss_parallel=loss_parallel),
+                batches,
+                references[id(workload)],
+                training,
+                after_backward=options.after_backward,
+            )
             weight, wdiff = report.weight_diff
             values, weight_rtol = [report.loss_diff, report.grad_norm_diff, wdiff], report.weight_rtol
             if not report.reference_moved:
@@ -281,25 +305,49 @@ def certify(workload_for: Callable[[Plan], DataWorkload], plans: Sequence[Plan],
         loss, grad, wdiff, any_error = agreed.tolist()
         if any_error and not error:
             error = "it failed on another rank"
-        verdict = Verdict(plan=str(plan), divergences={"loss": loss, "grad norm": grad, "weights": wdiff}, rtol=options.rtol,
-                          seconds=time.perf_counter() - began, weight=weight, error=error, model=workload.description,
-                          weight_rtol=weight_rtol)
+        verdict = Verdict(
+            plan=str(plan),
+            divergences={"loss": loss, "grad norm": grad, "weights": wdiff},
+            rtol=options.rtol,
+            seconds=time.perf_counter() - began,
+            weight=weight,
+            error=error,
+            model=workload.description,
+            weight_rtol=weight_rtol,
+        )
         verdicts.append(verdict)
         if verdict.passed:
             chosen = str(plan)
             break
-    info = {"steps": training.steps, "global_batch": global_batch, "micro_steps": accumulation, "optimizer": f"sgd momentum 0.9 lr {options.lr:g}" if optimizer is None else "the Trainer's",
-            "precision": "fp32", "mode": "eval (dropout off, BatchNorm running statistics)", "loss_reduction": loss_reduction,
-            "quantities": ["loss per step", "global gradient norm per step", "every weight after the last step"],
-            "reference": "one process, locally on every rank, the whole global batch per step", **(compared or {})}
+    info = {
+        "steps": training.steps,
+        "global_batch": global_batch,
+        "micro_steps": accumulation,
+        "optimizer": f"sgd momentum 0.9 lr {options.lr:g}" if optimizer is None else "the Trainer's",
+        "precision": "fp32",
+        "mode": "eval (dropout off, BatchNorm running statistics)",
+        "loss_reduction": loss_reduction,
+        "quantities": ["loss per step", "global gradient norm per step", "every weight after the last step"],
+        "reference": "one process, locally on every rank, the whole global batch per step",
+        **(compared or {}),
+    }
     if verdicts:
         info["model"] = verdicts[-1].model
     return Certificate(plan=chosen, verdicts=tuple(verdicts), compared=info, seconds=time.perf_counter() - start)
 
 
-def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: RuntimeEnv,
-                  loss_fn: Callable[[Any, Any], torch.Tensor], loss_parallel: bool = False, loss_reduction: str = "samples",
-                  ignore_index: int = IGNORE_INDEX, optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> Certificate:
+def certify_plans(
+    model: Any,
+    plans: Sequence[Plan],
+    *,
+    data: AutoData,
+    env: RuntimeEnv,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    loss_parallel: bool = False,
+    loss_reduction: str = "samples",
+    ignore_index: int = IGNORE_INDEX,
+    optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+) -> Certificate:
     """Certify ``plans`` in order on a shrunken copy of ``model`` and the first global batches of the
     data (:func:`certify`) with the user's ``optimizer`` factory (None: SGD with momentum).
     ``model`` is the user's module, or a Hugging Face ``Pretrained`` directory
@@ -310,7 +358,9 @@ def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: Run
     global_batch = 2
     for p in plans:
         global_batch = math.lcm(global_batch, p.dp_size * accumulation * (p.microbatches if p.pp_enabled else 1))
-    batches = [data.collate(range(step * global_batch, (step + 1) * global_batch)) for step in range(data.certify.steps)]
+    batches = [
+        data.collate(range(step * global_batch, (step + 1) * global_batch)) for step in range(data.certify.steps)
+    ]
     copies: dict[int, DataWorkload] = {}
 
     def workload_for(plan: Plan) -> DataWorkload:
@@ -326,6 +376,16 @@ def certify_plans(model: Any, plans: Sequence[Plan], *, data: AutoData, env: Run
         return copies[blocks]
 
     compared = {"samples": f"the first {data.certify.steps * global_batch} of the training data (in order)"}
-    return certify(workload_for, plans, options=data.certify, accumulation=accumulation, global_batch=global_batch,
-                   device=str(env.device), loss_parallel=loss_parallel, compared=compared, loss_reduction=loss_reduction,
-                   ignore_index=ignore_index, optimizer=optimizer)
+    return certify(
+        workload_for,
+        plans,
+        options=data.certify,
+        accumulation=accumulation,
+        global_batch=global_batch,
+        device=str(env.device),
+        loss_parallel=loss_parallel,
+        compared=compared,
+        loss_reduction=loss_reduction,
+        ignore_index=ignore_index,
+        optimizer=optimizer,
+    )

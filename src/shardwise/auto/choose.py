@@ -69,7 +69,9 @@ def plan_for_trainer(model: nn.Module, stats: ModelStats, spec: ClusterSpec, *, 
     policy = None
     if optimizer == "muon":  # one momentum on the matrices, AdamW's two moments on the rest
         policy = replace(StatePolicy.torch(precision, "muon"), optimizer=state_bytes_per_param(stats))
-    options = SearchOptions(precision=precision, supported=supported, sequence_parallel=False, runtime_options=allowed, policy=policy)
+    options = SearchOptions(
+        precision=precision, supported=supported, sequence_parallel=False, runtime_options=allowed, policy=policy
+    )
     return auto_plan(stats, world_size=world_size, cluster=spec, global_batch=global_batch, options=options)
 
 
@@ -91,5 +93,8 @@ def choose(model: nn.Module, stats: ModelStats, spec: ClusterSpec, env: RuntimeE
     if dist.is_initialized() and env.world_size > 1:
         dist.broadcast_object_list(chosen, src=0)
     if not isinstance(chosen[0], list):
-        raise ConfigError(f"plan='auto' found no plan: {chosen[0]}", hint="pass an explicit plan, e.g. plan='dp' or plan='zero=3,dp=N'")
+        raise ConfigError(
+            f"plan='auto' found no plan: {chosen[0]}",
+            hint="pass an explicit plan, e.g. plan='dp' or plan='zero=3,dp=N'",
+        )
     return chosen[0], choice

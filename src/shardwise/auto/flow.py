@@ -43,9 +43,12 @@ def plan_for(model: Any, env: RuntimeEnv, *, global_batch_size: int, precision: 
         inputs = first_inputs(data) if data is not None else None
         stats = model_stats(model, tokens_per_sample=tokens_per_sample, inputs=inputs)
     except ConfigError as exc:
-        raise ConfigError(f"plan='auto' found no plan: {exc.message}",
-                          hint=exc.hint or "pass tokens_per_sample= (the input length of one sample; 1 for non-sequence inputs), "
-                                           "or an explicit plan, e.g. plan='dp'") from None
+        raise ConfigError(
+            f"plan='auto' found no plan: {exc.message}",
+            hint=exc.hint
+            or "pass tokens_per_sample= (the input length of one sample; 1 for non-sequence inputs), "
+            "or an explicit plan, e.g. plan='dp'",
+        ) from None
     source = model
     if isinstance(model, Pretrained):
         model = model.build_meta()  # validating plans against it costs no memory

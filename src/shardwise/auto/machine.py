@@ -44,7 +44,9 @@ def cache_path(directory: str, *, world_size: int, device_type: str, threads: in
     """The cache file of one job shape on this host, in ``directory`` (the runtime settings'
     ``cache_dir``: ``$SHARDWISE_CACHE_DIR``, else ``$XDG_CACHE_HOME/shardwise``, else ``~/.cache/shardwise``)."""
     device = device_type if not device_name else f"{device_type}-{device_name.replace(' ', '_')}"
-    name = f"cluster-{socket.gethostname()}-{world_size}x{device}-{threads}t-torch{torch.__version__.split('+')[0]}.json"
+    name = (
+        f"cluster-{socket.gethostname()}-{world_size}x{device}-{threads}t-torch{torch.__version__.split('+')[0]}.json"
+    )
     return os.path.join(directory, name)
 
 
@@ -113,8 +115,11 @@ def machine_spec(env: RuntimeEnv) -> ClusterSpec:
             log.info("plan=auto: using this machine's calibration %s", path)
         return found[0]
     if env.is_main:
-        log.info("plan=auto: measuring this machine once (%d processes, about a minute on a small CPU host); it is cached in %s",
-                 env.world_size, path)
+        log.info(
+            "plan=auto: measuring this machine once (%d processes, about a minute on a small CPU host); it is cached in %s",
+            env.world_size,
+            path,
+        )
     spec = calibrate_world(local_world_size=env.local_world_size)
     if env.rank == 0:
         save_cached(spec, path)
@@ -127,6 +132,8 @@ def device_spec(env: RuntimeEnv) -> ClusterSpec:
     before the machine's speed is measured."""
     if env.device.type == "cuda":
         props = torch.cuda.get_device_properties(env.device)
-        return cluster_for_device("cuda", world_size=env.world_size, device_name=props.name, memory_bytes=float(props.total_memory))
+        return cluster_for_device(
+            "cuda", world_size=env.world_size, device_name=props.name, memory_bytes=float(props.total_memory)
+        )
     memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / max(1, env.local_world_size)
     return replace(cluster_for_device(env.device.type, world_size=env.world_size), memory_bytes=memory)

@@ -116,7 +116,9 @@ def sample_stats(model: nn.Module, inputs: Any, *, tokens_per_sample: int | None
     forms at that length; any other model runs one meta forward of the sample."""
     seq = tokens_per_sample or sample_seq(inputs)
     config = getattr(model, "config", None)
-    if isinstance(config, TransformerShape) or (hasattr(config, "model_type") and callable(getattr(config, "to_dict", None))):
+    if isinstance(config, TransformerShape) or (
+        hasattr(config, "model_type") and callable(getattr(config, "to_dict", None))
+    ):
         return module_stats(model, seq=seq)
     meta = copy.deepcopy(model).to("meta")
     example = inputs
@@ -140,9 +142,15 @@ def sample_stats(model: nn.Module, inputs: Any, *, tokens_per_sample: int | None
     small = _small_copy(model, blocks=2)
     if small is None:
         stats = parameter_stats(model, seq=seq, name=name)
-        log.info("plan=auto: sized %s from its parameter count (%d blocks of %s parameters, activations 34 h bytes per token and "
-                 "block, h=%d); its meta forward failed (%s) and its values are on meta", name, stats.blocks,
-                 f"{stats.params_per_block:,}", stats.hidden, meta_error)
+        log.info(
+            "plan=auto: sized %s from its parameter count (%d blocks of %s parameters, activations 34 h bytes per token and "
+            "block, h=%d); its meta forward failed (%s) and its values are on meta",
+            name,
+            stats.blocks,
+            f"{stats.params_per_block:,}",
+            stats.hidden,
+            meta_error,
+        )
         return stats
     short = min(seq, SHORT_SEQ)
     real = inputs
@@ -153,17 +161,28 @@ def sample_stats(model: nn.Module, inputs: Any, *, tokens_per_sample: int | None
     else:
         short = seq  # not a sequence: the sample as it is
     try:
-        measured = measure_module(lambda: small, lambda device: _to_device(real, device), seq=short, name=name, device="cpu",
-                                  backward=True)
+        measured = measure_module(
+            lambda: small, lambda device: _to_device(real, device), seq=short, name=name, device="cpu", backward=True
+        )
     except ConfigError:
         raise
     except Exception as exc:  # it cannot run at all: refused, with the reason
-        raise ConfigError(f"{name} cannot run its first training sample ({_describe(inputs)}): on the meta device {meta_error}; "
-                          f"on the CPU {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
-                          hint="check that the dataset's inputs are what the model's forward takes, or pass an explicit plan") from None
+        raise ConfigError(
+            f"{name} cannot run its first training sample ({_describe(inputs)}): on the meta device {meta_error}; "
+            f"on the CPU {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}",
+            hint="check that the dataset's inputs are what the model's forward takes, or pass an explicit plan",
+        ) from None
     stats = _scaled(measured, model, seq=seq, short=short)
-    log.info("plan=auto: sized %s by one forward and backward on the CPU (%d of its blocks, %d of %d tokens, scaled linearly to "
-             "%d); its meta forward failed (%s)", name, min(2, stats.blocks), short, seq, seq, meta_error)
+    log.info(
+        "plan=auto: sized %s by one forward and backward on the CPU (%d of its blocks, %d of %d tokens, scaled linearly to "
+        "%d); its meta forward failed (%s)",
+        name,
+        min(2, stats.blocks),
+        short,
+        seq,
+        seq,
+        meta_error,
+    )
     return stats
 
 
@@ -180,7 +199,9 @@ def _small_copy(model: nn.Module, *, blocks: int) -> nn.Module | None:
         small = copy.deepcopy(model)
     else:
         name, container, found = holder.name, holder.container, holder.modules
-        short = type(container)(found[:blocks]) if isinstance(container, nn.ModuleList) else nn.Sequential(*found[:blocks])
+        short = (
+            type(container)(found[:blocks]) if isinstance(container, nn.ModuleList) else nn.Sequential(*found[:blocks])
+        )
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         attr = name.rpartition(".")[2]
         if not name:
@@ -193,7 +214,9 @@ def _small_copy(model: nn.Module, *, blocks: int) -> nn.Module | None:
                 setattr(parent, attr, container)
         for module in small.modules():
             config = getattr(module, "config", None)
-            if isinstance(getattr(config, "num_hidden_layers", None), int) and callable(getattr(config, "to_dict", None)):
+            if isinstance(getattr(config, "num_hidden_layers", None), int) and callable(
+                getattr(config, "to_dict", None)
+            ):
                 config.num_hidden_layers = min(config.num_hidden_layers, blocks)
     return small.to("cpu").train()
 
@@ -202,10 +225,20 @@ def _scaled(measured: ModelStats, model: nn.Module, *, seq: int, short: int) -> 
     """``measured`` (a small copy at ``short`` tokens) for the whole ``model`` at ``seq`` tokens."""
     full = parameter_stats(model, seq=seq, name=measured.name)
     k = seq / max(1, short)
-    return replace(measured, blocks=full.blocks, params_per_block=full.params_per_block, params_embed=full.params_embed,
-                   params_head=full.params_head, flops_per_block=measured.flops_per_block * k, flops_head=measured.flops_head * k,
-                   act_bytes_per_block=measured.act_bytes_per_block * k, boundary_bytes=measured.boundary_bytes * k,
-                   logits_bytes=measured.logits_bytes * k, seq=seq, hidden=measured.hidden or full.hidden)
+    return replace(
+        measured,
+        blocks=full.blocks,
+        params_per_block=full.params_per_block,
+        params_embed=full.params_embed,
+        params_head=full.params_head,
+        flops_per_block=measured.flops_per_block * k,
+        flops_head=measured.flops_head * k,
+        act_bytes_per_block=measured.act_bytes_per_block * k,
+        boundary_bytes=measured.boundary_bytes * k,
+        logits_bytes=measured.logits_bytes * k,
+        seq=seq,
+        hidden=measured.hidden or full.hidden,
+    )
 
 
 def parameter_stats(model: nn.Module, *, seq: int, name: str) -> ModelStats:
@@ -318,8 +351,12 @@ def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, s
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     names = [n for n, _ in model.named_parameters()]
     first_block = next((i for i, (_, p) in enumerate(model.named_parameters()) if id(p) in in_blocks), len(names))
-    embed = sum(p.numel() for i, (_, p) in enumerate(model.named_parameters()) if id(p) not in in_blocks and i < first_block)
-    head = sum(p.numel() for i, (_, p) in enumerate(model.named_parameters()) if id(p) not in in_blocks and i >= first_block)
+    embed = sum(
+        p.numel() for i, (_, p) in enumerate(model.named_parameters()) if id(p) not in in_blocks and i < first_block
+    )
+    head = sum(
+        p.numel() for i, (_, p) in enumerate(model.named_parameters()) if id(p) not in in_blocks and i >= first_block
+    )
 
     state = {"active": None, "saved": {}, "boundary": 0}
 
@@ -367,11 +404,23 @@ def measure_module(build: Callable[[], Any], example: Callable[[Any], Any], *, s
     hidden = int(getattr(getattr(model, "config", None), "hidden", 0) or 0)
     divides = (heads, hidden) if heads and hidden else ()
     return ModelStats(
-        name=name, blocks=len(blocks), params_per_block=max(block_params, default=0), params_embed=embed, params_head=head,
-        flops_per_block=block_flops, flops_head=max(0.0, total_flops - block_flops * len(blocks)), attn_flops_per_block=0.0,
-        act_bytes_per_block=block_saved, attn_act_bytes_per_block=0.0, boundary_bytes=float(state["boundary"]),
-        logits_bytes=float(logits_bytes), seq=seq, hidden=hidden, heads=heads,
-        vocab=int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0), tp_divides=divides,
+        name=name,
+        blocks=len(blocks),
+        params_per_block=max(block_params, default=0),
+        params_embed=embed,
+        params_head=head,
+        flops_per_block=block_flops,
+        flops_head=max(0.0, total_flops - block_flops * len(blocks)),
+        attn_flops_per_block=0.0,
+        act_bytes_per_block=block_saved,
+        attn_act_bytes_per_block=0.0,
+        boundary_bytes=float(state["boundary"]),
+        logits_bytes=float(logits_bytes),
+        seq=seq,
+        hidden=hidden,
+        heads=heads,
+        vocab=int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0),
+        tp_divides=divides,
     )
 
 

@@ -46,7 +46,9 @@ class AutoData:
         else:
             pool, n = self.dataset, len(self.dataset)
         if n == 0:
-            raise ConfigError("the training data is empty", hint="pass a dataset with at least one global batch of samples")
+            raise ConfigError(
+                "the training data is empty", hint="pass a dataset with at least one global batch of samples"
+            )
         return [pool[i % n] for i in indices]
 
     def collate(self, indices: Sequence[int]) -> tuple[Any, Any]:
@@ -57,15 +59,19 @@ class AutoData:
         except ShardwiseError:
             raise
         except Exception as exc:  # the user's dataset: one line naming it
-            raise ConfigError(f"the training data's sample {indices[0]} cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
-                              hint="check the dataset's __getitem__") from None
+            raise ConfigError(
+                f"the training data's sample {indices[0]} cannot be read ({type(exc).__name__}: {str(exc)[:160]})",
+                hint="check the dataset's __getitem__",
+            ) from None
         try:
             return split_batch((self.collate_fn or default_collate)(items))
         except ShardwiseError:
             raise
         except Exception as exc:
-            raise ConfigError(f"the training data's samples cannot be collated ({type(exc).__name__}: {str(exc)[:160]})",
-                              hint="pass a collate_fn that stacks them into (inputs, targets)") from None
+            raise ConfigError(
+                f"the training data's samples cannot be collated ({type(exc).__name__}: {str(exc)[:160]})",
+                hint="pass a collate_fn that stacks them into (inputs, targets)",
+            ) from None
 
 
 def first_inputs(data: AutoData) -> Any:

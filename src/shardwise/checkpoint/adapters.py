@@ -127,9 +127,11 @@ class BaseReference:
         now = self.describe()
         if "sha256" in saved or "sha256" in now:
             if saved.get("sha256") != now.get("sha256"):
-                raise ConfigError(f"checkpoint {where} holds adapters trained on the base {saved.get('path')} "
-                                  f"(sha256 {str(saved.get('sha256'))[:12]}), not on {now.get('path')} (sha256 {str(now.get('sha256'))[:12]})",
-                                  hint="resume with the base model the adapters were trained on")
+                raise ConfigError(
+                    f"checkpoint {where} holds adapters trained on the base {saved.get('path')} "
+                    f"(sha256 {str(saved.get('sha256'))[:12]}), not on {now.get('path')} (sha256 {str(now.get('sha256'))[:12]})",
+                    hint="resume with the base model the adapters were trained on",
+                )
             return
         mismatch = _fingerprint_mismatch(saved.get("fingerprint") or {}, now.get("fingerprint") or {})
         if mismatch:

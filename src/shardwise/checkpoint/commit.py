@@ -117,17 +117,27 @@ class Marker:
         marker = cls(**{k: v for k, v in data.items() if k in names})
         if not (_is_count(marker.step, 0) and _is_count(marker.world_size, 1) and _is_count(marker.dp_size, 1)):
             raise ValueError("a commit marker has a step and positive world_size and dp_size")
-        if not isinstance(marker.files, dict) or not isinstance(marker.metrics, dict) or not isinstance(marker.plan, (str, type(None))):
+        if (
+            not isinstance(marker.files, dict)
+            or not isinstance(marker.metrics, dict)
+            or not isinstance(marker.plan, (str, type(None)))
+        ):
             raise ValueError("a commit marker has a files table, a metrics table and a plan")
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in marker.metrics.values()):
             raise ValueError("the metrics of a commit marker are numbers")
         for info in marker.files.values():
-            if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str):
+            if (
+                not isinstance(info, dict)
+                or not isinstance(info.get("size"), int)
+                or not isinstance(info.get("sha256"), str)
+            ):
                 raise ValueError("each file of a commit marker has an integer size and a sha256")
         return marker
 
 
-def commit(step_path: str, *, step: int, world_size: int, dp_size: int, plan: str | None, metrics: dict[str, float]) -> Marker:
+def commit(
+    step_path: str, *, step: int, world_size: int, dp_size: int, plan: str | None, metrics: dict[str, float]
+) -> Marker:
     """Seal ``step_path``: fsync its files, then write the marker (with checksums) last, atomically."""
     files = {}
     for rel in _payload_files(step_path):

@@ -49,14 +49,18 @@ def resolve_step_dir(directory: str, step: int | None = None) -> str:
         return _verified(os.path.join(directory, cm.step_dirname(step)))
     info = cm.latest_complete(directory)
     if info is None:
-        raise ConfigError(f"no complete checkpoint in {directory}", hint="check the path with 'shardwise checkpoint inspect'")
+        raise ConfigError(
+            f"no complete checkpoint in {directory}", hint="check the path with 'shardwise checkpoint inspect'"
+        )
     return info.path
 
 
 def _verified(path: str) -> str:
     marker, reason = cm.verify(path)
     if marker is None:
-        raise ConfigError(f"checkpoint {path} cannot be used: {reason}", hint="check it with 'shardwise checkpoint inspect'")
+        raise ConfigError(
+            f"checkpoint {path} cannot be used: {reason}", hint="check it with 'shardwise checkpoint inspect'"
+        )
     return path
 
 
@@ -82,7 +86,9 @@ def _enclosing_checkpoint(directory: str) -> str | None:
         directory = parent
 
 
-def consolidate(directory: str, out_path: str, *, step: int | None = None, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+def consolidate(
+    directory: str, out_path: str, *, step: int | None = None, prefix: str = "model."
+) -> dict[str, tuple[int, ...]]:
     """Write the model weights of a checkpoint to ``out_path``; returns ``{name: shape}``."""
     path = resolve_step_dir(directory, step)
     check_output(out_path, path)
@@ -128,7 +134,11 @@ def _header(entries: list[tuple[str, Any]], prefix: str, *, source: str) -> byte
         if dtype not in _DTYPES:
             raise ConfigError(f"tensor {key} has dtype {dtype}, which safetensors cannot store")
         nbytes = torch.Size(meta.size).numel() * torch.empty((), dtype=dtype).element_size()
-        header[key[len(prefix):]] = {"dtype": _DTYPES[dtype], "shape": list(meta.size), "data_offsets": [offset, offset + nbytes]}
+        header[key[len(prefix) :]] = {
+            "dtype": _DTYPES[dtype],
+            "shape": list(meta.size),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     return blob + b" " * (-len(blob) % 8)

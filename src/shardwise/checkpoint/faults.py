@@ -42,15 +42,21 @@ class Fault:
         for part in filter(None, (p.strip() for p in text.split(","))):
             key, sep, value = part.partition("=")
             if not sep:
-                raise ConfigError(f"fault spec part {part!r} is not key=value", hint="e.g. SHARDWISE_FAULT='rank=1,step=25'")
+                raise ConfigError(
+                    f"fault spec part {part!r} is not key=value", hint="e.g. SHARDWISE_FAULT='rank=1,step=25'"
+                )
             values[key.strip()] = value.strip()
         try:
             fault = cls(rank=int(values.pop("rank")), step=int(values.pop("step")), at=values.pop("at", "step"),  # type: ignore[arg-type]
                         how=values.pop("how", "kill"), restart=int(values.pop("restart", "0")))  # type: ignore[arg-type]
         except (KeyError, ValueError) as err:
-            raise ConfigError(f"bad fault spec {text!r} ({err})", hint="needs rank=R,step=S[,at=step|save][,how=kill|raise]") from None
+            raise ConfigError(
+                f"bad fault spec {text!r} ({err})", hint="needs rank=R,step=S[,at=step|save][,how=kill|raise]"
+            ) from None
         if values or fault.at not in ("step", "save") or fault.how not in ("kill", "raise"):
-            raise ConfigError(f"bad fault spec {text!r}", hint="keys: rank, step, at=step|save, how=kill|raise, restart")
+            raise ConfigError(
+                f"bad fault spec {text!r}", hint="keys: rank, step, at=step|save, how=kill|raise, restart"
+            )
         return fault
 
     @classmethod

@@ -43,7 +43,9 @@ class GPTFiles:
 
     def __post_init__(self) -> None:
         if not len(self.vocab) or len(self.vocab) > self.shape.vocab_size:
-            raise ConfigError(f"a vocabulary of {len(self.vocab)} characters does not fit the model's vocab_size={self.shape.vocab_size}")
+            raise ConfigError(
+                f"a vocabulary of {len(self.vocab)} characters does not fit the model's vocab_size={self.shape.vocab_size}"
+            )
 
 
 def keep_gpt_files(checkpoint_dir: str, files: GPTFiles) -> str:
@@ -70,7 +72,9 @@ def read_gpt_files(directory: str) -> GPTFiles:
         with open(path, encoding="utf-8") as fh:
             payload = json.load(fh)
     except FileNotFoundError:
-        raise ConfigError(f"checkpoint {directory} keeps no GPT model file ({GPT_DIR}/{MODEL_FILE})", hint=hint) from None
+        raise ConfigError(
+            f"checkpoint {directory} keeps no GPT model file ({GPT_DIR}/{MODEL_FILE})", hint=hint
+        ) from None
     except OSError as err:
         raise ConfigError(f"{path} cannot be read: {err.strerror or err}", hint="check its permissions") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -78,8 +82,10 @@ def read_gpt_files(directory: str) -> GPTFiles:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ConfigError(f"{bad} (no \"format\": \"{FORMAT}\")", hint=hint)
     if payload.get("version") != VERSION:
-        raise ConfigError(f"{path} has format version {payload.get('version')!r}; this shardwise reads version {VERSION}",
-                          hint="generate with the shardwise version that trained the model")
+        raise ConfigError(
+            f"{path} has format version {payload.get('version')!r}; this shardwise reads version {VERSION}",
+            hint="generate with the shardwise version that trained the model",
+        )
     shape, vocab = payload.get("shape"), payload.get("vocab")
     if not isinstance(shape, dict) or not isinstance(vocab, str):
         raise ConfigError(f"{bad} (it needs a \"shape\" object and a \"vocab\" string)", hint=hint)

@@ -33,8 +33,19 @@ from shardwise.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
 from shardwise.errors import ConfigError
 
 HF_DIR = "hf"  # inside a checkpoint directory: the config and tokenizer of the model trained
-_KEEP = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-         "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+_KEEP = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def keep_model_files(model_dir: str, checkpoint_dir: str) -> None:
@@ -49,8 +60,10 @@ def keep_model_files(model_dir: str, checkpoint_dir: str) -> None:
 
 
 def _config_dir(checkpoint_dir: str, model_dir: str | None) -> str:
-    for candidate in ([model_dir] if model_dir else []) + [os.path.join(checkpoint_dir, HF_DIR),
-                                                           os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), HF_DIR)]:
+    for candidate in ([model_dir] if model_dir else []) + [
+        os.path.join(checkpoint_dir, HF_DIR),
+        os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), HF_DIR),
+    ]:
         if candidate and os.path.exists(os.path.join(candidate, "config.json")):
             return candidate
     raise ConfigError(f"no Hugging Face config.json for checkpoint {checkpoint_dir}",
@@ -62,7 +75,9 @@ def _tied_duplicates(config: dict[str, Any], names: set[str]) -> set[str]:
     tied = config.get("tie_word_embeddings", config.get("model_type") == "gpt2")
     if not tied:
         return set()
-    return {n for n in names if n.endswith("lm_head.weight")} if any("embed" in n or "wte" in n for n in names) else set()
+    return (
+        {n for n in names if n.endswith("lm_head.weight")} if any("embed" in n or "wte" in n for n in names) else set()
+    )
 
 
 def export_hf(checkpoint_dir: str, out_dir: str, *, step: int | None = None, model_dir: str | None = None,
@@ -93,11 +108,17 @@ def export_hf(checkpoint_dir: str, out_dir: str, *, step: int | None = None, mod
         shards[-1].append(name)
         size += nbytes
     os.makedirs(out_dir, exist_ok=True)
-    files = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map: dict[str, str] = {}
     total = 0
     for names, file in zip(shards, files):
-        state = {entries[n][0]: torch.empty(tuple(entries[n][1].size), dtype=entries[n][1].properties.dtype) for n in names}
+        state = {
+            entries[n][0]: torch.empty(tuple(entries[n][1].size), dtype=entries[n][1].properties.dtype) for n in names
+        }
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner(), no_dist=True)
         tensors = {n: _as(state[entries[n][0]], shapes.get(n)).contiguous() for n in names}
         tmp = os.path.join(out_dir, f".{file}.tmp")

@@ -140,7 +140,12 @@ def _regions(param: torch.Tensor) -> list[tuple[Region, Region]] | None:
 def _split_dim(stored: tuple[int, ...], held: tuple[int, ...]) -> int | None:
     """The dim of ``stored`` that ``held`` splits in two (a TP-fused weight: (in, 3H) held as (in, 3, H))."""
     for d in range(len(stored)):
-        if len(held) == len(stored) + 1 and held[:d] == stored[:d] and held[d + 2:] == stored[d + 1:] and held[d] * held[d + 1] == stored[d]:
+        if (
+            len(held) == len(stored) + 1
+            and held[:d] == stored[:d]
+            and held[d + 2 :] == stored[d + 1 :]
+            and held[d] * held[d + 1] == stored[d]
+        ):
             return d
     return None
 
@@ -218,16 +223,24 @@ def load_into(modules: Sequence[nn.Module], directory: str, *, model_type: str, 
             if regions is None:  # read whole, keep the local part (no communication)
                 full = _read_viewed(reader, stored, held, tuple(slice(0, n) for n in held))
                 read, largest, whole = read + full.numel(), max(largest, full.numel()), whole + 1
-                local.copy_(distribute_tensor(full.to(local.device), tensor.device_mesh, tensor.placements, src_data_rank=None).to_local())
+                local.copy_(
+                    distribute_tensor(
+                        full.to(local.device), tensor.device_mesh, tensor.placements, src_data_rank=None
+                    ).to_local()
+                )
                 continue
             for glob, loc in regions:
                 part = _read_viewed(reader, stored, held, glob)
                 read, largest = read + part.numel(), max(largest, part.numel())
                 local[loc].copy_(part)
         if missing:
-            raise ConfigError(f"{directory} has no weights for {len(missing)} parameter(s) of the model, e.g. {missing[0]!r}",
-                              hint="load a checkpoint of the same model class and config (save_pretrained writes one)")
-    return LoadStats(elements_read=read, elements_local=local_total, elements_total=total, largest_read=largest, whole_reads=whole)
+            raise ConfigError(
+                f"{directory} has no weights for {len(missing)} parameter(s) of the model, e.g. {missing[0]!r}",
+                hint="load a checkpoint of the same model class and config (save_pretrained writes one)",
+            )
+    return LoadStats(
+        elements_read=read, elements_local=local_total, elements_total=total, largest_read=largest, whole_reads=whole
+    )
 
 
 def allocate(module: nn.Module, *, device: torch.device | str, buffers: dict[str, torch.Tensor]) -> None:

@@ -54,10 +54,14 @@ def _pointer(directory: str) -> str:
         return "?"
 
 
-def report(directory: str, *, step: int | None = None, show_tensors: bool = True, verify: cm.Verify = "checksum") -> str:
+def report(
+    directory: str, *, step: int | None = None, show_tensors: bool = True, verify: cm.Verify = "checksum"
+) -> str:
     """A human-readable listing of ``directory`` (the text ``shardwise checkpoint inspect`` prints)."""
     if not os.path.isdir(directory):
-        raise ConfigError(f"{directory} is not a directory", hint="pass the checkpoint directory (the one holding step_* directories)")
+        raise ConfigError(
+            f"{directory} is not a directory", hint="pass the checkpoint directory (the one holding step_* directories)"
+        )
     infos = cm.list_checkpoints(directory, level=verify)
     if not infos:
         raise ConfigError(f"no checkpoints in {directory} (no step_* directories)",
@@ -71,17 +75,24 @@ def report(directory: str, *, step: int | None = None, show_tensors: bool = True
             m = c.marker
             size = sum(f["size"] for f in m.files.values())
             metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(m.metrics.items()))
-            lines.append(f"{c.step:>10}  {'complete':<10} {m.world_size:>5} {m.dp_size:>3}  {_size(size):>10}  {m.plan or '-'} {metrics}".rstrip())
+            lines.append(
+                f"{c.step:>10}  {'complete':<10} {m.world_size:>5} {m.dp_size:>3}  {_size(size):>10}  {m.plan or '-'} {metrics}".rstrip()
+            )
         else:
             lines.append(f"{c.step:>10}  {'INCOMPLETE':<10} {'':>5} {'':>3}  {'':>10}  {c.reason}")
     complete = [c for c in infos if c.complete]
     chosen = next(c for c in infos if c.step == step) if step is not None else (complete[-1] if complete else None)
     if show_tensors and step is not None and not chosen.complete:
-        raise ConfigError(f"step {step} in {directory} is not complete: {chosen.reason}", hint="its tensors cannot be listed; omit --step")
+        raise ConfigError(
+            f"step {step} in {directory} is not complete: {chosen.reason}",
+            hint="its tensors cannot be listed; omit --step",
+        )
     if show_tensors and chosen is not None and chosen.complete:
         entries = tensors(chosen.path)
         lines.append(f"\ntensors of step {chosen.step} ({len(entries)}, {_size(sum(e.nbytes for e in entries))}):")
         width = max(len(e.name) for e in entries) if entries else 10
         for e in entries:
-            lines.append(f"  {e.name:<{width}}  {str(list(e.shape)):<16} {e.dtype:<9} {_size(e.nbytes):>10}  {e.chunks} shard(s)")
+            lines.append(
+                f"  {e.name:<{width}}  {str(list(e.shape)):<16} {e.dtype:<9} {_size(e.nbytes):>10}  {e.chunks} shard(s)"
+            )
     return "\n".join(lines)

@@ -46,7 +46,13 @@ from shardwise.checkpoint import commit as cm
 from shardwise.checkpoint.adapters import state_options
 from shardwise.checkpoint.faults import Fault
 from shardwise.checkpoint.stage_names import StageNames
-from shardwise.checkpoint.safe_io import SafeFileSystemReader, check_compatible, encode_for_weights_only, load_rank_file, safe_load
+from shardwise.checkpoint.safe_io import (
+    SafeFileSystemReader,
+    check_compatible,
+    encode_for_weights_only,
+    load_rank_file,
+    safe_load,
+)
 from shardwise.errors import ConfigError
 
 RANK_DIR = "ranks"
@@ -66,7 +72,9 @@ class CheckpointOptions:
 
     def __post_init__(self) -> None:
         if self.keep_best is not None and (len(self.keep_best) != 2 or self.keep_best[1] not in ("min", "max")):
-            raise ConfigError(f"keep_best={self.keep_best!r} is not (metric, 'min'|'max')", hint="e.g. keep_best=('val_loss', 'min')")
+            raise ConfigError(
+                f"keep_best={self.keep_best!r} is not (metric, 'min'|'max')", hint="e.g. keep_best=('val_loss', 'min')"
+            )
         for name in ("keep_last_n", "every_n_steps"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -94,7 +102,11 @@ def _split(components: Mapping[str, Any]) -> tuple[nn.Module | None, list[torch.
     for name, obj in components.items():
         module = obj if isinstance(obj, nn.Module) else getattr(obj, "module", None)
         # an LR scheduler also has an .optimizer; only a wrapper that also holds the module counts
-        optim = obj if isinstance(obj, torch.optim.Optimizer) else (getattr(obj, "optimizer", None) if module is not None else None)
+        optim = (
+            obj
+            if isinstance(obj, torch.optim.Optimizer)
+            else (getattr(obj, "optimizer", None) if module is not None else None)
+        )
         if isinstance(optim, torch.optim.Optimizer):
             optims.append(optim)
         elif isinstance(module, nn.Module):
@@ -123,10 +135,22 @@ class CheckpointManager:
     trainer callback do it by policy) and :meth:`load` with the same component names.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, keep_last_n: int | None = 3, keep_best: tuple[str, str] | None = None,
-                 every_n_steps: int | None = None, every_n_minutes: float | None = None, on_epoch_end: bool = False,
-                 async_save: bool = False, verify: cm.Verify = "checksum", plan: Any = None, dp_size: int | None = None,
-                 dp_rank: int | None = None, fault: Fault | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep_last_n: int | None = 3,
+        keep_best: tuple[str, str] | None = None,
+        every_n_steps: int | None = None,
+        every_n_minutes: float | None = None,
+        on_epoch_end: bool = False,
+        async_save: bool = False,
+        verify: cm.Verify = "checksum",
+        plan: Any = None,
+        dp_size: int | None = None,
+        dp_rank: int | None = None,
+        fault: Fault | None = None,
+    ) -> None:
         self.directory = os.path.abspath(os.fspath(directory))
         self.options = CheckpointOptions(keep_last_n=keep_last_n, keep_best=keep_best, every_n_steps=every_n_steps,
                                          every_n_minutes=every_n_minutes, on_epoch_end=on_epoch_end,
@@ -253,7 +277,9 @@ class CheckpointManager:
                     plan=str(self.plan) if self.plan is not None else None, metrics=dict(metrics or {}))
         asynchronous = self.options.async_save if block is None else not block
         if asynchronous:
-            result = dcp.async_save(state, storage_writer=writer, process_group=self._pg(), no_dist=not self.distributed)
+            result = dcp.async_save(
+                state, storage_writer=writer, process_group=self._pg(), no_dist=not self.distributed
+            )
             future = getattr(result, "upload_completion", result)
             self._pending = done = threading.Event()
             future.add_done_callback(lambda f: self._finish(f, path, info, done))
@@ -273,7 +299,9 @@ class CheckpointManager:
         """
         if model is None:
             if optims:
-                raise ConfigError("an optimizer is checkpointed without its model", hint="add the model to the components")
+                raise ConfigError(
+                    "an optimizer is checkpointed without its model", hint="add the model to the components"
+                )
             return {}, None
         msd, osd = get_state_dict(model, optims, options=state_options(model))  # LoRA: the adapters only
         names = StageNames(model, msd)  # several local pipeline stages: their original names
@@ -363,7 +391,9 @@ class CheckpointManager:
         if info is None:
             return None
         if not info.complete:
-            raise ConfigError(f"checkpoint {info.path} is not complete: {info.reason}", hint="load another step or omit step=")
+            raise ConfigError(
+                f"checkpoint {info.path} is not complete: {info.reason}", hint="load another step or omit step="
+            )
         marker = info.marker
         model, optims, others = _split(components)
         reader = SafeFileSystemReader(info.path)
@@ -386,10 +416,18 @@ class CheckpointManager:
             safe_load(state, reader, process_group=self._pg(), no_dist=not self.distributed)
             osd = {}
             if groups_now is not None:
-                osd = {"state": state["optim"]["state"], "param_groups": _merge_groups(groups_now, rank_payload["param_groups"], info.path)}
+                osd = {
+                    "state": state["optim"]["state"],
+                    "param_groups": _merge_groups(groups_now, rank_payload["param_groups"], info.path),
+                }
             names = StageNames(model, get_model_state_dict(model, options=state_options(model)))
-            set_state_dict(model, optims, model_state_dict=names.model_in(state["model"]),
-                           optim_state_dict=names.optim_in(osd) if osd else osd, options=state_options(model, loading=True))
+            set_state_dict(
+                model,
+                optims,
+                model_state_dict=names.model_in(state["model"]),
+                optim_state_dict=names.optim_in(osd) if osd else osd,
+                options=state_options(model, loading=True),
+            )
         resharded = marker.world_size != self.world_size or marker.dp_size != self.dp_size
         # The data position is a count of global samples (ShardedSampler), the same under any
         # data-parallel size: it loads unchanged (see shardwise.checkpoint.reshard).

@@ -39,8 +39,16 @@ from shardwise.checkpoint.consolidate import resolve_step_dir
 from shardwise.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner, load_rank_file
 from shardwise.errors import ConfigError
 
-_TOKENIZER = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-              "merges.txt", "tokenizer.model", "chat_template.jinja")
+_TOKENIZER = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
 
 
 def adapter_record(step_dir: str) -> dict[str, Any]:
@@ -65,7 +73,9 @@ def _jsonable(value: Any) -> Any:
 def peft_name(name: str) -> str:
     """A parameter name as ``peft`` saves it: the adapter name after ``lora_A``/``lora_B`` dropped."""
     atoms = name.split(".")
-    return ".".join(a for i, a in enumerate(atoms) if not (i > 0 and atoms[i - 1].startswith("lora_") and a == "default"))
+    return ".".join(
+        a for i, a in enumerate(atoms) if not (i > 0 and atoms[i - 1].startswith("lora_") and a == "default")
+    )
 
 
 def export_peft(checkpoint_dir: str, out_dir: str, *, step: int | None = None) -> dict[str, tuple[int, ...]]:
@@ -91,7 +101,10 @@ def export_peft(checkpoint_dir: str, out_dir: str, *, step: int | None = None) -
     config["base_model_name_or_path"] = record.get("path")
     config["inference_mode"] = True
     os.makedirs(out_dir, exist_ok=True)
-    _write(os.path.join(out_dir, "adapter_model.safetensors"), lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+    _write(
+        os.path.join(out_dir, "adapter_model.safetensors"),
+        lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}),
+    )
     text = json.dumps(config, indent=2, sort_keys=True, default=_jsonable)
     _write(os.path.join(out_dir, "adapter_config.json"), lambda tmp: _write_text(tmp, text))
     return {name: tuple(t.shape) for name, t in tensors.items()}
@@ -107,13 +120,17 @@ def export_merged(checkpoint_dir: str, out_dir: str, *, step: int | None = None,
     record = adapter_record(path)
     base_dir = model_dir or record.get("path")
     if not base_dir or not os.path.exists(os.path.join(base_dir, "config.json")):
-        raise ConfigError(f"the base model of checkpoint {path} ({base_dir or 'a model built in Python'}) is not a model directory",
-                          hint="pass --model DIR (the Hugging Face directory the adapters were trained on)")
+        raise ConfigError(
+            f"the base model of checkpoint {path} ({base_dir or 'a model built in Python'}) is not a model directory",
+            hint="pass --model DIR (the Hugging Face directory the adapters were trained on)",
+        )
     tf, peft = require_transformers(), require_peft()
     from shardwise.checkpoint.hf_load import Pretrained
     from shardwise.checkpoint.weights_check import check_weights
 
-    check_weights(base_dir, Pretrained(base_dir).build_meta())  # one line for a truncated file, a missing shard, a wrong shape
+    check_weights(
+        base_dir, Pretrained(base_dir).build_meta()
+    )  # one line for a truncated file, a missing shard, a wrong shape
     with tempfile.TemporaryDirectory(prefix="shardwise-adapter-") as tmp, _no_progress_bars(tf):
         export_peft(path, tmp)
         base = tf.AutoModelForCausalLM.from_pretrained(base_dir, local_files_only=True, dtype=torch.float32)

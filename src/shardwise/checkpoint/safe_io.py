@@ -50,8 +50,14 @@ _MAX_LISTED = 20
 
 class _RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        allowed = (module in _ALLOWED_MODULES or (module, name) in _ALLOWED
-                   or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))))
+        allowed = (
+            module in _ALLOWED_MODULES
+            or (module, name) in _ALLOWED
+            or (
+                module == "torch"
+                and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format))
+            )
+        )
         if not allowed:
             raise ConfigError(f"checkpoint metadata refers to {module}.{name}, which a checkpoint index never contains",
                               hint="the file is corrupt or not a shardwise/DCP checkpoint; it was not loaded")
@@ -140,7 +146,9 @@ def safe_load(state: dict[str, Any], reader: SafeFileSystemReader, *, process_gr
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group, no_dist=no_dist)
+            dcp.load(
+                state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=process_group, no_dist=no_dist
+            )
     except CheckpointException as err:
         found = next((exc for exc, _trace in err.failures.values() if isinstance(exc, ShardwiseError)), None)
         if found is None:
@@ -155,7 +163,11 @@ def encode_for_weights_only(obj: Any) -> Any:
     """Replace NumPy arrays (e.g. in ``np.random.get_state()``) by tagged tensors, recursively, so
     the per-rank file loads with ``weights_only=True`` without allow-listing NumPy's unpickler."""
     if isinstance(obj, np.ndarray):
-        return {_NDARRAY: torch.from_numpy(np.ascontiguousarray(obj).view(np.uint8).copy()), "dtype": obj.dtype.str, "shape": list(obj.shape)}
+        return {
+            _NDARRAY: torch.from_numpy(np.ascontiguousarray(obj).view(np.uint8).copy()),
+            "dtype": obj.dtype.str,
+            "shape": list(obj.shape),
+        }
     if isinstance(obj, np.generic):
         return obj.item()
     if isinstance(obj, dict):
@@ -218,6 +230,8 @@ def check_compatible(metadata: Metadata, state: Mapping[str, Any], saved_compone
         if name not in saved_components:
             problems.append(f"component {name!r} is not in the checkpoint (it has {sorted(saved_components)})")
     if problems:
-        listed = "; ".join(problems[:_MAX_LISTED]) + (f"; ... {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else "")
+        listed = "; ".join(problems[:_MAX_LISTED]) + (
+            f"; ... {len(problems) - _MAX_LISTED} more" if len(problems) > _MAX_LISTED else ""
+        )
         raise ConfigError(f"checkpoint {path} does not match this model ({len(problems)} mismatches): {listed}",
                           hint="load a checkpoint of the same model; nothing was modified")

@@ -36,7 +36,9 @@ class SafetensorsFiles:
         else:
             names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
             if not names:
-                raise ConfigError(f"{directory!r} holds no *.safetensors weights", hint="save the model with save_pretrained(dir)")
+                raise ConfigError(
+                    f"{directory!r} holds no *.safetensors weights", hint="save the model with save_pretrained(dir)"
+                )
             from safetensors import safe_open
 
             files = {}
@@ -80,7 +82,13 @@ class Merged:
 def conversions(model_type: str, keys: Sequence[str]) -> tuple[dict[str, str], dict[str, Merged]]:
     """Module key -> checkpoint key (renamed), and module key -> merged sources, following
     transformers' conversion table for ``model_type`` (renames, expert stacking, concatenation)."""
-    from transformers.conversion_mapping import Concatenate, MergeModulelist, WeightConverter, WeightRenaming, get_checkpoint_conversion_mapping
+    from transformers.conversion_mapping import (
+        Concatenate,
+        MergeModulelist,
+        WeightConverter,
+        WeightRenaming,
+        get_checkpoint_conversion_mapping,
+    )
 
     renamed = {key: key for key in keys}
     merged: dict[str, Merged] = {}
@@ -91,7 +99,12 @@ def conversions(model_type: str, keys: Sequence[str]) -> tuple[dict[str, str], d
         elif isinstance(rule, WeightConverter):
             ops = list(rule.operations)
             cat = next((op.dim for op in ops if isinstance(op, Concatenate)), None)
-            if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0 or len(ops) > 1 + (cat is not None):
+            if (
+                not ops
+                or not isinstance(ops[0], MergeModulelist)
+                or ops[0].dim != 0
+                or len(ops) > 1 + (cat is not None)
+            ):
                 continue  # not a layout we assemble; such a key is reported missing if the model needs it
             found: dict[str, list[dict[int, str]]] = {}
             for i, pattern in enumerate(rule.source_patterns):

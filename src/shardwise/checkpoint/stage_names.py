@@ -33,7 +33,9 @@ class StageNames:
         for name in local_names:
             plain = name.split(".", 1)[1]
             if plain in self._to_local:
-                raise ConfigError(f"two local pipeline stages both hold {plain!r}", hint="checkpoint this model under another split")
+                raise ConfigError(
+                    f"two local pipeline stages both hold {plain!r}", hint="checkpoint this model under another split"
+                )
             self._to_local[plain] = name
 
     def plain(self, name: str) -> str:

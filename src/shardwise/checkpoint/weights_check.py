@@ -30,8 +30,25 @@ from typing import Any
 from shardwise.errors import ConfigError
 
 INDEX = "model.safetensors.index.json"
-ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
-            "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}  # sub-byte dtypes: no size check
+ITEMSIZE = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E5M2": 1,
+    "F8_E4M3": 1,
+    "F8_E8M0": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+    "C64": 8,
+}  # sub-byte dtypes: no size check
 _RESAVE = "download or save it again (save_pretrained), or restore it from a good copy"
 
 
@@ -52,7 +69,9 @@ def read_header(path: str) -> dict[str, StoredTensor]:
         head = fh.read(8)
         n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
         if n is None or 8 + n > size:
-            raise ConfigError(f"{path} is truncated or not a safetensors file ({size} bytes, too few for its header)", hint=_RESAVE)
+            raise ConfigError(
+                f"{path} is truncated or not a safetensors file ({size} bytes, too few for its header)", hint=_RESAVE
+            )
         raw = fh.read(n)
     try:
         header = json.loads(raw)
@@ -68,12 +87,16 @@ def read_header(path: str) -> dict[str, StoredTensor]:
             dtype, shape, (begin, stop) = str(info["dtype"]), tuple(int(d) for d in info["shape"]), info["data_offsets"]
             begin, stop = int(begin), int(stop)
         except (KeyError, TypeError, ValueError):
-            raise ConfigError(f"{path} is corrupt: the header entry of tensor {key!r} is not dtype, shape and data_offsets",
-                              hint=_RESAVE) from None
+            raise ConfigError(
+                f"{path} is corrupt: the header entry of tensor {key!r} is not dtype, shape and data_offsets",
+                hint=_RESAVE,
+            ) from None
         expected = math.prod(shape) * ITEMSIZE[dtype] if dtype in ITEMSIZE else None
         if begin < 0 or stop < begin or (expected is not None and stop - begin != expected):
-            raise ConfigError(f"{path} is corrupt: tensor {key!r} ({dtype}, shape {list(shape)}) has data_offsets [{begin}, {stop}]",
-                              hint=_RESAVE)
+            raise ConfigError(
+                f"{path} is corrupt: tensor {key!r} ({dtype}, shape {list(shape)}) has data_offsets [{begin}, {stop}]",
+                hint=_RESAVE,
+            )
         tensors[key], end = StoredTensor(name, dtype, shape), max(end, stop)
     if size != 8 + n + end:
         how = "truncated" if size < 8 + n + end else "longer than its header describes"
@@ -87,7 +110,9 @@ def stored_tensors(directory: str) -> dict[str, StoredTensor]:
     if not os.path.exists(index):
         names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
         if not names:
-            raise ConfigError(f"{directory!r} holds no *.safetensors weights", hint="save the model with save_pretrained(dir)")
+            raise ConfigError(
+                f"{directory!r} holds no *.safetensors weights", hint="save the model with save_pretrained(dir)"
+            )
         return {key: t for name in names for key, t in read_header(os.path.join(directory, name)).items()}
     try:
         with open(index) as fh:
@@ -95,7 +120,9 @@ def stored_tensors(directory: str) -> dict[str, StoredTensor]:
         if not isinstance(weight_map, dict):
             raise TypeError
     except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"{index} is not a safetensors index (a JSON object with a \"weight_map\")", hint=_RESAVE) from None
+        raise ConfigError(
+            f"{index} is not a safetensors index (a JSON object with a \"weight_map\")", hint=_RESAVE
+        ) from None
     by_file: dict[str, list[str]] = {}
     for key, name in weight_map.items():
         by_file.setdefault(str(name), []).append(key)
@@ -142,12 +169,16 @@ def check_shapes(directory: str, tensors: dict[str, StoredTensor], model: Any) -
             continue
         stored = tensors[key]
         if stored.shape != tuple(param.shape):
-            raise ConfigError(f"{os.path.join(directory, stored.file)}: tensor {key!r} has shape {list(stored.shape)}, but the model "
-                              f"that config.json describes needs {list(param.shape)}",
-                              hint="the weights and config.json are of different models; keep the config.json saved with the weights")
+            raise ConfigError(
+                f"{os.path.join(directory, stored.file)}: tensor {key!r} has shape {list(stored.shape)}, but the model "
+                f"that config.json describes needs {list(param.shape)}",
+                hint="the weights and config.json are of different models; keep the config.json saved with the weights",
+            )
     if missing:
-        raise ConfigError(f"{directory} has no weights for {len(missing)} parameter(s) of the model, e.g. {missing[0]!r}",
-                          hint="load a checkpoint of the same model class and config (save_pretrained writes one)")
+        raise ConfigError(
+            f"{directory} has no weights for {len(missing)} parameter(s) of the model, e.g. {missing[0]!r}",
+            hint="load a checkpoint of the same model class and config (save_pretrained writes one)",
+        )
 
 
 def tied_aliases(model: Any) -> dict[str, tuple[str, ...]]:

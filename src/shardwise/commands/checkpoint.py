@@ -24,23 +24,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     ins.add_argument("dir", help="checkpoint directory (the one holding step_* directories)")
     ins.add_argument("--step", type=int, default=None, help="show the tensors of this step (default: newest complete)")
     ins.add_argument("--no-tensors", action="store_true", help="list the steps only")
-    ins.add_argument("--verify", choices=["none", "size", "checksum"], default="checksum", help="how thoroughly to check files")
+    ins.add_argument(
+        "--verify", choices=["none", "size", "checksum"], default="checksum", help="how thoroughly to check files"
+    )
     ins.set_defaults(func=_inspect)
     con = actions.add_parser("consolidate", help="write the full model weights to one safetensors file")
     con.add_argument("dir", help="checkpoint directory, or one step_* directory")
     con.add_argument("out", help="output .safetensors path")
     con.add_argument("--step", type=int, default=None, help="step to consolidate (default: newest complete)")
     con.set_defaults(func=_consolidate)
-    exp = actions.add_parser("export", help="write a checkpoint's model in another format (hf: a transformers model directory)")
+    exp = actions.add_parser(
+        "export", help="write a checkpoint's model in another format (hf: a transformers model directory)"
+    )
     exp.add_argument("dir", help="checkpoint directory, or one step_* directory")
     exp.add_argument("out", help="output directory")
-    exp.add_argument("--format", choices=["hf", "peft"], default="hf",
-                     help="hf: config.json and safetensors shards (default); peft: a LoRA run's adapter_config.json and adapter_model.safetensors")
-    exp.add_argument("--merge", action="store_true", help="with --format hf: merge a LoRA run's adapters into its base (peft's merge_and_unload)")
+    exp.add_argument(
+        "--format",
+        choices=["hf", "peft"],
+        default="hf",
+        help="hf: config.json and safetensors shards (default); peft: a LoRA run's adapter_config.json and adapter_model.safetensors",
+    )
+    exp.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --format hf: merge a LoRA run's adapters into its base (peft's merge_and_unload)",
+    )
     exp.add_argument("--step", type=int, default=None, help="step to export (default: newest complete)")
     exp.add_argument("--model", default=None, metavar="DIR",
                      help="the model directory the run started from (default: the copy kept in the checkpoint's hf/)")
-    exp.add_argument("--max-shard-size", type=float, default=2.0, metavar="GB", help="largest safetensors file (default 2 GB)")
+    exp.add_argument(
+        "--max-shard-size", type=float, default=2.0, metavar="GB", help="largest safetensors file (default 2 GB)"
+    )
     exp.set_defaults(func=_export)
 
 
@@ -67,15 +81,22 @@ def _export(args: argparse.Namespace) -> int:
         from shardwise.errors import ConfigError
 
         if args.format == "peft" and args.merge:
-            raise ConfigError("--merge writes a full model (--format hf), not a PEFT adapter", hint="drop --merge, or use --format hf --merge")
+            raise ConfigError(
+                "--merge writes a full model (--format hf), not a PEFT adapter",
+                hint="drop --merge, or use --format hf --merge",
+            )
         if args.format == "peft":
             shapes = export_peft(args.dir, args.out, step=args.step)
-            print(f"wrote {len(shapes)} adapter tensors and adapter_config.json to {args.out} (load it with PeftModel.from_pretrained)")
+            print(
+                f"wrote {len(shapes)} adapter tensors and adapter_config.json to {args.out} (load it with PeftModel.from_pretrained)"
+            )
             return 0
         base = export_merged(args.dir, args.out, step=args.step, model_dir=args.model)
         print(f"wrote the adapters merged into {base} to {args.out} (load it with transformers' from_pretrained)")
         return 0
 
-    shapes = export_hf(args.dir, args.out, step=args.step, model_dir=args.model, max_shard_bytes=int(args.max_shard_size * 1024**3))
+    shapes = export_hf(
+        args.dir, args.out, step=args.step, model_dir=args.model, max_shard_bytes=int(args.max_shard_size * 1024**3)
+    )
     print(f"wrote {len(shapes)} tensors and config.json to {args.out} (load it with transformers' from_pretrained)")
     return 0

@@ -21,10 +21,17 @@ EXAMPLES = """examples:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="check versions, devices, environment and collectives", epilog=EXAMPLES,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=None, help="local processes for the collective test (default: GPUs, else 2; 0 skips it)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local processes for the collective test (default: GPUs, else 2; 0 skips it)",
+    )
     p.add_argument("--max-size-mb", type=float, default=None, help="largest message in the bandwidth table")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per size (the median is reported)")
-    p.add_argument("--plot", default=None, metavar="PNG", help="also draw the bandwidth table as a plot into this PNG file")
+    p.add_argument(
+        "--plot", default=None, metavar="PNG", help="also draw the bandwidth table as a plot into this PNG file"
+    )
     add_host_flags(p)
     p.set_defaults(func=_main)
 
@@ -36,7 +43,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.iters < 1:
         raise ShardwiseError(f"--iters {args.iters} must be a positive integer", hint="e.g. --iters 10")
     if args.max_size_mb is not None and not (math.isfinite(args.max_size_mb) and args.max_size_mb > 0):
-        raise ShardwiseError(f"--max-size-mb {args.max_size_mb:g} must be a positive number", hint="e.g. --max-size-mb 64")
+        raise ShardwiseError(
+            f"--max-size-mb {args.max_size_mb:g} must be a positive number", hint="e.g. --max-size-mb 64"
+        )
     if args.plot:
         check_output_file(args.plot, option="--plot")
         from shardwise.observe.plots import check_plot_format
@@ -49,7 +58,9 @@ def _main(args: argparse.Namespace) -> int:
     if args.hostfile or args.hosts:  # every host over ssh: pre-flight, then collectives across them
         from shardwise.launch.multihost import doctor_on_hosts
 
-        return doctor_on_hosts(host_launch_from_args(args), nproc=args.nproc, max_size_mb=args.max_size_mb, iters=args.iters)
+        return doctor_on_hosts(
+            host_launch_from_args(args), nproc=args.nproc, max_size_mb=args.max_size_mb, iters=args.iters
+        )
     import torch
 
     from shardwise.launch.inprocess import launch
@@ -70,7 +81,9 @@ def _main(args: argparse.Namespace) -> int:
     mismatches = version_mismatches(result.versions)
     if result.versions and not mismatches:
         v = result.versions[0]
-        print(f"  {'versions':<15} ok: torch {v.torch}, shardwise {v.shardwise}, python {v.python} on all {len(result.versions)} ranks")
+        print(
+            f"  {'versions':<15} ok: torch {v.torch}, shardwise {v.shardwise}, python {v.python} on all {len(result.versions)} ranks"
+        )
     for line in mismatches:
         print(f"  {'versions':<15} MISMATCH: {line}")
     failed = [c for c in result.checks if not c.ok]
@@ -84,9 +97,13 @@ def _main(args: argparse.Namespace) -> int:
     if args.plot:
         from shardwise.observe.plots import plot_bandwidth
 
-        print(f"bandwidth plot: {plot_bandwidth(result.bandwidth, args.plot, title=f'{result.backend}, {result.world_size} processes')}")
+        print(
+            f"bandwidth plot: {plot_bandwidth(result.bandwidth, args.plot, title=f'{result.backend}, {result.world_size} processes')}"
+        )
     if mismatches:
-        raise ShardwiseError("ranks run different versions: " + "; ".join(mismatches),
-                             hint="install the same torch and shardwise on every node (one container image or environment)")
+        raise ShardwiseError(
+            "ranks run different versions: " + "; ".join(mismatches),
+            hint="install the same torch and shardwise on every node (one container image or environment)",
+        )
     print("\nall checks passed")
     return 0

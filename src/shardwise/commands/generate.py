@@ -30,16 +30,32 @@ EXAMPLES = """examples:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text from a checkpoint or a Hugging Face directory (KV cache, tensor parallel)",
-                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
-                   help="a checkpoint of 'shardwise train' (the built-in GPT or a Hugging Face model; root or step_* directory), "
-                        "or a Hugging Face model directory")
-    p.add_argument("--prompt", default=None, help="the text to continue (encoded with the model's tokenizer, or the built-in GPT's characters)")
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a checkpoint or a Hugging Face directory (KV cache, tensor parallel)",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="DIR",
+        help="a checkpoint of 'shardwise train' (the built-in GPT or a Hugging Face model; root or step_* directory), "
+        "or a Hugging Face model directory",
+    )
+    p.add_argument(
+        "--prompt",
+        default=None,
+        help="the text to continue (encoded with the model's tokenizer, or the built-in GPT's characters)",
+    )
     p.add_argument("--prompt-ids", default=None, metavar="IDS", help="the prompt as comma-separated token ids instead")
-    p.add_argument("--plan", default="tp=1", help="the layout: tp=N splits the model over N processes (default %(default)s)")
+    p.add_argument(
+        "--plan", default="tp=1", help="the layout: tp=N splits the model over N processes (default %(default)s)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); >0: sample from softmax(logits / T)")
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy (default); >0: sample from softmax(logits / T)"
+    )
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens only")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default %(default)s)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence at every step (no KV cache)")
@@ -57,7 +73,9 @@ def _prompt_ids(text: str | None) -> list[int] | None:
     try:
         ids = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ConfigError(f"--prompt-ids {text!r} is not a comma-separated list of token ids", hint="e.g. --prompt-ids 1,5,9") from None
+        raise ConfigError(
+            f"--prompt-ids {text!r} is not a comma-separated list of token ids", hint="e.g. --prompt-ids 1,5,9"
+        ) from None
     if not ids or min(ids) < 0:
         raise ConfigError(f"--prompt-ids {text!r} must list at least one non-negative token id")
     return ids
@@ -76,7 +94,9 @@ def generate_worker(source: str, plan_text: str, prompt: str | None, prompt_ids:
     env = runtime.init()
     plan = resolve_plan(plan_text, env.world_size)
     meshes = build_mesh(plan, env.device.type)
-    lm = load_model(source, plan, meshes, device=env.device, model_dir=model_dir, step=step, need_tokenizer=prompt is not None)
+    lm = load_model(
+        source, plan, meshes, device=env.device, model_dir=model_dir, step=step, need_tokenizer=prompt is not None
+    )
     ids = prompt_ids if prompt_ids is not None else lm.encode(prompt)
     if not ids:
         raise ConfigError("the prompt encodes to no tokens", hint="give a longer --prompt")
@@ -92,21 +112,31 @@ def _main(args: argparse.Namespace) -> int:
     from shardwise.generate.decode import Sampling, check_request
 
     if not os.path.isdir(args.checkpoint):
-        raise ConfigError(f"--checkpoint {args.checkpoint} is not a directory", hint="a checkpoint directory or a Hugging Face model directory")
+        raise ConfigError(
+            f"--checkpoint {args.checkpoint} is not a directory",
+            hint="a checkpoint directory or a Hugging Face model directory",
+        )
     if (args.prompt is None) == (args.prompt_ids is None):
         raise ConfigError("give exactly one of --prompt TEXT and --prompt-ids IDS")
     if args.prompt is not None and not args.prompt:
         raise ConfigError("--prompt is empty", hint='e.g. --prompt "def main():"')
     ids = _prompt_ids(args.prompt_ids)
     plan = Plan.parse(args.plan)
-    sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
-                        use_cache=not args.no_cache)
+    sampling = Sampling(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        use_cache=not args.no_cache,
+    )
     check_request(args.checkpoint, plan, model_dir=args.model, prompt=args.prompt, prompt_ids=ids, sampling=sampling)
     worker_args = (args.checkpoint, str(plan), args.prompt, ids, sampling, args.model, args.step)
     if plan.world_size == 1:
         result = generate_worker(*worker_args)
     else:
-        result = launch(generate_worker, nprocs=plan.world_size, args=worker_args, backend="gloo", timeout_s=args.timeout)[0]
+        result = launch(
+            generate_worker, nprocs=plan.world_size, args=worker_args, backend="gloo", timeout_s=args.timeout
+        )[0]
     print(result["text"] if result["text"] is not None else " ".join(map(str, result["ids"])))
     if args.ids:
         print("ids:", ",".join(map(str, result["ids"])))

@@ -15,12 +15,23 @@ def add_host_flags(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("hosts (start every node from here over ssh; see docs/multinode.md)")
     g.add_argument("--hostfile", default=None, metavar="FILE", help="one host per line: 'node1 slots=8' (# comments)")
     g.add_argument("--hosts", default=None, metavar="H:N,...", help="hosts and processes, e.g. node1:8,node2:8")
-    g.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
-                   help="also forward this variable (NCCL_*, GLOO_*, SHARDWISE_* and PYTHONPATH always are); repeatable")
+    g.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="also forward this variable (NCCL_*, GLOO_*, SHARDWISE_* and PYTHONPATH always are); repeatable",
+    )
     g.add_argument("--chdir", default=None, metavar="DIR", help="working directory on every host (default: this one)")
-    g.add_argument("--python", default=None, metavar="PATH", help="interpreter on every host (default: this one's path)")
-    g.add_argument("--ssh-config", default=None, metavar="FILE", help="ssh configuration file (ssh -F; default: your own)")
-    g.add_argument("--ssh-option", action="append", default=[], metavar="KEY=VALUE", help="ssh -o KEY=VALUE; repeatable")
+    g.add_argument(
+        "--python", default=None, metavar="PATH", help="interpreter on every host (default: this one's path)"
+    )
+    g.add_argument(
+        "--ssh-config", default=None, metavar="FILE", help="ssh configuration file (ssh -F; default: your own)"
+    )
+    g.add_argument(
+        "--ssh-option", action="append", default=[], metavar="KEY=VALUE", help="ssh -o KEY=VALUE; repeatable"
+    )
     g.add_argument("--ssh-timeout", type=int, default=10, metavar="SECONDS",
                    help="an unreachable host fails after this long (ssh ConnectTimeout, default %(default)s)")
 

@@ -19,8 +19,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--port", type=int, default=29510, help="the port to listen on, every address (default %(default)s)")
     p.add_argument("--min-replicas", type=int, default=1, help="fewest groups that form a quorum (default 1)")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0, metavar="S", help="drop a group silent this long (default 5)")
-    p.add_argument("--join-timeout", type=float, default=1.0, metavar="S", help="wait this long for more groups (default 1)")
+    p.add_argument(
+        "--heartbeat-timeout", type=float, default=5.0, metavar="S", help="drop a group silent this long (default 5)"
+    )
+    p.add_argument(
+        "--join-timeout", type=float, default=1.0, metavar="S", help="wait this long for more groups (default 1)"
+    )
     p.set_defaults(func=_main)
 
 

@@ -38,45 +38,90 @@ def register(sub: argparse._SubParsersAction) -> None:
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="built-in model: gpt (shardwise's GPT), gpt2, gpt3-1.3b, gpt3-13b, gpt3-175b")
-    src.add_argument("--model-spec", help='transformer shape as JSON (or a JSON file): {"layers", "hidden", "heads", "vocab", "seq"}'
-                                          ' and optional "ffn", "kv_heads", "tied_embeddings", "gated_mlp"')
+    src.add_argument(
+        "--model-spec",
+        help='transformer shape as JSON (or a JSON file): {"layers", "hidden", "heads", "vocab", "seq"}'
+        ' and optional "ffn", "kv_heads", "tied_embeddings", "gated_mlp"',
+    )
     src.add_argument("--script", help="Python file defining MODEL_SPEC, or build_model() and example_input(device)")
-    src.add_argument("--model-script", help="your model as a `shardwise verify --script` file: build_model(seed) and "
-                                            "make_batch(step, size); built on meta, sized by its first sample like Trainer(plan='auto')")
-    src.add_argument("--model.hf", dest="model_hf", metavar="DIR",
-                     help="a Hugging Face model directory (or its config.json): the shape its config says, as Trainer(plan='auto') reads it")
-    src.add_argument("--params", type=float, help="a model given by its parameter count alone: print the model-state memory of each ZeRO stage")
+    src.add_argument(
+        "--model-script",
+        help="your model as a `shardwise verify --script` file: build_model(seed) and "
+        "make_batch(step, size); built on meta, sized by its first sample like Trainer(plan='auto')",
+    )
+    src.add_argument(
+        "--model.hf",
+        dest="model_hf",
+        metavar="DIR",
+        help="a Hugging Face model directory (or its config.json): the shape its config says, as Trainer(plan='auto') reads it",
+    )
+    src.add_argument(
+        "--params",
+        type=float,
+        help="a model given by its parameter count alone: print the model-state memory of each ZeRO stage",
+    )
     p.add_argument("--devices", type=int, required=True, help="number of devices (processes)")
-    p.add_argument("--devices-per-node", type=int, default=None, help="devices per node (default: the preset's, at most --devices)")
-    p.add_argument("--device-type", default="h100", help="a100-40gb, a100-80gb, h100, h200, cpu, or a spec file from `shardwise calibrate`")
+    p.add_argument(
+        "--devices-per-node", type=int, default=None, help="devices per node (default: the preset's, at most --devices)"
+    )
+    p.add_argument(
+        "--device-type",
+        default="h100",
+        help="a100-40gb, a100-80gb, h100, h200, cpu, or a spec file from `shardwise calibrate`",
+    )
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: 4 x devices)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16", "fp8"), default=None,
-                   help="compute precision (default: bf16 on GPUs, fp32 on CPUs); fp8: torchao's float8 linears on a device with "
-                        "FP8 tensor cores (h100, h200, h800)")
+    p.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16", "fp8"),
+        default=None,
+        help="compute precision (default: bf16 on GPUs, fp32 on CPUs); fp8: torchao's float8 linears on a device with "
+        "FP8 tensor cores (h100, h200, h800)",
+    )
     p.add_argument("--precision-policy", choices=("autocast", "16bit"), default="autocast",
                    help="how mixed precision runs: autocast over fp32 parameters (shardwise's Trainer, the default) or "
                         "16-bit parameters and activations (Megatron-LM, torchtitan, llm-foundry)")
-    p.add_argument("--selective", choices=("matmuls", "op", "attention", "layer"), default=None,
-                   help="what recompute=selective keeps: matmuls (shardwise's policy; default with autocast), op (torchtitan's "
-                        "per-op SAC), attention (Korthikanti et al.: all but the attention core; default with 16bit), layer (every "
-                        "second block recomputed)")
-    p.add_argument("--memory-convention", choices=("torch", "zero-paper", "megatron"), default="torch",
-                   help="bytes per parameter of the model states: torch (fp32 master = parameter, 4+4+8 with Adam; the default), "
-                        "zero-paper (2+2+12, the ZeRO paper's table 1), megatron (2+4+12)")
+    p.add_argument(
+        "--selective",
+        choices=("matmuls", "op", "attention", "layer"),
+        default=None,
+        help="what recompute=selective keeps: matmuls (shardwise's policy; default with autocast), op (torchtitan's "
+        "per-op SAC), attention (Korthikanti et al.: all but the attention core; default with 16bit), layer (every "
+        "second block recomputed)",
+    )
+    p.add_argument(
+        "--memory-convention",
+        choices=("torch", "zero-paper", "megatron"),
+        default="torch",
+        help="bytes per parameter of the model states: torch (fp32 master = parameter, 4+4+8 with Adam; the default), "
+        "zero-paper (2+2+12, the ZeRO paper's table 1), megatron (2+4+12)",
+    )
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "muon", "sgd", "sgd_nomomentum"),
                    help="the optimizer whose states (and, for muon, Newton-Schulz and its all-to-alls) the plans carry")
     p.add_argument("--lora.r", dest="lora_r", type=int, default=0, metavar="R",
                    help="LoRA adapters of rank R on every projection of a frozen base (0: full fine-tuning)")
     p.add_argument("--lora.base", dest="lora_base", choices=("fp32", "nf4"), default="fp32",
                    help="how the frozen base is stored: fp32, or nf4 (QLoRA's 4-bit base)")
-    p.add_argument("--runtime-options", dest="runtime_options", choices=("speed", "memory"), default="speed",
-                   help="when the search turns shardwise's runtime options on: wherever they help (speed, the default), or only "
-                        "where a plan does not fit without them (memory: e.g. to price a --fixed layout without shardwise's speed-ups)")
+    p.add_argument(
+        "--runtime-options",
+        dest="runtime_options",
+        choices=("speed", "memory"),
+        default="speed",
+        help="when the search turns shardwise's runtime options on: wherever they help (speed, the default), or only "
+        "where a plan does not fit without them (memory: e.g. to price a --fixed layout without shardwise's speed-ups)",
+    )
     p.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free (default 0.1)")
     p.add_argument("--top", type=int, default=None, help="how many plans to show (default 5; 1 with --fixed)")
-    p.add_argument("--fixed", default=None, help="fix these plan keys and search the rest, e.g. dp=24,tp=8,pp=8 (a complete plan: evaluate it)")
-    p.add_argument("--explain", action="store_true", help="name the dominant terms of each plan's step (with --fixed: compare with the free search)")
+    p.add_argument(
+        "--fixed",
+        default=None,
+        help="fix these plan keys and search the rest, e.g. dp=24,tp=8,pp=8 (a complete plan: evaluate it)",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="name the dominant terms of each plan's step (with --fixed: compare with the free search)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_main)
 
@@ -85,7 +130,9 @@ def _check(args: argparse.Namespace) -> None:
     if args.devices is None or args.devices < 1:
         raise ConfigError(f"--devices {args.devices} must be a positive integer", hint="e.g. --devices 8")
     if args.devices_per_node is not None and args.devices_per_node < 1:
-        raise ConfigError(f"--devices-per-node {args.devices_per_node} must be a positive integer", hint="e.g. --devices-per-node 8")
+        raise ConfigError(
+            f"--devices-per-node {args.devices_per_node} must be a positive integer", hint="e.g. --devices-per-node 8"
+        )
     if args.top is not None and args.top < 1:
         raise ConfigError(f"--top {args.top} must be at least 1")
     if args.seq is not None and args.seq < 1:
@@ -106,9 +153,18 @@ def _states_table(args: argparse.Namespace) -> int:
     rows = [("baseline (DDP)", 0), ("P_os (zero=1)", 1), ("P_os+g (zero=2)", 2), ("P_os+g+p (zero=3)", 3)]
     states = {z: sum(model_state_bytes(args.params, policy, zero=z, shard=n).values()) for _, z in rows}
     if args.json:
-        print(json.dumps({"params": args.params, "devices": n, "memory_convention": args.memory_convention,
-                          "bytes_per_param": {"param": policy.param, "grad": policy.grad, "optimizer": policy.optimizer},
-                          "model_states_gb": {f"zero={z}": states[z] / 1e9 for _, z in rows}}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "params": args.params,
+                    "devices": n,
+                    "memory_convention": args.memory_convention,
+                    "bytes_per_param": {"param": policy.param, "grad": policy.grad, "optimizer": policy.optimizer},
+                    "model_states_gb": {f"zero={z}": states[z] / 1e9 for _, z in rows},
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"{human_count(args.params)} parameters on {n} data-parallel devices, model states per device "
           f"({args.memory_convention}: {policy.param:g} + {policy.grad:g} + {policy.optimizer:g} bytes per parameter):")
@@ -161,7 +217,10 @@ def _model_stats(args: argparse.Namespace) -> Any:
 
         stats = stats_from_model_script(args.model_script, seq=args.seq)
     elif args.model_hf:
-        from shardwise.models.hf import read_config, stats_of_config  # the same reading as Trainer(Pretrained(DIR), plan="auto")
+        from shardwise.models.hf import (
+            read_config,
+            stats_of_config,
+        )  # the same reading as Trainer(Pretrained(DIR), plan="auto")
 
         stats = stats_of_config(read_config(args.model_hf), seq=args.seq)
     else:
@@ -171,7 +230,9 @@ def _model_stats(args: argparse.Namespace) -> Any:
 
         stats = with_lora(stats, r=args.lora_r, base=args.lora_base)
     elif args.lora_base != "fp32":
-        raise ConfigError("--lora.base nf4 is QLoRA's 4-bit base under adapters", hint="add --lora.r 16 (or another rank)")
+        raise ConfigError(
+            "--lora.base nf4 is QLoRA's 4-bit base under adapters", hint="add --lora.r 16 (or another rank)"
+        )
     return stats
 
 
@@ -212,8 +273,18 @@ class _Ranked:
         from shardwise.plan.cost import estimate
         from shardwise.plan.options import option_notes
 
-        return option_notes(e, lambda plan: estimate(self.stats, self.cluster, plan, global_batch=self.global_batch,
-                                                     policy=self.options.policy, headroom=headroom, run=self.options.run))
+        return option_notes(
+            e,
+            lambda plan: estimate(
+                self.stats,
+                self.cluster,
+                plan,
+                global_batch=self.global_batch,
+                policy=self.options.policy,
+                headroom=headroom,
+                run=self.options.run,
+            ),
+        )
 
 
 def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: int, options: Any) -> _Ranked:
@@ -241,12 +312,16 @@ def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: in
     else:
         every = candidates(stats, cluster, global_batch=global_batch, options=constrained)
         if not every:
-            raise ConfigError(f"--fixed {args.fixed} names no valid plan for {cluster.devices} devices and global batch {global_batch}",
-                              hint="the named degrees must multiply to a divisor of --devices, and dp must divide the global batch")
+            raise ConfigError(
+                f"--fixed {args.fixed} names no valid plan for {cluster.devices} devices and global batch {global_batch}",
+                hint="the named degrees must multiply to a divisor of --devices, and dp must divide the global batch",
+            )
         estimates = every[:options.top]
         best = min(every, key=lambda e: e.memory_total)
-        explanation = (f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them needs is "
-                       f"{best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); the fastest is shown")
+        explanation = (
+            f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them needs is "
+            f"{best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); the fastest is shown"
+        )
     if args.precision_policy == "autocast":  # the same layout as another framework runs it, beside shardwise's
         explanation += "\n" + framework_line(stats, cluster, global_batch, constrained, estimates[0])
     conflict = runtime_conflict(estimates[0].plan)
@@ -264,16 +339,27 @@ def _print_json(args: argparse.Namespace, found: _Ranked) -> int:
     from shardwise.plan.explain import dominant_terms, explain_gap
 
     stats, cluster, estimates = found.stats, found.cluster, found.estimates
-    out = {"model": stats.name, "params": stats.params_total, "devices": cluster.devices, "device_type": cluster.name,
-           "global_batch": found.global_batch, "seq": stats.seq, "precision_policy": found.options.run.precision,
-           "memory_convention": args.memory_convention, "plans": [{**e.to_json(), **interval_json(e, cluster)} for e in estimates],
-           "explanation": found.explanation}
+    out = {
+        "model": stats.name,
+        "params": stats.params_total,
+        "devices": cluster.devices,
+        "device_type": cluster.name,
+        "global_batch": found.global_batch,
+        "seq": stats.seq,
+        "precision_policy": found.options.run.precision,
+        "memory_convention": args.memory_convention,
+        "plans": [{**e.to_json(), **interval_json(e, cluster)} for e in estimates],
+        "explanation": found.explanation,
+    }
     if args.explain:
         out["terms"] = [dominant_terms(e, k=4) for e in estimates]
         out["runtime_options"] = [found.notes(e, args.headroom) for e in estimates]
         if found.free is not None:
-            out["free_search"] = {"plan": str(found.free.plan), "speedup": estimates[0].step_time_s / found.free.step_time_s,
-                                  "why": explain_gap(found.free, estimates[0])}
+            out["free_search"] = {
+                "plan": str(found.free.plan),
+                "speedup": estimates[0].step_time_s / found.free.step_time_s,
+                "why": explain_gap(found.free, estimates[0]),
+            }
     if args.optimizer == "muon":
         out["muon"] = [_muon(stats, cluster, e.plan).to_json() for e in estimates]
     print(json.dumps(out, indent=2))
@@ -285,11 +371,20 @@ def _print_text(args: argparse.Namespace, found: _Ranked) -> int:
     from shardwise.plan.explain import dominant_terms, explain_gap
 
     stats, cluster, estimates, options = found.stats, found.cluster, found.estimates, found.options
-    print(f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {found.global_batch}, "
-          f"{cluster.devices} x {cluster.name} ({cluster.devices_per_node} per node, {cluster.memory_bytes / 1e9:.0f} GB, "
-          f"{100 * (1 - args.headroom):.0f}% usable), {options.precision} ({options.run.precision}"
-          + (("; runtime options only where needed to fit)" if options.options_for_memory else "; runtime options searched)")
-             if options.runtime_options else ")"))
+    print(
+        f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {found.global_batch}, "
+        f"{cluster.devices} x {cluster.name} ({cluster.devices_per_node} per node, {cluster.memory_bytes / 1e9:.0f} GB, "
+        f"{100 * (1 - args.headroom):.0f}% usable), {options.precision} ({options.run.precision}"
+        + (
+            (
+                "; runtime options only where needed to fit)"
+                if options.options_for_memory
+                else "; runtime options searched)"
+            )
+            if options.runtime_options
+            else ")"
+        )
+    )
     print(format_table(estimates))
     print(interval_lines(estimates, cluster))
     print(found.explanation)
@@ -347,8 +442,10 @@ def _model_spec_text(value: str) -> str:
     if value.lstrip()[:1] in ("{", "["):
         return value
     if not os.path.exists(value):
-        raise ConfigError(f"--model-spec {value!r} is neither a JSON object nor an existing file",
-                          hint='give inline JSON, e.g. \'{"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq": 32}\', or a JSON file')
+        raise ConfigError(
+            f"--model-spec {value!r} is neither a JSON object nor an existing file",
+            hint='give inline JSON, e.g. \'{"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq": 32}\', or a JSON file',
+        )
     check_input_file(value, option="--model-spec")
     try:
         with open(value, encoding="utf-8") as fh:
@@ -371,17 +468,22 @@ def format_table(estimates: list) -> str:
     """The ranked plans; ``cp`` and ``ep`` columns appear when a plan uses them; ``options``: the
     runtime options (:func:`options_text`)."""
     extra = [k for k in ("cp", "ep") if any(getattr(e.plan, k) > 1 for e in estimates)]
-    head = (f"{'#':>2} {'dp':>5} {'zero':>4} {'tp':>3} {'pp':>3} " + "".join(f"{k:>3} " for k in extra)
-            + f"{'mbs':>4} {'m':>4} {'schedule':<12} {'recompute':<9} {'options':<9} "
-            f"{'mem GB':>8} {'step s':>9} {'compute':>9} {'comm':>9} {'bubble':>9} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
+    head = (
+        f"{'#':>2} {'dp':>5} {'zero':>4} {'tp':>3} {'pp':>3} "
+        + "".join(f"{k:>3} " for k in extra)
+        + f"{'mbs':>4} {'m':>4} {'schedule':<12} {'recompute':<9} {'options':<9} "
+        f"{'mem GB':>8} {'step s':>9} {'compute':>9} {'comm':>9} {'bubble':>9} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
+    )
     lines = [head]
     for i, e in enumerate(estimates, 1):
         p = e.plan
         dp = f"{p.dp}x{p.shard}" if p.dp > 1 and p.shard > 1 else str(p.dp_size)
         sched = (p.schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")) if p.pp > 1 else "-"
         degrees = "".join(f"{getattr(p, k):>3} " for k in extra)
-        lines.append(f"{i:>2} {dp:>5} {p.zero:>4} {p.tp:>3} {p.pp:>3} {degrees}{e.micro_batch_size:>4} {p.microbatches:>4} {sched:<12} "
-                     f"{p.recompute:<9} {options_text(p):<9} {e.memory_total / 1e9:>8.2f} {e.step_time_s:>9.4g} {e.time['compute']:>9.3g} "
-                     f"{e.time['communication']:>9.3g} {e.time['bubble']:>9.3g} {e.tokens_per_s:>10.4g} "
-                     f"{e.tflops_per_device:>8.3g} {100 * e.mfu:>5.1f}%")
+        lines.append(
+            f"{i:>2} {dp:>5} {p.zero:>4} {p.tp:>3} {p.pp:>3} {degrees}{e.micro_batch_size:>4} {p.microbatches:>4} {sched:<12} "
+            f"{p.recompute:<9} {options_text(p):<9} {e.memory_total / 1e9:>8.2f} {e.step_time_s:>9.4g} {e.time['compute']:>9.3g} "
+            f"{e.time['communication']:>9.3g} {e.time['bubble']:>9.3g} {e.tokens_per_s:>10.4g} "
+            f"{e.tflops_per_device:>8.3g} {100 * e.mfu:>5.1f}%"
+        )
     return "\n".join(lines)

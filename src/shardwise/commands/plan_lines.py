@@ -13,15 +13,21 @@ def framework_line(stats: object, cluster: object, global_batch: int, options: o
     from shardwise.plan.policy import RunPolicy
     from shardwise.plan.search import candidates
 
-    run = RunPolicy.sixteen_bit(selective=options.run.selective) if options.run and options.run.selective != "matmuls" else RunPolicy.sixteen_bit()
+    run = (
+        RunPolicy.sixteen_bit(selective=options.run.selective)
+        if options.run and options.run.selective != "matmuls"
+        else RunPolicy.sixteen_bit()
+    )
     every = candidates(stats, cluster, global_batch=global_batch, options=replace(options, run=run, runtime_options=()))
     if not every:
         return "as another framework runs it (--precision-policy 16bit): no plan with these keys"
     fitting = [e for e in every if e.fits]
     theirs = fitting[0] if fitting else min(every, key=lambda e: e.memory_total)
     fit = "" if fitting else ", does NOT fit"
-    return (f"as Megatron-LM / torchtitan / llm-foundry run these keys (--precision-policy 16bit): {theirs.tokens_per_s:.4g} tok/s, "
-            f"step {theirs.step_time_s:.4g} s, {ours.step_time_s / theirs.step_time_s:.2f} x the speed predicted for shardwise{fit}")
+    return (
+        f"as Megatron-LM / torchtitan / llm-foundry run these keys (--precision-policy 16bit): {theirs.tokens_per_s:.4g} tok/s, "
+        f"step {theirs.step_time_s:.4g} s, {ours.step_time_s / theirs.step_time_s:.2f} x the speed predicted for shardwise{fit}"
+    )
 
 
 def interval_json(est: object, cluster: object) -> dict:

@@ -45,7 +45,13 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--nnodes", default=None, metavar="N|MIN:MAX", help="number of nodes, or a range for an elastic job")
     g.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's rank (static rendezvous)")
     g.add_argument("--master-addr", "--master_addr", default=None, help="address of node 0")
-    g.add_argument("--master-port", "--master_port", type=int, default=None, help="port on node 0 (default: a free port on one node)")
+    g.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="port on node 0 (default: a free port on one node)",
+    )
     g.add_argument("--rdzv-backend", "--rdzv_backend", default=None, choices=["c10d", "static", "etcd", "etcd-v2"])
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, metavar="HOST:PORT")
     g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id shared by all nodes of an elastic job")
@@ -53,14 +59,22 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
                    help="give up if the nodes have not met within this time (default %(default)s)")
     g.add_argument("--rdzv-conf", "--rdzv_conf", default=None, metavar="KEY=VALUE,...",
                    help="more rendezvous settings, e.g. last_call_timeout=5,keep_alive_interval=2,is_host=1")
-    g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="restart the group this many times on failure")
+    g.add_argument(
+        "--max-restarts", "--max_restarts", type=int, default=0, help="restart the group this many times on failure"
+    )
     g.add_argument("--log-dir", "--log_dir", default=None,
                    help="also keep each rank's stdout/stderr in a file under this directory "
                         "(DIR/<run id>/attempt_<n>/<local rank>/stdout.log)")
-    g.add_argument("--log-prefix", "--log-line-prefix-template", "--log_line_prefix_template", default=None, metavar="TEMPLATE",
-                   help="start each line of a worker's output with this, e.g. '[${rank}]: ' (${rank}, ${local_rank}, "
-                        "${role_name}; default: $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, else none, or torch's "
-                        "[shardwise<local rank>]: with --log-dir)")
+    g.add_argument(
+        "--log-prefix",
+        "--log-line-prefix-template",
+        "--log_line_prefix_template",
+        default=None,
+        metavar="TEMPLATE",
+        help="start each line of a worker's output with this, e.g. '[${rank}]: ' (${rank}, ${local_rank}, "
+        "${role_name}; default: $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, else none, or torch's "
+        "[shardwise<local rank>]: with --log-dir)",
+    )
     g.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
                    help="a collective or step without progress for this long makes every rank dump its stack, name the "
                         "stuck rank and exit non-zero (default: $SHARDWISE_HANG_TIMEOUT, else 300; 0 disables)")
@@ -83,7 +97,9 @@ def options_from_args(args: argparse.Namespace, script: str, script_args: list[s
         rdzv_conf=args.rdzv_conf,
         max_restarts=args.max_restarts,
         log_dir=args.log_dir,
-        log_prefix=args.log_prefix if args.log_prefix is not None else (os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None),
+        log_prefix=args.log_prefix
+        if args.log_prefix is not None
+        else (os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None),
     )
 
 
@@ -97,10 +113,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_launch_flags(p)
     add_host_flags(p)
-    p.add_argument("--rdzv-store", default=None, metavar="launcher[:PORT]|node0|HOST:PORT",
-                   help="with --hostfile/--hosts and a world that can re-form: where the rendezvous store lives; 'launcher' "
-                        "(default: this machine, so that any node may be lost), 'node0' (the first host, as torchrun), or "
-                        "HOST:PORT of a running 'shardwise rendezvous'; pre-flight checks that every host reaches it")
+    p.add_argument(
+        "--rdzv-store",
+        default=None,
+        metavar="launcher[:PORT]|node0|HOST:PORT",
+        help="with --hostfile/--hosts and a world that can re-form: where the rendezvous store lives; 'launcher' "
+        "(default: this machine, so that any node may be lost), 'node0' (the first host, as torchrun), or "
+        "HOST:PORT of a running 'shardwise rendezvous'; pre-flight checks that every host reaches it",
+    )
     p.add_argument("--stop-with-stdin", action="store_true",
                    help="stop every process of this node when stdin closes (what --hostfile runs on each host)")
     add_ft_flags(p)
@@ -114,29 +134,64 @@ def _check_flags(args: argparse.Namespace) -> None:
     """What :func:`shardwise.launch.options.resolve` does not check, before it creates the log
     directory or binds a port."""
     if args.master_port is not None and not 0 < args.master_port < 65536:
-        raise LaunchError(f"--master-port {args.master_port} is not a port", hint="use 1-65535, e.g. --master-port 29500")
+        raise LaunchError(
+            f"--master-port {args.master_port} is not a port", hint="use 1-65535, e.g. --master-port 29500"
+        )
     if not args.module and os.path.isdir(args.script):
-        raise LaunchError(f"script {args.script!r} is a directory", hint="give the training script's file, or -m for a module")
+        raise LaunchError(
+            f"script {args.script!r} is a directory", hint="give the training script's file, or -m for a module"
+        )
     if args.log_dir and os.path.exists(args.log_dir) and not os.path.isdir(args.log_dir):
-        raise LaunchError(f"--log-dir {args.log_dir!r} is not a directory", hint="give a directory (it is created if missing)")
+        raise LaunchError(
+            f"--log-dir {args.log_dir!r} is not a directory", hint="give a directory (it is created if missing)"
+        )
 
 
 def add_ft_flags(parser: argparse.ArgumentParser) -> None:
     """Per-step fault tolerance with torchft (shardwise.launch.ft, docs/multinode.md)."""
     g = parser.add_argument_group("fault-tolerant replica groups (torchft: pip install 'shardwise[ft]')")
-    g.add_argument("--ft-replicas", type=int, default=None, metavar="R",
-                   help="R replica groups of --nproc-per-node processes each (the outer data-parallel dimension); a failed "
-                        "group restarts on its own while the others keep stepping")
-    g.add_argument("--ft-replica-id", type=int, default=None, metavar="r", help="run only group r here (with --lighthouse)")
-    g.add_argument("--lighthouse", default=None, metavar="HOST:PORT", help="a running 'shardwise lighthouse' (default: one here)")
-    g.add_argument("--ft-min-replicas", type=int, default=1, metavar="K", help="fewest live groups that may commit a step (default 1)")
-    g.add_argument("--ft-timeout", type=float, default=30.0, metavar="S", help="cross-group collective, vote and heal timeout (default 30)")
-    g.add_argument("--ft-quorum-timeout", type=float, default=60.0, metavar="S", help="wait this long for a quorum, then exit (default 60)")
+    g.add_argument(
+        "--ft-replicas",
+        type=int,
+        default=None,
+        metavar="R",
+        help="R replica groups of --nproc-per-node processes each (the outer data-parallel dimension); a failed "
+        "group restarts on its own while the others keep stepping",
+    )
+    g.add_argument(
+        "--ft-replica-id", type=int, default=None, metavar="r", help="run only group r here (with --lighthouse)"
+    )
+    g.add_argument(
+        "--lighthouse", default=None, metavar="HOST:PORT", help="a running 'shardwise lighthouse' (default: one here)"
+    )
+    g.add_argument(
+        "--ft-min-replicas",
+        type=int,
+        default=1,
+        metavar="K",
+        help="fewest live groups that may commit a step (default 1)",
+    )
+    g.add_argument(
+        "--ft-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="cross-group collective, vote and heal timeout (default 30)",
+    )
+    g.add_argument(
+        "--ft-quorum-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="wait this long for a quorum, then exit (default 60)",
+    )
     g.add_argument("--ft-heartbeat-timeout", type=float, default=5.0, metavar="S",
                    help="the lighthouse drops a group silent for this long (default 5)")
     g.add_argument("--ft-join-timeout", type=float, default=1.0, metavar="S",
                    help="the lighthouse waits this long for more groups before forming a quorum (default 1)")
-    g.add_argument("--ft-dir", default=None, metavar="DIR", help="events and summary.json (default: <log-dir>/ft, else a temp dir)")
+    g.add_argument(
+        "--ft-dir", default=None, metavar="DIR", help="events and summary.json (default: <log-dir>/ft, else a temp dir)"
+    )
 
 
 def _ft_main(args: argparse.Namespace) -> int | None:
@@ -144,9 +199,17 @@ def _ft_main(args: argparse.Namespace) -> int | None:
     ``--ft-replica-id``: this group's variables set, then the ordinary launch below (None)."""
     from shardwise.launch.ft import FtOptions, run_groups, worker_env
 
-    options = FtOptions(replicas=args.ft_replicas, replica_id=args.ft_replica_id, lighthouse=args.lighthouse,
-                        min_replicas=args.ft_min_replicas, timeout_s=args.ft_timeout, quorum_timeout_s=args.ft_quorum_timeout,
-                        heartbeat_timeout_s=args.ft_heartbeat_timeout, join_timeout_s=args.ft_join_timeout, ft_dir=args.ft_dir)
+    options = FtOptions(
+        replicas=args.ft_replicas,
+        replica_id=args.ft_replica_id,
+        lighthouse=args.lighthouse,
+        min_replicas=args.ft_min_replicas,
+        timeout_s=args.ft_timeout,
+        quorum_timeout_s=args.ft_quorum_timeout,
+        heartbeat_timeout_s=args.ft_heartbeat_timeout,
+        join_timeout_s=args.ft_join_timeout,
+        ft_dir=args.ft_dir,
+    )
     options.check()
     options.check_hang_timeout(args.hang_timeout)
     if args.hostfile or args.hosts:  # the groups over the hosts, the lighthouse here (shardwise.launch.ft_hosts)
@@ -162,18 +225,34 @@ def _ft_main(args: argparse.Namespace) -> int | None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's Rust side logs every quorum request at info
         os.environ.update(worker_env(options, args.ft_replica_id, args.lighthouse, ft_dir))
         return None
-    several = [flag for flag, value in (("--nnodes", args.nnodes), ("--node-rank", args.node_rank), ("--master-addr", args.master_addr),
-                                         ("--master-port", args.master_port), ("--rdzv-endpoint", args.rdzv_endpoint)) if value is not None]
+    several = [
+        flag
+        for flag, value in (
+            ("--nnodes", args.nnodes),
+            ("--node-rank", args.node_rank),
+            ("--master-addr", args.master_addr),
+            ("--master-port", args.master_port),
+            ("--rdzv-endpoint", args.rdzv_endpoint),
+        )
+        if value is not None
+    ]
     if several:
-        raise LaunchError(f"--ft-replicas {args.ft_replicas} starts every group on this machine; {several[0]} is for a group "
-                          "over several machines", hint="start each such group with --ft-replica-id r --lighthouse HOST:PORT")
+        raise LaunchError(
+            f"--ft-replicas {args.ft_replicas} starts every group on this machine; {several[0]} is for a group "
+            "over several machines",
+            hint="start each such group with --ft-replica-id r --lighthouse HOST:PORT",
+        )
     _check_flags(args)
     resolve(options_from_args(args, args.script, args.script_args, args.module))  # refuse bad flags once, here
     # A group's own rendezvous has one node: its agents' heartbeat (15 s by default) can only drop
     # the group from itself (a loaded machine), and a lost group is torchft's to notice.
     child = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts),
              "--rdzv-timeout", str(args.rdzv_timeout), "--rdzv-conf", args.rdzv_conf or "keep_alive_max_attempt=60"]
-    for flag, value in (("--log-dir", args.log_dir), ("--log-prefix", args.log_prefix), ("--hang-timeout", args.hang_timeout)):
+    for flag, value in (
+        ("--log-dir", args.log_dir),
+        ("--log-prefix", args.log_prefix),
+        ("--hang-timeout", args.hang_timeout),
+    ):
         if value is not None:
             child += [flag, str(value)]
     child += (["-m"] if args.module else []) + [args.script, *args.script_args]
@@ -183,13 +262,17 @@ def _ft_main(args: argparse.Namespace) -> int | None:
 def _main(args: argparse.Namespace) -> int:
     if args.ft_replicas is not None or args.ft_replica_id is not None:
         if args.ft_replicas is None:
-            raise LaunchError("--ft-replica-id needs --ft-replicas R (how many groups the job has)", hint="e.g. --ft-replicas 2")
+            raise LaunchError(
+                "--ft-replica-id needs --ft-replicas R (how many groups the job has)", hint="e.g. --ft-replicas 2"
+            )
         code = _ft_main(args)
         if code is not None:
             return code
     if args.rdzv_store and not (args.hostfile or args.hosts):
-        raise LaunchError("--rdzv-store needs --hostfile or --hosts",
-                          hint="on one node, use --rdzv-endpoint HOST:PORT --rdzv-conf is_host=0 of a running 'shardwise rendezvous'")
+        raise LaunchError(
+            "--rdzv-store needs --hostfile or --hosts",
+            hint="on one node, use --rdzv-endpoint HOST:PORT --rdzv-conf is_host=0 of a running 'shardwise rendezvous'",
+        )
     if args.hostfile or args.hosts:  # every node from here, over ssh
         from shardwise.launch.multihost import launch_on_hosts
 

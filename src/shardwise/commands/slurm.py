@@ -25,7 +25,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--cpus-per-task", type=int, default=None)
-    p.add_argument("--time", default="24:00:00", help="wall-clock limit in any sbatch form: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS")
+    p.add_argument(
+        "--time",
+        default="24:00:00",
+        help="wall-clock limit in any sbatch form: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS",
+    )
     p.add_argument("--job-name", default="shardwise")
     p.add_argument("--partition", default=None)
     p.add_argument("--account", default=None)
@@ -34,12 +38,33 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="send SIGUSR1 this long before the time limit: the workers checkpoint and stop (default 120)")
     p.add_argument("--no-requeue", action="store_true",
                    help="do not requeue the job when the warning stopped it (default: requeue, and #SBATCH --requeue)")
-    p.add_argument("--ft-replicas", type=int, default=None, metavar="R",
-                   help="R fault-tolerant replica groups over the nodes (nodes divisible by R), each with its own rendezvous "
-                        "and restarts; torchft's lighthouse on the first node (docs/multinode.md)")
-    p.add_argument("--ft-min-replicas", type=int, default=1, metavar="K", help="fewest live groups that may commit a step (default 1)")
-    p.add_argument("--lighthouse-port", type=int, default=29510, help="the lighthouse's port on the first node (default %(default)s)")
-    p.add_argument("--rdzv-port", type=int, default=29400, help="group r's rendezvous port on its first node is this + r (default %(default)s)")
+    p.add_argument(
+        "--ft-replicas",
+        type=int,
+        default=None,
+        metavar="R",
+        help="R fault-tolerant replica groups over the nodes (nodes divisible by R), each with its own rendezvous "
+        "and restarts; torchft's lighthouse on the first node (docs/multinode.md)",
+    )
+    p.add_argument(
+        "--ft-min-replicas",
+        type=int,
+        default=1,
+        metavar="K",
+        help="fewest live groups that may commit a step (default 1)",
+    )
+    p.add_argument(
+        "--lighthouse-port",
+        type=int,
+        default=29510,
+        help="the lighthouse's port on the first node (default %(default)s)",
+    )
+    p.add_argument(
+        "--rdzv-port",
+        type=int,
+        default=29400,
+        help="group r's rendezvous port on its first node is this + r (default %(default)s)",
+    )
     p.add_argument("--out", default=None, help="write the script here instead of printing it")
     p.add_argument("script", nargs=argparse.REMAINDER, help="-- then the script and its arguments")
     p.set_defaults(func=_main)

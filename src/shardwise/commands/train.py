@@ -49,7 +49,12 @@ printing the command that resumes the run
 multi-node: shardwise run --nnodes 2 ... -m shardwise.jobs.train --config run.toml
 """
 
-_SHORTCUTS = {"nproc": "parallel.nproc", "max_steps": "train.max_steps", "plan": "parallel.plan", "resume": "checkpoint.resume"}
+_SHORTCUTS = {
+    "nproc": "parallel.nproc",
+    "max_steps": "train.max_steps",
+    "plan": "parallel.plan",
+    "resume": "checkpoint.resume",
+}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -63,16 +68,33 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", default=None, metavar="FILE.toml", help="configuration file (TOML, one table per section)")
+    p.add_argument(
+        "--config", default=None, metavar="FILE.toml", help="configuration file (TOML, one table per section)"
+    )
     p.add_argument("--nproc", default=None, metavar="N", help="local processes: a number or 'auto' (= parallel.nproc)")
     p.add_argument("--max-steps", default=None, metavar="N", help="optimizer steps (= train.max_steps)")
-    p.add_argument("--plan", default=None, metavar="PLAN", help="parallel plan: dp, auto (the planner picks), or e.g. dp=2,tp=2 (= parallel.plan)")
+    p.add_argument(
+        "--plan",
+        default=None,
+        metavar="PLAN",
+        help="parallel plan: dp, auto (the planner picks), or e.g. dp=2,tp=2 (= parallel.plan)",
+    )
     p.add_argument("--resume", default=None, choices=["auto", "never"],
                    help="'auto': continue from the newest complete checkpoint of --run.name (= checkpoint.resume)")
-    p.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
-                   help="hang watchdog: a collective stuck this long stops every rank with a report (default 300; 0 disables)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="restart the processes up to N times after a failure; a restart resumes from the newest complete checkpoint")
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="hang watchdog: a collective stuck this long stops every rank with a report (default 300; 0 disables)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart the processes up to N times after a failure; a restart resumes from the newest complete checkpoint",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     _add_config_keys(p)
     p.set_defaults(func=_main)
@@ -88,8 +110,13 @@ def _add_config_keys(parser: argparse.ArgumentParser) -> None:
         for f in section_fields(TrainJobConfig, section.name):
             choices = typing.get_args(hints[f.name]) if typing.get_origin(hints[f.name]) is typing.Literal else ()
             extra = f" ({'|'.join(choices)})" if choices else ""
-            group.add_argument(f"--{section.name}.{f.name}", dest=f"cfg:{section.name}.{f.name}", default=argparse.SUPPRESS,
-                               metavar="V", help=f"{f.metadata.get('help', '')}{extra} [default: {f.default!r}]")
+            group.add_argument(
+                f"--{section.name}.{f.name}",
+                dest=f"cfg:{section.name}.{f.name}",
+                default=argparse.SUPPRESS,
+                metavar="V",
+                help=f"{f.metadata.get('help', '')}{extra} [default: {f.default!r}]",
+            )
 
 
 def resolve_config(args: argparse.Namespace) -> TrainJobConfig:
@@ -125,9 +152,14 @@ def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
     if plan.precision == "fp8" and importlib.util.find_spec("torchao") is None:  # before any process starts
         raise ConfigError("precision=fp8 needs torchao (the float8 training API)",
                           hint="pip install 'shardwise[fp8]' (torchao 0.18), or use --train.precision=bf16")
-    if plan.tp_enabled and config.model.hf and config.lora.r and config.lora.base == "nf4":  # the workers would refuse it
-        raise ConfigError(f"plan {plan}: tp cannot split QLoRA's 4-bit NF4 base (lora.base=nf4: torchao splits NF4 tensors along rows "
-                          "only, and a row-wise layer needs its columns split)", hint="use zero=3 (or dp) for QLoRA, or lora.base=fp32 with tp")
+    if (
+        plan.tp_enabled and config.model.hf and config.lora.r and config.lora.base == "nf4"
+    ):  # the workers would refuse it
+        raise ConfigError(
+            f"plan {plan}: tp cannot split QLoRA's 4-bit NF4 base (lora.base=nf4: torchao splits NF4 tensors along rows "
+            "only, and a row-wise layer needs its columns split)",
+            hint="use zero=3 (or dp) for QLoRA, or lora.base=fp32 with tp",
+        )
     if config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
         raise ConfigError(
             f"config key 'train.global_batch_size': {config.train.global_batch_size} does not split into "
@@ -142,7 +174,13 @@ def _main(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from shardwise.jobs.outcome import exit_status, newest_checkpoint, read_summary, resume_command
-    from shardwise.jobs.summary import check_data_options, check_fresh_start, check_run_dir, default_run_name, format_summary
+    from shardwise.jobs.summary import (
+        check_data_options,
+        check_fresh_start,
+        check_run_dir,
+        default_run_name,
+        format_summary,
+    )
     from shardwise.jobs.tracking import check_tracker
     from shardwise.launch.options import hang_timeout_env
 
@@ -167,7 +205,9 @@ def _main(args: argparse.Namespace) -> int:
     check_run_dir(run_dir)
     if config.checkpoint.resume != "auto":
         check_fresh_start(run_dir)
-    tracker_env = check_tracker(config.log)  # last of the checks: an MLflow database store is created when it is checked
+    tracker_env = check_tracker(
+        config.log
+    )  # last of the checks: an MLflow database store is created when it is checked
     for key, value in tracker_env.items():  # MLflow 3's file-store switch, for the file store the user named
         os.environ[key] = value  # this process and (inherited) the workers
         print(f"log.tracking_uri: a file store was asked for, so {key}={value} is set for this run (MLflow 3 keeps "
@@ -185,8 +225,10 @@ def _main(args: argparse.Namespace) -> int:
     summary = read_summary(run_dir, since=started)
     if summary is None:
         if stopped is not None:  # the workers were ended before they could report
-            raise StoppedBySignal(f"{stopped.message}; no summary from the workers; {newest_checkpoint(run_dir)}; resume with: {resume}",
-                                  signum=stopped.signum)
+            raise StoppedBySignal(
+                f"{stopped.message}; no summary from the workers; {newest_checkpoint(run_dir)}; resume with: {resume}",
+                signum=stopped.signum,
+            )
         raise ShardwiseError(f"the run finished without writing {os.path.join(run_dir, 'summary.json')}",
                              hint="see the workers' output above")
     print(format_summary(summary, resume))
@@ -196,7 +238,10 @@ def _main(args: argparse.Namespace) -> int:
 def _announce(plan: Plan | None, nproc: int, run_dir: str) -> None:
     """The plan (or that the planner chooses) and the run directory, before any process starts."""
     if plan is None:
-        print(f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed below)", flush=True)
+        print(
+            f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed below)",
+            flush=True,
+        )
     else:
         print(f"plan ({plan}, {nproc} process{'es' if nproc > 1 else ''}):")
         print("  " + plan.describe().replace("\n", "\n  "), flush=True)
@@ -234,7 +279,9 @@ def _run_workers(config: TrainJobConfig, nproc: int, *, max_restarts: int, hang_
                                  nproc_per_node=str(nproc), max_restarts=max_restarts)
             resolved = resolve(options)
             try:
-                run_launch(dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}), forwarded=forwarded)
+                run_launch(
+                    dataclasses.replace(resolved, worker_env={**resolved.worker_env, **hang_env}), forwarded=forwarded
+                )
             except StoppedBySignal as err:  # the workers' summary (below) says where they stopped
                 stopped = err
     return stopped

@@ -162,9 +162,13 @@ def _read_toml(path: str) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(f"config file {path!r} does not exist", hint="check the path given to --config") from None
     except IsADirectoryError:
-        raise ConfigError(f"config file {path!r} is a directory", hint="give the path of a TOML file to --config") from None
+        raise ConfigError(
+            f"config file {path!r} is a directory", hint="give the path of a TOML file to --config"
+        ) from None
     except OSError as exc:
-        raise ConfigError(f"config file {path!r} cannot be read: {exc.strerror or exc}", hint="check its permissions") from None
+        raise ConfigError(
+            f"config file {path!r} cannot be read: {exc.strerror or exc}", hint="check its permissions"
+        ) from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:  # tomllib decodes the bytes as UTF-8 first
         raise ConfigError(f"config file {path!r} is not valid TOML: {exc}") from None
 
@@ -190,7 +194,9 @@ def _build_section(section: str, cls: type, values: Mapping[str, tuple[Any, str]
     out = {}
     for key, (value, source) in values.items():
         if key not in known:
-            raise _unknown(f"{section}.{key}", [f"{section}.{k}" for k in known], f"key '{section}.{key}' (from {source})")
+            raise _unknown(
+                f"{section}.{key}", [f"{section}.{k}" for k in known], f"key '{section}.{key}' (from {source})"
+            )
         out[key] = check_value(f"{section}.{key}", value, hints[key], known[key].metadata, source)
     return cls(**out)
 

@@ -20,7 +20,9 @@ def check_input_file(path: str, *, option: str) -> None:
         with open(path, "rb") as fh:
             fh.read(1)
     except OSError as err:
-        raise ConfigError(f"{option} {path!r} cannot be read: {err.strerror or err}", hint="check its permissions") from None
+        raise ConfigError(
+            f"{option} {path!r} cannot be read: {err.strerror or err}", hint="check its permissions"
+        ) from None
 
 
 def check_output_file(path: str, *, option: str) -> None:
@@ -30,7 +32,9 @@ def check_output_file(path: str, *, option: str) -> None:
         raise ConfigError(f"{option} {path} is a directory", hint="give a file name")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
-        raise ConfigError(f"{option} {path}: directory {parent} does not exist", hint="create it first, or choose another path")
+        raise ConfigError(
+            f"{option} {path}: directory {parent} does not exist", hint="create it first, or choose another path"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{option} {path}: directory {parent} is not writable", hint="choose another path")
     if os.path.exists(path) and not os.access(path, os.W_OK):

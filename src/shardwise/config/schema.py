@@ -30,7 +30,9 @@ class Section:
         validate_section(self)
 
 
-def check_value(key: str, value: Any, annotation: Any, meta: Mapping[str, Any], source: str, *, coerce: bool = True) -> Any:
+def check_value(
+    key: str, value: Any, annotation: Any, meta: Mapping[str, Any], source: str, *, coerce: bool = True
+) -> Any:
     """Coerce a command-line string or check a TOML value against the field's type and range."""
     where = f"config key '{key}' (from {source})"
     if typing.get_origin(annotation) is Literal:
@@ -76,4 +78,6 @@ def check_value(key: str, value: Any, annotation: Any, meta: Mapping[str, Any], 
 def validate_section(section: Any) -> None:
     hints = typing.get_type_hints(type(section))
     for f in fields(section):
-        check_value(f"{section.section}.{f.name}", getattr(section, f.name), hints[f.name], f.metadata, "the code", coerce=False)
+        check_value(
+            f"{section.section}.{f.name}", getattr(section, f.name), hints[f.name], f.metadata, "the code", coerce=False
+        )

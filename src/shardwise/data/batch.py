@@ -53,8 +53,11 @@ def with_batch_kwargs(batch: Any, extra: dict[str, Any], *, context_parallel: bo
     context parallelism are refused: its split attention knows positions, not documents."""
     own = batch_kwargs(batch)
     if context_parallel and "position_ids" in own:
-        raise ConfigError("a batch of packed documents (with position_ids) under context parallelism, whose split attention "
-                          "cannot keep the documents apart", hint="use padded batches with cp, or a plan without cp")
+        raise ConfigError(
+            "a batch of packed documents (with position_ids) under context parallelism, whose split attention "
+            "cannot keep the documents apart",
+            hint="use padded batches with cp, or a plan without cp",
+        )
     return {**own, **extra}
 
 

@@ -54,7 +54,10 @@ class Packer:
 
     def add(self, p: Piece) -> np.ndarray | None:
         if p.shape[1] > self.seq_len:
-            raise ConfigError(f"a sample of {p.shape[1]} tokens does not fit in rows of {self.seq_len}", hint="cut samples to seq_len first")
+            raise ConfigError(
+                f"a sample of {p.shape[1]} tokens does not fit in rows of {self.seq_len}",
+                hint="cut samples to seq_len first",
+            )
         closed = None
         if self.used + p.shape[1] > self.seq_len:
             closed = self.flush()

@@ -107,7 +107,9 @@ class Corpus:
 def load_stdlib_corpus(*, max_chars: int = 1_000_000, val_fraction: float = 0.1, root: str | None = None) -> Corpus:
     """Read up to ``max_chars`` characters of the standard library (see the module doc)."""
     if max_chars < 1000:
-        raise ConfigError(f"corpus max_chars={max_chars} is too small", hint="use at least 1000 (the default is 1000000)")
+        raise ConfigError(
+            f"corpus max_chars={max_chars} is too small", hint="use at least 1000 (the default is 1000000)"
+        )
     if not 0.0 < val_fraction < 0.5:
         raise ConfigError(f"corpus val_fraction={val_fraction} must be in (0, 0.5)", hint="for example 0.1")
     root = root or stdlib_dir()

@@ -38,4 +38,6 @@ def load_digits(*, val_fraction: float = 0.2, seed: int = 0, flatten: bool = Fal
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     n_val = int(len(labels) * val_fraction)
     val_idx, train_idx = order[:n_val], order[n_val:]
-    return DigitsSplits(train=TensorDataset(images[train_idx], labels[train_idx]), val=TensorDataset(images[val_idx], labels[val_idx]))
+    return DigitsSplits(
+        train=TensorDataset(images[train_idx], labels[train_idx]), val=TensorDataset(images[val_idx], labels[val_idx])
+    )

@@ -74,7 +74,9 @@ def parquet_column(path: str, column: str, skip: int = 0) -> Iterator[Any]:
     at a time; the row groups before ``skip`` are passed over by their row counts, unread."""
     parquet = _pyarrow_parquet().ParquetFile(path)
     if column not in parquet.schema_arrow.names:
-        raise ConfigError(f"parquet file {path} has no column {column!r} (it has {parquet.schema_arrow.names})", hint="set text_key=")
+        raise ConfigError(
+            f"parquet file {path} has no column {column!r} (it has {parquet.schema_arrow.names})", hint="set text_key="
+        )
     for group in range(parquet.metadata.num_row_groups):
         rows = parquet.metadata.row_group(group).num_rows
         if skip >= rows:
@@ -121,7 +123,9 @@ class FileSource(FilesInOrder):
             if f.endswith(".parquet"):
                 columns = _pyarrow_parquet().read_schema(f).names
                 if text_key not in columns:
-                    raise ConfigError(f"parquet file {f} has no column {text_key!r} (it has {columns})", hint="set text_key=")
+                    raise ConfigError(
+                        f"parquet file {f} has no column {text_key!r} (it has {columns})", hint="set text_key="
+                    )
         self.text_key, self.bin_dtype, self.shuffle, self.seed = text_key, bin_dtype, shuffle, seed
 
     def documents(self, epoch: int, part: int, skip: int) -> Iterator[Any]:
@@ -163,8 +167,10 @@ class HFDatasetSource:
             raise ConfigError(f"the dataset has no column {text_key!r} (it has {columns})", hint="set text_key=")
         self.indexed = hasattr(dataset, "__len__") and hasattr(dataset, "select")
         if shuffle and not self.indexed:
-            raise ConfigError("shuffle=True needs a map-style dataset (an IterableDataset has no row order to permute)",
-                              hint="shuffle it yourself with dataset.shuffle(seed, buffer_size=...), or load it without streaming=True")
+            raise ConfigError(
+                "shuffle=True needs a map-style dataset (an IterableDataset has no row order to permute)",
+                hint="shuffle it yourself with dataset.shuffle(seed, buffer_size=...), or load it without streaming=True",
+            )
         if self.indexed and columns is not None and len(columns) > 1:
             dataset = dataset.select_columns([text_key])  # read only the text
         self.dataset, self.text_key, self.shuffle, self.seed = dataset, text_key, shuffle, seed
@@ -213,4 +219,6 @@ def document_source(source: Any, *, text_key: str, has_tokenizer: bool, bin_dtyp
         return CallableSource(source, text_key=text_key, shuffle=shuffle)
     if isinstance(source, (str, os.PathLike)):
         source = [source]
-    return FileSource(source, text_key=text_key, has_tokenizer=has_tokenizer, bin_dtype=bin_dtype, shuffle=shuffle, seed=seed)
+    return FileSource(
+        source, text_key=text_key, has_tokenizer=has_tokenizer, bin_dtype=bin_dtype, shuffle=shuffle, seed=seed
+    )

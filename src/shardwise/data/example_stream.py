@@ -30,8 +30,15 @@ class ExampleReader:
     """``read(n, take)``: the next sample (``n`` is ignored), :data:`SKIPPED` when not ``take``, None
     at the end of the epoch; ``position`` to resume at (module doc)."""
 
-    def __init__(self, source: RecordSource, *, epoch: int, position: TokenPosition, make: Callable[[Record], Piece | None],
-                 packer: Packer | None) -> None:
+    def __init__(
+        self,
+        source: RecordSource,
+        *,
+        epoch: int,
+        position: TokenPosition,
+        make: Callable[[Record], Piece | None],
+        packer: Packer | None,
+    ) -> None:
         self.source, self.epoch, self.make, self.packer = source, epoch, make, packer
         self.part, self.doc = position.part, position.doc
         self._records: Any = None
@@ -89,8 +96,19 @@ class ExampleStream(PackedStream):
     :class:`~shardwise.data.batching.PadCollate`); packed ones ``{"inputs", "targets", "position_ids"}``
     rows of ``seq_len``."""
 
-    def __init__(self, files: Sequence[str], *, tokenizer: Any, fmt: InstructFormat, seq_len: int, pad_id: int, packing: bool = False,
-                 shuffle: bool = False, seed: int = 0, shuffle_windows: int = 0) -> None:
+    def __init__(
+        self,
+        files: Sequence[str],
+        *,
+        tokenizer: Any,
+        fmt: InstructFormat,
+        seq_len: int,
+        pad_id: int,
+        packing: bool = False,
+        shuffle: bool = False,
+        seed: int = 0,
+        shuffle_windows: int = 0,
+    ) -> None:
         IterableDataset.__init__(self)
         if seq_len < 1 or shuffle_windows < 0:
             raise ConfigError(f"seq_len={seq_len} must be at least 1 and shuffle_windows={shuffle_windows} at least 0")
@@ -98,7 +116,13 @@ class ExampleStream(PackedStream):
             check_chat_tokenizer(tokenizer)
         self.documents: Any = RecordSource(files, shuffle=shuffle, seed=seed)
         self.tokenizer, self.fmt, self.packing, self.pad_id = tokenizer, fmt, packing, pad_id
-        self.seed, self.shuffle_windows, self.seq_len, self.tokenize, self.eos_id = seed, shuffle_windows, seq_len, None, None
+        self.seed, self.shuffle_windows, self.seq_len, self.tokenize, self.eos_id = (
+            seed,
+            shuffle_windows,
+            seq_len,
+            None,
+            None,
+        )
         self.dp_rank, self.dp_size, self.micro_batch, self.global_batch = 0, 1, 1, 1
         self.epoch, self.start = 0, 0
         self._reset()

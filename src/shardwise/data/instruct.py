@@ -62,7 +62,9 @@ class InstructFormat:
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS[1:]:
-            raise ConfigError(f"instruction data format {self.format!r} is unknown", hint="use prompt_completion or chat")
+            raise ConfigError(
+                f"instruction data format {self.format!r} is unknown", hint="use prompt_completion or chat"
+            )
         if self.train_on not in TRAIN_ON:
             raise ConfigError(f"train_on={self.train_on!r} is unknown",
                               hint="use 'completion' (the completion or the assistant turns) or 'prompt' (every token)")
@@ -93,9 +95,11 @@ def messages_of(record: Record, key: str, roles: frozenset[str] | None = None) -
             raise ConfigError(f"{record.where}: message {i} of {key!r} is not a {{'role': str, 'content': str}} object",
                               hint="each message needs a role and a text content")
         if roles is not None and m["role"] not in roles:
-            raise ConfigError(f"{record.where}: message {i} has role {m['role']!r}, which the tokenizer's chat template does not know",
-                              hint=f"use one of {', '.join(sorted(roles))}, or name the role in the chat template "
-                                   "(docs/finetuning.md, 'Chat roles')")
+            raise ConfigError(
+                f"{record.where}: message {i} has role {m['role']!r}, which the tokenizer's chat template does not know",
+                hint=f"use one of {', '.join(sorted(roles))}, or name the role in the chat template "
+                "(docs/finetuning.md, 'Chat roles')",
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{record.where}: the chat has no assistant turn, so it has nothing to learn",
                           hint="give every chat at least one message with role 'assistant', or drop it from the data")
@@ -105,8 +109,10 @@ def messages_of(record: Record, key: str, roles: frozenset[str] | None = None) -
 def check_chat_tokenizer(tokenizer: Any) -> None:
     """A tokenizer that can render chats: a chat template."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("the tokenizer has no chat template, which --data.format chat renders conversations with",
-                          hint="save one with the tokenizer (tokenizer.chat_template = '...'; save_pretrained), or use prompt_completion")
+        raise ConfigError(
+            "the tokenizer has no chat template, which --data.format chat renders conversations with",
+            hint="save one with the tokenizer (tokenizer.chat_template = '...'; save_pretrained), or use prompt_completion",
+        )
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -141,11 +147,16 @@ def _chat(record: Record, tokenizer: Any, fmt: InstructFormat) -> tuple[np.ndarr
     for j, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before, through = _render(tokenizer, messages[:j], generation=True) if j else "", _render(tokenizer, messages[:j + 1])
+        before, through = (
+            _render(tokenizer, messages[:j], generation=True) if j else "",
+            _render(tokenizer, messages[: j + 1]),
+        )
         if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
-            raise ConfigError(f"{record.where}: the tokenizer's chat template does not render the conversation turn by turn "
-                              "(a prefix of the chat is not a prefix of its rendering), so the assistant turns cannot be found",
-                              hint="use a chat template whose rendering of the first turns begins the rendering of the whole chat")
+            raise ConfigError(
+                f"{record.where}: the tokenizer's chat template does not render the conversation turn by turn "
+                "(a prefix of the chat is not a prefix of its rendering), so the assistant turns cannot be found",
+                hint="use a chat template whose rendering of the first turns begins the rendering of the whole chat",
+            )
         spans.append((len(before), len(through)))
     encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     tokens = np.asarray(encoded["input_ids"], dtype=np.int64)
@@ -178,8 +189,10 @@ class Examples:
         kept = f"{len(self.pieces):,} sample(s)"
         if not self.dropped:
             return kept
-        return (f"{kept}; dropped {self.dropped:,} of {self.records:,} whose prompt alone fills the {seq_len}-token context "
-                f"(the first: {self.first_dropped})")
+        return (
+            f"{kept}; dropped {self.dropped:,} of {self.records:,} whose prompt alone fills the {seq_len}-token context "
+            f"(the first: {self.first_dropped})"
+        )
 
 
 def make_examples(records: Any, tokenizer: Any, fmt: InstructFormat, *, seq_len: int) -> Examples:
@@ -197,7 +210,9 @@ def make_examples(records: Any, tokenizer: Any, fmt: InstructFormat, *, seq_len:
         else:
             pieces.append(p)
     if not pieces:
-        raise ConfigError(f"none of the {records_seen} record(s) leaves a target to learn within the {seq_len}-token context"
-                          + (f" (the first: {first})" if first else ""),
-                          hint="raise --model.seq_len, shorten the prompts, or check the completion field")
+        raise ConfigError(
+            f"none of the {records_seen} record(s) leaves a target to learn within the {seq_len}-token context"
+            + (f" (the first: {first})" if first else ""),
+            hint="raise --model.seq_len, shorten the prompts, or check the completion field",
+        )
     return Examples(pieces, records_seen, dropped, first)

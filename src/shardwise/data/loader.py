@@ -66,10 +66,14 @@ def train_loader(
     )
     generator = torch.Generator()
     generator.manual_seed(seed + dp_rank)  # worker seeds: reproducible, different per rank
-    return DataLoader(dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True, generator=generator, **options.kwargs())
+    return DataLoader(
+        dataset, batch_size=micro_batch_size, sampler=sampler, drop_last=True, generator=generator, **options.kwargs()
+    )
 
 
-def eval_loader(dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size: int, options: LoaderOptions = LoaderOptions()) -> DataLoader:
+def eval_loader(
+    dataset: Dataset, *, batch_size: int, dp_rank: int, dp_size: int, options: LoaderOptions = LoaderOptions()
+) -> DataLoader:
     """This rank's share of ``dataset``, unpadded: every sample appears on exactly one rank.
 
     Shards differ by at most one sample, so ranks may run a different number of batches; the

@@ -39,8 +39,15 @@ class TokenPosition:
 class TokenStream:
     """``read(n, take)``: the next ``n`` tokens (int64), :data:`SKIPPED` when not ``take``, None at the end."""
 
-    def __init__(self, documents: DocumentSource, *, tokenize: Callable[[str], Sequence[int]] | None, eos_id: int | None,
-                 epoch: int, position: TokenPosition = TokenPosition()) -> None:
+    def __init__(
+        self,
+        documents: DocumentSource,
+        *,
+        tokenize: Callable[[str], Sequence[int]] | None,
+        eos_id: int | None,
+        epoch: int,
+        position: TokenPosition = TokenPosition(),
+    ) -> None:
         self.documents, self.tokenize, self.eos_id, self.epoch = documents, tokenize, eos_id, epoch
         self.part, self.doc = position.part, position.doc
         self._docs: Iterator[Any] | None = None

@@ -31,8 +31,10 @@ class Record:
     def field(self, key: str, kind: type, what: str) -> Any:
         """The record's ``key``, which must be a ``kind`` (one line naming the file and line otherwise)."""
         if key not in self.value:
-            raise ConfigError(f"{self.where} has no field {key!r} (it has {sorted(self.value)})",
-                              hint=f"give every record a {what}, or name the field that holds it (--data.{_option(what)})")
+            raise ConfigError(
+                f"{self.where} has no field {key!r} (it has {sorted(self.value)})",
+                hint=f"give every record a {what}, or name the field that holds it (--data.{_option(what)})",
+            )
         value = self.value[key]
         if not isinstance(value, kind):
             raise ConfigError(f"{self.where}: field {key!r} holds {type(value).__name__}, not {kind.__name__}",
@@ -41,7 +43,9 @@ class Record:
 
 
 def _option(what: str) -> str:
-    return {"prompt": "prompt_key", "completion": "completion_key", "conversation": "messages_key"}.get(what, "text_key")
+    return {"prompt": "prompt_key", "completion": "completion_key", "conversation": "messages_key"}.get(
+        what, "text_key"
+    )
 
 
 def check_record_files(files: Sequence[str]) -> None:
@@ -50,8 +54,10 @@ def check_record_files(files: Sequence[str]) -> None:
         if not os.path.isfile(f):
             raise ConfigError(f"data file {f} does not exist")
         if not f.endswith(RECORD_SUFFIXES):
-            raise ConfigError(f"data file {f} is not JSONL or parquet, which prompt_completion and chat data are read from",
-                              hint="one JSON object per line (.jsonl), or a .parquet file with a column per field")
+            raise ConfigError(
+                f"data file {f} is not JSONL or parquet, which prompt_completion and chat data are read from",
+                hint="one JSON object per line (.jsonl), or a .parquet file with a column per field",
+            )
 
 
 def read_records(path: str, skip: int = 0) -> Iterator[Record]:
@@ -70,9 +76,13 @@ def read_records(path: str, skip: int = 0) -> Iterator[Record]:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number} is not JSON ({exc.msg} at column {exc.colno})", hint="one JSON object per line") from None
+                raise ConfigError(
+                    f"{path}:{number} is not JSON ({exc.msg} at column {exc.colno})", hint="one JSON object per line"
+                ) from None
             if not isinstance(value, dict):
-                raise ConfigError(f"{path}:{number} is a JSON {type(value).__name__}, not an object", hint="one JSON object per line")
+                raise ConfigError(
+                    f"{path}:{number} is a JSON {type(value).__name__}, not an object", hint="one JSON object per line"
+                )
             yield Record(f"{path}:{number}", value)
 
 

@@ -50,7 +50,9 @@ class ShardedSampler(Sampler[int]):
         drop_unit: int | None = None,
     ) -> None:
         if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise ConfigError(f"sampler rank {rank} is not in a world of {num_replicas}", hint="use 0 <= rank < num_replicas")
+            raise ConfigError(
+                f"sampler rank {rank} is not in a world of {num_replicas}", hint="use 0 <= rank < num_replicas"
+            )
         unit = drop_unit or num_replicas
         if unit % num_replicas:
             raise ConfigError(

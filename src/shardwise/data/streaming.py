@@ -59,7 +59,9 @@ def require_torchdata() -> Any:
     try:
         from torchdata.stateful_dataloader import StatefulDataLoader
     except ImportError:
-        raise ConfigError("streaming datasets need torchdata's StatefulDataLoader", hint="pip install 'shardwise[data]'") from None
+        raise ConfigError(
+            "streaming datasets need torchdata's StatefulDataLoader", hint="pip install 'shardwise[data]'"
+        ) from None
     return StatefulDataLoader
 
 
@@ -73,7 +75,9 @@ class PackedStream(IterableDataset):
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be at least 1")
         if shuffle_windows < 0:
-            raise ConfigError(f"shuffle_windows={shuffle_windows} must be 0 (windows in order) or a number of windows to shuffle within")
+            raise ConfigError(
+                f"shuffle_windows={shuffle_windows} must be 0 (windows in order) or a number of windows to shuffle within"
+            )
         self.seed, self.shuffle_windows = seed, shuffle_windows
         self.documents: DocumentSource = document_source(source, text_key=text_key, has_tokenizer=tokenize is not None,
                                                          bin_dtype=np.dtype(bin_dtype), shuffle=shuffle, seed=seed)
@@ -95,7 +99,9 @@ class PackedStream(IterableDataset):
 
     def _open(self, position: TokenPosition) -> TokenStream:
         """The reader of this epoch's windows at ``position`` (``read(n, take)``, ``position``)."""
-        return TokenStream(self.documents, tokenize=self.tokenize, eos_id=self.eos_id, epoch=self.epoch, position=position)
+        return TokenStream(
+            self.documents, tokenize=self.tokenize, eos_id=self.eos_id, epoch=self.epoch, position=position
+        )
 
     def _sample(self, window: np.ndarray) -> Any:
         """A window as the Trainer's sample: ``(inputs, targets) = (w[:-1], w[1:])``."""
@@ -157,7 +163,9 @@ class PackedStream(IterableDataset):
         ``perm`` a permutation drawn from ``(seed, epoch, block index)``, output ``first + i`` owned
         like window ``k`` in the module doc."""
         held, self._held = self._held, []
-        if not self.shuffle_windows:  # held: this worker's windows at or after `start`, released once the global batch is whole
+        if (
+            not self.shuffle_windows
+        ):  # held: this worker's windows at or after `start`, released once the global batch is whole
             self._ready = held if n == self.block else []
             return
         if len(held) < n:  # the block lies before `start`: nothing was kept, nothing is released
@@ -169,9 +177,17 @@ class PackedStream(IterableDataset):
     def state_dict(self) -> dict[str, Any]:
         assert self._stream is not None
         position = self._stream.position
-        return {"epoch": self._at_epoch, "start": self.start, "part": position.part, "doc": position.doc, "offset": position.offset,
-                "started": position.started, "next_k": self._next_k, "held": [w.tolist() for w in self._held],
-                "ready": [w.tolist() for w in self._ready]}
+        return {
+            "epoch": self._at_epoch,
+            "start": self.start,
+            "part": position.part,
+            "doc": position.doc,
+            "offset": position.offset,
+            "started": position.started,
+            "next_k": self._next_k,
+            "held": [w.tolist() for w in self._held],
+            "ready": [w.tolist() for w in self._ready],
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.start = int(state["epoch"]), int(state["start"])
@@ -208,7 +224,12 @@ class StreamPosition:
                 "num_workers": int(getattr(self.loader.loader, "num_workers", 0))}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "consumed": self.consumed, "layout": self._layout(), "loader": self.loader.loader.state_dict()}
+        return {
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "layout": self._layout(),
+            "loader": self.loader.loader.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
@@ -222,8 +243,18 @@ class StreamLoader:
     """A ``StatefulDataLoader`` over this rank's share of a :class:`PackedStream`; iterating it once
     reads the rest of the current epoch (``position.epoch_finished`` tells whether it ended)."""
 
-    def __init__(self, dataset: PackedStream, *, dp_rank: int, dp_size: int, micro_batch_size: int, global_batch_size: int,
-                 num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None, multiprocessing_context: str | None = None) -> None:
+    def __init__(
+        self,
+        dataset: PackedStream,
+        *,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch_size: int,
+        global_batch_size: int,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        multiprocessing_context: str | None = None,
+    ) -> None:
         StatefulDataLoader = require_torchdata()
         dataset.shard(dp_rank=dp_rank, dp_size=dp_size, micro_batch=micro_batch_size, global_batch=global_batch_size)
         extra: dict[str, Any] = {"collate_fn": collate_fn} if collate_fn is not None else {}

@@ -41,7 +41,10 @@ def find_files(patterns: str) -> list[str]:
             continue
         matches = [m for m in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(m)]
         if not matches:
-            raise ConfigError(f"data files {pattern!r} match no file", hint="check the path; quote globs like 'data/**/*.txt' so the shell leaves them")
+            raise ConfigError(
+                f"data files {pattern!r} match no file",
+                hint="check the path; quote globs like 'data/**/*.txt' so the shell leaves them",
+            )
         found.update(os.path.abspath(m) for m in matches)
     if not found:
         raise ConfigError("no data files given", hint="pass --data.files 'path/**/*.txt'")
@@ -55,8 +58,10 @@ def read_documents(paths: Sequence[str], *, text_key: str = "text") -> list[str]
         if path.endswith(".parquet"):
             for number, value in enumerate(parquet_column(path, text_key), 1):
                 if not isinstance(value, str):
-                    raise ConfigError(f"{path} row {number}: column {text_key!r} holds {type(value).__name__}, not text",
-                                      hint="set --data.text_key to the column holding the text")
+                    raise ConfigError(
+                        f"{path} row {number}: column {text_key!r} holds {type(value).__name__}, not text",
+                        hint="set --data.text_key to the column holding the text",
+                    )
                 docs.append(value)
             continue
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -69,9 +74,14 @@ def read_documents(paths: Sequence[str], *, text_key: str = "text") -> list[str]
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{path}:{number} is not JSON ({exc.msg})", hint="one JSON object per line") from None
+                    raise ConfigError(
+                        f"{path}:{number} is not JSON ({exc.msg})", hint="one JSON object per line"
+                    ) from None
                 if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                    raise ConfigError(f"{path}:{number} has no string field {text_key!r}", hint="set --data.text_key to the field holding the text")
+                    raise ConfigError(
+                        f"{path}:{number} has no string field {text_key!r}",
+                        hint="set --data.text_key to the field holding the text",
+                    )
                 docs.append(record[text_key])
     return docs
 
@@ -103,8 +113,10 @@ def load_tokens(files: Sequence[str], *, tokenize: Callable[[str], list[int]], e
             ids.append(eos_id)
     tokens = torch.tensor(ids, dtype=torch.long)
     if len(tokens) and int(tokens.max()) >= vocab_size:
-        raise ConfigError(f"the tokenizer produced id {int(tokens.max())}, outside the model's vocabulary of {vocab_size}",
-                          hint="use the tokenizer saved with the model")
+        raise ConfigError(
+            f"the tokenizer produced id {int(tokens.max())}, outside the model's vocabulary of {vocab_size}",
+            hint="use the tokenizer saved with the model",
+        )
     return tokens, len(docs)
 
 
@@ -123,4 +135,6 @@ def load_text_corpus(patterns: str, *, tokenize: Callable[[str], list[int]], eos
     n_val = max(1, int(math.floor(len(tokens) * val_fraction)))
     if len(tokens) - n_val < 2:
         raise ConfigError(f"the data files hold only {len(tokens)} tokens", hint="add more text")
-    return TextCorpus(train=tokens[:-n_val], val=tokens[-n_val:], files=tuple(files), documents=documents, vocab_size=vocab_size)
+    return TextCorpus(
+        train=tokens[:-n_val], val=tokens[-n_val:], files=tuple(files), documents=documents, vocab_size=vocab_size
+    )

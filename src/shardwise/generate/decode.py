@@ -70,7 +70,9 @@ class Sampling:
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ConfigError(f"temperature={self.temperature} must be a non-negative number", hint="0 decodes greedily")
+            raise ConfigError(
+                f"temperature={self.temperature} must be a non-negative number", hint="0 decodes greedily"
+            )
         if self.top_k is not None and self.top_k < 1:
             raise ConfigError(f"top_k={self.top_k} must be at least 1")
 
@@ -94,8 +96,12 @@ class LoadedLM:
 def check_generate_plan(plan: Plan) -> None:
     """Refuse the layouts generation does not run under (module doc), before any weight is read."""
     spread = "use tensor parallelism to spread the model, e.g. --plan tp=2"
-    for enabled, name, hint in ((plan.pp_enabled, "pipeline", spread), (plan.cp_enabled, "context", spread),
-                                (plan.ep_enabled, "expert", spread), (plan.sequence_parallel, "sequence", "drop sp: tp alone splits the model")):
+    for enabled, name, hint in (
+        (plan.pp_enabled, "pipeline", spread),
+        (plan.cp_enabled, "context", spread),
+        (plan.ep_enabled, "expert", spread),
+        (plan.sequence_parallel, "sequence", "drop sp: tp alone splits the model"),
+    ):
         if enabled:
             raise ConfigError(f"generate does not run under {name} parallelism (plan {plan})", hint=hint)
 
@@ -131,8 +137,10 @@ def model_files(source: str, model_dir: str | None = None) -> str:
     for candidate in (os.path.join(source, HF_DIR), os.path.join(_root(source), HF_DIR)):
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
-    raise ConfigError(f"checkpoint {source} keeps no model config (neither the built-in GPT's gpt/model.json nor {HF_DIR}/config.json)",
-                      hint="pass --model DIR, the Hugging Face directory the run started from")
+    raise ConfigError(
+        f"checkpoint {source} keeps no model config (neither the built-in GPT's gpt/model.json nor {HF_DIR}/config.json)",
+        hint="pass --model DIR, the Hugging Face directory the run started from",
+    )
 
 
 def _load_weights(module: nn.Module, source: str, step: int | None) -> None:
@@ -145,7 +153,9 @@ def _load_weights(module: nn.Module, source: str, step: int | None) -> None:
         raise ConfigError(f"no complete checkpoint in {source}", hint="check it with 'shardwise checkpoint inspect'")
 
 
-def load_gpt(source: str, files: GPTFiles, plan: Plan, meshes: Any, *, device: torch.device, step: int | None = None) -> LoadedLM:
+def load_gpt(
+    source: str, files: GPTFiles, plan: Plan, meshes: Any, *, device: torch.device, step: int | None = None
+) -> LoadedLM:
     """The built-in GPT of checkpoint ``source``: built on meta from the kept shape, parallelized,
     this rank's shards allocated (DDP: the whole model, before wrapping) and read from the checkpoint."""
     from shardwise.models.gpt import GPT
@@ -184,8 +194,10 @@ def lora_source(source: str) -> Pretrained | None:
         return None
     path = record.get("path")
     if not path or not os.path.isdir(path):
-        raise ConfigError(f"the base of the adapters in {source} ({path or 'a model built in Python'}) is not a model directory here",
-                          hint="export the adapters (--format peft) and load them onto your base with peft")
+        raise ConfigError(
+            f"the base of the adapters in {source} ({path or 'a model built in Python'}) is not a model directory here",
+            hint="export the adapters (--format peft) and load them onto your base with peft",
+        )
     if record.get("sha256") and files_checksum(path) != record["sha256"]:
         raise ConfigError(f"the base {path} changed since the adapters in {source} were trained (its sha256 differs)",
                           hint="generate with the base model the adapters were trained on")
@@ -212,10 +224,18 @@ def load_model(source: str, plan: Plan, meshes: Any, *, device: torch.device, mo
         config_dir = model_dir or adapters.path
         module = load_parallel(adapters, plan, meshes, device=device).module
         _load_weights(module, source, step)
-        tokenizer = load_tokenizer(config_dir) if need_tokenizer or os.path.exists(os.path.join(config_dir, "tokenizer.json")) else None
+        tokenizer = (
+            load_tokenizer(config_dir)
+            if need_tokenizer or os.path.exists(os.path.join(config_dir, "tokenizer.json"))
+            else None
+        )
         eos = getattr(getattr(module, "config", None), "eos_token_id", None)
-        return LoadedLM(module, encode=tokenizer.encode if tokenizer is not None else None,
-                        decode=tokenizer.decode if tokenizer is not None else None, eos_token_id=eos if isinstance(eos, int) else None)
+        return LoadedLM(
+            module,
+            encode=tokenizer.encode if tokenizer is not None else None,
+            decode=tokenizer.decode if tokenizer is not None else None,
+            eos_token_id=eos if isinstance(eos, int) else None,
+        )
     config_dir = model_files(source, model_dir)
     if not is_checkpoint(source):
         module = load_parallel(Pretrained(source), plan, meshes, device=device).module
@@ -228,8 +248,12 @@ def load_model(source: str, plan: Plan, meshes: Any, *, device: torch.device, mo
     has_tokenizer = need_tokenizer or os.path.exists(os.path.join(config_dir, "tokenizer.json"))
     tokenizer = load_tokenizer(config_dir) if has_tokenizer else None
     eos = getattr(getattr(module, "config", None), "eos_token_id", None)
-    return LoadedLM(module, encode=tokenizer.encode if tokenizer is not None else None,
-                    decode=tokenizer.decode if tokenizer is not None else None, eos_token_id=eos if isinstance(eos, int) else None)
+    return LoadedLM(
+        module,
+        encode=tokenizer.encode if tokenizer is not None else None,
+        decode=tokenizer.decode if tokenizer is not None else None,
+        eos_token_id=eos if isinstance(eos, int) else None,
+    )
 
 
 def check_context(prompt_len: int, sampling: Sampling, context: int | None) -> None:
@@ -237,8 +261,11 @@ def check_context(prompt_len: int, sampling: Sampling, context: int | None) -> N
     is never fed back); a model with learned positions takes no more than its ``context``."""
     needed = prompt_len + sampling.max_new_tokens - 1
     if context is not None and needed > context:
-        raise ConfigError(f"decoding {prompt_len} prompt + {sampling.max_new_tokens} new tokens needs {needed} positions; "
-                          f"the model's context is {context}", hint="shorten the prompt or generate fewer tokens")
+        raise ConfigError(
+            f"decoding {prompt_len} prompt + {sampling.max_new_tokens} new tokens needs {needed} positions; "
+            f"the model's context is {context}",
+            hint="shorten the prompt or generate fewer tokens",
+        )
 
 
 def check_request(source: str, plan: Plan, *, model_dir: str | None, prompt: str | None, prompt_ids: list[int] | None,
@@ -251,7 +278,9 @@ def check_request(source: str, plan: Plan, *, model_dir: str | None, prompt: str
     check_generate_plan(plan)
     inside = os.path.join(source, "checkpoints")
     if not is_checkpoint(source) and is_checkpoint(inside):
-        raise ConfigError(f"--checkpoint {source} is a run directory, not a checkpoint", hint=f"pass --checkpoint {inside}")
+        raise ConfigError(
+            f"--checkpoint {source} is a run directory, not a checkpoint", hint=f"pass --checkpoint {inside}"
+        )
     files = gpt_files_of(source) if model_dir is None else None
     if files is None:
         check_hf_model(source, plan, model_dir=model_dir)

@@ -84,7 +84,9 @@ class GPTCausalLM:
     module: nn.Module
     layers: int
 
-    def __call__(self, ids: torch.Tensor, cache: KVCache | None, *, use_cache: bool) -> tuple[torch.Tensor, KVCache | None]:
+    def __call__(
+        self, ids: torch.Tensor, cache: KVCache | None, *, use_cache: bool
+    ) -> tuple[torch.Tensor, KVCache | None]:
         if not use_cache:
             return self.module(ids), None
         cache = cache if cache is not None else KVCache.empty(self.layers)

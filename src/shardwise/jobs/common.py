@@ -72,9 +72,18 @@ def job_resume(config: TrainJobConfig, env: RuntimeEnv, run_dir: str) -> str | N
     return resume
 
 
-def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], torch.Tensor], config: TrainJobConfig, env: RuntimeEnv,
-                run_dir: str, shape: TransformerShape, resume: str | None, callbacks: Sequence[Callback] = (),
-                collate_fn: Callable[[list[Any]], Any] | None = None) -> Trainer:
+def job_trainer(
+    model: nn.Module | Pretrained,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    config: TrainJobConfig,
+    env: RuntimeEnv,
+    run_dir: str,
+    shape: TransformerShape,
+    resume: str | None,
+    callbacks: Sequence[Callback] = (),
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> Trainer:
     """The Trainer of both jobs, built from ``config`` (whose ``run.name`` all ranks agreed on):
     AdamW with decay on matrices, warmup + cosine over the steps ``fit`` counts, the plan the
     command resolved (``auto``: the Trainer plans), ``train.precision`` as an override of the
@@ -88,7 +97,15 @@ def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], 
     samples (instruction data: padding)."""
     from shardwise.checkpoint import CheckpointManager
     from shardwise.checkpoint.faults import Fault
-    from shardwise.train import DataOptions, LoggingOptions, PlotCurves, ProgressBar, Trainer, TrainOptions, warmup_cosine
+    from shardwise.train import (
+        DataOptions,
+        LoggingOptions,
+        PlotCurves,
+        ProgressBar,
+        Trainer,
+        TrainOptions,
+        warmup_cosine,
+    )
 
     t, ckpt = config.train, config.checkpoint
     fault = Fault.for_attempt(env.settings.fault, env.settings.restart_count)
@@ -100,16 +117,40 @@ def job_trainer(model: nn.Module | Pretrained, *, loss_fn: Callable[[Any, Any], 
         precision=precision_override(t.precision),
         global_batch_size=t.global_batch_size,
         # the [train] table; its 0s mean "off", the Trainer's None
-        train=TrainOptions(grad_accum_steps=t.grad_accum_steps, clip_grad_norm=t.clip_grad_norm or None, scale_lr=t.scale_lr,
-                           lr_scheduler=warmup_cosine(warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio),  # total steps from fit
-                           seed=config.run.seed, max_steps=t.max_steps or None, max_epochs=t.max_epochs or None,
-                           eval_every=t.eval_every or None, loss_reduction=t.loss_reduction),
+        train=TrainOptions(
+            grad_accum_steps=t.grad_accum_steps,
+            clip_grad_norm=t.clip_grad_norm or None,
+            scale_lr=t.scale_lr,
+            lr_scheduler=warmup_cosine(
+                warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio
+            ),  # total steps from fit
+            seed=config.run.seed,
+            max_steps=t.max_steps or None,
+            max_epochs=t.max_epochs or None,
+            eval_every=t.eval_every or None,
+            loss_reduction=t.loss_reduction,
+        ),
         data=DataOptions(num_workers=config.data.num_workers, collate_fn=collate_fn),
-        logging=LoggingOptions(loggers=tracker_loggers(config, resume=resume is not None), log_every=t.log_every, run_dir=run_dir,
-                               flops_per_sample=shape.flops_per_token() * shape.seq_len, tokens_per_sample=shape.seq_len),
-        callbacks=[ProgressBar(every_s=config.log.progress_every_s), PlotCurves(), WriteConfig(config, run_dir), *callbacks],
-        checkpoint=CheckpointManager(os.path.join(run_dir, "checkpoints"), every_n_steps=ckpt.every_n_steps or None,
-                                     keep_last_n=ckpt.keep_last_n, async_save=ckpt.async_save, fault=fault),
+        logging=LoggingOptions(
+            loggers=tracker_loggers(config, resume=resume is not None),
+            log_every=t.log_every,
+            run_dir=run_dir,
+            flops_per_sample=shape.flops_per_token() * shape.seq_len,
+            tokens_per_sample=shape.seq_len,
+        ),
+        callbacks=[
+            ProgressBar(every_s=config.log.progress_every_s),
+            PlotCurves(),
+            WriteConfig(config, run_dir),
+            *callbacks,
+        ],
+        checkpoint=CheckpointManager(
+            os.path.join(run_dir, "checkpoints"),
+            every_n_steps=ckpt.every_n_steps or None,
+            keep_last_n=ckpt.keep_last_n,
+            async_save=ckpt.async_save,
+            fault=fault,
+        ),
     )
 
 

@@ -60,7 +60,9 @@ def check_hf_job(config: TrainJobConfig) -> None:
     check_transformers()  # the workers import it: here only what the checks below need
     read_config(config.model.hf)
     model = Pretrained(config.model.hf).build_meta()
-    check_weights(config.model.hf, model)  # whole files, every shard of the index, the shapes config.json gives (headers only)
+    check_weights(
+        config.model.hf, model
+    )  # whole files, every shard of the index, the shapes config.json gives (headers only)
     if config.lora.r:  # the targets against the model's own layers (built on meta), the extras installed
         lora = lora_spec(config)
         if lora.base == "nf4":
@@ -68,15 +70,25 @@ def check_hf_job(config: TrainJobConfig) -> None:
 
             require_torchao()
         lora.peft_config(model)
-    if not any(os.path.exists(os.path.join(config.model.hf, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        raise ConfigError(f"model directory {config.model.hf!r} holds no tokenizer", hint="save one there with tokenizer.save_pretrained(dir)")
+    if not any(
+        os.path.exists(os.path.join(config.model.hf, n)) for n in ("tokenizer.json", "tokenizer.model", "vocab.json")
+    ):
+        raise ConfigError(
+            f"model directory {config.model.hf!r} holds no tokenizer",
+            hint="save one there with tokenizer.save_pretrained(dir)",
+        )
     if not config.data.files:
-        raise ConfigError("model.hf needs data to fine-tune on", hint="pass --data.files 'path/**/*.txt' (text or JSONL files)")
+        raise ConfigError(
+            "model.hf needs data to fine-tune on", hint="pass --data.files 'path/**/*.txt' (text or JSONL files)"
+        )
     files = find_files(config.data.files)
     if config.data.format != "text":  # options, tokenizer, packing, and the records themselves
         from shardwise.jobs.instruct_data import check_instruct_job
 
-        print(f"data: {check_instruct_job(config, window=window_length(config.model.seq_len, read_config(config.model.hf)))}", flush=True)
+        print(
+            f"data: {check_instruct_job(config, window=window_length(config.model.seq_len, read_config(config.model.hf)))}",
+            flush=True,
+        )
         if config.data.streaming:
             from shardwise.data.streaming import require_torchdata
 
@@ -87,7 +99,9 @@ def check_hf_job(config: TrainJobConfig) -> None:
         from shardwise.data.streaming import require_torchdata
 
         require_torchdata()
-        document_source(files, text_key=config.data.text_key, has_tokenizer=True, bin_dtype=np.dtype("uint16"), shuffle=True, seed=0)
+        document_source(
+            files, text_key=config.data.text_key, has_tokenizer=True, bin_dtype=np.dtype("uint16"), shuffle=True, seed=0
+        )
         if config.data.val_files:
             find_files(config.data.val_files)
 
@@ -100,7 +114,9 @@ def lora_spec(config: TrainJobConfig) -> Any:
     from shardwise.models.lora import LoRA
 
     targets = tuple(t.strip() for t in section.targets.split(",") if t.strip()) or None
-    return LoRA(r=section.r, alpha=section.alpha or 2.0 * section.r, dropout=section.dropout, targets=targets, base=section.base)
+    return LoRA(
+        r=section.r, alpha=section.alpha or 2.0 * section.r, dropout=section.dropout, targets=targets, base=section.base
+    )
 
 
 def window_length(requested: int, config: dict[str, Any]) -> int:
@@ -142,22 +158,43 @@ def job_data(config: TrainJobConfig, tokenizer: Any, *, vocab_size: int, seq: in
 
     eos = tokenizer.eos_token_id
     if not d.streaming:
-        corpus = load_text_corpus(d.files, tokenize=encode, eos_id=eos, vocab_size=vocab_size, val_fraction=d.val_fraction,
-                                  text_key=d.text_key)
+        corpus = load_text_corpus(
+            d.files,
+            tokenize=encode,
+            eos_id=eos,
+            vocab_size=vocab_size,
+            val_fraction=d.val_fraction,
+            text_key=d.text_key,
+        )
         return JobData(CharWindows(corpus.train, seq), CharWindows(corpus.val, seq),
                        f"{len(corpus.files)} file(s), {corpus.documents} document(s), {len(corpus.train):,} training / "
                        f"{len(corpus.val):,} validation tokens", corpus.unigram_entropy)
     files = find_files(d.files)
-    stream = PackedStream(files, seq_len=seq, tokenize=encode, eos_id=eos, text_key=d.text_key, shuffle=True, seed=config.run.seed,
-                          shuffle_windows=d.shuffle_windows)
+    stream = PackedStream(
+        files,
+        seq_len=seq,
+        tokenize=encode,
+        eos_id=eos,
+        text_key=d.text_key,
+        shuffle=True,
+        seed=config.run.seed,
+        shuffle_windows=d.shuffle_windows,
+    )
     if not d.val_files:
         return JobData(stream, None, f"{len(files)} file(s) streamed, no validation (data.val_files)", None)
     val_paths = find_files(d.val_files)
     tokens, documents = load_tokens(val_paths, tokenize=encode, eos_id=eos, vocab_size=vocab_size, text_key=d.text_key)
     if len(tokens) < seq + 1:
-        raise ConfigError(f"data.val_files hold {len(tokens)} tokens, less than one window of {seq + 1}", hint="add validation text")
-    return JobData(stream, CharWindows(tokens, seq), f"{len(files)} file(s) streamed; validation {len(val_paths)} file(s), "
-                   f"{documents} document(s), {len(tokens):,} tokens", unigram_entropy(tokens, vocab_size))
+        raise ConfigError(
+            f"data.val_files hold {len(tokens)} tokens, less than one window of {seq + 1}", hint="add validation text"
+        )
+    return JobData(
+        stream,
+        CharWindows(tokens, seq),
+        f"{len(files)} file(s) streamed; validation {len(val_paths)} file(s), "
+        f"{documents} document(s), {len(tokens):,} tokens",
+        unigram_entropy(tokens, vocab_size),
+    )
 
 
 def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
@@ -171,7 +208,9 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     from shardwise.parallel.reduction import LossReduction
 
     if not config.data.files:
-        raise ConfigError("model.hf needs data to fine-tune on", hint="pass --data.files 'path/**/*.txt' (text or JSONL files)")
+        raise ConfigError(
+            "model.hf needs data to fine-tune on", hint="pass --data.files 'path/**/*.txt' (text or JSONL files)"
+        )
     name = _agree_on_name(config.run.name or default_run_name().replace("gpt-stdlib", "hf"))
     config = _with_name(config, name)
     run_dir = os.path.join(config.run.runs_dir, name)
@@ -186,30 +225,59 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     train_set, val_set = data.train, data.val
     shape = shape_of(model_config, seq_len=seq)
     resume = job_resume(config, env, run_dir)
-    source = Pretrained(config.model.hf, lora=lora_spec(config), seed=config.run.seed)  # [lora] r > 0: adapters on a frozen base
-    trainer = job_trainer(source, loss_fn=lm_loss, config=config, env=env, run_dir=run_dir, shape=shape,
-                          resume=resume, callbacks=[KeepModelFiles(config.model.hf, os.path.join(run_dir, "checkpoints"))],
-                          collate_fn=data.collate)
+    source = Pretrained(
+        config.model.hf, lora=lora_spec(config), seed=config.run.seed
+    )  # [lora] r > 0: adapters on a frozen base
+    trainer = job_trainer(
+        source,
+        loss_fn=lm_loss,
+        config=config,
+        env=env,
+        run_dir=run_dir,
+        shape=shape,
+        resume=resume,
+        callbacks=[KeepModelFiles(config.model.hf, os.path.join(run_dir, "checkpoints"))],
+        collate_fn=data.collate,
+    )
     trainer.setup(train_set)  # plan="auto": chosen from the training data (a no-op for other plans)
     if env.is_main:
         if trainer.auto_choice is not None:
             print(f"plan=auto chose {trainer.plan}:\n  " + trainer.plan.describe().replace("\n", "\n  "), flush=True)
         load = trainer.model.load
-        print(f"data: {data.description}" + (f", windows of {seq} tokens" if config.data.format == "text" else ""), flush=True)
+        print(
+            f"data: {data.description}" + (f", windows of {seq} tokens" if config.data.format == "text" else ""),
+            flush=True,
+        )
         print(LossReduction(config.train.loss_reduction).describe(), flush=True)
-        print(f"model: {model_config.get('model_type')} from {config.model.hf}, {shape.layers} layers x {shape.hidden} hidden, "
-              f"{load.elements_total:,} parameters; rank 0 read {load.elements_read:,} of them", flush=True)
+        print(
+            f"model: {model_config.get('model_type')} from {config.model.hf}, {shape.layers} layers x {shape.hidden} hidden, "
+            f"{load.elements_total:,} parameters; rank 0 read {load.elements_read:,} of them",
+            flush=True,
+        )
         if source.lora is not None:
             trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-            print(f"lora: r={source.lora.r}, alpha={source.lora.alpha:g}, base {source.lora.base}; rank 0 trains {trainable:,} "
-                  "adapter elements, the base is frozen (checkpoints hold the adapters only)", flush=True)
+            print(
+                f"lora: r={source.lora.r}, alpha={source.lora.alpha:g}, base {source.lora.base}; rank 0 trains {trainable:,} "
+                "adapter elements, the base is frozen (checkpoints hold the adapters only)",
+                flush=True,
+            )
     result = trainer.fit(train_set, val_set, resume=resume)  # no validation split: val_set is None
     if not env.is_main:
         return None
-    summary = JobSummary(run_dir=run_dir, steps=result.step, world_size=env.world_size, plan=str(trainer.plan),
-                         val_loss=result.val_metrics.get("val_loss"), train_loss=result.train_loss,
-                         unigram_entropy=data.unigram_entropy, elapsed_s=result.elapsed_s, params=trainer.model.load.elements_total,
-                         sample="", unit="token", **stop_fields(trainer, result.stop))
+    summary = JobSummary(
+        run_dir=run_dir,
+        steps=result.step,
+        world_size=env.world_size,
+        plan=str(trainer.plan),
+        val_loss=result.val_metrics.get("val_loss"),
+        train_loss=result.train_loss,
+        unigram_entropy=data.unigram_entropy,
+        elapsed_s=result.elapsed_s,
+        params=trainer.model.load.elements_total,
+        sample="",
+        unit="token",
+        **stop_fields(trainer, result.stop),
+    )
     with open(os.path.join(run_dir, "summary.json"), "w") as fh:
         json.dump(asdict(summary), fh, indent=2)
     return summary

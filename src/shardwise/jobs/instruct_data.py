@@ -53,8 +53,13 @@ def instruct_format(config: TrainJobConfig) -> Any:
     from shardwise.data.instruct import InstructFormat
 
     d = config.data
-    return InstructFormat(format=d.format, prompt_key=d.prompt_key, completion_key=d.completion_key, messages_key=d.messages_key,
-                          train_on=d.train_on)
+    return InstructFormat(
+        format=d.format,
+        prompt_key=d.prompt_key,
+        completion_key=d.completion_key,
+        messages_key=d.messages_key,
+        train_on=d.train_on,
+    )
 
 
 def check_instruct_options(config: TrainJobConfig) -> None:
@@ -68,9 +73,15 @@ def check_instruct_options(config: TrainJobConfig) -> None:
             raise ConfigError(f"{given[0]} is an option of prompt_completion and chat data (text is packed as it is)",
                               hint="add --data.format prompt_completion or chat, or drop it")
         return
-    if d.packing and config.parallel.plan.strip().lower() not in ("auto", "dp", "ddp") and Plan.parse(config.parallel.plan).cp > 1:
-        raise ConfigError(f"data.packing under {config.parallel.plan}: context parallel's split attention cannot keep packed samples apart",
-                          hint="use padded batches (--data.packing false) with cp, or a plan without cp")
+    if (
+        d.packing
+        and config.parallel.plan.strip().lower() not in ("auto", "dp", "ddp")
+        and Plan.parse(config.parallel.plan).cp > 1
+    ):
+        raise ConfigError(
+            f"data.packing under {config.parallel.plan}: context parallel's split attention cannot keep packed samples apart",
+            hint="use padded batches (--data.packing false) with cp, or a plan without cp",
+        )
 
 
 def check_instruct_job(config: TrainJobConfig, *, window: int) -> str:
@@ -102,7 +113,9 @@ def check_instruct_job(config: TrainJobConfig, *, window: int) -> str:
             records = itertools.chain.from_iterable(read_records(f) for f in files)
         examples = make_examples(records, tokenizer, fmt, seq_len=seq)
         checked = f"the first {STREAM_CHECK} of each file: " if d.streaming else ""
-        lines.append(f"{option}: {len(files)} file(s), {checked}{examples.records:,} record(s), {examples.describe(seq)}")
+        lines.append(
+            f"{option}: {len(files)} file(s), {checked}{examples.records:,} record(s), {examples.describe(seq)}"
+        )
     return "; ".join(lines)
 
 
@@ -126,22 +139,47 @@ def instruct_job_data(config: TrainJobConfig, tokenizer: Any, *, seq: int) -> tu
 
     def load(patterns: str) -> tuple[list[Any], str]:
         files = find_files(patterns)
-        examples = make_examples(itertools.chain.from_iterable(read_records(f) for f in files), tokenizer, fmt, seq_len=seq)
+        examples = make_examples(
+            itertools.chain.from_iterable(read_records(f) for f in files), tokenizer, fmt, seq_len=seq
+        )
         return examples.pieces, f"{len(files)} file(s), {examples.records:,} record(s), {examples.describe(seq)}"
 
     if d.streaming:
-        train: Any = ExampleStream(find_files(d.files), tokenizer=tokenizer, fmt=fmt, seq_len=seq, pad_id=pad_id, packing=d.packing,
-                                   shuffle=True, seed=config.run.seed, shuffle_windows=d.shuffle_windows)
+        train: Any = ExampleStream(
+            find_files(d.files),
+            tokenizer=tokenizer,
+            fmt=fmt,
+            seq_len=seq,
+            pad_id=pad_id,
+            packing=d.packing,
+            shuffle=True,
+            seed=config.run.seed,
+            shuffle_windows=d.shuffle_windows,
+        )
         if not d.val_files:
             return train, None, f"{d.format} records streamed, {how}; no validation (data.val_files)", None, collate
         pieces, val_text = load(d.val_files)
-        return train, dataset(pieces), f"{d.format} records streamed, {how}; validation {val_text}", _target_entropy(pieces, tokenizer), collate
+        return (
+            train,
+            dataset(pieces),
+            f"{d.format} records streamed, {how}; validation {val_text}",
+            _target_entropy(pieces, tokenizer),
+            collate,
+        )
     pieces, text = load(d.files)
     n_val = max(1, math.floor(len(pieces) * d.val_fraction))
     if len(pieces) - n_val < 1:
-        raise ConfigError(f"data.files hold {len(pieces)} sample(s), too few to keep {n_val} for validation", hint="add records")
+        raise ConfigError(
+            f"data.files hold {len(pieces)} sample(s), too few to keep {n_val} for validation", hint="add records"
+        )
     train, val = dataset(pieces[:-n_val]), dataset(pieces[-n_val:])
-    return train, val, f"{d.format}: {text}; {how}; the last {n_val} for validation", _target_entropy(pieces[:-n_val], tokenizer), collate
+    return (
+        train,
+        val,
+        f"{d.format}: {text}; {how}; the last {n_val} for validation",
+        _target_entropy(pieces[:-n_val], tokenizer),
+        collate,
+    )
 
 
 def _target_entropy(pieces: list[Any], tokenizer: Any) -> float | None:

@@ -55,4 +55,6 @@ def exit_status(summary: JobSummary) -> int:
 def newest_checkpoint(run_dir: str) -> str:
     """Words for the newest complete checkpoint of ``run_dir`` (when the workers could not report)."""
     newest = cm.latest_complete(os.path.join(run_dir, "checkpoints"), level="size")
-    return f"newest complete checkpoint: step {newest.step} at {newest.path}" if newest else "no complete checkpoint yet"
+    return (
+        f"newest complete checkpoint: step {newest.step} at {newest.path}" if newest else "no complete checkpoint yet"
+    )

@@ -67,9 +67,13 @@ def check_data_options(config: TrainJobConfig) -> None:
         raise ConfigError("a streamed dataset has no length known before training", hint="set --max-steps N")
     check_instruct_options(config)
     if config.lora.r and not config.model.hf:
-        raise ConfigError("lora.r adds adapters to a Hugging Face model", hint="pass --model.hf DIR too, or drop --lora.*")
+        raise ConfigError(
+            "lora.r adds adapters to a Hugging Face model", hint="pass --model.hf DIR too, or drop --lora.*"
+        )
     if config.lora.base == "nf4" and not config.lora.r:
-        raise ConfigError("lora.base=nf4 is QLoRA's 4-bit base under LoRA adapters", hint="add --lora.r 16 (or another rank)")
+        raise ConfigError(
+            "lora.base=nf4 is QLoRA's 4-bit base under LoRA adapters", hint="add --lora.r 16 (or another rank)"
+        )
 
 
 def check_run_dir(run_dir: str) -> None:
@@ -109,12 +113,17 @@ def format_summary(summary: JobSummary, resume_command: str = "shardwise train -
         lines.append(short)
     if summary.val_loss is not None and summary.unigram_entropy and summary.stopped != "preempted":
         ratio = summary.val_loss / summary.unigram_entropy
-        lines.append(f"validation loss {summary.val_loss:.4f} nats/{unit} ({summary.val_loss / math.log(2):.3f} bits/{unit}) after "
-                     f"{summary.steps} steps in {summary.elapsed_s:.0f} s; the corpus's unigram entropy is "
-                     f"{summary.unigram_entropy:.4f} nats/{unit} (the loss is {ratio:.0%} of it)")
+        lines.append(
+            f"validation loss {summary.val_loss:.4f} nats/{unit} ({summary.val_loss / math.log(2):.3f} bits/{unit}) after "
+            f"{summary.steps} steps in {summary.elapsed_s:.0f} s; the corpus's unigram entropy is "
+            f"{summary.unigram_entropy:.4f} nats/{unit} (the loss is {ratio:.0%} of it)"
+        )
     if summary.sample:
         lines.append("sample:\n" + "\n".join("  | " + line for line in summary.sample.splitlines()))
-    files = "metrics.csv, curves.png, config.toml, summary.json, " + ("sample.txt, checkpoints/" if unit == "char" else "checkpoints/ (export: "
-             f"shardwise checkpoint export --format hf {summary.run_dir}/checkpoints OUT)")
+    files = "metrics.csv, curves.png, config.toml, summary.json, " + (
+        "sample.txt, checkpoints/"
+        if unit == "char"
+        else f"checkpoints/ (export: shardwise checkpoint export --format hf {summary.run_dir}/checkpoints OUT)"
+    )
     lines.append(f"logs: {summary.run_dir}/ ({files})")
     return "\n".join(lines)

@@ -52,7 +52,11 @@ def tracker_loggers(config: TrainJobConfig, *, resume: bool) -> list[Logger]:
 
     log, params, name = config.log, flatten(config), config.run.name or None
     if log.tracker == "mlflow":
-        return [MLflowLogger(log.tracking_uri or None, experiment=log.experiment, run_name=name, config=params, resume=resume)]
+        return [
+            MLflowLogger(
+                log.tracking_uri or None, experiment=log.experiment, run_name=name, config=params, resume=resume
+            )
+        ]
     if log.tracker == "wandb":
         mode = None if log.wandb_mode == "auto" else log.wandb_mode
         return [WandbLogger(log.experiment, run_name=name, mode=mode, config=params, resume=resume)]
@@ -67,14 +71,21 @@ def check_tracker(log: LogSection) -> dict[str, str]:
     for a file store the user named (module doc), else nothing."""
     defaults, tracker_keys = LogSection(), {key for keys in USES.values() for key in keys}
     for f in fields(log):
-        if f.name in tracker_keys and f.name not in USES[log.tracker] and getattr(log, f.name) != getattr(defaults, f.name):
+        if (
+            f.name in tracker_keys
+            and f.name not in USES[log.tracker]
+            and getattr(log, f.name) != getattr(defaults, f.name)
+        ):
             readers = " or ".join(t for t, keys in USES.items() if f.name in keys)
             raise ConfigError(f"config key 'log.{f.name}' is set, but log.tracker is {log.tracker!r}",
                               hint=f"log.{f.name} is read with log.tracker {readers}: choose one, or drop log.{f.name}")
     if log.tracker == "none":
         return {}
     if not log.experiment.strip():
-        raise ConfigError("config key 'log.experiment' is empty", hint="name the experiment (W&B: the project), e.g. --log.experiment gpt")
+        raise ConfigError(
+            "config key 'log.experiment' is empty",
+            hint="name the experiment (W&B: the project), e.g. --log.experiment gpt",
+        )
     _require(log.tracker)
     if log.tracker == "mlflow":
         return _check_mlflow_uri(log.tracking_uri)
@@ -96,14 +107,20 @@ def _check_mlflow_uri(tracking_uri: str) -> dict[str, str]:
     import mlflow
 
     uri = tracking_uri or mlflow.get_tracking_uri()
-    what = f"log.tracking_uri {uri!r}" if tracking_uri else f"MLflow's default tracking URI {uri!r} (log.tracking_uri is empty)"
+    what = (
+        f"log.tracking_uri {uri!r}"
+        if tracking_uri
+        else f"MLflow's default tracking URI {uri!r} (log.tracking_uri is empty)"
+    )
     named = bool(tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"))
     try:
         scheme = uri if uri in PROFILES else urlparse(uri).scheme
         if scheme in ("http", "https"):
             urlparse(uri).port  # noqa: B018 - raises ValueError for a port that is not a number
     except ValueError as err:
-        raise ConfigError(f"{what} is not a URI ({err})", hint="for example file:///abs/mlruns or http://host:5000") from None
+        raise ConfigError(
+            f"{what} is not a URI ({err})", hint="for example file:///abs/mlruns or http://host:5000"
+        ) from None
     if scheme in ("", "file"):
         return _check_file_store(uri, what, named=named)
     if scheme in ("http", "https"):
@@ -118,7 +135,9 @@ def _check_file_store(uri: str, what: str, *, named: bool) -> dict[str, str]:
 
     switch = getattr(environment_variables, "MLFLOW_ALLOW_FILE_STORE", None)  # MLflow 3: off by default
     env = {}
-    if switch is not None and named and FILE_STORE_SWITCH not in os.environ:  # asked for by name: switch it on for this run
+    if (
+        switch is not None and named and FILE_STORE_SWITCH not in os.environ
+    ):  # asked for by name: switch it on for this run
         env = {FILE_STORE_SWITCH: "true"}
     try:
         allowed = switch is None or bool(env) or switch.get()
@@ -174,5 +193,7 @@ def _check_wandb_login(mode: str) -> None:
     try:
         wandb.login(verify=False)
     except Exception as err:  # noqa: BLE001 - wandb raises UsageError (and others) without a key
-        raise ConfigError(f"log.tracker 'wandb' in online mode needs a W&B login ({str(err).strip() or type(err).__name__})",
-                          hint="run 'wandb login' or set WANDB_API_KEY, or pass --log.wandb_mode offline") from None
+        raise ConfigError(
+            f"log.tracker 'wandb' in online mode needs a W&B login ({str(err).strip() or type(err).__name__})",
+            hint="run 'wandb login' or set WANDB_API_KEY, or pass --log.wandb_mode offline",
+        ) from None

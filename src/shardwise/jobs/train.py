@@ -123,10 +123,13 @@ def _train(config: TrainJobConfig, env: RuntimeEnv) -> JobSummary | None:
         print(f"corpus: {len(corpus.files)} files of the standard library, {len(corpus.text):,} characters "
               f"({len(corpus.train):,} train / {len(corpus.val):,} validation), vocabulary {corpus.vocab_size}, "
               f"unigram entropy {corpus.unigram_entropy:.3f} nats/char", flush=True)
-        print(f"model: GPT {shape.layers} layers x {shape.hidden} hidden x {shape.heads} heads, context {shape.seq_len}, "
-              f"{shape.param_count():,} parameters, {shape.flops_per_token() / 1e6:.2f} MFLOP/token; "
-              f"lr {trainer.optimizer.param_groups[0]['lr']:g}, {trainer.total_steps_for(train_set)} steps of "
-              f"{t.global_batch_size} sequences", flush=True)
+        print(
+            f"model: GPT {shape.layers} layers x {shape.hidden} hidden x {shape.heads} heads, context {shape.seq_len}, "
+            f"{shape.param_count():,} parameters, {shape.flops_per_token() / 1e6:.2f} MFLOP/token; "
+            f"lr {trainer.optimizer.param_groups[0]['lr']:g}, {trainer.total_steps_for(train_set)} steps of "
+            f"{t.global_batch_size} sequences",
+            flush=True,
+        )
     result = trainer.fit(train_set, val_set, resume=resume)
     stop = result.stop
     # A pipeline stage holds only some layers, so it cannot generate text on its own; a pre-empted
@@ -161,7 +164,9 @@ def _sample(module: nn.Module, corpus: Any, config: TrainJobConfig) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.jobs.train", description="One process of the built-in GPT job.")
+    parser = argparse.ArgumentParser(
+        prog="python -m shardwise.jobs.train", description="One process of the built-in GPT job."
+    )
     parser.add_argument("--config", default=None, help="TOML file (defaults < file < --section.key=value)")
     argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -187,7 +187,8 @@ class ShardwiseAgent(LocalElasticAgent):
                 f"the other nodes saw no heartbeat from it for over {self._watch.expiry_s if self._watch else 0:.0f} s (it was "
                 "frozen, suspended or cut off) and re-formed the world without it; its workers were killed before "
                 "writing anything",
-                hint="nothing was corrupted; start this node's shardwise run again to add it back to the job")
+                hint="nothing was corrupted; start this node's shardwise run again to add it back to the job",
+            )
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         verdict = self._verdict()
@@ -232,17 +233,34 @@ def launch_agent(config: LaunchConfig, entrypoint: str | Callable[..., Any], arg
                  stream: TextIO | None = None) -> dict[int, Any]:
     """torch's ``launch_agent`` (what ``elastic_launch`` runs) with :class:`ShardwiseAgent`;
     a dropped node leaves the rendezvous open for the others."""
-    rdzv_parameters = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
-                                           min_nodes=config.min_nodes, max_nodes=config.max_nodes,
-                                           local_addr=config.local_addr, **config.rdzv_configs)
+    rdzv_parameters = RendezvousParameters(
+        backend=config.rdzv_backend,
+        endpoint=config.rdzv_endpoint,
+        run_id=config.run_id,
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        local_addr=config.local_addr,
+        **config.rdzv_configs,
+    )
     master_addr, master_port = _get_addr_and_port(rdzv_parameters)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint, args=tuple(args),
-                      rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters), max_restarts=config.max_restarts,
-                      monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
-                      local_addr=config.local_addr, event_log_handler=config.event_log_handler,
-                      numa_options=config.numa_options, duplicate_stdout_filters=config.duplicate_stdout_filters,
-                      duplicate_stderr_filters=config.duplicate_stderr_filters, virtual_local_rank=config.virtual_local_rank)
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=rdzv_registry.get_rendezvous_handler(rdzv_parameters),
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        event_log_handler=config.event_log_handler,
+        numa_options=config.numa_options,
+        duplicate_stdout_filters=config.duplicate_stdout_filters,
+        duplicate_stderr_filters=config.duplicate_stderr_filters,
+        virtual_local_rank=config.virtual_local_rank,
+    )
     agent = ShardwiseAgent(spec=spec, logs_specs=config.logs_specs, start_method=config.start_method,
                            log_line_prefix_template=config.log_line_prefix_template,
                            shutdown_timeout=config.shutdown_timeout, stream=stream)

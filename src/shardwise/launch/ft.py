@@ -52,11 +52,19 @@ class FtOptions:
             raise LaunchError(f"--ft-replica-id {self.replica_id} is outside 0..{self.replicas - 1}",
                               hint=f"give each of the --ft-replicas {self.replicas} groups an index from 0")
         if self.replica_id is not None and not self.lighthouse:
-            raise LaunchError("--ft-replica-id needs --lighthouse HOST:PORT", hint="start 'shardwise lighthouse --port P' first")
+            raise LaunchError(
+                "--ft-replica-id needs --lighthouse HOST:PORT", hint="start 'shardwise lighthouse --port P' first"
+            )
         if not 1 <= self.min_replicas <= self.replicas:
-            raise LaunchError(f"--ft-min-replicas {self.min_replicas} is outside 1..{self.replicas}", hint="e.g. --ft-min-replicas 1")
-        for name, value in (("--ft-timeout", self.timeout_s), ("--ft-quorum-timeout", self.quorum_timeout_s),
-                            ("--ft-heartbeat-timeout", self.heartbeat_timeout_s), ("--ft-join-timeout", self.join_timeout_s)):
+            raise LaunchError(
+                f"--ft-min-replicas {self.min_replicas} is outside 1..{self.replicas}", hint="e.g. --ft-min-replicas 1"
+            )
+        for name, value in (
+            ("--ft-timeout", self.timeout_s),
+            ("--ft-quorum-timeout", self.quorum_timeout_s),
+            ("--ft-heartbeat-timeout", self.heartbeat_timeout_s),
+            ("--ft-join-timeout", self.join_timeout_s),
+        ):
             if not value > 0:
                 raise LaunchError(f"{name} {value:g} must be positive seconds", hint=f"e.g. {name} 10")
 
@@ -65,15 +73,24 @@ class FtOptions:
         only waiting for a quorum (the Trainer also pauses its step check while it waits)."""
         need = self.quorum_timeout_s + 2 * self.timeout_s
         if hang_timeout_s and hang_timeout_s < need:
-            raise LaunchError(f"--hang-timeout {hang_timeout_s:g} is shorter than torchft's quorum and collective "
-                              f"timeouts ({need:g} s)", hint=f"give --hang-timeout {need:g} or more, or shorter --ft-*-timeout")
+            raise LaunchError(
+                f"--hang-timeout {hang_timeout_s:g} is shorter than torchft's quorum and collective "
+                f"timeouts ({need:g} s)",
+                hint=f"give --hang-timeout {need:g} or more, or shorter --ft-*-timeout",
+            )
 
 
 def worker_env(options: FtOptions, replica: int, lighthouse: str, ft_dir: str) -> dict[str, str]:
     """The variables every worker of group ``replica`` reads (:mod:`shardwise.runtime.ft_env`)."""
-    return {ft_env.REPLICA_VAR: str(replica), ft_env.REPLICAS_VAR: str(options.replicas), ft_env.LIGHTHOUSE_VAR: lighthouse,
-            ft_env.MIN_REPLICAS_VAR: str(options.min_replicas), ft_env.TIMEOUT_VAR: f"{options.timeout_s:g}",
-            ft_env.QUORUM_TIMEOUT_VAR: f"{options.quorum_timeout_s:g}", ft_env.DIR_VAR: ft_dir}
+    return {
+        ft_env.REPLICA_VAR: str(replica),
+        ft_env.REPLICAS_VAR: str(options.replicas),
+        ft_env.LIGHTHOUSE_VAR: lighthouse,
+        ft_env.MIN_REPLICAS_VAR: str(options.min_replicas),
+        ft_env.TIMEOUT_VAR: f"{options.timeout_s:g}",
+        ft_env.QUORUM_TIMEOUT_VAR: f"{options.quorum_timeout_s:g}",
+        ft_env.DIR_VAR: ft_dir,
+    }
 
 
 def start_lighthouse(port: int, options: FtOptions) -> tuple[Any, str]:
@@ -88,7 +105,9 @@ def start_lighthouse(port: int, options: FtOptions) -> tuple[Any, str]:
                                   join_timeout_ms=int(options.join_timeout_s * 1000),
                                   heartbeat_timeout_ms=int(options.heartbeat_timeout_s * 1000))
     except Exception as err:  # noqa: BLE001 - a taken port
-        raise LaunchError(f"the lighthouse could not listen on port {port}: {err}", hint="pick another --port") from None
+        raise LaunchError(
+            f"the lighthouse could not listen on port {port}: {err}", hint="pick another --port"
+        ) from None
     return server, f"127.0.0.1:{server.address().rsplit(':', 1)[1]}"
 
 
@@ -111,8 +130,12 @@ def run_groups(options: FtOptions, child_args: Sequence[str], *, log_dir: str | 
     ft_dir = options.ft_dir or (os.path.join(log_dir, "ft") if log_dir else tempfile.mkdtemp(prefix="shardwise-ft-"))
     os.makedirs(ft_dir, exist_ok=True)
     server, lighthouse = (None, options.lighthouse) if options.lighthouse else start_lighthouse(0, options)
-    print(f"[shardwise] ft: {options.replicas} replica group(s), lighthouse {lighthouse}, min_replicas={options.min_replicas}, "
-          f"events in {ft_dir}", file=sys.stderr, flush=True)
+    print(
+        f"[shardwise] ft: {options.replicas} replica group(s), lighthouse {lighthouse}, min_replicas={options.min_replicas}, "
+        f"events in {ft_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     children: list[subprocess.Popen] = []
     stopping: list[int] = []
 
@@ -126,7 +149,11 @@ def run_groups(options: FtOptions, child_args: Sequence[str], *, log_dir: str | 
     start = time.time()
     try:
         for r in range(options.replicas):
-            env = {"RUST_LOG": "warn", **os.environ, **worker_env(options, r, lighthouse, ft_dir)}  # torchft's Rust side: quiet
+            env = {
+                "RUST_LOG": "warn",
+                **os.environ,
+                **worker_env(options, r, lighthouse, ft_dir),
+            }  # torchft's Rust side: quiet
             argv = [sys.executable, "-m", "shardwise", "run", "--stop-with-stdin", *child_args]
             children.append(subprocess.Popen(argv, env=env, stdin=subprocess.PIPE))
         codes = _wait_groups(children, grace_s=options.timeout_s)
@@ -165,8 +192,11 @@ def _wait_groups(children: Sequence[subprocess.Popen], *, grace_s: float) -> lis
         if finished_at is not None and time.monotonic() - finished_at > grace_s:
             for child in children:
                 if child.poll() is None:
-                    print(f"[shardwise] ft: the other groups finished {grace_s:g} s ago: stopping group pid {child.pid}",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[shardwise] ft: the other groups finished {grace_s:g} s ago: stopping group pid {child.pid}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     child.send_signal(signal.SIGTERM)
             finished_at = float("inf")
         time.sleep(0.2)

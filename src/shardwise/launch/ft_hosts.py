@@ -49,8 +49,10 @@ class GroupNode:
 def split_hosts(hosts: Sequence[Host], replicas: int) -> list[tuple[Host, ...]]:
     """The ``R`` groups of hosts, in hostfile order; refuses a count ``R`` does not divide."""
     if len(hosts) % replicas:
-        raise LaunchError(f"--ft-replicas {replicas} does not divide the {len(hosts)} hosts listed",
-                          hint=f"list a multiple of {replicas} hosts (each group gets the same number), or change --ft-replicas")
+        raise LaunchError(
+            f"--ft-replicas {replicas} does not divide the {len(hosts)} hosts listed",
+            hint=f"list a multiple of {replicas} hosts (each group gets the same number), or change --ft-replicas",
+        )
     size = len(hosts) // replicas
     return [tuple(hosts[r * size:(r + 1) * size]) for r in range(replicas)]
 
@@ -58,19 +60,32 @@ def split_hosts(hosts: Sequence[Host], replicas: int) -> list[tuple[Host, ...]]:
 def check_ft_hosts(options: RunOptions, ft: FtOptions, rdzv_store: str | None) -> None:
     """What a fault-tolerant hostfile job refuses, before any host is asked."""
     if ft.replica_id is not None:
-        raise LaunchError("--ft-replica-id cannot be combined with --hostfile/--hosts",
-                          hint="the launcher starts every group; drop --ft-replica-id (or start each group by hand without --hostfile)")
-    for flag, value in (("--nnodes", options.nnodes), ("--node-rank", options.node_rank), ("--rdzv-endpoint", options.rdzv_endpoint),
-                        ("--master-addr", options.master_addr), ("--master-port", options.master_port)):
+        raise LaunchError(
+            "--ft-replica-id cannot be combined with --hostfile/--hosts",
+            hint="the launcher starts every group; drop --ft-replica-id (or start each group by hand without --hostfile)",
+        )
+    for flag, value in (
+        ("--nnodes", options.nnodes),
+        ("--node-rank", options.node_rank),
+        ("--rdzv-endpoint", options.rdzv_endpoint),
+        ("--master-addr", options.master_addr),
+        ("--master-port", options.master_port),
+    ):
         if value is not None:
-            raise LaunchError(f"{flag} cannot be combined with --hostfile/--hosts --ft-replicas",
-                              hint="each group's size is hosts/replicas and its rendezvous is set by the launcher; drop " + flag)
+            raise LaunchError(
+                f"{flag} cannot be combined with --hostfile/--hosts --ft-replicas",
+                hint="each group's size is hosts/replicas and its rendezvous is set by the launcher; drop " + flag,
+            )
     if rdzv_store == "node0":
-        raise LaunchError("--rdzv-store node0 cannot be combined with --ft-replicas",
-                          hint="leave --rdzv-store out (the store lives on this launcher) or give HOST:PORT of 'shardwise rendezvous'")
+        raise LaunchError(
+            "--rdzv-store node0 cannot be combined with --ft-replicas",
+            hint="leave --rdzv-store out (the store lives on this launcher) or give HOST:PORT of 'shardwise rendezvous'",
+        )
     if rdzv_store and not ft.lighthouse and not rdzv_store.startswith("launcher"):
-        raise LaunchError(f"--rdzv-store {rdzv_store} with a lighthouse on this launcher: the hosts' way back here is unknown",
-                          hint="also give --lighthouse HOST:PORT of a running 'shardwise lighthouse', or drop --rdzv-store")
+        raise LaunchError(
+            f"--rdzv-store {rdzv_store} with a lighthouse on this launcher: the hosts' way back here is unknown",
+            hint="also give --lighthouse HOST:PORT of a running 'shardwise lighthouse', or drop --rdzv-store",
+        )
 
 
 def ft_flags(ft: FtOptions, replica: int, lighthouse: str) -> list[str]:
@@ -105,9 +120,12 @@ def write_summary(ft_dir: str, replicas: int) -> None:
     summary = summarize(ft_dir, replicas=replicas)
     with open(os.path.join(ft_dir, "summary.json"), "w") as fh:
         json.dump(summary, fh, indent=2)
-    print(f"shardwise run: ft: {summary['committed_steps']} step(s) committed, {summary['discarded_steps']} discarded, "
-          f"{summary['healed_replicas']} heal(s), {summary['seconds_lost']:.1f} s lost ({os.path.join(ft_dir, 'summary.json')})",
-          file=sys.stderr, flush=True)
+    print(
+        f"shardwise run: ft: {summary['committed_steps']} step(s) committed, {summary['discarded_steps']} discarded, "
+        f"{summary['healed_replicas']} heal(s), {summary['seconds_lost']:.1f} s lost ({os.path.join(ft_dir, 'summary.json')})",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def launch_groups_on_hosts(options: RunOptions, launch: HostLaunch, ft: FtOptions) -> int:
@@ -133,15 +151,24 @@ def launch_groups_on_hosts(options: RunOptions, launch: HostLaunch, ft: FtOption
     nodes = group_nodes(options, launch.hosts, ft, store_endpoints=endpoints, lighthouses=lighthouses,
                         run_id=options.rdzv_id or uuid.uuid4().hex[:12], hang_timeout_s=launch.hang_timeout_s)
     size = len(launch.hosts) // ft.replicas
-    print(f"shardwise run: pre-flight ok on {len(launch.hosts)} host(s) ({pre.versions()}); {ft.replicas} replica group(s) of "
-          f"{size} host(s), lighthouse {'at ' + ft.lighthouse if ft.lighthouse else 'on this machine, ' + lighthouses[0]}, "
-          f"min_replicas={ft.min_replicas}", file=sys.stderr, flush=True)
+    print(
+        f"shardwise run: pre-flight ok on {len(launch.hosts)} host(s) ({pre.versions()}); {ft.replicas} replica group(s) of "
+        f"{size} host(s), lighthouse {'at ' + ft.lighthouse if ft.lighthouse else 'on this machine, ' + lighthouses[0]}, "
+        f"min_replicas={ft.min_replicas}",
+        file=sys.stderr,
+        flush=True,
+    )
     sessions = []
     for node in nodes:
         argv = [target.python, "-m", "shardwise", "run", *node.args]
         rejoin = f"cd {shlex.quote(target.chdir)} && {shlex.join(a for a in argv if a != '--stop-with-stdin')}"
-        sessions.append(Session(node.host.name, tuple(ssh_argv(node.host.name, remote_command(argv, env=target.env, chdir=target.chdir),
-                                                               launch.ssh)), rejoin=rejoin))
+        sessions.append(
+            Session(
+                node.host.name,
+                tuple(ssh_argv(node.host.name, remote_command(argv, env=target.env, chdir=target.chdir), launch.ssh)),
+                rejoin=rejoin,
+            )
+        )
     try:
         with Sessions(sessions, stop_grace_s=launch.stop_grace_s) as running:
             outcome = running.wait(min_alive=ft.min_replicas * size, finish_grace_s=ft.timeout_s)

@@ -49,17 +49,23 @@ def _check_name(name: str, where: str) -> str:
 
 def _slots(raw: str, where: str) -> int:
     if not raw.isdigit() or int(raw) < 1:
-        raise LaunchError(f"{where}: slots={raw!r} is not a positive number of processes", hint="for example 'node1 slots=8'")
+        raise LaunchError(
+            f"{where}: slots={raw!r} is not a positive number of processes", hint="for example 'node1 slots=8'"
+        )
     return int(raw)
 
 
 def _unique(hosts: list[Host], source: str) -> tuple[Host, ...]:
     if not hosts:
-        raise LaunchError(f"{source} names no hosts", hint="list one host per line ('node1 slots=8'), or use --hosts node1:8,node2:8")
+        raise LaunchError(
+            f"{source} names no hosts", hint="list one host per line ('node1 slots=8'), or use --hosts node1:8,node2:8"
+        )
     seen: set[str] = set()
     for host in hosts:
         if host.name in seen:
-            raise LaunchError(f"{source}: host {host.name!r} is listed twice", hint="list each host once, with all its slots")
+            raise LaunchError(
+                f"{source}: host {host.name!r} is listed twice", hint="list each host once, with all its slots"
+            )
         seen.add(host.name)
     return tuple(hosts)
 
@@ -76,7 +82,9 @@ def parse_hostfile(text: str, source: str = "hostfile") -> tuple[Host, ...]:
         for word in words[1:]:
             key, sep, value = word.partition("=")
             if key not in ("slots", "max_slots") or not sep:
-                raise LaunchError(f"{where}: {word!r} is not understood", hint="write 'host slots=N' (N processes on that host)")
+                raise LaunchError(
+                    f"{where}: {word!r} is not understood", hint="write 'host slots=N' (N processes on that host)"
+                )
             if key == "slots":
                 host = Host(host.name, _slots(value, where))
             else:
@@ -90,7 +98,9 @@ def read_hostfile(path: str) -> tuple[Host, ...]:
         with open(path) as fh:
             text = fh.read()
     except OSError as exc:
-        raise LaunchError(f"--hostfile {path!r} cannot be read ({exc.strerror or exc})", hint="check the path") from None
+        raise LaunchError(
+            f"--hostfile {path!r} cannot be read ({exc.strerror or exc})", hint="check the path"
+        ) from None
     return parse_hostfile(text, source=f"hostfile {path}")
 
 

@@ -75,14 +75,18 @@ def store_choice(value: str | None, *, dynamic: bool) -> StoreChoice:
     if value == "node0":
         return StoreChoice("node0")
     if not dynamic:
-        raise LaunchError(f"--rdzv-store {value} needs a world that can re-form",
-                          hint="add --nnodes MIN:MAX or --max-restarts N (a fixed world uses node 0's static rendezvous)")
+        raise LaunchError(
+            f"--rdzv-store {value} needs a world that can re-form",
+            hint="add --nnodes MIN:MAX or --max-restarts N (a fixed world uses node 0's static rendezvous)",
+        )
     if value == "launcher":
         return StoreChoice("launcher")
     if value.startswith("launcher:"):
         port = value.partition(":")[2]
         if not port.isdigit() or not 0 < int(port) < 65536:
-            raise LaunchError(f"--rdzv-store {value!r}: {port!r} is not a port", hint="for example --rdzv-store launcher:29400")
+            raise LaunchError(
+                f"--rdzv-store {value!r}: {port!r} is not a port", hint="for example --rdzv-store launcher:29400"
+            )
         return StoreChoice("launcher", port=int(port))
     host, port = parse_endpoint(value, "--rdzv-store")
     return StoreChoice("host", host, port)
@@ -107,33 +111,60 @@ class World:
 def check_topology(options: RunOptions, hosts: Sequence[Host]) -> tuple[str, bool]:
     """``--nnodes`` for the hosts (default: all of them) and whether the world is elastic."""
     if options.node_rank is not None:
-        raise LaunchError("--node-rank cannot be combined with --hostfile/--hosts", hint="the order of the hosts gives each its node rank")
+        raise LaunchError(
+            "--node-rank cannot be combined with --hostfile/--hosts",
+            hint="the order of the hosts gives each its node rank",
+        )
     if options.rdzv_endpoint:
-        raise LaunchError("--rdzv-endpoint cannot be combined with --hostfile/--hosts",
-                          hint="use --rdzv-store HOST:PORT for a running 'shardwise rendezvous' (by default this launcher hosts the store)")
+        raise LaunchError(
+            "--rdzv-endpoint cannot be combined with --hostfile/--hosts",
+            hint="use --rdzv-store HOST:PORT for a running 'shardwise rendezvous' (by default this launcher hosts the store)",
+        )
     low, high = parse_nnodes(options.nnodes or str(len(hosts)))
     if low == high and low != len(hosts):
-        raise LaunchError(f"--nnodes {low} but {len(hosts)} hosts are listed", hint="drop --nnodes, or list that many hosts")
+        raise LaunchError(
+            f"--nnodes {low} but {len(hosts)} hosts are listed", hint="drop --nnodes, or list that many hosts"
+        )
     if high < len(hosts) or low > len(hosts):
         raise LaunchError(f"--nnodes {low}:{high} does not admit the {len(hosts)} hosts listed",
                           hint=f"use MIN <= {len(hosts)} <= MAX, e.g. --nnodes 1:{len(hosts)}")
     return (f"{low}:{high}" if low != high else str(low)), low != high
 
 
-def node_args(options: RunOptions, host: Host, node_rank: int, world: World, *, hang_timeout_s: float | None) -> list[str]:
+def node_args(
+    options: RunOptions, host: Host, node_rank: int, world: World, *, hang_timeout_s: float | None
+) -> list[str]:
     """The ``shardwise run`` arguments of node ``node_rank`` (after ``python -m shardwise run``)."""
-    args = ["--stop-with-stdin", "--nproc-per-node", str(host.slots or options.nproc_per_node), "--nnodes", world.nnodes,
-            "--rdzv-timeout", str(options.rdzv_timeout_s), "--max-restarts", str(options.max_restarts)]
+    args = [
+        "--stop-with-stdin",
+        "--nproc-per-node",
+        str(host.slots or options.nproc_per_node),
+        "--nnodes",
+        world.nnodes,
+        "--rdzv-timeout",
+        str(options.rdzv_timeout_s),
+        "--max-restarts",
+        str(options.max_restarts),
+    ]
     if uses_c10d(options, world.elastic):
         # The c10d rendezvous, so that a restart re-forms the whole world (the static one cannot
         # restart across nodes). Its store lives off the nodes (every node a client), or node 0
         # hosts it: no guessing from host names (aliases).
         hosts_store = not world.store_endpoints and node_rank == 0
-        where = world.store_endpoints[node_rank] if world.store_endpoints else f"{world.master_addr}:{world.master_port}"
+        where = (
+            world.store_endpoints[node_rank] if world.store_endpoints else f"{world.master_addr}:{world.master_port}"
+        )
         conf = ",".join(filter(None, [options.rdzv_conf, f"is_host={int(hosts_store)}"]))
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", where, "--rdzv-id", world.run_id, "--rdzv-conf", conf]
     else:
-        args += ["--node-rank", str(node_rank), "--master-addr", world.master_addr, "--master-port", str(world.master_port)]
+        args += [
+            "--node-rank",
+            str(node_rank),
+            "--master-addr",
+            world.master_addr,
+            "--master-port",
+            str(world.master_port),
+        ]
         if options.rdzv_conf:
             args += ["--rdzv-conf", options.rdzv_conf]
     if options.log_dir:
@@ -150,10 +181,17 @@ def node_args(options: RunOptions, host: Host, node_rank: int, world: World, *, 
 def preflight(options: RunOptions, launch: HostLaunch, *, store: str | None = None,
               store_client_port: int | None = None) -> tuple[Preflight, Target]:
     """Pre-flight of every host for this job (raises one LaunchError listing the problems)."""
-    target = Target(python=launch.python or sys.executable, chdir=launch.chdir or os.getcwd(), script=options.script,
-                    module=options.module, master_addr=options.master_addr or resolve_hostname(launch.hosts[0].name, launch.ssh),
-                    master_port=options.master_port, env=forwarded_env(os.environ, launch.env_names), store=store,
-                    store_client_port=store_client_port)
+    target = Target(
+        python=launch.python or sys.executable,
+        chdir=launch.chdir or os.getcwd(),
+        script=options.script,
+        module=options.module,
+        master_addr=options.master_addr or resolve_hostname(launch.hosts[0].name, launch.ssh),
+        master_port=options.master_port,
+        env=forwarded_env(os.environ, launch.env_names),
+        store=store,
+        store_client_port=store_client_port,
+    )
     return check(run_preflight(launch.hosts, target, launch.ssh)), target
 
 
@@ -172,7 +210,9 @@ def launch_on_hosts(options: RunOptions, launch: HostLaunch, *, show_hosts: bool
     nnodes, elastic = check_topology(options, launch.hosts)
     choice = store_choice(launch.rdzv_store, dynamic=uses_c10d(options, elastic))
     hosted = None
-    if choice.kind == "launcher":  # torch's TCPStore in this process, alive as long as the job (see shardwise.launch.store)
+    if (
+        choice.kind == "launcher"
+    ):  # torch's TCPStore in this process, alive as long as the job (see shardwise.launch.store)
         from shardwise.launch.store import host_store
 
         hosted = host_store(choice.port)
@@ -189,13 +229,23 @@ def launch_on_hosts(options: RunOptions, launch: HostLaunch, *, show_hosts: bool
     world = World(nnodes=nnodes, elastic=elastic, master_addr=target.master_addr,
                   master_port=pre.master_port or DEFAULT_MASTER_PORT, run_id=options.rdzv_id or uuid.uuid4().hex[:12],
                   store_endpoints=endpoints)
-    print(f"shardwise run: pre-flight ok on {len(launch.hosts)} host(s) ({pre.versions()}); master "
-          f"{world.master_addr}:{world.master_port}, " + (f"elastic {nnodes} nodes, rendezvous id {world.run_id}" if elastic
-                                                           else f"{nnodes} node(s)")
-          + (f", {where}" if uses_c10d(options, elastic) else ""), file=sys.stderr, flush=True)
+    print(
+        f"shardwise run: pre-flight ok on {len(launch.hosts)} host(s) ({pre.versions()}); master "
+        f"{world.master_addr}:{world.master_port}, "
+        + (f"elastic {nnodes} nodes, rendezvous id {world.run_id}" if elastic else f"{nnodes} node(s)")
+        + (f", {where}" if uses_c10d(options, elastic) else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     sessions = []
     for rank, host in enumerate(launch.hosts):
-        argv = [target.python, "-m", "shardwise", "run", *node_args(options, host, rank, world, hang_timeout_s=launch.hang_timeout_s)]
+        argv = [
+            target.python,
+            "-m",
+            "shardwise",
+            "run",
+            *node_args(options, host, rank, world, hang_timeout_s=launch.hang_timeout_s),
+        ]
         # typed by hand there, a returning host joins as a node without the store; the forwarded
         # environment is left out of the printed line (it may hold secrets)
         by_hand = [a.replace("is_host=1", "is_host=0") for a in argv if a != "--stop-with-stdin"]

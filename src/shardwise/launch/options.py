@@ -78,7 +78,9 @@ def hang_timeout_env(seconds: float | None) -> dict[str, str]:
     if seconds is None:
         return {}
     if not math.isfinite(seconds):
-        raise LaunchError(f"--hang-timeout {seconds:g} is not a number of seconds", hint="give seconds, or 0 to disable the watchdog")
+        raise LaunchError(
+            f"--hang-timeout {seconds:g} is not a number of seconds", hint="give seconds, or 0 to disable the watchdog"
+        )
     if seconds < 0:
         raise LaunchError(f"--hang-timeout {seconds:g} is negative", hint="give seconds, or 0 to disable the watchdog")
     return {"SHARDWISE_HANG_TIMEOUT": f"{seconds:g}"}
@@ -102,7 +104,9 @@ def parse_nproc(value: str, environ: Mapping[str, str]) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise LaunchError(f"--nproc-per-node {value!r} is not a number", hint="give a positive integer or 'auto'") from None
+        raise LaunchError(
+            f"--nproc-per-node {value!r} is not a number", hint="give a positive integer or 'auto'"
+        ) from None
     if n < 1:
         raise LaunchError(f"--nproc-per-node {n} must be at least 1", hint="give a positive integer or 'auto'")
     return n
@@ -113,7 +117,9 @@ def parse_nnodes(value: str) -> tuple[int, int]:
         lo, _, hi = value.partition(":")
         low, high = int(lo), int(hi or lo)
     except ValueError:
-        raise LaunchError(f"--nnodes {value!r} is not N or MIN:MAX", hint="for example --nnodes 2 or --nnodes 1:4") from None
+        raise LaunchError(
+            f"--nnodes {value!r} is not N or MIN:MAX", hint="for example --nnodes 2 or --nnodes 1:4"
+        ) from None
     if not 0 < low <= high:
         raise LaunchError(f"--nnodes {value!r} needs 0 < MIN <= MAX", hint="for example --nnodes 2 or --nnodes 1:4")
     return low, high
@@ -142,7 +148,10 @@ def parse_rdzv_conf(text: str | None) -> dict[str, str]:
     for item in filter(None, (part.strip() for part in (text or "").split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise LaunchError(f"--rdzv-conf item {item!r} is not key=value", hint="for example --rdzv-conf last_call_timeout=5,is_host=1")
+            raise LaunchError(
+                f"--rdzv-conf item {item!r} is not key=value",
+                hint="for example --rdzv-conf last_call_timeout=5,is_host=1",
+            )
         out[key.strip()] = value.strip()
     return out
 
@@ -152,10 +161,17 @@ def _check_target(options: RunOptions) -> None:
         # where `python -m` looks: the current directory first (a console script's own sys.path
         # starts with its bin/ directory instead), then PYTHONPATH and the installed packages
         top = options.script.split(".")[0]
-        if importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is None and importlib.util.find_spec(top) is None:
-            raise LaunchError(f"module {options.script!r} cannot be imported", hint="check the name and your PYTHONPATH")
+        if (
+            importlib.machinery.PathFinder.find_spec(top, [os.getcwd()]) is None
+            and importlib.util.find_spec(top) is None
+        ):
+            raise LaunchError(
+                f"module {options.script!r} cannot be imported", hint="check the name and your PYTHONPATH"
+            )
     elif not os.path.isfile(options.script):
-        raise LaunchError(f"script {options.script!r} does not exist", hint="check the path (it is relative to the current directory)")
+        raise LaunchError(
+            f"script {options.script!r} does not exist", hint="check the path (it is relative to the current directory)"
+        )
 
 
 @dataclass(frozen=True)
@@ -205,7 +221,8 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
     topo = _topology(options, environ)
     if not 0 <= topo.node_rank < topo.max_nodes:
         raise LaunchError(
-            f"--node-rank {topo.node_rank} is outside 0..{topo.max_nodes - 1}", hint=f"give each of the {topo.max_nodes} nodes a rank from 0 to {topo.max_nodes - 1}"
+            f"--node-rank {topo.node_rank} is outside 0..{topo.max_nodes - 1}",
+            hint=f"give each of the {topo.max_nodes} nodes a rank from 0 to {topo.max_nodes - 1}",
         )
     backend, endpoint, local_addr, rdzv_configs = _rendezvous(options, topo)
 
@@ -214,7 +231,9 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
     # it to <log_dir>/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log and copies each line
     # to the console behind the prefix (its default: [shardwise<local rank>]:).
     if options.log_prefix is not None and not options.log_prefix.strip():
-        raise LaunchError("--log-prefix is empty", hint="for example --log-prefix '[${rank}]: ', or leave it out for no prefix")
+        raise LaunchError(
+            "--log-prefix is empty", hint="for example --log-prefix '[${rank}]: ', or leave it out for no prefix"
+        )
     temp_log_dir = None
     if options.log_dir:
         os.makedirs(options.log_dir, exist_ok=True)
@@ -239,7 +258,9 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
     )
     args = ["-m", WORKER_MAIN] + (["-m"] if options.module else []) + [options.script, *options.script_args]
     worker_env = _worker_env(topo, backend=backend, nproc=nproc, environ=environ)
-    return ResolvedLaunch(config=config, entrypoint=sys.executable, args=tuple(args), worker_env=worker_env, temp_log_dir=temp_log_dir)
+    return ResolvedLaunch(
+        config=config, entrypoint=sys.executable, args=tuple(args), worker_env=worker_env, temp_log_dir=temp_log_dir
+    )
 
 
 def _rendezvous(options: RunOptions, topo: _Topology) -> tuple[str, str, str | None, dict[str, object]]:

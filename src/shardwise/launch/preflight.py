@@ -90,9 +90,13 @@ def _ask(host: Host, node_rank: int, target: Target, ssh: SshOptions, source: by
     try:
         done = subprocess.run(argv, input=source, capture_output=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return HostFacts(host, None, f"no answer within {timeout:.0f} s over ssh; check that it is up and reachable from here")
+        return HostFacts(
+            host, None, f"no answer within {timeout:.0f} s over ssh; check that it is up and reachable from here"
+        )
     except OSError as exc:
-        return HostFacts(host, None, f"cannot run {ssh.executable!r} ({exc.strerror or exc}); install the OpenSSH client")
+        return HostFacts(
+            host, None, f"cannot run {ssh.executable!r} ({exc.strerror or exc}); install the OpenSSH client"
+        )
     out, err = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
     for line in out.splitlines():
         if line.startswith(probe_module.MARKER):
@@ -100,8 +104,12 @@ def _ask(host: Host, node_rank: int, target: Target, ssh: SshOptions, source: by
     last = next((line.strip() for line in reversed(err.splitlines()) if line.strip()), f"exit code {done.returncode}")
     if done.returncode == 255:
         return HostFacts(host, None, f"not reachable by ssh ({last}); {_ssh_hint(last, host.name)}")
-    return HostFacts(host, None, f"{target.python} did not run there ({last}); install the same environment at the same "
-                                 "path on every host, or pass --python PATH")
+    return HostFacts(
+        host,
+        None,
+        f"{target.python} did not run there ({last}); install the same environment at the same "
+        "path on every host, or pass --python PATH",
+    )
 
 
 def _ssh_hint(message: str, name: str) -> str:
@@ -130,29 +138,46 @@ def judge(facts: Sequence[HostFacts], target: Target) -> tuple[list[str], int | 
         for key in ("python", "torch", "shardwise"):
             mine = got.get(key)
             if mine is None:
-                problems.append(f"host {name}: {key} is not installed for {target.python}; install it (or pass --python PATH)")
+                problems.append(
+                    f"host {name}: {key} is not installed for {target.python}; install it (or pass --python PATH)"
+                )
             elif ref is not None and ref.get(key) is not None and mine != ref.get(key):
-                problems.append(f"host {name}: {key} {mine} differs from {key} {ref.get(key)} on {reference.host.name}; "  # type: ignore[union-attr]
-                                "install the same versions on every host")
+                problems.append(
+                    f"host {name}: {key} {mine} differs from {key} {ref.get(key)} on {reference.host.name}; "  # type: ignore[union-attr]
+                    "install the same versions on every host"
+                )
         if not got.get("chdir_ok"):
-            problems.append(f"host {name}: directory {target.chdir} does not exist there; use the same path on every host, "
-                            "or pass --chdir DIR")
+            problems.append(
+                f"host {name}: directory {target.chdir} does not exist there; use the same path on every host, "
+                "or pass --chdir DIR"
+            )
         elif not got.get("script_ok"):
-            what = f"module {target.script!r} cannot be imported" if target.module else f"script {target.script} does not exist"
+            what = (
+                f"module {target.script!r} cannot be imported"
+                if target.module
+                else f"script {target.script} does not exist"
+            )
             problems.append(f"host {name}: {what} in {target.chdir}; copy it there (or use a shared file system)")
         if (target.store is not None or target.store_client_port is not None) and (
                 got.get("store_error") or not got.get("store_addr")):
-            where = target.store or (f"{got.get('store_addr')}:{target.store_client_port} (this machine, as {name} sees it)"
-                                     if got.get("store_addr") else "this machine")
-            problems.append(f"host {name}: cannot reach the rendezvous store at {where}: {got.get('store_error') or 'no answer'}; "
-                            "open that port to the hosts, or pass --rdzv-store HOST:PORT of a 'shardwise rendezvous' they reach "
-                            "(or --rdzv-store node0)")
+            where = target.store or (
+                f"{got.get('store_addr')}:{target.store_client_port} (this machine, as {name} sees it)"
+                if got.get("store_addr")
+                else "this machine"
+            )
+            problems.append(
+                f"host {name}: cannot reach the rendezvous store at {where}: {got.get('store_error') or 'no answer'}; "
+                "open that port to the hosts, or pass --rdzv-store HOST:PORT of a 'shardwise rendezvous' they reach "
+                "(or --rdzv-store node0)"
+            )
         if not got.get("master_resolves"):
             problems.append(f"host {name}: the master address {target.master_addr!r} does not resolve there; "
                             "pass --master-addr with an address every host can reach")
         if rank == 0:
             if target.master_port is not None and not got.get("port_free", True):
-                problems.append(f"host {name}: the master port {target.master_port} is in use there; pick another --master-port")
+                problems.append(
+                    f"host {name}: the master port {target.master_port} is in use there; pick another --master-port"
+                )
             if target.master_port is None:
                 port = int(got["free_port"]) if got.get("free_port") else None  # type: ignore[call-overload]
     return problems, port
@@ -172,5 +197,7 @@ def check(pre: Preflight) -> Preflight:
     if len(pre.problems) == 1:
         raise LaunchError(pre.problems[0])
     if pre.problems:
-        raise LaunchError(f"pre-flight found {len(pre.problems)} problems, nothing was started:\n  " + "\n  ".join(pre.problems))
+        raise LaunchError(
+            f"pre-flight found {len(pre.problems)} problems, nothing was started:\n  " + "\n  ".join(pre.problems)
+        )
     return pre

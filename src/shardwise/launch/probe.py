@@ -68,7 +68,10 @@ def _store(store: str | None, store_client_port: int | None) -> dict[str, object
         return {}
     client = os.environ.get("SSH_CONNECTION", "").split()
     if not client:
-        return {"store_addr": None, "store_error": "SSH_CONNECTION is not set, so the launcher's address is unknown here"}
+        return {
+            "store_addr": None,
+            "store_error": "SSH_CONNECTION is not set, so the launcher's address is unknown here",
+        }
     return {"store_addr": client[0], "store_error": _reach(client[0], store_client_port)}
 
 

@@ -72,7 +72,10 @@ def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
     saved = os.environ.get(ERROR_DIR_VAR)
     os.environ[ERROR_DIR_VAR] = errors  # the agent copies this process's environment to the workers
     quiet = _QuietFailures()
-    agent_logs = [logging.getLogger(name) for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")]
+    agent_logs = [
+        logging.getLogger(name)
+        for name in ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+    ]
     for agent_log in agent_logs:
         agent_log.addFilter(quiet)
     try:
@@ -89,7 +92,11 @@ def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
         raise LaunchError(describe_failures(err, config.max_restarts)) from None
     except SignalException as err:  # the agent has already passed the signal on and stopped the workers
         name = signal.Signals(err.sigval).name
-        saves = " (a shardwise Trainer saves a checkpoint at its next step and returns)" if err.sigval == signal.SIGTERM else ""
+        saves = (
+            " (a shardwise Trainer saves a checkpoint at its next step and returns)"
+            if err.sigval == signal.SIGTERM
+            else ""
+        )
         raise StoppedBySignal(f"stopped by {name}: the workers were sent {name} and given {config.shutdown_timeout} s "
                               f"to exit{saves}", signum=int(err.sigval)) from None
     except (KeyboardInterrupt, SystemExit):
@@ -130,7 +137,8 @@ def wait_for_endpoint(endpoint: str, timeout_s: float, *, store_off_nodes: bool 
                     raise LaunchError(
                         f"the rendezvous store at {endpoint} did not answer within {timeout_s:.0f}s ({exc.strerror or exc})",
                         hint="start what hosts it first ('shardwise rendezvous', or the node with is_host=1), and check "
-                             "--rdzv-endpoint and firewalls") from None
+                        "--rdzv-endpoint and firewalls",
+                    ) from None
                 raise LaunchError(
                     f"node 0 at {endpoint} did not answer within {timeout_s:.0f}s ({exc.strerror or exc})",
                     hint="start node 0 first (or together), and check --master-addr/--master-port and firewalls",
@@ -146,9 +154,13 @@ def run_launch(launch: ResolvedLaunch, *, forwarded: Forwarded | None = None) ->
     launch that received it ends with :class:`~shardwise.errors.StoppedBySignal`."""
     config = launch.config
     client_only = str(config.rdzv_configs.get("is_host", "")).lower() in ("0", "false", "no")
-    if (config.rdzv_backend == "static" and config.rdzv_configs.get("rank", 0) != 0) or (config.rdzv_backend == "c10d" and client_only):
+    if (config.rdzv_backend == "static" and config.rdzv_configs.get("rank", 0) != 0) or (
+        config.rdzv_backend == "c10d" and client_only
+    ):
         # a node that does not host the store (or a store off the nodes, 'shardwise rendezvous'): one line if nobody answers
-        wait_for_endpoint(config.rdzv_endpoint, float(config.rdzv_configs.get("timeout", 300)), store_off_nodes=client_only)
+        wait_for_endpoint(
+            config.rdzv_endpoint, float(config.rdzv_configs.get("timeout", 300)), store_off_nodes=client_only
+        )
     worker_env = {**launch.worker_env, LAUNCHER_PID_VAR: str(os.getpid())}
     saved = {k: os.environ.get(k) for k in worker_env}
     os.environ.update(worker_env)  # the agent copies this process's environment to workers
@@ -164,8 +176,10 @@ def run_launch(launch: ResolvedLaunch, *, forwarded: Forwarded | None = None) ->
                     raise
                 # e.g. a worker still starting up had no handler yet and died of it: still a stop from outside
                 name = signal.Signals(forwarded.received).name
-                raise StoppedBySignal(f"stopped by {name}: it was passed to the workers, which did not all exit cleanly "
-                                      f"({err.message})", signum=forwarded.received) from None
+                raise StoppedBySignal(
+                    f"stopped by {name}: it was passed to the workers, which did not all exit cleanly ({err.message})",
+                    signum=forwarded.received,
+                ) from None
         if forwarded.received is not None:
             name = signal.Signals(forwarded.received).name
             raise StoppedBySignal(f"stopped by {name}: it was passed to the workers, which exited cleanly"

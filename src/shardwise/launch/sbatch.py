@@ -63,8 +63,10 @@ def slurm_time_seconds(text: str) -> int:
         if all(value <= _CLOCK_LIMITS[key] for key, value in fields.items() if key not in ("d", leading)):
             d, h, m, sec = (fields.get(key, 0) for key in "dhms")
             return ((d * 24 + h) * 60 + m) * 60 + sec
-    raise ShardwiseError(f"--time {text!r} is not a Slurm time",
-                         hint="use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 120, 24:00:00 or 2-00:00:00")
+    raise ShardwiseError(
+        f"--time {text!r} is not a Slurm time",
+        hint="use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, e.g. 120, 24:00:00 or 2-00:00:00",
+    )
 
 
 def warning_seconds(limit_s: int, wanted_s: int = WARNING_S) -> int:
@@ -81,7 +83,9 @@ def _check_names(spec: SbatchSpec) -> None:
     of the script."""
     for flag, value in (("--job-name", spec.job_name), ("--partition", spec.partition), ("--account", spec.account)):
         if value is not None and not _NAME.fullmatch(value):
-            raise ShardwiseError(f"{flag} {value!r} is empty or contains whitespace", hint="use letters, digits, '-' or '_'")
+            raise ShardwiseError(
+                f"{flag} {value!r} is empty or contains whitespace", hint="use letters, digits, '-' or '_'"
+            )
 
 
 def render_sbatch(spec: SbatchSpec) -> str:
@@ -91,7 +95,9 @@ def render_sbatch(spec: SbatchSpec) -> str:
     if spec.gpus_per_node < 0:
         raise ShardwiseError(f"--gpus-per-node {spec.gpus_per_node} is negative", hint="use 0 for CPU-only nodes")
     if spec.cpus_per_task is not None and spec.cpus_per_task < 1:
-        raise ShardwiseError(f"--cpus-per-task {spec.cpus_per_task} must be at least 1", hint="omit it to use Slurm's default")
+        raise ShardwiseError(
+            f"--cpus-per-task {spec.cpus_per_task} must be at least 1", hint="omit it to use Slurm's default"
+        )
     if spec.max_restarts < 0:
         raise ShardwiseError(f"--max-restarts {spec.max_restarts} is negative", hint="use 0 or more")
     if spec.warning_s < 1:
@@ -120,9 +126,16 @@ def render_sbatch(spec: SbatchSpec) -> str:
     target = " ".join(shlex.quote(part) for part in spec.script)
     lines += header_lines(warning_s=warning, requeue=spec.requeue) + [""]
     if spec.ft_replicas is not None:
-        lines += ft_step_lines(f"--nproc-per-node {nproc} --max-restarts {spec.max_restarts}", target, nodes=spec.nodes,
-                               replicas=spec.ft_replicas, min_replicas=spec.ft_min_replicas,
-                               lighthouse_port=spec.lighthouse_port, rdzv_port=spec.rdzv_port, requeue=spec.requeue) + [""]
+        lines += ft_step_lines(
+            f"--nproc-per-node {nproc} --max-restarts {spec.max_restarts}",
+            target,
+            nodes=spec.nodes,
+            replicas=spec.ft_replicas,
+            min_replicas=spec.ft_min_replicas,
+            lighthouse_port=spec.lighthouse_port,
+            rdzv_port=spec.rdzv_port,
+            requeue=spec.requeue,
+        ) + [""]
         return "\n".join(lines)
     command = (f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node {nproc} "
                f"--max-restarts {spec.max_restarts} {target}")

@@ -42,7 +42,9 @@ def ft_step_lines(run_args: str, target: str, *, nodes: int, replicas: int, min_
     the ``shardwise run`` flags every node shares, ``target`` the quoted script and its arguments."""
     size = check_groups(nodes, replicas)
     if not 1 <= min_replicas <= replicas:
-        raise ShardwiseError(f"--ft-min-replicas {min_replicas} is outside 1..{replicas}", hint="e.g. --ft-min-replicas 1")
+        raise ShardwiseError(
+            f"--ft-min-replicas {min_replicas} is outside 1..{replicas}", hint="e.g. --ft-min-replicas 1"
+        )
     for flag, port in (("--lighthouse-port", lighthouse_port), ("--rdzv-port", rdzv_port)):
         if not 0 < port < 65536 - replicas:
             raise ShardwiseError(f"{flag} {port} is not a port", hint="use 1024-65000, e.g. 29510")

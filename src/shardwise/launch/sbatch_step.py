@@ -28,7 +28,9 @@ USR1_EXIT = 138  # 128 + SIGUSR1: what `shardwise run` exits with after a SIGUSR
 
 def header_lines(*, warning_s: int, requeue: bool) -> list[str]:
     """The ``#SBATCH`` lines for the warning and the requeue."""
-    lines = [f"#SBATCH --signal=B:USR1@{warning_s}   # time-limit warning to this script, which passes it to the job step"]
+    lines = [
+        f"#SBATCH --signal=B:USR1@{warning_s}   # time-limit warning to this script, which passes it to the job step"
+    ]
     if requeue:
         lines += ["#SBATCH --requeue               # a pre-empted or requeued job starts again and resumes",
                   "#SBATCH --open-mode=append      # and appends to the same output file"]

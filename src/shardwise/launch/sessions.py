@@ -137,8 +137,11 @@ class Sessions:
                             self.stop(grace_s=self.stop_grace_s)
                             return Outcome(code, s.label, code, tuple(lost))
                         lost.append(s.label)
-                        self._say(f"host {s.label} left the job (exit code {code}); it goes on with {alive} host(s), "
-                                  f"at least {min_alive} needed" + (f"; to bring it back, run there: {s.rejoin}" if s.rejoin else ""))
+                        self._say(
+                            f"host {s.label} left the job (exit code {code}); it goes on with {alive} host(s), "
+                            f"at least {min_alive} needed"
+                            + (f"; to bring it back, run there: {s.rejoin}" if s.rejoin else "")
+                        )
                 if all(c is not None for c in codes):
                     failed = [(s.label, c) for s, c in zip(self.sessions, codes) if c != 0]
                     if not failed or (min_alive is not None and len(failed) < len(codes)):

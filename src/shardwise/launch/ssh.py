@@ -38,12 +38,18 @@ class SshOptions:
 
     def __post_init__(self) -> None:
         if self.connect_timeout_s < 1:
-            raise LaunchError(f"--ssh-timeout {self.connect_timeout_s} must be at least 1 second", hint="for example --ssh-timeout 10")
+            raise LaunchError(
+                f"--ssh-timeout {self.connect_timeout_s} must be at least 1 second", hint="for example --ssh-timeout 10"
+            )
         for option in self.options:
             if "=" not in option or option.startswith("-"):
-                raise LaunchError(f"--ssh-option {option!r} is not KEY=VALUE", hint="for example --ssh-option Port=2222")
+                raise LaunchError(
+                    f"--ssh-option {option!r} is not KEY=VALUE", hint="for example --ssh-option Port=2222"
+                )
         if self.config_file is not None and not os.path.isfile(self.config_file):
-            raise LaunchError(f"--ssh-config {self.config_file!r} does not exist", hint="give an ssh_config file (ssh -F)")
+            raise LaunchError(
+                f"--ssh-config {self.config_file!r} does not exist", hint="give an ssh_config file (ssh -F)"
+            )
 
 
 def ssh_argv(host: str, command: str, options: SshOptions) -> list[str]:
@@ -56,7 +62,14 @@ def ssh_argv(host: str, command: str, options: SshOptions) -> list[str]:
         argv += ["-F", options.config_file]
     for option in options.options:
         argv += ["-o", option]
-    argv += ["-o", f"ConnectTimeout={options.connect_timeout_s}", "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3"]
+    argv += [
+        "-o",
+        f"ConnectTimeout={options.connect_timeout_s}",
+        "-o",
+        "ServerAliveInterval=10",
+        "-o",
+        "ServerAliveCountMax=3",
+    ]
     return argv + ["--", host, command]
 
 
@@ -83,7 +96,9 @@ def forwarded_env(environ: Mapping[str, str], names: Sequence[str] = ()) -> dict
     for item in names:
         name, sep, value = item.partition("=")
         if not name.isidentifier():
-            raise LaunchError(f"--env {item!r} does not start with a variable name", hint="use --env NAME or --env NAME=VALUE")
+            raise LaunchError(
+                f"--env {item!r} does not start with a variable name", hint="use --env NAME or --env NAME=VALUE"
+            )
         if sep:
             out[name] = value
         elif name in environ:

@@ -68,10 +68,12 @@ def serve_forever(port: int, *, announce: bool = True) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if announce:
         name = socket.getfqdn()
-        print(f"shardwise rendezvous: serving the c10d rendezvous store on port {hosted.port} of {name} (every address); "
-              f"start each node with: shardwise run --nnodes MIN:MAX --rdzv-backend c10d --rdzv-endpoint "
-              f"{name}:{hosted.port} --rdzv-conf is_host=0 --rdzv-id JOB --max-restarts N ...; stop with Ctrl-C",
-              flush=True)
+        print(
+            f"shardwise rendezvous: serving the c10d rendezvous store on port {hosted.port} of {name} (every address); "
+            f"start each node with: shardwise run --nnodes MIN:MAX --rdzv-backend c10d --rdzv-endpoint "
+            f"{name}:{hosted.port} --rdzv-conf is_host=0 --rdzv-id JOB --max-restarts N ...; stop with Ctrl-C",
+            flush=True,
+        )
     while not stop.wait(1.0):
         pass
     return 0

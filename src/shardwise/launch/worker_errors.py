@@ -88,7 +88,11 @@ def record_failure(exc: BaseException, *, directory: str | None = None, rank: in
     if body["bad_input"]:
         _wait_for_peers(directory, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     else:  # one line in this rank's own output: what a restart recovered from, or what its --log-dir file shows
-        print(f"rank {rank} failed: {body['line']} (the launcher shows the traceback if the job ends with it)", file=sys.stderr, flush=True)
+        print(
+            f"rank {rank} failed: {body['line']} (the launcher shows the traceback if the job ends with it)",
+            file=sys.stderr,
+            flush=True,
+        )
     return True
 
 
@@ -125,8 +129,15 @@ def read_records(directory: str) -> list[WorkerRecord]:
         try:
             with open(os.path.join(directory, name)) as fh:
                 data = json.load(fh)
-            out.append(WorkerRecord(int(data["rank"]), bool(data["bad_input"]), str(data["line"]), str(data["traceback"]),
-                                    float(data["time"])))
+            out.append(
+                WorkerRecord(
+                    int(data["rank"]),
+                    bool(data["bad_input"]),
+                    str(data["line"]),
+                    str(data["traceback"]),
+                    float(data["time"]),
+                )
+            )
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return sorted(out, key=lambda r: (r.time, r.rank))

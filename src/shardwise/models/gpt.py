@@ -51,7 +51,9 @@ _FIXED = {"kv_heads": (0,), "tied_embeddings": (False,), "bias": (True,), "learn
 def _gpt_shape(config: TransformerShape) -> TransformerShape:
     """``config`` as the GPT realizes it (separate q/k/v), or a ConfigError naming the field it lacks."""
     if not isinstance(config, TransformerShape):
-        raise ConfigError(f"GPT takes a TransformerShape, got {type(config).__name__}", hint="build it with GPTConfig(...)")
+        raise ConfigError(
+            f"GPT takes a TransformerShape, got {type(config).__name__}", hint="build it with GPTConfig(...)"
+        )
     for key, allowed in _FIXED.items():
         value = getattr(config, key)
         if value not in allowed and not (key == "kv_heads" and value == config.heads):
@@ -86,7 +88,9 @@ class CausalSelfAttention(nn.Module):
         if past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(past, t, device=x.device), dropout_p=dropout)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=causal_mask(past, t, device=x.device), dropout_p=dropout
+            )
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -155,7 +159,9 @@ class GPT(nn.Module):
                 full = torch.randn(param.shape, generator=gen) * std
             _copy_full(param, full)
 
-    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         """``position_ids`` (``[T]`` or ``[B, T]``, default ``0..T-1``): the tokens' positions, for a
         caller that feeds part of a sequence (context parallel's chunks). ``cache``: a
         :class:`~shardwise.models.kv_cache.KVCache` of the positions before ``ids`` (the default

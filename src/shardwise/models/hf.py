@@ -41,7 +41,9 @@ def require_transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ConfigError("Hugging Face models need the 'transformers' package", hint="pip install 'shardwise[hf]'") from None
+        raise ConfigError(
+            "Hugging Face models need the 'transformers' package", hint="pip install 'shardwise[hf]'"
+        ) from None
     _quantizers_without_torchao()
     return transformers
 
@@ -91,7 +93,11 @@ def _quantizers_without_torchao() -> None:
 
     with quiet_torchao():
         import torchao  # noqa: F401
-        for name in ("torchao.prototype.mx_formats", "torchao.prototype.moe_training"):  # imported by transformers' quantizer
+
+        for name in (
+            "torchao.prototype.mx_formats",
+            "torchao.prototype.moe_training",
+        ):  # imported by transformers' quantizer
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
 
@@ -103,14 +109,43 @@ def tiny_config(family: str, *, layers: int = 4, hidden: int = 32, heads: int = 
     if family not in FAMILIES:
         raise ConfigError(f"model family {family!r} is unknown", hint=f"use one of {', '.join(FAMILIES)}")
     if family == "gpt2":
-        cfg = tf.GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_positions=seq, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        cfg = tf.GPT2Config(
+            vocab_size=vocab,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=heads,
+            n_positions=seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     else:
-        common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq, use_cache=False,
-                      attention_dropout=0.0, bos_token_id=0, eos_token_id=0, pad_token_id=None)
-        classes = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig, "gemma": tf.GemmaConfig,
-                   "phi": tf.PhiConfig, "mixtral": tf.MixtralConfig, "phi3": tf.Phi3Config}
+        common = dict(
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=seq,
+            use_cache=False,
+            attention_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=None,
+        )
+        classes = {
+            "llama": tf.LlamaConfig,
+            "qwen2": tf.Qwen2Config,
+            "mistral": tf.MistralConfig,
+            "gemma": tf.GemmaConfig,
+            "phi": tf.PhiConfig,
+            "mixtral": tf.MixtralConfig,
+            "phi3": tf.Phi3Config,
+        }
         extra: dict[str, Any] = {}
         if family == "gemma":
             extra = {"head_dim": hidden // heads}
@@ -142,7 +177,9 @@ def logits_of(output: Any) -> torch.Tensor:
         return logits
     if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
         return output[0]
-    raise ConfigError(f"cannot find logits in a {type(output).__name__}", hint="return a tensor or a ModelOutput with .logits")
+    raise ConfigError(
+        f"cannot find logits in a {type(output).__name__}", hint="return a tensor or a ModelOutput with .logits"
+    )
 
 
 IGNORE_INDEX = -100  # Hugging Face's labels (and torch's cross-entropy) mark "no target" with it
@@ -161,9 +198,14 @@ def read_config(directory: str) -> dict[str, Any]:
     if os.path.isfile(directory) and directory.endswith(".json"):
         path = directory
     elif not os.path.isdir(directory):
-        raise ConfigError(f"model directory {directory!r} does not exist", hint="pass a directory written by save_pretrained")
+        raise ConfigError(
+            f"model directory {directory!r} does not exist", hint="pass a directory written by save_pretrained"
+        )
     if not os.path.exists(path):
-        raise ConfigError(f"{directory!r} holds no config.json", hint="pass a Hugging Face model directory (save_pretrained writes config.json)")
+        raise ConfigError(
+            f"{directory!r} holds no config.json",
+            hint="pass a Hugging Face model directory (save_pretrained writes config.json)",
+        )
     try:
         with open(path) as fh:
             return json.load(fh)
@@ -192,14 +234,31 @@ def shape_of(config: Any, *, seq_len: int | None = None) -> TransformerShape:
     }
     missing = [k for k, v in values.items() if v is None]
     if missing:
-        raise ConfigError(f"the model config has no {missing[0]} (hidden_size, num_attention_heads, num_hidden_layers, vocab_size, "
-                          "max_position_embeddings)", hint="pass a decoder-only language model's config")
+        raise ConfigError(
+            f"the model config has no {missing[0]} (hidden_size, num_attention_heads, num_hidden_layers, vocab_size, "
+            "max_position_embeddings)",
+            hint="pass a decoder-only language model's config",
+        )
     return TransformerShape(**values)
 
 
 # Families whose MLP is gated (SwiGLU / GeGLU: gate, up and down projections, 3 h f weights).
-GATED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma", "gemma2", "olmo", "olmo2",
-                  "phi3", "granite", "cohere")
+GATED_FAMILIES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "olmo",
+    "olmo2",
+    "phi3",
+    "granite",
+    "cohere",
+)
 
 
 def stats_of_config(config: Any, *, seq: int | None = None) -> Any:
@@ -242,7 +301,10 @@ def check_packing(model: nn.Module, *, vocab_size: int, what: str = "the model")
         raise ConfigError(f"{what} takes no position_ids, so packed documents cannot restart their positions",
                           hint="use padded batches (--data.packing false)")
     gen = torch.Generator().manual_seed(0)
-    first, second = torch.randint(0, vocab_size, (1, 5), generator=gen), torch.randint(0, vocab_size, (1, 7), generator=gen)
+    first, second = (
+        torch.randint(0, vocab_size, (1, 5), generator=gen),
+        torch.randint(0, vocab_size, (1, 7), generator=gen),
+    )
     positions = torch.cat([torch.arange(5), torch.arange(7)]).unsqueeze(0)
     was_training = model.training
     model.eval()
@@ -255,9 +317,11 @@ def check_packing(model: nn.Module, *, vocab_size: int, what: str = "the model")
     worst = float((packed - alone).abs().max() / alone.abs().max().clamp_min(1e-6))
     if not worst <= 1e-4:
         attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
-        raise ConfigError(f"{what}{f' (attention {attention!r})' if attention else ''} does not keep packed documents apart: "
-                          f"a packed row's logits differ from the documents' own by {worst:.1e}",
-                          hint="use padded batches (--data.packing false), or an attention backend that honours position_ids")
+        raise ConfigError(
+            f"{what}{f' (attention {attention!r})' if attention else ''} does not keep packed documents apart: "
+            f"a packed row's logits differ from the documents' own by {worst:.1e}",
+            hint="use padded batches (--data.packing false), or an attention backend that honours position_ids",
+        )
 
 
 def check_packing_of(directory: str) -> None:
@@ -265,8 +329,19 @@ def check_packing_of(directory: str) -> None:
     random weights: the mask, not the weights, is checked), so it costs a fraction of a second."""
     tf = require_transformers()
     config = tf.AutoConfig.from_pretrained(directory, local_files_only=True)
-    small = {"num_hidden_layers": 1, "n_layer": 1, "hidden_size": 64, "n_embd": 64, "intermediate_size": 128, "n_inner": 128,
-             "num_attention_heads": 4, "n_head": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128}
+    small = {
+        "num_hidden_layers": 1,
+        "n_layer": 1,
+        "hidden_size": 64,
+        "n_embd": 64,
+        "intermediate_size": 128,
+        "n_inner": 128,
+        "num_attention_heads": 4,
+        "n_head": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 128,
+    }
     for key, value in small.items():
         if hasattr(config, key) and getattr(config, key) is not None:
             setattr(config, key, value)
@@ -276,8 +351,10 @@ def check_packing_of(directory: str) -> None:
     try:
         model = build_causal_lm(config)
     except Exception as exc:  # noqa: BLE001 - a config that cannot be made small: say so instead of guessing
-        raise ConfigError(f"cannot check that {name} keeps packed documents apart ({type(exc).__name__}: {str(exc)[:120]})",
-                          hint="use padded batches (--data.packing false)") from None
+        raise ConfigError(
+            f"cannot check that {name} keeps packed documents apart ({type(exc).__name__}: {str(exc)[:120]})",
+            hint="use padded batches (--data.packing false)",
+        ) from None
     check_packing(model, vocab_size=128, what=name)
 
 
@@ -291,8 +368,12 @@ def tiny_tokenizer(texts: list[str], *, vocab: int = 256, chat: bool = False) ->
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<unk>", "<eos>", *(CHAT_ROLES if chat else ())]
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = tf.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
                                       additional_special_tokens=list(CHAT_ROLES) if chat else None)
@@ -301,8 +382,16 @@ def tiny_tokenizer(texts: list[str], *, vocab: int = 256, chat: bool = False) ->
     return fast
 
 
-def save_tiny(directory: str, *, family: str = "llama", texts: list[str], vocab: int = 256, seed: int = 0, chat: bool = False,
-              **config: Any) -> Any:
+def save_tiny(
+    directory: str,
+    *,
+    family: str = "llama",
+    texts: list[str],
+    vocab: int = 256,
+    seed: int = 0,
+    chat: bool = False,
+    **config: Any,
+) -> Any:
     """Write a small model of ``family`` with a byte-level BPE tokenizer trained on ``texts`` to
     ``directory`` (``config.json``, ``model.safetensors``, tokenizer files): a Hugging Face model
     directory made locally, for examples and tests. ``chat``: the tokenizer gets

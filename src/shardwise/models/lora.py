@@ -107,7 +107,9 @@ class LoRA:
         if self.base not in BASES:
             raise ConfigError(f"lora.base={self.base!r} is unknown", hint=f"use one of {', '.join(BASES)}")
         if self.targets is not None and not self.targets:
-            raise ConfigError("lora.targets is empty", hint="name the layers, e.g. --lora.targets q_proj,v_proj, or omit it")
+            raise ConfigError(
+                "lora.targets is empty", hint="name the layers, e.g. --lora.targets q_proj,v_proj, or omit it"
+            )
 
     def targets_for(self, model: nn.Module) -> tuple[str, ...]:
         """``targets``, or the defaults of the model's family (``model.config.model_type``)."""
@@ -129,15 +131,26 @@ class LoRA:
                                init_lora_weights=True if self.init_b_zero else False, bias="none")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"r": self.r, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets) if self.targets else None,
-                "base": self.base, "init_b_zero": self.init_b_zero}
+        return {
+            "r": self.r,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": list(self.targets) if self.targets else None,
+            "base": self.base,
+            "init_b_zero": self.init_b_zero,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LoRA:
         targets = data.get("targets")
-        return cls(r=int(data.get("r", 16)), alpha=float(data.get("alpha", 32.0)), dropout=float(data.get("dropout", 0.0)),
-                   targets=tuple(targets) if targets else None, base=str(data.get("base", "fp32")),
-                   init_b_zero=bool(data.get("init_b_zero", True)))
+        return cls(
+            r=int(data.get("r", 16)),
+            alpha=float(data.get("alpha", 32.0)),
+            dropout=float(data.get("dropout", 0.0)),
+            targets=tuple(targets) if targets else None,
+            base=str(data.get("base", "fp32")),
+            init_b_zero=bool(data.get("init_b_zero", True)),
+        )
 
 
 def _adaptable(module: nn.Module) -> bool:
@@ -228,7 +241,11 @@ def add_adapters(model: nn.Module, lora: LoRA | Any, *, seed: int = 0) -> nn.Mod
     :class:`LoRA` or a ``peft.LoraConfig``. Works on a meta model too (module doc)."""
     peft = require_peft()
     config = lora.peft_config(model) if isinstance(lora, LoRA) else lora
-    if not isinstance(lora, LoRA) and getattr(config, "target_modules", None) and not isinstance(config.target_modules, str):
+    if (
+        not isinstance(lora, LoRA)
+        and getattr(config, "target_modules", None)
+        and not isinstance(config.target_modules, str)
+    ):
         check_targets(model, list(config.target_modules))
     meta = any(p.is_meta for p in model.parameters())
     torch.manual_seed(seed)

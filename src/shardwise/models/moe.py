@@ -104,6 +104,8 @@ class MoE(nn.Module):
         """``alpha * mean_sequences sum_i f_i P_i`` (module doc); ``probs[B, S, E]``, ``index[B, S, k]``."""
         b, s, e = probs.shape
         k = index.shape[-1]
-        counts = torch.zeros(b, e, device=probs.device).scatter_add_(1, index.reshape(b, -1), torch.ones(b, s * k, device=probs.device))
+        counts = torch.zeros(b, e, device=probs.device).scatter_add_(
+            1, index.reshape(b, -1), torch.ones(b, s * k, device=probs.device)
+        )
         f = counts * (e / (k * s))
         return self.aux_loss * (f * probs.mean(dim=1)).sum(dim=1).mean()

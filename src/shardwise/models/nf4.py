@@ -41,7 +41,9 @@ def require_torchao() -> Any:
         with quiet_torchao():
             from torchao import quantization
     except ImportError:
-        raise ConfigError("QLoRA's 4-bit base (lora.base=nf4) needs the 'torchao' package", hint="pip install 'shardwise[lora]'") from None
+        raise ConfigError(
+            "QLoRA's 4-bit base (lora.base=nf4) needs the 'torchao' package", hint="pip install 'shardwise[lora]'"
+        ) from None
     return quantization
 
 
@@ -92,8 +94,10 @@ def quantize_base(model: nn.Module) -> list[str]:
         module.weight = nn.Parameter(nf4, requires_grad=False)
         done.append(f"{name}.weight")
     if not done:
-        raise ConfigError(f"lora.base=nf4 found no frozen Linear weight of {type(model).__name__} to quantize",
-                          hint="add adapters first (the base must be frozen), with layers whose size is a multiple of 512")
+        raise ConfigError(
+            f"lora.base=nf4 found no frozen Linear weight of {type(model).__name__} to quantize",
+            hint="add adapters first (the base must be frozen), with layers whose size is a multiple of 512",
+        )
     return done
 
 
@@ -105,8 +109,16 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
         local = p.to_local() if hasattr(p, "to_local") else p
         if is_nf4(local):
             inner = local if type(local).__name__ == "NF4Tensor" else local.data
-            out["nf4"] += sum(t.numel() * t.element_size() for t in (inner.quantized_data, inner.quantized_scalers,
-                                                                     inner.quantization_factor, inner.scaler_mean, inner.nf4))
+            out["nf4"] += sum(
+                t.numel() * t.element_size()
+                for t in (
+                    inner.quantized_data,
+                    inner.quantized_scalers,
+                    inner.quantization_factor,
+                    inner.scaler_mean,
+                    inner.nf4,
+                )
+            )
         else:
             out["trainable" if p.requires_grad else "frozen"] += local.numel() * local.element_size()
     return out

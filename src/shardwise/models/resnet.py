@@ -27,7 +27,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(out_ch)
         self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_ch != out_ch:
-            self.shortcut = nn.Sequential(nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), nn.BatchNorm2d(out_ch))
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_ch, out_ch, 1, stride=stride, bias=False), nn.BatchNorm2d(out_ch)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.relu(self.bn1(self.conv1(x)))
@@ -45,7 +47,9 @@ class ResNet(nn.Module):
             raise ValueError(f"widths {tuple(widths)} and blocks {tuple(blocks)} need the same length")
         if seed is not None:
             torch.manual_seed(seed)
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
+        )
         stages = []
         in_ch = widths[0]
         for i, (width, count) in enumerate(zip(widths, blocks)):

@@ -108,7 +108,11 @@ class DeepProfileCallback(Callback):
         if self.profiler is not None:
             result = self.profiler.stop()
             if result is not None and trainer.env.is_main:
-                log.info("deep profile: %s (communication overlapped: %.0f%%)", result.trace_path, 100 * result.overlap_fraction)
+                log.info(
+                    "deep profile: %s (communication overlapped: %.0f%%)",
+                    result.trace_path,
+                    100 * result.overlap_fraction,
+                )
 
 
 class WatchdogCallback(Callback):

@@ -70,7 +70,9 @@ def check_values(device: torch.device) -> list[CheckResult]:
 
     t = torch.full((8,), float(rank + 1), device=device)
     dist.all_reduce(t)
-    results.append(CheckResult("all_reduce", bool(torch.all(t == expected_sum)), f"sum {t[0].item()} != {expected_sum}"))
+    results.append(
+        CheckResult("all_reduce", bool(torch.all(t == expected_sum)), f"sum {t[0].item()} != {expected_sum}")
+    )
 
     t = torch.full((8,), 42.0 if rank == 0 else -1.0, device=device)
     dist.broadcast(t, src=0)
@@ -83,17 +85,23 @@ def check_values(device: torch.device) -> list[CheckResult]:
 
     rs = torch.empty(4, device=device)
     dist.reduce_scatter(rs, [torch.full((4,), float(rank + 1), device=device) for _ in range(n)])
-    results.append(CheckResult("reduce_scatter", bool(torch.all(rs == expected_sum)), f"got {rs[0].item()} != {expected_sum}"))
+    results.append(
+        CheckResult("reduce_scatter", bool(torch.all(rs == expected_sum)), f"got {rs[0].item()} != {expected_sum}")
+    )
 
     dist.barrier()
     results.append(CheckResult("barrier", True))
     # Every rank must agree: a check that fails anywhere fails everywhere.
     flags = torch.tensor([0.0 if r.ok else 1.0 for r in results], device=device)
     dist.all_reduce(flags)
-    return [CheckResult(r.op, flag.item() == 0, "" if flag.item() == 0 else r.detail) for r, flag in zip(results, flags)]
+    return [
+        CheckResult(r.op, flag.item() == 0, "" if flag.item() == 0 else r.detail) for r, flag in zip(results, flags)
+    ]
 
 
-def measure_bandwidth(device: torch.device, sizes: list[int], *, warmup: int = 3, iters: int = 10) -> list[BandwidthRow]:
+def measure_bandwidth(
+    device: torch.device, sizes: list[int], *, warmup: int = 3, iters: int = 10
+) -> list[BandwidthRow]:
     """Median time per collective at each message size (bytes), the slowest rank's view."""
     n = dist.get_world_size()
     rows = []

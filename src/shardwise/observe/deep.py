@@ -102,8 +102,13 @@ class DeepProfiler:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.result: DeepProfileResult | None = None
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        self._prof = profile(activities=activities, schedule=schedule(wait=skip, warmup=warmup, active=active, repeat=1),
-                             on_trace_ready=self._ready, record_shapes=record_shapes, with_stack=with_stack)
+        self._prof = profile(
+            activities=activities,
+            schedule=schedule(wait=skip, warmup=warmup, active=active, repeat=1),
+            on_trace_ready=self._ready,
+            record_shapes=record_shapes,
+            with_stack=with_stack,
+        )
         self._running = False
 
     def start(self) -> "DeepProfiler":
@@ -138,6 +143,8 @@ class DeepProfiler:
         frac = overlapped_s / comm_s if comm_s > 0 else 0.0
         with open(summary, "w") as f:
             f.write(f"rank {self.rank}: top {self.top} operators by self time\n{table}\n")
-            f.write(f"communication in flight: {comm_s * 1e3:.2f} ms; overlapped with compute: {overlapped_s * 1e3:.2f} ms "
-                    f"({frac:.0%}); exposed: {(comm_s - overlapped_s) * 1e3:.2f} ms\n")
+            f.write(
+                f"communication in flight: {comm_s * 1e3:.2f} ms; overlapped with compute: {overlapped_s * 1e3:.2f} ms "
+                f"({frac:.0%}); exposed: {(comm_s - overlapped_s) * 1e3:.2f} ms\n"
+            )
         self.result = DeepProfileResult(self.rank, trace, summary, table, comm_s, overlapped_s)

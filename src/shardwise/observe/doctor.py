@@ -56,7 +56,10 @@ def version_mismatches(rows: list[RankVersions]) -> list[str]:
         for r in rows:
             by_value.setdefault(getattr(r, name), []).append(r)
         if len(by_value) > 1:
-            parts = [f"{value} on rank(s) {_ranks(rs)} ({', '.join(sorted({r.host for r in rs}))})" for value, rs in sorted(by_value.items())]
+            parts = [
+                f"{value} on rank(s) {_ranks(rs)} ({', '.join(sorted({r.host for r in rs}))})"
+                for value, rs in sorted(by_value.items())
+            ]
             lines.append(f"{name} differs across ranks: " + "; ".join(parts))
     return lines
 

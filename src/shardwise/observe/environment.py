@@ -68,7 +68,15 @@ def collect(environ: Mapping[str, str]) -> Report:
         for i in range(torch.cuda.device_count()):
             prop = torch.cuda.get_device_properties(i)
             facts.append((f"gpu {i}", f"{prop.name}, {prop.total_memory / 2**30:.0f} GiB"))
-    backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available()), ("mpi", dist.is_mpi_available())) if ok]
+    backends = [
+        name
+        for name, ok in (
+            ("gloo", dist.is_gloo_available()),
+            ("nccl", dist.is_nccl_available()),
+            ("mpi", dist.is_mpi_available()),
+        )
+        if ok
+    ]
     facts.append(("backends", ", ".join(backends) or "none"))
     try:
         from shardwise.version import __version__
@@ -88,9 +96,13 @@ def collect(environ: Mapping[str, str]) -> Report:
         try:
             socket.getaddrinfo(addr, None)
         except socket.gaierror:
-            warnings.append(f"MASTER_ADDR={addr} does not resolve: ranks cannot meet; use an IP or a resolvable host name")
+            warnings.append(
+                f"MASTER_ADDR={addr} does not resolve: ranks cannot meet; use an IP or a resolvable host name"
+            )
     if "RANK" in environ and "TORCHELASTIC_RUN_ID" not in environ:
-        warnings.append("RANK is exported in this shell: a plain 'python train.py' will think it is one rank of a larger job; unset RANK and WORLD_SIZE")
+        warnings.append(
+            "RANK is exported in this shell: a plain 'python train.py' will think it is one rank of a larger job; unset RANK and WORLD_SIZE"
+        )
     if environ.get("NCCL_P2P_DISABLE") == "1":
         warnings.append("NCCL_P2P_DISABLE=1 forces GPU traffic through host memory and slows intra-node collectives")
     hang = environ.get("SHARDWISE_HANG_TIMEOUT", "").strip().lower()
@@ -99,7 +111,9 @@ def collect(environ: Mapping[str, str]) -> Report:
             if float(hang) < 0:
                 raise ValueError
         except ValueError:
-            warnings.append(f"SHARDWISE_HANG_TIMEOUT={hang} is not a non-negative number of seconds: init() will refuse it")
+            warnings.append(
+                f"SHARDWISE_HANG_TIMEOUT={hang} is not a non-negative number of seconds: init() will refuse it"
+            )
     if not dist.is_available():
         warnings.append("this torch build has no torch.distributed")
     kernel_facts, kernel_warnings = torchao_kernels(cuda=torch.cuda.is_available())
@@ -130,10 +144,19 @@ def torchao_kernels(*, cuda: bool) -> tuple[list[tuple[str, str]], list[str]]:
     if not failed:
         return [("torchao kernels", f"{len(libraries)} loaded" if libraries else "none shipped")], []
     names = ", ".join(name for name, _ in failed)
-    fact = f"{len(failed)} of {len(libraries)} do not load ({names})" + ("" if cuda else ": they are GPU kernels, not needed on this CPU machine")
-    warned = [f"torchao's {name} does not load ({why}): its fast FP8/MX kernels are missing (torchao's MX formats and CUTLASS "
-              "GEMMs need them; precision=fp8's float8 linears run on torch's own _scaled_mm); install the torchao build that "
-              "matches this torch, Python and CUDA" for name, why in failed] if cuda else []
+    fact = f"{len(failed)} of {len(libraries)} do not load ({names})" + (
+        "" if cuda else ": they are GPU kernels, not needed on this CPU machine"
+    )
+    warned = (
+        [
+            f"torchao's {name} does not load ({why}): its fast FP8/MX kernels are missing (torchao's MX formats and CUTLASS "
+            "GEMMs need them; precision=fp8's float8 linears run on torch's own _scaled_mm); install the torchao build that "
+            "matches this torch, Python and CUDA"
+            for name, why in failed
+        ]
+        if cuda
+        else []
+    )
     return [("torchao kernels", fact)], warned
 
 

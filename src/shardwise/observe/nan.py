@@ -144,8 +144,11 @@ class NanGuard:
             self.findings = [finding] if finding is not None else []
         report = format_findings(step, self.findings)
         if self.policy == "stop":
-            raise NonFiniteError(report.replace("\n", " "), hint="lower the learning rate, add warm-up or gradient clipping, "
-                                                                  "use bf16 instead of fp16, or check the named module's inputs")
+            raise NonFiniteError(
+                report.replace("\n", " "),
+                hint="lower the learning rate, add warm-up or gradient clipping, "
+                "use bf16 instead of fp16, or check the named module's inputs",
+            )
         log.warning(report + ("\nskipping this optimizer step" if self.policy == "skip" else ""))
         if self.policy == "skip":
             for _, _, p in self._params:

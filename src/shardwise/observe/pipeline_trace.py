@@ -79,8 +79,13 @@ class PipelineRecorder:
             now = time.time()
             mb = self._next(index, "F")
             self.events.append(PipelineEvent(index, mb, "F", start, now))
-            out = output if isinstance(output, torch.Tensor) else next((o for o in output if isinstance(o, torch.Tensor)), None) \
-                if isinstance(output, (tuple, list)) else None
+            out = (
+                output
+                if isinstance(output, torch.Tensor)
+                else next((o for o in output if isinstance(o, torch.Tensor)), None)
+                if isinstance(output, (tuple, list))
+                else None
+            )
             if out is not None and out.requires_grad:
                 out.register_hook(self._backward_begins(index, mb))
         return hook

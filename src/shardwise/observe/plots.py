@@ -53,7 +53,9 @@ def _save(fig: Any, path: str | os.PathLike) -> str:
     return str(path)
 
 
-def plot_timeline(records_by_rank: dict[int, Sequence[StepTimes]], path: str | os.PathLike, *, title: str | None = None) -> str:
+def plot_timeline(
+    records_by_rank: dict[int, Sequence[StepTimes]], path: str | os.PathLike, *, title: str | None = None
+) -> str:
     """Per-rank compute / communication / idle bars over consecutive steps (see the module doc)."""
     plt = _pyplot()
     ranks = sorted(records_by_rank)
@@ -63,17 +65,24 @@ def plot_timeline(records_by_rank: dict[int, Sequence[StepTimes]], path: str | o
         if not recs:
             continue
         origin = recs[0].start
-        ax.broken_barh([(r.start - origin, r.total_s) for r in recs], (lane - 0.4, 0.8), facecolors="#f2f2f2", edgecolor="#bbbbbb")
+        ax.broken_barh(
+            [(r.start - origin, r.total_s) for r in recs], (lane - 0.4, 0.8), facecolors="#f2f2f2", edgecolor="#bbbbbb"
+        )
         for r in recs:
             for kind in COLORS:
                 bars = [(r.start - origin + a, b - a) for k, a, b in r.segments if k == kind]
                 if bars:
-                    ax.broken_barh(bars, (lane - 0.35 if kind != "comm" else lane - 0.15, 0.7 if kind != "comm" else 0.3),
-                                   facecolors=COLORS[kind])
+                    ax.broken_barh(
+                        bars,
+                        (lane - 0.35 if kind != "comm" else lane - 0.15, 0.7 if kind != "comm" else 0.3),
+                        facecolors=COLORS[kind],
+                    )
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_xlabel("seconds since the first step shown (idle: light grey)")
     ax.invert_yaxis()
-    handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("data", "forward", "backward", "optimizer", "comm")]
+    handles = [
+        plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in ("data", "forward", "backward", "optimizer", "comm")
+    ]
     ax.legend(handles, ["data", "forward", "backward", "optimizer", "communication"], loc="upper center",
               bbox_to_anchor=(0.5, -0.18 if len(ranks) > 2 else -0.35), ncol=5, frameon=False)
     ax.set_title(title or "per-rank step timeline")
@@ -115,7 +124,9 @@ def events_from_pipeline_order(order: dict[int, Sequence[Any]]) -> list[Pipeline
                 continue
             ctype = str(getattr(action.computation_type, "name", action.computation_type)).upper()
             kind = "F" if ctype in ("F", "FORWARD") else "W" if ctype in ("W", "BACKWARD_WEIGHT") else "B"
-            out.append(PipelineEvent(int(action.stage_index), int(action.microbatch_index), kind, float(slot), float(slot + 1)))
+            out.append(
+                PipelineEvent(int(action.stage_index), int(action.microbatch_index), kind, float(slot), float(slot + 1))
+            )
     return out
 
 

@@ -257,8 +257,12 @@ class StepProfiler:
             self._handles.append(module.register_forward_pre_hook(self._forward_pre))
             self._handles.append(module.register_forward_hook(self._forward_post))
         if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._enter("optimizer", time.perf_counter())))
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self._exit("optimizer", time.perf_counter())))
+            self._handles.append(
+                optimizer.register_step_pre_hook(lambda *_: self._enter("optimizer", time.perf_counter()))
+            )
+            self._handles.append(
+                optimizer.register_step_post_hook(lambda *_: self._exit("optimizer", time.perf_counter()))
+            )
         if self.time_comm and self._patch is None:
             patch = _CommPatch(self._record_comm)
             self._patch = patch if patch.install() else None

@@ -79,7 +79,9 @@ def summarize(records: Iterable[StepTimes], *, rank: int, host: str | None = Non
     )
 
 
-def find_stragglers(summaries: list[RankSummary], *, threshold: float = 0.2, min_excess_s: float = 1e-3) -> list[Straggler]:
+def find_stragglers(
+    summaries: list[RankSummary], *, threshold: float = 0.2, min_excess_s: float = 1e-3
+) -> list[Straggler]:
     """Ranks whose busy time exceeds the median by ``threshold`` (relative) and ``min_excess_s`` (see module doc)."""
     if len(summaries) < 2:
         return []
@@ -106,7 +108,11 @@ def gather_summaries(summary: RankSummary, group: dist.ProcessGroup | None = Non
 def format_table(summaries: list[RankSummary]) -> str:
     """Per-rank table in ms/step: step, data, forward, backward, optimizer, comm (by op), idle."""
     ops = sorted({op for s in summaries for op in s.comm_s})
-    head = f"{'rank':>4} {'host':<12}{'step':>9}{'busy':>9}" + "".join(f"{p:>10}" for p in _PARTS) + "".join(f"{op[:14]:>15}" for op in ops)
+    head = (
+        f"{'rank':>4} {'host':<12}{'step':>9}{'busy':>9}"
+        + "".join(f"{p:>10}" for p in _PARTS)
+        + "".join(f"{op[:14]:>15}" for op in ops)
+    )
     lines = [head + "   (ms/step)"]
     for s in summaries:
         lines.append(f"{s.rank:>4} {s.host[:12]:<12}{s.step_s * 1e3:>9.2f}{s.busy_s * 1e3:>9.2f}"

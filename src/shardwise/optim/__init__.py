@@ -13,4 +13,17 @@ from shardwise.optim.muon import Muon
 from shardwise.optim.newton_schulz import Units, newton_schulz, orthogonalize
 from shardwise.optim.units import Routing, route
 
-__all__ = ["Muon", "MuonFactory", "Routing", "Units", "allows", "check", "factory_kind", "kind", "muon", "newton_schulz", "orthogonalize", "route"]
+__all__ = [
+    "Muon",
+    "MuonFactory",
+    "Routing",
+    "Units",
+    "allows",
+    "check",
+    "factory_kind",
+    "kind",
+    "muon",
+    "newton_schulz",
+    "orthogonalize",
+    "route",
+]

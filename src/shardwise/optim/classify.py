@@ -80,8 +80,10 @@ def check(optimizer: torch.optim.Optimizer, plan: Plan) -> None:
     name = f"{type(inner).__module__}.{type(inner).__qualname__}"
     split = sharding(plan)
     if k == "whole_model":
-        raise ConfigError(f"optimizer {name} reads all parameters at once, which plan {split or 'zero=1'} splits over ranks",
-                          hint="use dp (replicated parameters), or an element-wise optimizer")
+        raise ConfigError(
+            f"optimizer {name} reads all parameters at once, which plan {split or 'zero=1'} splits over ranks",
+            hint="use dp (replicated parameters), or an element-wise optimizer",
+        )
     raise ConfigError(f"optimizer {name} acts on whole tensors, but plan {split} gives each rank shards of them "
                       "(it would silently run another algorithm)",
                       hint="use shardwise.optim.muon(...) for Muon, an element-wise optimizer (AdamW), or dp/zero=1/pp")

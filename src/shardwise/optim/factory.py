@@ -55,8 +55,10 @@ class MuonFactory:
         return Muon(groups, units=units, **self.options)
 
     def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        raise ConfigError("shardwise.optim.muon(...) needs the model's parameter names to tell matrices from embeddings",
-                          hint="pass it to Trainer(optimizer=...), or call .for_module(model) in your own loop")
+        raise ConfigError(
+            "shardwise.optim.muon(...) needs the model's parameter names to tell matrices from embeddings",
+            hint="pass it to Trainer(optimizer=...), or call .for_module(model) in your own loop",
+        )
 
 
 def muon(*, muon: Iterable[str] = (), adamw: Iterable[str] = (), **options: Any) -> MuonFactory:

@@ -48,7 +48,9 @@ class Muon(Optimizer):
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, muon=True,
                         betas=adamw_betas, eps=adamw_eps)
         self.adamw_defaults = dict(lr=adamw_lr, weight_decay=adamw_weight_decay)
-        self.ns = dict(coefficients=tuple(ns_coefficients), steps=ns_steps, eps=eps, dtype=ns_dtype, adjust_lr=adjust_lr)
+        self.ns = dict(
+            coefficients=tuple(ns_coefficients), steps=ns_steps, eps=eps, dtype=ns_dtype, adjust_lr=adjust_lr
+        )
         self.route = route
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
@@ -62,8 +64,12 @@ class Muon(Optimizer):
             for p in g["params"] if g["muon"] else ():
                 u = (units or {}).get(id(p))
                 if u is None and p.dim() not in (2, 3):
-                    raise ValueError(f"Muon takes 2-D (or 3-D batched) parameters, not shape {tuple(p.shape)}: give it to AdamW")
-                self.units[id(p)] = u or Units(logical=tuple(int(s) for s in p.shape), split_dim=p.dim() - 2, fan_out_dim=p.dim() - 2)
+                    raise ValueError(
+                        f"Muon takes 2-D (or 3-D batched) parameters, not shape {tuple(p.shape)}: give it to AdamW"
+                    )
+                self.units[id(p)] = u or Units(
+                    logical=tuple(int(s) for s in p.shape), split_dim=p.dim() - 2, fan_out_dim=p.dim() - 2
+                )
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

@@ -59,8 +59,14 @@ class Units:
         return (len(self.sizes) if self.sizes else 1) * (self.logical[0] if len(self.logical) == 3 else 1)
 
 
-def newton_schulz(g: torch.Tensor, *, coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
-                  steps: int = DEFAULT_STEPS, eps: float = DEFAULT_EPS, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def newton_schulz(
+    g: torch.Tensor,
+    *,
+    coefficients: tuple[float, float, float] = DEFAULT_COEFFICIENTS,
+    steps: int = DEFAULT_STEPS,
+    eps: float = DEFAULT_EPS,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """``steps`` quintic Newton–Schulz iterations on the last two dims of ``g`` (a matrix or a batch),
     in ``dtype``; returns ``dtype``. FLOPs per (m x n) matrix, m <= n: ``steps * (4 m² n + 2 m³)``."""
     a, b, c = coefficients
@@ -94,7 +100,9 @@ def lr_ratio(shape: tuple[int, int], adjust_lr: str | None) -> float:
     raise ValueError(f"adjust_lr={adjust_lr!r}: use one of {ADJUST_LR}")
 
 
-def orthogonalize(full: torch.Tensor, units: Units, *, adjust_lr: str | None = "original", **ns: object) -> torch.Tensor:
+def orthogonalize(
+    full: torch.Tensor, units: Units, *, adjust_lr: str | None = "original", **ns: object
+) -> torch.Tensor:
     """Newton–Schulz of every unit of ``full`` (a parameter's whole update, in its global shape),
     each scaled by its ``lr_ratio``; returns ``full``'s shape in the Newton–Schulz dtype."""
     x = full.reshape(units.logical)

@@ -101,7 +101,12 @@ def _head_and_embeddings(model: nn.Module) -> set[int]:
 def _route_one(full: str, pname: str, module: nn.Module, p: torch.Tensor, parent: nn.Module | None,
                special: set[int]) -> Units | None:
     """Units for Muon, None for AdamW, or a ConfigError for a parameter it cannot classify."""
-    if p.dim() < 2 or pname == "bias" or id(p) in special or isinstance(module, (nn.Embedding, nn.modules.conv._ConvNd)):
+    if (
+        p.dim() < 2
+        or pname == "bias"
+        or id(p) in special
+        or isinstance(module, (nn.Embedding, nn.modules.conv._ConvNd))
+    ):
         return None
     if pname == "weight" and (isinstance(module, nn.Linear) or is_conv1d(module)):
         return _matrix_units(full, module, p, parent)
@@ -109,8 +114,10 @@ def _route_one(full: str, pname: str, module: nn.Module, p: torch.Tensor, parent
         return _expert_units(full, p)
     if any(k in type(module).__name__.lower() for k in _ROUTERS) or pname.lower() in _ROUTERS:
         return None
-    raise ConfigError(f"Muon cannot tell what parameter {full} (shape {tuple(p.shape)}, in a {type(module).__name__}) is",
-                      hint=f"name it in muon=[{full!r}] (one matrix) or adamw=[{full!r}]")
+    raise ConfigError(
+        f"Muon cannot tell what parameter {full} (shape {tuple(p.shape)}, in a {type(module).__name__}) is",
+        hint=f"name it in muon=[{full!r}] (one matrix) or adamw=[{full!r}]",
+    )
 
 
 def route(model: nn.Module, *, muon: tuple[str, ...] = (), adamw: tuple[str, ...] = ()) -> Routing:
@@ -131,8 +138,10 @@ def route(model: nn.Module, *, muon: tuple[str, ...] = (), adamw: tuple[str, ...
                 units = None
             elif any(fnmatch.fnmatchcase(full, pat) for pat in muon):
                 if p.dim() not in (2, 3):
-                    raise ConfigError(f"muon={list(muon)} names {full} of shape {tuple(p.shape)}: Muon takes 2-D or 3-D (batched) parameters",
-                                      hint="leave it to AdamW")
+                    raise ConfigError(
+                        f"muon={list(muon)} names {full} of shape {tuple(p.shape)}: Muon takes 2-D or 3-D (batched) parameters",
+                        hint="leave it to AdamW",
+                    )
                 units = Units(logical=tuple(int(s) for s in p.shape), split_dim=p.dim() - 2, fan_out_dim=p.dim() - 2)
             else:
                 units = _route_one(full, pname, module, p, parent, special)

@@ -48,10 +48,19 @@ def shard(module: M, strategy: str | tuple[tuple[int, ...], ...]) -> M:
     """Annotate ``module`` with a TP style or MindSpore strategy tuple; returns ``module``."""
     if isinstance(strategy, str):
         if strategy not in STYLES:
-            raise ConfigError(f"shard strategy {strategy!r} is unknown", hint=f"use one of {', '.join(STYLES)} or a tuple like ((1, 1), (1, 2))")
+            raise ConfigError(
+                f"shard strategy {strategy!r} is unknown",
+                hint=f"use one of {', '.join(STYLES)} or a tuple like ((1, 1), (1, 2))",
+            )
     elif not _is_strategy_tuple(strategy):
-        raise ConfigError(f"shard strategy {strategy!r} is not a pair of integer tuples", hint="for example ((1, 2), (1, 1))")
-    if not isinstance(module, (nn.Linear, nn.Embedding)) and strategy not in ("replicate", "sequence_parallel", "attention_input"):
+        raise ConfigError(
+            f"shard strategy {strategy!r} is not a pair of integer tuples", hint="for example ((1, 2), (1, 1))"
+        )
+    if not isinstance(module, (nn.Linear, nn.Embedding)) and strategy not in (
+        "replicate",
+        "sequence_parallel",
+        "attention_input",
+    ):
         raise ConfigError(
             f"shard({type(module).__name__}, {strategy!r}): tensor parallel styles apply to nn.Linear and nn.Embedding",
             hint="annotate the Linear/Embedding layers inside it, e.g. shard(block.fc1, 'colwise')",
@@ -61,8 +70,11 @@ def shard(module: M, strategy: str | tuple[tuple[int, ...], ...]) -> M:
 
 
 def _is_strategy_tuple(value: Any) -> bool:
-    return (isinstance(value, tuple) and len(value) == 2
-            and all(isinstance(t, tuple) and len(t) == 2 and all(isinstance(d, int) and d >= 1 for d in t) for t in value))
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(isinstance(t, tuple) and len(t) == 2 and all(isinstance(d, int) and d >= 1 for d in t) for t in value)
+    )
 
 
 def strategy_to_style(module: nn.Module, strategy: Any, *, tp: int, name: str) -> str:
@@ -74,14 +86,22 @@ def strategy_to_style(module: nn.Module, strategy: Any, *, tp: int, name: str) -
         (va, vb), _indices = strategy  # the first tuple is the table (vocab, dim)
         style = "embedding_colwise" if vb > 1 else "vocab_embedding" if va > 1 else "replicate"
         if va > 1 and vb > 1:
-            raise ConfigError(f"strategy {strategy} on {name} splits both table dims", hint="split one: ((1, tp), (1, 1)) or ((tp, 1), (1, 1))")
+            raise ConfigError(
+                f"strategy {strategy} on {name} splits both table dims",
+                hint="split one: ((1, tp), (1, 1)) or ((tp, 1), (1, 1))",
+            )
         splits = {d for d in (va, vb) if d > 1}
     else:
         if wa > 1 and wb > 1:
-            raise ConfigError(f"strategy {strategy} on {name} splits the weight in 2-D", hint="split one dim: ((1, 1), (1, tp)) colwise or ((1, tp), (tp, 1)) rowwise")
+            raise ConfigError(
+                f"strategy {strategy} on {name} splits the weight in 2-D",
+                hint="split one dim: ((1, 1), (1, tp)) colwise or ((1, tp), (tp, 1)) rowwise",
+            )
         if wa > 1 and xb != wa:
-            raise ConfigError(f"strategy {strategy} on {name}: the input's last dim split {xb} must equal the weight's first {wa}",
-                              hint=f"write (({xa}, {wa}), ({wa}, 1))")
+            raise ConfigError(
+                f"strategy {strategy} on {name}: the input's last dim split {xb} must equal the weight's first {wa}",
+                hint=f"write (({xa}, {wa}), ({wa}, 1))",
+            )
         style = "colwise" if wb > 1 else "rowwise" if wa > 1 else "replicate"
         splits = {d for d in (wa, wb) if d > 1}
     bad = [d for d in splits if d != tp]
@@ -107,8 +127,15 @@ def annotated_styles(model: nn.Module, *, tp: int) -> TPStyles | None:
         paired: set[str] = set()
         for i, (name, layer) in enumerate(linears):  # colwise layers pick a later consumer first
             if styles.get(name) == "colwise":
-                partner = _unique([n for n, m in linears[i + 1:]
-                                   if m.in_features == layer.out_features and styles.get(n) in (None, "rowwise") and n not in paired])
+                partner = _unique(
+                    [
+                        n
+                        for n, m in linears[i + 1 :]
+                        if m.in_features == layer.out_features
+                        and styles.get(n) in (None, "rowwise")
+                        and n not in paired
+                    ]
+                )
                 if partner is None:
                     styles[name] = "colwise_rep"
                 else:
@@ -116,7 +143,9 @@ def annotated_styles(model: nn.Module, *, tp: int) -> TPStyles | None:
                     paired.update((name, partner))
         for i, (name, layer) in enumerate(linears):  # then unpaired rowwise layers pick a producer
             if styles.get(name) == "rowwise" and name not in paired:
-                partner = _unique([n for n, m in linears[:i] if m.out_features == layer.in_features and styles.get(n) is None])
+                partner = _unique(
+                    [n for n, m in linears[:i] if m.out_features == layer.in_features and styles.get(n) is None]
+                )
                 if partner is None:
                     styles[name] = "rowwise_rep"
                 else:

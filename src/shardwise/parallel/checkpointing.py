@@ -63,7 +63,9 @@ def apply_checkpointing(model: nn.Module, *, mode: str,
     return model
 
 
-def _contexts(mode: str, extra: Callable[[], ContextManager[Any]] | None) -> tuple[ContextManager[Any], ContextManager[Any]]:
+def _contexts(
+    mode: str, extra: Callable[[], ContextManager[Any]] | None
+) -> tuple[ContextManager[Any], ContextManager[Any]]:
     """(forward, recomputation) contexts of one checkpointed region."""
     if mode == "selective":
         forward, recompute = create_selective_checkpoint_contexts(_policy)

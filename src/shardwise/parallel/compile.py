@@ -81,7 +81,9 @@ def compile_stats() -> CompileStats:
 
     breaks = dict(counters["graph_break"])
     reasons = tuple(sorted(breaks.items(), key=lambda kv: -kv[1]))
-    return CompileStats(graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=sum(breaks.values()), reasons=reasons)
+    return CompileStats(
+        graphs=int(counters["stats"]["unique_graphs"]), graph_breaks=sum(breaks.values()), reasons=reasons
+    )
 
 
 def is_compiled(module: nn.Module) -> bool:

@@ -70,8 +70,10 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     """The global positions rank ``rank`` of ``cp`` keeps: chunks ``rank`` and ``2 cp - 1 - rank``."""
     if seq_len % (2 * cp):
-        raise ConfigError(f"cp={cp} needs a sequence length that is a multiple of 2*cp={2 * cp} (zig-zag chunks), got {seq_len}",
-                          hint=f"use sequences of a multiple of {2 * cp} tokens, or another cp")
+        raise ConfigError(
+            f"cp={cp} needs a sequence length that is a multiple of 2*cp={2 * cp} (zig-zag chunks), got {seq_len}",
+            hint=f"use sequences of a multiple of {2 * cp} tokens, or another cp",
+        )
     c = seq_len // (2 * cp)
     first = torch.arange(rank * c, (rank + 1) * c)
     second = torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)
@@ -130,19 +132,25 @@ class _SplitAttention(TorchFunctionMode):
         super().__init__()
         self.cp = cp
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
         names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
         bound = {**dict(zip(names, args)), **kwargs}
         if bound.get("attn_mask") is not None or not bound.get("is_causal", False):
-            raise ConfigError(f"cp={self.cp.size}: an attention call has a mask or is not causal, which context parallel cannot split",
-                              hint="use causal scaled_dot_product_attention(is_causal=True) without a mask, or drop cp")
+            raise ConfigError(
+                f"cp={self.cp.size}: an attention call has a mask or is not causal, which context parallel cannot split",
+                hint="use causal scaled_dot_product_attention(is_causal=True) without a mask, or drop cp",
+            )
         self.cp.attention_calls += 1
         sdpa = {k: bound[k] for k in ("dropout_p", "scale", "enable_gqa") if k in bound}
         query = bound["query"]
-        return gathered_attention(query, bound["key"], bound["value"], bias=self.cp.bias(query.dtype), group=self.cp.group, **sdpa)
+        return gathered_attention(
+            query, bound["key"], bound["value"], bias=self.cp.bias(query.dtype), group=self.cp.group, **sdpa
+        )
 
 
 @dataclass
@@ -218,7 +226,9 @@ class ContextParallel:
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The current batch's causal bias in ``dtype``, built once and shared by every layer."""
         if self._positions is None:
-            raise ConfigError("context parallel: shard_batch must run before the forward", hint="call pm.shard_batch(inputs, targets)")
+            raise ConfigError(
+                "context parallel: shard_batch must run before the forward", hint="call pm.shard_batch(inputs, targets)"
+            )
         if dtype not in self._bias:
             self._bias[dtype] = causal_bias(*self._positions, dtype)
         return self._bias[dtype]
@@ -233,7 +243,9 @@ class ContextParallel:
     def split_attention(self) -> Iterator[None]:
         """Active around a step's forward and backward (see the module doc)."""
         if self._positions is None:
-            raise ConfigError("context parallel: shard_batch must run before the forward", hint="call pm.shard_batch(inputs, targets)")
+            raise ConfigError(
+                "context parallel: shard_batch must run before the forward", hint="call pm.shard_batch(inputs, targets)"
+            )
         before = self.attention_calls
         self._active += 1
         try:
@@ -242,10 +254,12 @@ class ContextParallel:
         finally:
             self._active -= 1
         if self.attention_calls == before:
-            raise ConfigError(f"cp={self.size}: the model's forward called no scaled_dot_product_attention(is_causal=True), "
-                              "so its attention cannot be split over the sequence",
-                              hint="use F.scaled_dot_product_attention in the attention (the built-in GPT and Hugging Face "
-                                   "'sdpa' models do), or drop cp")
+            raise ConfigError(
+                f"cp={self.size}: the model's forward called no scaled_dot_product_attention(is_causal=True), "
+                "so its attention cannot be split over the sequence",
+                hint="use F.scaled_dot_product_attention in the attention (the built-in GPT and Hugging Face "
+                "'sdpa' models do), or drop cp",
+            )
 
 
 class _FillIn:
@@ -257,7 +271,11 @@ class _FillIn:
         self.cp = cp
         names = [n for n, p in inspect.signature(module.forward).parameters.items()
                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        self.index = {key: names.index(key) for key in ("input_ids", "attention_mask", "position_ids", "inputs_embeds") if key in names}
+        self.index = {
+            key: names.index(key)
+            for key in ("input_ids", "attention_mask", "position_ids", "inputs_embeds")
+            if key in names
+        }
 
     def _given(self, key: str, args: tuple, kwargs: dict[str, Any]) -> Any:
         if kwargs.get(key) is not None:
@@ -326,24 +344,32 @@ def check_context_parallel(model: nn.Module, cp: int) -> None:
         return
     for name, module in model.named_modules():
         if isinstance(module, _UNSPLITTABLE):
-            raise ConfigError(f"cp={cp}: {name or 'the model'} ({type(module).__name__}) computes attention inside torch, "
-                              "where context parallel cannot split it",
-                              hint="use separate q/k/v Linear layers with F.scaled_dot_product_attention(is_causal=True), or drop cp")
+            raise ConfigError(
+                f"cp={cp}: {name or 'the model'} ({type(module).__name__}) computes attention inside torch, "
+                "where context parallel cannot split it",
+                hint="use separate q/k/v Linear layers with F.scaled_dot_product_attention(is_causal=True), or drop cp",
+            )
     seq_len = getattr(getattr(model, "config", None), "seq_len", None)
     if isinstance(seq_len, int) and seq_len % (2 * cp):
         raise ConfigError(f"cp={cp} needs a sequence length that is a multiple of 2*cp={2 * cp} (zig-zag chunks), "
                           f"but {type(model).__name__} has seq_len={seq_len}",
                           hint=f"use a seq_len that is a multiple of {2 * cp}, or another cp")
     inner = hf_models(model)
-    eager = next((m for m in inner if getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"), None)
+    eager = next(
+        (m for m in inner if getattr(getattr(m, "config", None), "_attn_implementation", None) == "eager"), None
+    )
     if eager is not None:
         name = next((n for n, m in model.named_modules() if m is eager), "") or type(model).__name__
-        raise ConfigError(f"cp={cp}: {name} ({type(eager).__name__}) uses eager attention, which context parallel cannot split "
-                          "(it splits scaled_dot_product_attention calls)",
-                          hint="build the model with attn_implementation='sdpa' (config._attn_implementation = 'sdpa'), or drop cp")
+        raise ConfigError(
+            f"cp={cp}: {name} ({type(eager).__name__}) uses eager attention, which context parallel cannot split "
+            "(it splits scaled_dot_product_attention calls)",
+            hint="build the model with attn_implementation='sdpa' (config._attn_implementation = 'sdpa'), or drop cp",
+        )
     forward = inspect.signature(model.forward).parameters
     if inner:  # the hooks on the Hugging Face models give them their positions (ContextParallel.hook_models)
         return
     if "position_ids" not in forward and not any(p.kind is p.VAR_KEYWORD for p in forward.values()):
-        raise ConfigError(f"cp={cp}: {type(model).__name__}.forward takes no position_ids, so its chunks cannot know their positions",
-                          hint="add a position_ids=None argument used for the position embedding / rotary table, or drop cp")
+        raise ConfigError(
+            f"cp={cp}: {type(model).__name__}.forward takes no position_ids, so its chunks cannot know their positions",
+            hint="add a position_ids=None argument used for the position embedding / rotary table, or drop cp",
+        )

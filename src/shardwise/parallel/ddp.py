@@ -58,7 +58,9 @@ class DDPOptions:
 
     def __post_init__(self) -> None:
         if self.comm_hook not in COMM_HOOKS:
-            raise ConfigError(f"ddp comm_hook={self.comm_hook!r} is unknown", hint=f"use one of {', '.join(COMM_HOOKS)}")
+            raise ConfigError(
+                f"ddp comm_hook={self.comm_hook!r} is unknown", hint=f"use one of {', '.join(COMM_HOOKS)}"
+            )
         if self.bucket_cap_mb <= 0:
             raise ConfigError(f"ddp bucket_cap_mb={self.bucket_cap_mb} must be positive", hint="for example 25")
         if self.powersgd_rank < 1:

@@ -63,7 +63,9 @@ def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _expert_params(module: nn.Module, n: int) -> dict[str, nn.Parameter]:
-    return {k: p for k, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] == n}  # not a router's [E, H]
+    return {
+        k: p for k, p in module.named_parameters(recurse=False) if p.dim() == 3 and p.shape[0] == n
+    }  # not a router's [E, H]
 
 
 def check_expert_parallel(model: nn.Module, ep: int) -> None:
@@ -72,8 +74,10 @@ def check_expert_parallel(model: nn.Module, ep: int) -> None:
         return
     experts = expert_modules(model)
     if not experts:
-        raise ConfigError(f"ep={ep} on {type(model).__name__}, which has no MoE layers",
-                          hint="use a mixture-of-experts model (e.g. the built-in GPT with --model.experts=4), or drop ep")
+        raise ConfigError(
+            f"ep={ep} on {type(model).__name__}, which has no MoE layers",
+            hint="use a mixture-of-experts model (e.g. the built-in GPT with --model.experts=4), or drop ep",
+        )
     for name, module in experts:
         if module.num_experts % ep:
             raise ConfigError(f"ep={ep} does not divide the {module.num_experts} experts of {name}",

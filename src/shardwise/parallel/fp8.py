@@ -105,9 +105,13 @@ class Fp8Options:
 
     def __post_init__(self) -> None:
         if self.high_precision not in ("bf16", "fp32"):
-            raise ConfigError(f"Fp8Options high_precision={self.high_precision!r} is unknown", hint="use 'bf16' or 'fp32'")
+            raise ConfigError(
+                f"Fp8Options high_precision={self.high_precision!r} is unknown", hint="use 'bf16' or 'fp32'"
+            )
         if self.filter is not None and not callable(self.filter):
-            raise ConfigError(f"Fp8Options filter={self.filter!r} is not callable", hint="pass a function (module, name) -> bool")
+            raise ConfigError(
+                f"Fp8Options filter={self.filter!r} is not callable", hint="pass a function (module, name) -> bool"
+            )
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,12 @@ class Conversion:
     kept: tuple[tuple[str, str], ...]  # (name, why it stays in high precision)
 
     def summary(self, recipe: str) -> str:
-        kept = "; ".join(f"{n} ({why})" for n, why in self.kept[:8]) + (f" and {len(self.kept) - 8} more" if len(self.kept) > 8 else "")
-        shown = ", ".join(self.converted[:6]) + (f" and {len(self.converted) - 6} more" if len(self.converted) > 6 else "")
+        kept = "; ".join(f"{n} ({why})" for n, why in self.kept[:8]) + (
+            f" and {len(self.kept) - 8} more" if len(self.kept) > 8 else ""
+        )
+        shown = ", ".join(self.converted[:6]) + (
+            f" and {len(self.converted) - 6} more" if len(self.converted) > 6 else ""
+        )
         return (f"fp8 ({recipe}): {len(self.converted)} Linear layers converted ({shown or 'none'}); "
                 f"kept in high precision: {kept or 'none'}")
 
@@ -205,8 +213,12 @@ def fp8_config(recipe: str, options: Fp8Options, *, device: torch.device | str, 
         raise ConfigError(f"FP8 all-gather needs the tensorwise recipe, not {recipe}",
                           hint="use fp8_recipe=tensorwise, or Fp8Options(fsdp_float8_all_gather=None)")
     all_gather = fsdp and recipe == "tensorwise" if all_gather is None else all_gather and fsdp
-    return dataclasses.replace(config, emulate=emulate, enable_fsdp_float8_all_gather=all_gather,
-                               round_scales_to_power_of_2=options.power_of_2_scales or config.round_scales_to_power_of_2)
+    return dataclasses.replace(
+        config,
+        emulate=emulate,
+        enable_fsdp_float8_all_gather=all_gather,
+        round_scales_to_power_of_2=options.power_of_2_scales or config.round_scales_to_power_of_2,
+    )
 
 
 def apply_fp8(model: nn.Module, *, recipe: str, options: Fp8Options | None = None, device: torch.device | str = "cpu",
@@ -234,7 +246,9 @@ def is_float8_tensorwise(module: nn.Module) -> bool:
             and not config.round_scales_to_power_of_2)
 
 
-def float8_tp_style(module: nn.Module, style: str, *, output_layouts: Any = None, input_layouts: Any = None) -> Any | None:
+def float8_tp_style(
+    module: nn.Module, style: str, *, output_layouts: Any = None, input_layouts: Any = None
+) -> Any | None:
     """torchao's float8 TP style for a tensorwise ``Float8Linear`` with unrounded scales (module
     doc), or None where torch's plain style is the right one."""
     if not is_float8_tensorwise(module) or style not in ("colwise", "rowwise", "colwise_rep", "rowwise_rep"):
@@ -254,7 +268,9 @@ def precompute_scales_before_forward(model: nn.Module) -> None:
     Communication: one all-reduce (MAX) of one float per FP8 layer, over the weights' mesh.
     """
     float8 = _torchao()
-    layers = [m for m in model.modules() if type(m).__name__ == "Float8Linear" and m.config.enable_fsdp_float8_all_gather]
+    layers = [
+        m for m in model.modules() if type(m).__name__ == "Float8Linear" and m.config.enable_fsdp_float8_all_gather
+    ]
     if not layers:
         return
     power_of_2 = layers[0].config.round_scales_to_power_of_2

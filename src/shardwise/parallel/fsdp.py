@@ -93,7 +93,9 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, precision: str
     parameters, gradients and optimizer state in host memory.
     """
     if stage not in (2, 3):
-        raise ConfigError(f"apply_fsdp handles ZeRO stages 2 and 3, not {stage}", hint="stage 1 uses build_optimizer with DDP")
+        raise ConfigError(
+            f"apply_fsdp handles ZeRO stages 2 and 3, not {stage}", hint="stage 1 uses build_optimizer with DDP"
+        )
     reshard = options.reshard_after_forward if options.reshard_after_forward is not None else stage == 3
     kwargs = _policies(options, mesh, precision=precision, cpu_offload=cpu_offload)
     for block in block_modules(model):
@@ -104,8 +106,15 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, stage: int, precision: str
     return model
 
 
-def apply_expert_units(experts: Iterable[nn.Module], mesh: DeviceMesh, *, stage: int,
-                       precision: str = "fp32", cpu_offload: bool = False, options: FSDPOptions = FSDPOptions()) -> None:
+def apply_expert_units(
+    experts: Iterable[nn.Module],
+    mesh: DeviceMesh,
+    *,
+    stage: int,
+    precision: str = "fp32",
+    cpu_offload: bool = False,
+    options: FSDPOptions = FSDPOptions(),
+) -> None:
     """Each MoE layer's experts as its own data-parallel unit over the expert-data-parallel
     ``mesh`` (:mod:`shardwise.parallel.ep`): ``fully_shard`` for ZeRO-2/3, else ``replicate``
     (gradients averaged over ``mesh``)."""

@@ -57,9 +57,17 @@ class MicroBatch:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def forward_backward(pm: ParallelModel, micro_batches: Sequence[MicroBatch], *, loss_fn: Callable[[Any, Any], torch.Tensor],
-                     reduction: LossReduction, device: torch.device | str, loss_scale: float = 1.0,
-                     precision: str | None = None, load: Callable[[MicroBatch], MicroBatch] | None = None) -> StepLoss:
+def forward_backward(
+    pm: ParallelModel,
+    micro_batches: Sequence[MicroBatch],
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    reduction: LossReduction,
+    device: torch.device | str,
+    loss_scale: float = 1.0,
+    precision: str | None = None,
+    load: Callable[[MicroBatch], MicroBatch] | None = None,
+) -> StepLoss:
     """Forward and backward of ``micro_batches`` (module doc); the step's loss share and weights.
 
     ``loss_fn``: the loss as the plan runs it (``pm.loss_for(user_loss)``); a pipeline uses its own.
@@ -70,8 +78,9 @@ def forward_backward(pm: ParallelModel, micro_batches: Sequence[MicroBatch], *, 
     one micro-batch at a time).
     """
     k = len(micro_batches)
-    weights = reduction.weigh([pm.local_targets(mb.targets) if reduction.tokens else mb.targets for mb in micro_batches],
-                              device=device)
+    weights = reduction.weigh(
+        [pm.local_targets(mb.targets) if reduction.tokens else mb.targets for mb in micro_batches], device=device
+    )
     pm.set_loss_scale(loss_scale / k)  # for auxiliary losses that reach backward on their own (MoE)
     device_type = torch.device(device).type
     loss_sum: torch.Tensor | None = None
@@ -79,8 +88,11 @@ def forward_backward(pm: ParallelModel, micro_batches: Sequence[MicroBatch], *, 
         mb = load(mb) if load is not None else mb
         inputs, targets, extra = pm.shard_batch(mb.inputs, mb.targets)  # cp: this rank's sequence chunks
         if pm.context_parallel is not None and "position_ids" in mb.kwargs:
-            raise ConfigError("a batch of packed documents (with position_ids) under context parallelism, whose split attention "
-                              "cannot keep the documents apart", hint="use padded batches with cp, or a plan without cp")
+            raise ConfigError(
+                "a batch of packed documents (with position_ids) under context parallelism, whose split attention "
+                "cannot keep the documents apart",
+                hint="use padded batches with cp, or a plan without cp",
+            )
         kwargs = {**mb.kwargs, **extra} if extra else mb.kwargs
         # TP loss-parallel and CP's split attention need the forward and backward inside
         with pm.gradient_sync(i == k - 1), pm.step_context():

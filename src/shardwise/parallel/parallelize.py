@@ -57,8 +57,15 @@ if TYPE_CHECKING:
 class PipelineRunner(Protocol):
     """Runs one optimizer step's forward and backward over all microbatches of a pipeline."""
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0, tokens: TokenShare | None = None,
-             **model_kwargs: Any) -> torch.Tensor:
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        loss_scale: float = 1.0,
+        tokens: TokenShare | None = None,
+        **model_kwargs: Any,
+    ) -> torch.Tensor:
         """Forward + backward of the batch; returns the batch's mean (unscaled) loss on every rank
         (with ``tokens``: the mean over its valid targets, each microbatch weighted by its share)."""
         ...
@@ -85,9 +92,17 @@ class ParallelModel:
     lora_config: dict[str, Any] | None = None  # its PEFT adapters' config (checkpoints' base reference, exports)
     _aux_scale: float | None = field(default=None, repr=False)  # what set_loss_scale last set
 
-    def forward_backward(self, micro_batches: Sequence[MicroBatch], *, loss_fn: Callable[[Any, Any], torch.Tensor],
-                         device: torch.device | str, reduction: LossReduction = LossReduction(), loss_scale: float = 1.0,
-                         precision: str | None = None, load: Callable[[MicroBatch], MicroBatch] | None = None) -> StepLoss:
+    def forward_backward(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        device: torch.device | str,
+        reduction: LossReduction = LossReduction(),
+        loss_scale: float = 1.0,
+        precision: str | None = None,
+        load: Callable[[MicroBatch], MicroBatch] | None = None,
+    ) -> StepLoss:
         """Forward and backward of one optimizer step's micro-batches, weighted so that the reduced
         gradient is one process's; returns the step's loss share (a device tensor) and weights. The one
         micro-step of the Trainer, ``prepare()`` and ``shardwise verify``:
@@ -106,7 +121,9 @@ class ParallelModel:
     @property
     def tp_plan(self) -> TPStyles | None:
         """Deprecated: :attr:`tp_styles`."""
-        warnings.warn("ParallelModel.tp_plan is deprecated: use ParallelModel.tp_styles", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "ParallelModel.tp_plan is deprecated: use ParallelModel.tp_styles", DeprecationWarning, stacklevel=2
+        )
         return self.tp_styles
 
     def loss_for(self, loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, Any], torch.Tensor]:
@@ -231,7 +248,9 @@ class _AutocastLoss:
             return self.loss_fn(output, targets)
 
 
-def training_loss(loss_fn: Callable[[Any, Any], torch.Tensor], plan: Plan, *, head: nn.Module | None) -> Callable[[Any, Any], torch.Tensor]:
+def training_loss(
+    loss_fn: Callable[[Any, Any], torch.Tensor], plan: Plan, *, head: nn.Module | None
+) -> Callable[[Any, Any], torch.Tensor]:
     """``loss_fn`` as ``plan`` runs it: with ``chunked_loss`` a
     :class:`~shardwise.parallel.chunked_loss.ChunkedLoss` over ``head`` (the model returns the
     head's input while training; the loss applies the head and ``loss_fn``'s cross-entropy chunk by
@@ -247,7 +266,9 @@ def training_loss(loss_fn: Callable[[Any, Any], torch.Tensor], plan: Plan, *, he
     return loss_fn
 
 
-def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipeline: PipelineOptions | None = None) -> TPStyles | None:
+def validate(
+    model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipeline: PipelineOptions | None = None
+) -> TPStyles | None:
     """Check ``plan`` against ``model`` without any communication; return the TP styles to apply.
 
     Call it before building meshes so bad input fails before any process-group work
@@ -265,8 +286,11 @@ def validate(model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipel
         return None
     quantized = next((n for n, p in model.named_parameters() if type(p.data).__name__ == "NF4Tensor"), None)
     if quantized is not None:
-        raise ConfigError(f"plan {plan}: tp cannot split the 4-bit NF4 weight {quantized} (torchao splits NF4 tensors along rows "
-                          "only, and a row-wise layer needs its columns split)", hint="use zero=3 (or dp) for QLoRA, or lora.base=fp32 with tp")
+        raise ConfigError(
+            f"plan {plan}: tp cannot split the 4-bit NF4 weight {quantized} (torchao splits NF4 tensors along rows "
+            "only, and a row-wise layer needs its columns split)",
+            hint="use zero=3 (or dp) for QLoRA, or lora.base=fp32 with tp",
+        )
     options = tp or TPOptions()
     if options.styles is not None:
         tp_styles = TPStyles.of(options.styles)
@@ -312,10 +336,23 @@ def parallelize(
     head = install_chunked_head(model) if plan.chunked_loss else None
     if loss_fn is not None:
         loss_fn = training_loss(loss_fn, plan, head=head)
-    cp = ContextParallel(meshes.cp, pass_attention_mask=takes_attention_mask(model), pass_position_ids=takes_position_ids(model)) \
-        if plan.cp_enabled else None
+    cp = (
+        ContextParallel(
+            meshes.cp, pass_attention_mask=takes_attention_mask(model), pass_position_ids=takes_position_ids(model)
+        )
+        if plan.cp_enabled
+        else None
+    )
     experts = build_expert_meshes(plan, meshes.root) if plan.ep_enabled else None
-    local = {"tp_styles": tp_styles, "ddp": ddp, "tp": tp, "fsdp": fsdp, "context_parallel": cp, "experts": experts, "fp8": fp8}
+    local = {
+        "tp_styles": tp_styles,
+        "ddp": ddp,
+        "tp": tp,
+        "fsdp": fsdp,
+        "context_parallel": cp,
+        "experts": experts,
+        "fp8": fp8,
+    }
     runner = None
     if plan.pp_enabled:
         # Step 1: the split; the TP styles (derived on the whole model, names kept) and steps 2-5
@@ -328,8 +365,16 @@ def parallelize(
         module = apply_local(model, plan, meshes, **local)
     if cp is not None:
         cp.hook_models(module)  # positions and mask for Hugging Face models inside any wrapper (shardwise.parallel.cp)
-    return ParallelModel(module=module, plan=plan, meshes=meshes, pipeline=runner, context_parallel=cp, lm_head=head, tp_styles=tp_styles,
-                         loss_parallel=tp_styles is not None and (tp or TPOptions()).loss_parallel)
+    return ParallelModel(
+        module=module,
+        plan=plan,
+        meshes=meshes,
+        pipeline=runner,
+        context_parallel=cp,
+        lm_head=head,
+        tp_styles=tp_styles,
+        loss_parallel=tp_styles is not None and (tp or TPOptions()).loss_parallel,
+    )
 
 
 def apply_local(
@@ -361,10 +406,17 @@ def apply_local(
         apply_compile(model, device_type=meshes.root.device_type)
     # The plan decides precision and offload; FSDPOptions only what it leaves open. Under fp8,
     # what is not converted computes in the FP8 options' high precision (bf16 unless told).
-    sharding = {"precision": compute_precision(plan.precision, fp8), "cpu_offload": plan.cpu_offload, "options": fsdp or FSDPOptions()}
+    sharding = {
+        "precision": compute_precision(plan.precision, fp8),
+        "cpu_offload": plan.cpu_offload,
+        "options": fsdp or FSDPOptions(),
+    }
     if plan.params16 and ddp is not None and ddp.comm_hook != "none":
-        raise ConfigError(f"plan params16 runs data parallelism through FSDP2's replicate, which has no DDP comm hook "
-                          f"(comm_hook={ddp.comm_hook!r})", hint="drop params16, or the comm hook (gradients are reduced in fp32)")
+        raise ConfigError(
+            f"plan params16 runs data parallelism through FSDP2's replicate, which has no DDP comm hook "
+            f"(comm_hook={ddp.comm_hook!r})",
+            hint="drop params16, or the comm hook (gradients are reduced in fp32)",
+        )
     if experts is not None:  # the experts first: their own units over the expert-data-parallel ranks
         apply_expert_units(expert_units, experts.edp, stage=plan.zero, **sharding)
     if plan.zero >= 2:

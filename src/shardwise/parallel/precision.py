@@ -13,7 +13,12 @@ import torch
 
 from shardwise.errors import ConfigError
 
-DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+DTYPES: dict[str, torch.dtype | None] = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8": torch.bfloat16,
+}
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:

@@ -58,8 +58,10 @@ IGNORE_INDEX = -100  # what torch's cross-entropy and Hugging Face's labels use 
 def check_loss_reduction(value: Any) -> str:
     """``value`` if it is ``"tokens"`` or ``"samples"`` (a ConfigError naming them otherwise)."""
     if value not in LOSS_REDUCTIONS:
-        raise ConfigError(f"loss_reduction={value!r} is unknown",
-                          hint="use 'tokens' (a mean over the valid targets, e.g. masked cross-entropy) or 'samples' (per-sample losses)")
+        raise ConfigError(
+            f"loss_reduction={value!r} is unknown",
+            hint="use 'tokens' (a mean over the valid targets, e.g. masked cross-entropy) or 'samples' (per-sample losses)",
+        )
     return value
 
 
@@ -69,11 +71,15 @@ def valid_targets(targets: Any, ignore_index: int = IGNORE_INDEX) -> torch.Tenso
     ``targets`` must be integer class ids: a float target (MSE, soft labels) has no "ignored"
     value to count, and its loss is not a token mean."""
     if not isinstance(targets, torch.Tensor):
-        raise ConfigError(f"loss_reduction='tokens' counts the valid targets of a tensor of class ids, got {type(targets).__name__}",
-                          hint="return targets as one integer tensor, or use loss_reduction='samples'")
+        raise ConfigError(
+            f"loss_reduction='tokens' counts the valid targets of a tensor of class ids, got {type(targets).__name__}",
+            hint="return targets as one integer tensor, or use loss_reduction='samples'",
+        )
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise ConfigError(f"loss_reduction='tokens' needs targets that are integer class ids, got {targets.dtype}",
-                          hint="use loss_reduction='samples' for a loss that is not a mean over tokens (MSE, soft labels, a sum)")
+        raise ConfigError(
+            f"loss_reduction='tokens' needs targets that are integer class ids, got {targets.dtype}",
+            hint="use loss_reduction='samples' for a loss that is not a mean over tokens (MSE, soft labels, a sum)",
+        )
     return (targets != ignore_index).sum()
 
 

@@ -215,7 +215,9 @@ def _validate(info: RuntimeEnv, env: Mapping[str, str]) -> RuntimeEnv:
     src = {"torchrun": "RANK/WORLD_SIZE", "openmpi": "OMPI_COMM_WORLD_*", "mpich": "PMI_*", "slurm": "SLURM_*"}
     where = src.get(info.launcher, info.launcher)
     if info.world_size < 1:
-        raise ShardwiseError(f"world size {info.world_size} from {where} is not positive", hint="fix the launcher variables")
+        raise ShardwiseError(
+            f"world size {info.world_size} from {where} is not positive", hint="fix the launcher variables"
+        )
     if not 0 <= info.rank < info.world_size:
         raise ShardwiseError(
             f"rank {info.rank} is outside the world of {info.world_size} ({where})",

@@ -43,7 +43,9 @@ def choose_backend(requested: str | None) -> str:
         return "nccl" if torch.cuda.is_available() else "gloo"
     name = requested.lower()
     if name == "nccl" and not (torch.cuda.is_available() and dist.is_nccl_available()):
-        raise ShardwiseError("backend 'nccl' needs CUDA devices and none are visible", hint="use backend='gloo' on CPUs")
+        raise ShardwiseError(
+            "backend 'nccl' needs CUDA devices and none are visible", hint="use backend='gloo' on CPUs"
+        )
     if name == "gloo" and not dist.is_gloo_available():
         raise ShardwiseError("backend 'gloo' is not built into this torch", hint="install a torch build with Gloo")
     if name not in ("nccl", "gloo", "mpi", "xccl") and ":" not in name:
@@ -122,9 +124,13 @@ def init(
             f"within {timeout_s:.0f}s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})",
             hint="check that MASTER_ADDR is reachable from every node, the port is open and all ranks started",
         ) from exc
-    setup_logging(info.rank, info.world_size, level=logging.DEBUG if info.settings.log_level == "debug" else logging.INFO)
+    setup_logging(
+        info.rank, info.world_size, level=logging.DEBUG if info.settings.log_level == "debug" else logging.INFO
+    )
     if hang_s > 0 and info.world_size > 1:
-        start_watchdog(rank=info.rank, world_size=info.world_size, timeout_s=hang_s, namespace=info.settings.attempt_namespace)
+        start_watchdog(
+            rank=info.rank, world_size=info.world_size, timeout_s=hang_s, namespace=info.settings.attempt_namespace
+        )
     return replace(info, device=device, backend=chosen, timeout_s=timeout_s)
 
 

@@ -47,7 +47,9 @@ def _count(environ: Mapping[str, str], name: str, default: int, low: int) -> int
     if not raw:
         return default
     if not raw.isdigit() or int(raw) < low:
-        raise ConfigError(f"{name}={raw!r} is not a whole number >= {low}", hint=f"unset it, or give e.g. {name}={max(low, default)}")
+        raise ConfigError(
+            f"{name}={raw!r} is not a whole number >= {low}", hint=f"unset it, or give e.g. {name}={max(low, default)}"
+        )
     return int(raw)
 
 
@@ -58,7 +60,9 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
     except ValueError:
         value = -1.0
     if not value > 0:
-        raise ConfigError(f"{name}={raw!r} is not a positive number of seconds", hint=f"unset it, or give e.g. {name}={default:g}")
+        raise ConfigError(
+            f"{name}={raw!r} is not a positive number of seconds", hint=f"unset it, or give e.g. {name}={default:g}"
+        )
     return value
 
 
@@ -72,7 +76,16 @@ def ft_settings(environ: Mapping[str, str]) -> FtSettings | None:
     replicas = _count(environ, REPLICAS_VAR, 1, 1)
     replica = _count(environ, REPLICA_VAR, 0, 0)
     if replica >= replicas:
-        raise ConfigError(f"{REPLICA_VAR}={replica} is outside 0..{replicas - 1}", hint=f"give each of the {replicas} groups an index from 0")
-    return FtSettings(replica=replica, replicas=replicas, lighthouse=lighthouse,
-                      min_replicas=_count(environ, MIN_REPLICAS_VAR, 1, 1), timeout_s=_seconds(environ, TIMEOUT_VAR, 30.0),
-                      quorum_timeout_s=_seconds(environ, QUORUM_TIMEOUT_VAR, 60.0), events_dir=environ.get(DIR_VAR, "").strip())
+        raise ConfigError(
+            f"{REPLICA_VAR}={replica} is outside 0..{replicas - 1}",
+            hint=f"give each of the {replicas} groups an index from 0",
+        )
+    return FtSettings(
+        replica=replica,
+        replicas=replicas,
+        lighthouse=lighthouse,
+        min_replicas=_count(environ, MIN_REPLICAS_VAR, 1, 1),
+        timeout_s=_seconds(environ, TIMEOUT_VAR, 30.0),
+        quorum_timeout_s=_seconds(environ, QUORUM_TIMEOUT_VAR, 60.0),
+        events_dir=environ.get(DIR_VAR, "").strip(),
+    )

@@ -94,28 +94,46 @@ class Culprit:
     detail: str
 
 
-def diagnose(stall: Stall, beats: dict[int, Heartbeat | None], *, now: float, stale_s: float, world_size: int) -> list[Culprit]:
+def diagnose(
+    stall: Stall, beats: dict[int, Heartbeat | None], *, now: float, stale_s: float, world_size: int
+) -> list[Culprit]:
     """The ranks that did not arrive where ``stall`` is stuck, each with the reason (see module doc)."""
     members = stall.group_ranks or tuple(range(world_size))
     culprits = []
     if stall.kind == "step":
-        culprits.append(Culprit(stall.rank, "self", f"rank {stall.rank} itself is stuck outside any collective at step {stall.step}"))
+        culprits.append(
+            Culprit(
+                stall.rank, "self", f"rank {stall.rank} itself is stuck outside any collective at step {stall.step}"
+            )
+        )
     for r in members:
         if r == stall.rank:
             continue
         beat = beats.get(r)
         if beat is None:
-            culprits.append(Culprit(r, "silent", f"rank {r} never published a heartbeat (not started, or started without the watchdog)"))
+            culprits.append(
+                Culprit(
+                    r, "silent", f"rank {r} never published a heartbeat (not started, or started without the watchdog)"
+                )
+            )
             continue
         age = now - beat.time
         at = f" at step {beat.step}" if beat.step is not None else ""
         if beat.state in ("finished", "exited"):
-            counts = ", ".join(f"{n} collectives on group {g}" for g, n in sorted(beat.issued.items())) or "no collectives"
+            counts = (
+                ", ".join(f"{n} collectives on group {g}" for g, n in sorted(beat.issued.items())) or "no collectives"
+            )
             culprits.append(Culprit(r, beat.state, f"{beat.where()} has {beat.state}{at} after issuing {counts}"))
             continue
         if age > stale_s:
-            culprits.append(Culprit(r, "frozen", f"{beat.where()} has sent no heartbeat for {age:.0f} s{at}: the process is "
-                                               "frozen (stopped, swapping, or stuck in a call that holds the GIL) or its host is down"))
+            culprits.append(
+                Culprit(
+                    r,
+                    "frozen",
+                    f"{beat.where()} has sent no heartbeat for {age:.0f} s{at}: the process is "
+                    "frozen (stopped, swapping, or stuck in a call that holds the GIL) or its host is down",
+                )
+            )
             continue
         if stall.kind == "finish":
             mine = beats.get(stall.rank)
@@ -123,9 +141,16 @@ def diagnose(stall: Stall, beats: dict[int, Heartbeat | None], *, now: float, st
             if waiting is not None and mine is not None:
                 # The peer waits in a collective this rank never issued: this rank is the one missing.
                 if not any(c.rank == stall.rank for c in culprits):
-                    culprits.insert(0, Culprit(stall.rank, "finished", f"{mine.where()} has finished after issuing "
-                                               f"{mine.issued.get(waiting.pg, 0)} collectives on group {waiting.pg}, "
-                                               f"but other ranks wait in {waiting.describe()}: it skipped a collective"))
+                    culprits.insert(
+                        0,
+                        Culprit(
+                            stall.rank,
+                            "finished",
+                            f"{mine.where()} has finished after issuing "
+                            f"{mine.issued.get(waiting.pg, 0)} collectives on group {waiting.pg}, "
+                            f"but other ranks wait in {waiting.describe()}: it skipped a collective",
+                        ),
+                    )
                 continue
             culprits.append(Culprit(r, "behind", f"{beat.where()} is still running{at}{_doing(beat)}"))
             continue
@@ -134,13 +159,25 @@ def diagnose(stall: Stall, beats: dict[int, Heartbeat | None], *, now: float, st
         want = stall.collective
         issued = beat.issued.get(want.pg, 0)
         if issued < want.seq:
-            culprits.append(Culprit(r, "behind", f"{beat.where()} did not arrive at {want.op} #{want.seq}: it has issued only "
-                                                 f"{issued} collectives on group {want.pg}{at}{_doing(beat)}"))
+            culprits.append(
+                Culprit(
+                    r,
+                    "behind",
+                    f"{beat.where()} did not arrive at {want.op} #{want.seq}: it has issued only "
+                    f"{issued} collectives on group {want.pg}{at}{_doing(beat)}",
+                )
+            )
             continue
         twin = next((f for f in beat.in_flight if f.pg == want.pg and f.seq == want.seq), None)
         if twin is not None and (twin.op != want.op or tuple(twin.sizes) != tuple(want.sizes)):
-            culprits.append(Culprit(r, "mismatch", f"{beat.where()} is in {twin.describe()} while rank {stall.rank} is in "
-                                                   f"{want.describe()}: the ranks issued different collectives"))
+            culprits.append(
+                Culprit(
+                    r,
+                    "mismatch",
+                    f"{beat.where()} is in {twin.describe()} while rank {stall.rank} is in "
+                    f"{want.describe()}: the ranks issued different collectives",
+                )
+            )
     return culprits
 
 

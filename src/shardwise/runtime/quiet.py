@@ -48,7 +48,11 @@ RULES = (
     WarningRule(DeprecationWarning, LIBRARIES),
     WarningRule(UserWarning, r"torchdata(\.|$)", r"'set_vital' is deprecated"),
     # DCP warns on every single-process load or save, even one that says so (no_dist=True)
-    WarningRule(UserWarning, r"torch\.distributed\.checkpoint(\.|$)", r"torch\.distributed is disabled, unavailable or uninitialized"),
+    WarningRule(
+        UserWarning,
+        r"torch\.distributed\.checkpoint(\.|$)",
+        r"torch\.distributed is disabled, unavailable or uninitialized",
+    ),
 )
 
 

@@ -112,7 +112,9 @@ def read_settings(environ: Mapping[str, str]) -> Settings:
     """The settings of ``environ`` (usually ``os.environ``); a bad value is one ConfigError line."""
     restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
     if not restart.isdigit():
-        raise ConfigError(f"TORCHELASTIC_RESTART_COUNT={restart!r} is not a count", hint="unset it; the elastic agent sets it")
+        raise ConfigError(
+            f"TORCHELASTIC_RESTART_COUNT={restart!r} is not a count", hint="unset it; the elastic agent sets it"
+        )
     launcher = environ.get("SHARDWISE_LAUNCHER_PID", "").strip()
     grace = environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "").strip()
     return Settings(

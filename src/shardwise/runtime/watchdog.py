@@ -238,8 +238,12 @@ class Watchdog:
         for heartbeats nobody can read; collectives of this rank are still watched."""
         if self._store_lost is None:
             self._store_lost = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-            print(f"[shardwise watchdog] rank {self.rank}: the rendezvous store does not answer ({self._store_lost}); "
-                  "the launcher is probably gone; watching this rank's collectives only", file=self._stream or sys.stderr, flush=True)
+            print(
+                f"[shardwise watchdog] rank {self.rank}: the rendezvous store does not answer ({self._store_lost}); "
+                "the launcher is probably gone; watching this rank's collectives only",
+                file=self._stream or sys.stderr,
+                flush=True,
+            )
         self._all_finished.set()
 
     def _loop(self) -> None:
@@ -327,7 +331,9 @@ class Watchdog:
         self._exit(HANG_EXIT_CODE)
 
 
-def start_watchdog(*, rank: int, world_size: int, timeout_s: float, namespace: str = "local/0", **kwargs) -> Watchdog | None:
+def start_watchdog(
+    *, rank: int, world_size: int, timeout_s: float, namespace: str = "local/0", **kwargs
+) -> Watchdog | None:
     """Start this process's watchdog on the default group's store (``timeout_s <= 0``: none), under
     ``namespace`` (the launch attempt's, :attr:`Settings.attempt_namespace <shardwise.runtime.settings.Settings.attempt_namespace>`)."""
     if timeout_s <= 0 or not dist.is_initialized() or current() is not None:

@@ -73,8 +73,18 @@ def run_info(trainer: Any) -> dict[str, Any]:
     reduction and the planner's predicted step time (``plan="auto"``, on rank 0)."""
     predicted = trainer.auto_choice.estimate.step_time_s if trainer.auto_choice is not None else None
     run_dir = trainer.run_dir
-    return {"run_name": run_dir.name if run_dir is not None else None, "run_dir": str(run_dir) if run_dir is not None else None,
-            "plan": str(trainer.plan), "world_size": trainer.env.world_size, "dp_size": trainer.dp_size,
-            "global_batch_size": trainer.global_batch_size, "micro_batch_size": trainer.micro_batch_size,
-            "grad_accum_steps": trainer.grad_accum_steps, "precision": trainer.precision, "seed": trainer.seed,
-            "max_steps": trainer.max_steps, "predicted_step_time_s": predicted, "loss_reduction": trainer.loss_reduction}
+    return {
+        "run_name": run_dir.name if run_dir is not None else None,
+        "run_dir": str(run_dir) if run_dir is not None else None,
+        "plan": str(trainer.plan),
+        "world_size": trainer.env.world_size,
+        "dp_size": trainer.dp_size,
+        "global_batch_size": trainer.global_batch_size,
+        "micro_batch_size": trainer.micro_batch_size,
+        "grad_accum_steps": trainer.grad_accum_steps,
+        "precision": trainer.precision,
+        "seed": trainer.seed,
+        "max_steps": trainer.max_steps,
+        "predicted_step_time_s": predicted,
+        "loss_reduction": trainer.loss_reduction,
+    }

@@ -82,13 +82,28 @@ class Built:
         return self.meshes.dp.size()
 
 
-def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: Plan | str, global_batch_size: int, seed: int,
-          precision: str | None = None, pipelines_allowed: bool = True, cluster: ClusterArg = None,
-          tokens_per_sample: int | None = None, ddp: DDPOptions | None = None, tp: TPOptions | None = None,
-          fsdp: FSDPOptions | None = None, pipeline: PipelineOptions | None = None,
-          loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-          check: Callable[[Plan, str], None] | None = None, data: AutoData | None = None,
-          loss_reduction: str = "samples", ignore_index: int = IGNORE_INDEX, fp8: Fp8Options | None = None) -> Built:
+def build(
+    model: nn.Module | Pretrained,
+    optimizer: OptimizerFactory,
+    *,
+    plan: Plan | str,
+    global_batch_size: int,
+    seed: int,
+    precision: str | None = None,
+    pipelines_allowed: bool = True,
+    cluster: ClusterArg = None,
+    tokens_per_sample: int | None = None,
+    ddp: DDPOptions | None = None,
+    tp: TPOptions | None = None,
+    fsdp: FSDPOptions | None = None,
+    pipeline: PipelineOptions | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    check: Callable[[Plan, str], None] | None = None,
+    data: AutoData | None = None,
+    loss_reduction: str = "samples",
+    ignore_index: int = IGNORE_INDEX,
+    fp8: Fp8Options | None = None,
+) -> Built:
     """The steps of the module doc. ``global_batch_size`` is what ``plan="auto"`` plans for;
     ``pipelines_allowed=False`` keeps pipelines out of an automatic choice (a pipeline splits each
     micro-batch again, which gradient accumulation already does). ``check(plan, device_type)``
@@ -99,11 +114,21 @@ def build(model: nn.Module | Pretrained, optimizer: OptimizerFactory, *, plan: P
     env = runtime.init()
     choice = None
     if isinstance(plan, str) and plan.strip().lower() == "auto":
-        plan, choice = plan_for(model, env, global_batch_size=global_batch_size, precision=precision,
-                                pipelines_allowed=pipelines_allowed, cluster=cluster, tokens_per_sample=tokens_per_sample,
-                                data=data, loss_fn=loss_fn, loss_parallel=bool(tp and tp.loss_parallel),
-                                loss_reduction=loss_reduction, ignore_index=ignore_index,
-                                optimizer=None if optimizer is default_optimizer else optimizer)
+        plan, choice = plan_for(
+            model,
+            env,
+            global_batch_size=global_batch_size,
+            precision=precision,
+            pipelines_allowed=pipelines_allowed,
+            cluster=cluster,
+            tokens_per_sample=tokens_per_sample,
+            data=data,
+            loss_fn=loss_fn,
+            loss_parallel=bool(tp and tp.loss_parallel),
+            loss_reduction=loss_reduction,
+            ignore_index=ignore_index,
+            optimizer=None if optimizer is default_optimizer else optimizer,
+        )
     # An elastic job (--nnodes MIN:MAX) may come back on fewer or more processes than the plan
     # was written for: re-plan it (resolve.replan) instead of refusing it.
     resolved = resolve_plan(plan, env.world_size, precision=precision, elastic=env.settings.elastic is not None)

@@ -16,7 +16,15 @@ if TYPE_CHECKING:
     from shardwise.train.trainer import Trainer
 
 log = get_logger("train")
-__all__ = ["Callback", "ProgressBar", "LossMonitor", "ThroughputMonitor", "LearningRateMonitor", "EarlyStopping", "PlotCurves"]
+__all__ = [
+    "Callback",
+    "ProgressBar",
+    "LossMonitor",
+    "ThroughputMonitor",
+    "LearningRateMonitor",
+    "EarlyStopping",
+    "PlotCurves",
+]
 
 
 def _fmt(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:
@@ -49,7 +57,9 @@ class ThroughputMonitor(Callback):
 
     def on_step_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         if trainer.env.is_main and "samples_per_s" in metrics:
-            log.info("step %d  %s", metrics["step"], _fmt(metrics, ("step_time_s", "samples_per_s", "tokens_per_s", "mfu")))
+            log.info(
+                "step %d  %s", metrics["step"], _fmt(metrics, ("step_time_s", "samples_per_s", "tokens_per_s", "mfu"))
+            )
 
 
 class LearningRateMonitor(Callback):
@@ -69,7 +79,9 @@ class EarlyStopping(Callback):
     """Stop when ``monitor`` (an evaluation metric, e.g. ``val_loss``) has not improved by more than
     ``min_delta`` for ``patience`` evaluations."""
 
-    def __init__(self, monitor: str = "val_loss", *, mode: str = "min", patience: int = 3, min_delta: float = 0.0) -> None:
+    def __init__(
+        self, monitor: str = "val_loss", *, mode: str = "min", patience: int = 3, min_delta: float = 0.0
+    ) -> None:
         if mode not in ("min", "max"):
             raise ShardwiseError(f"EarlyStopping mode={mode!r} is unknown", hint="use 'min' or 'max'")
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
@@ -78,7 +90,10 @@ class EarlyStopping(Callback):
 
     def on_eval_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         if self.monitor not in metrics:
-            raise ShardwiseError(f"EarlyStopping monitors {self.monitor!r}, which evaluation does not report", hint=f"use one of {', '.join(metrics)}")
+            raise ShardwiseError(
+                f"EarlyStopping monitors {self.monitor!r}, which evaluation does not report",
+                hint=f"use one of {', '.join(metrics)}",
+            )
         value = metrics[self.monitor]
         sign = 1.0 if self.mode == "min" else -1.0
         if self.best is None or sign * (self.best - value) > self.min_delta:
@@ -88,7 +103,13 @@ class EarlyStopping(Callback):
         if self.bad_evals >= self.patience:
             trainer.should_stop = True
             if trainer.env.is_main:
-                log.info("early stopping at step %d: %s has not improved on %.6g for %d evaluations", trainer.step, self.monitor, self.best, self.bad_evals)
+                log.info(
+                    "early stopping at step %d: %s has not improved on %.6g for %d evaluations",
+                    trainer.step,
+                    self.monitor,
+                    self.best,
+                    self.bad_evals,
+                )
 
 
 class PlotCurves(Callback):

@@ -22,7 +22,10 @@ def check_counts(**values: Any) -> None:
     for name, value in values.items():
         if name == "clip_grad_norm":
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
-                raise ConfigError(f"clip_grad_norm={value!r} must be a positive number", hint="for example clip_grad_norm=1.0, or None for no clipping")
+                raise ConfigError(
+                    f"clip_grad_norm={value!r} must be a positive number",
+                    hint="for example clip_grad_norm=1.0, or None for no clipping",
+                )
             continue
         if value is None and name not in required:
             continue
@@ -49,7 +52,10 @@ def scalar_loss(loss_fn: Callable[[Any, Any], torch.Tensor]) -> Callable[[Any, A
     def checked(outputs: Any, targets: Any) -> torch.Tensor:
         loss = loss_fn(outputs, targets)
         if not isinstance(loss, torch.Tensor):
-            raise ConfigError(f"loss_fn returned a {type(loss).__name__}, not a tensor", hint="return a scalar torch.Tensor (the micro-batch mean)")
+            raise ConfigError(
+                f"loss_fn returned a {type(loss).__name__}, not a tensor",
+                hint="return a scalar torch.Tensor (the micro-batch mean)",
+            )
         if loss.dim() != 0:
             raise ConfigError(f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar",
                               hint="return the mean over the micro-batch, e.g. F.cross_entropy(...) or loss.mean()")

@@ -79,7 +79,9 @@ def nodes_of(members: list[tuple[str, int]]) -> tuple[Node, ...]:
     by_key: dict[tuple[str, int], list[int]] = {}
     for rank, key in enumerate(members):
         by_key.setdefault(tuple(key), []).append(rank)  # type: ignore[arg-type]
-    return tuple(Node(host, pid, tuple(ranks)) for (host, pid), ranks in sorted(by_key.items(), key=lambda kv: kv[1][0]))
+    return tuple(
+        Node(host, pid, tuple(ranks)) for (host, pid), ranks in sorted(by_key.items(), key=lambda kv: kv[1][0])
+    )
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -91,7 +93,9 @@ def _ranks(ranks: tuple[int, ...]) -> str:
 def _names(nodes: tuple[Node, ...], everyone: tuple[Node, ...]) -> str:
     """``host (ranks 2-3)``; with the agent's pid where two nodes share a host (loopback tests)."""
     shared = {n.host for n in everyone if sum(m.host == n.host for m in everyone) > 1}
-    return ", ".join(f"{n.host} ({'agent pid %d, ' % n.agent_pid if n.host in shared else ''}{_ranks(n.ranks)})" for n in nodes)
+    return ", ".join(
+        f"{n.host} ({'agent pid %d, ' % n.agent_pid if n.host in shared else ''}{_ranks(n.ranks)})" for n in nodes
+    )
 
 
 def _count(n: int, word: str) -> str:
@@ -103,8 +107,12 @@ def describe_change(before: WorldRecord | None, now: WorldRecord, *, requested_p
     """The few lines rank 0 prints at the start of ``fit`` in an elastic job (see the module doc)."""
     hosts = _names(now.nodes, now.nodes)
     if before is None:
-        replanned = f" (re-planned from {requested_plan})" if _replanned(requested_plan, now.plan, now.world_size) else ""
-        return [f"elastic: {_count(now.world_size, 'process')} on {_count(len(now.nodes), 'node')} [{hosts}], plan {now.plan}{replanned}"]
+        replanned = (
+            f" (re-planned from {requested_plan})" if _replanned(requested_plan, now.plan, now.world_size) else ""
+        )
+        return [
+            f"elastic: {_count(now.world_size, 'process')} on {_count(len(now.nodes), 'node')} [{hosts}], plan {now.plan}{replanned}"
+        ]
     old = {n.key for n in before.nodes}
     new = {n.key for n in now.nodes}
     lost = tuple(n for n in before.nodes if n.key not in new)
@@ -115,17 +123,26 @@ def describe_change(before: WorldRecord | None, now: WorldRecord, *, requested_p
         lines.append(f"elastic: lost {_count(len(lost), 'node')} after step {before.step}: {_names(lost, everyone)}; "
                      f"{_count(now.world_size, 'process')} remain on {_count(len(now.nodes), 'node')}")
     if joined:
-        lines.append(f"elastic: {_count(len(joined), 'node')} joined after step {before.step}: {_names(joined, everyone)}; "
-                     f"{_count(now.world_size, 'process')} on {_count(len(now.nodes), 'node')}")
+        lines.append(
+            f"elastic: {_count(len(joined), 'node')} joined after step {before.step}: {_names(joined, everyone)}; "
+            f"{_count(now.world_size, 'process')} on {_count(len(now.nodes), 'node')}"
+        )
     if not lost and not joined:
         lines.append(f"elastic: restarted on the same {_count(len(now.nodes), 'node')} after step {before.step}")
     if before.plan != now.plan or before.world_size != now.world_size:
-        per_rank = (f" ({global_batch // max(before.dp_size, 1)} -> {global_batch // max(now.dp_size, 1)} samples per data-parallel rank)"
-                    if before.dp_size != now.dp_size else "")
+        per_rank = (
+            f" ({global_batch // max(before.dp_size, 1)} -> {global_batch // max(now.dp_size, 1)} samples per data-parallel rank)"
+            if before.dp_size != now.dp_size
+            else ""
+        )
         lines.append(f"elastic: plan {before.plan} ({_count(before.world_size, 'process')}) -> {now.plan} "
                      f"({_count(now.world_size, 'process')}); global batch {global_batch} kept{per_rank}")
     start = resumed_step or 0
-    where = f"resumed from the checkpoint of step {start}" if resumed_step is not None else "no checkpoint to resume: starting again from step 0"
+    where = (
+        f"resumed from the checkpoint of step {start}"
+        if resumed_step is not None
+        else "no checkpoint to resume: starting again from step 0"
+    )
     redone = f"steps {start + 1}-{before.step} are redone" if before.step > start + 1 else (
         f"step {before.step} is redone" if before.step == start + 1 else "no steps are redone")
     lines.append(f"elastic: {where}; {redone}")
@@ -182,11 +199,22 @@ class ElasticReport(Callback):
         if not env.is_main:
             return
         run_id = env.settings.run_id
-        self.record = WorldRecord(run_id=run_id, world_size=env.world_size, plan=str(trainer.plan), dp_size=trainer.dp_size,
-                                  step=trainer.step, nodes=nodes_of(members))
+        self.record = WorldRecord(
+            run_id=run_id,
+            world_size=env.world_size,
+            plan=str(trainer.plan),
+            dp_size=trainer.dp_size,
+            step=trainer.step,
+            nodes=nodes_of(members),
+        )
         loaded = getattr(trainer.checkpoint, "loaded", None)
-        lines = describe_change(read_record(self.directory, run_id), self.record, requested_plan=self.requested_plan,
-                                resumed_step=loaded.step if loaded is not None else None, global_batch=trainer.global_batch_size)
+        lines = describe_change(
+            read_record(self.directory, run_id),
+            self.record,
+            requested_plan=self.requested_plan,
+            resumed_step=loaded.step if loaded is not None else None,
+            global_batch=trainer.global_batch_size,
+        )
         print("\n".join(lines), flush=True)
         write_record(self.directory, self.record)
 
@@ -201,7 +229,9 @@ def elastic_callbacks(checkpoint: Any, *, requested_plan: str, is_main: bool) ->
     world must continue, not start over) and the report; without, a warning on rank 0."""
     if checkpoint is None:
         if is_main:
-            log.warning("elastic job without Trainer(checkpoint=...): a lost or regained node restarts training from step 0")
+            log.warning(
+                "elastic job without Trainer(checkpoint=...): a lost or regained node restarts training from step 0"
+            )
         return []
     if checkpoint.resume is None:
         checkpoint.resume = "auto"

@@ -44,7 +44,10 @@ def evaluate(
     module = forward_module(pm)
     pipeline_eval = getattr(pm.pipeline, "eval_loss", None) if pm.pipeline is not None else None
     if pm.pipeline is not None and pipeline_eval is None:
-        raise ConfigError("evaluation with a pipeline needs a runner with eval_loss(inputs, targets)", hint="evaluate without pp, or use a pipeline runner that supports evaluation")
+        raise ConfigError(
+            "evaluation with a pipeline needs a runner with eval_loss(inputs, targets)",
+            hint="evaluate without pp, or use a pipeline runner that supports evaluation",
+        )
     acc = SumCount()
 
     def forward(part: tuple[Any, Any, dict[str, Any]]) -> tuple[torch.Tensor, Any, Any]:

@@ -108,7 +108,10 @@ class Events:
         if self.path is None:
             return
         with open(self.path, "a") as fh:
-            fh.write(json.dumps({"t": time.time(), "event": event, "replica": self.replica, "pid": os.getpid(), **fields}) + "\n")
+            fh.write(
+                json.dumps({"t": time.time(), "event": event, "replica": self.replica, "pid": os.getpid(), **fields})
+                + "\n"
+            )
 
 
 def _group_store(env: Any) -> tuple[str, int, Any]:
@@ -136,7 +139,11 @@ class ReplicaSync:
 
         env, self.settings, self.trainer = trainer.env, settings, trainer
         self.is_reporter = env.rank == 0
-        path = os.path.join(settings.events_dir, f"replica{settings.replica}.jsonl") if settings.events_dir and self.is_reporter else None
+        path = (
+            os.path.join(settings.events_dir, f"replica{settings.replica}.jsonl")
+            if settings.events_dir and self.is_reporter
+            else None
+        )
         self.events = Events(path, settings.replica)
         state_dict, load_state_dict = heal_fns(trainer.stateful_components, optimizer=trainer.optimizer)
         self.healed = False
@@ -147,18 +154,39 @@ class ReplicaSync:
 
         host, port, self._store = _group_store(env)
         timeout = timedelta(seconds=settings.timeout_s)
-        pg = ProcessGroupNCCL(timeout) if env.device is not None and env.device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        pg = (
+            ProcessGroupNCCL(timeout)
+            if env.device is not None and env.device.type == "cuda"
+            else ProcessGroupGloo(timeout=timeout)
+        )
         try:
-            self.manager = Manager(pg=pg, load_state_dict=load, state_dict=state_dict, min_replica_size=settings.min_replicas,
-                                   use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
-                                   connect_timeout=timeout, rank=env.rank, world_size=env.world_size, store_addr=host, store_port=port,
-                                   lighthouse_addr=settings.lighthouse, replica_id=f"shardwise_{settings.replica}", init_sync=True)
+            self.manager = Manager(
+                pg=pg,
+                load_state_dict=load,
+                state_dict=state_dict,
+                min_replica_size=settings.min_replicas,
+                use_async_quorum=False,
+                timeout=timeout,
+                quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+                connect_timeout=timeout,
+                rank=env.rank,
+                world_size=env.world_size,
+                store_addr=host,
+                store_port=port,
+                lighthouse_addr=settings.lighthouse,
+                replica_id=f"shardwise_{settings.replica}",
+                init_sync=True,
+            )
         except Exception as err:  # noqa: BLE001 - the Rust side raises RuntimeError for a refused connection
             first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-            raise ShardwiseError(f"replica group {settings.replica} cannot reach the lighthouse at {settings.lighthouse} "
-                                 f"within {settings.timeout_s:g} s: {first}",
-                                 hint="start 'shardwise lighthouse --port P' first, and check --lighthouse HOST:PORT") from None
-        self.manager.load_state_dict({"step": trainer.state.step, "batches_committed": 0})  # a resumed checkpoint's step
+            raise ShardwiseError(
+                f"replica group {settings.replica} cannot reach the lighthouse at {settings.lighthouse} "
+                f"within {settings.timeout_s:g} s: {first}",
+                hint="start 'shardwise lighthouse --port P' first, and check --lighthouse HOST:PORT",
+            ) from None
+        self.manager.load_state_dict(
+            {"step": trainer.state.step, "batches_committed": 0}
+        )  # a resumed checkpoint's step
         self._client = _RecordingClient(self.manager._client)
         self.manager._client = self._client
         self._members: tuple[int, ...] | None = None
@@ -179,17 +207,23 @@ class ReplicaSync:
         s = self.settings
         cause = (f"the lighthouse at {s.lighthouse} does not answer" if not _reachable(s.lighthouse)
                  else f"fewer than {s.min_replicas} replica group(s) (--ft-min-replicas) are alive")
-        return (f"replica group {s.replica}: no quorum for step {self.trainer.state.step + 1} within {s.quorum_timeout_s:g} s: "
-                f"{cause} ({type(err).__name__}: {first})")
+        return (
+            f"replica group {s.replica}: no quorum for step {self.trainer.state.step + 1} within {s.quorum_timeout_s:g} s: "
+            f"{cause} ({type(err).__name__}: {first})"
+        )
 
     def _report_quorum(self, seconds: float) -> None:
         quorum = self._client.last
         if quorum is None:
             return
         members = tuple(sorted(replica_index(rid) for rid in quorum.replica_ids))
-        if self.healed and quorum.max_step > 0:  # at step 0 every group but one takes the first one's weights (init sync)
+        if (
+            self.healed and quorum.max_step > 0
+        ):  # at step 0 every group but one takes the first one's weights (init sync)
             self.events.counts["heals"] += 1
-            self.events.write("healed", step=quorum.max_step, source=quorum.recover_src_replica_rank, heal_s=round(seconds, 3))
+            self.events.write(
+                "healed", step=quorum.max_step, source=quorum.recover_src_replica_rank, heal_s=round(seconds, 3)
+            )
         if members == self._members:
             return
         before = set(self._members or ())
@@ -208,7 +242,11 @@ class ReplicaSync:
         grads = [p.grad for p in self.trainer.model.parameters() if p.grad is not None]
         local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
         share = getattr(weights, "share", None)
-        count = float(torch.round(float(self.trainer.meshes.tokens.size()) / share.per_token).item()) if share is not None else 1.0
+        count = (
+            float(torch.round(float(self.trainer.meshes.tokens.size()) / share.per_token).item())
+            if share is not None
+            else 1.0
+        )
         loss = float(loss_sum.item()) if loss_sum is not None else 0.0
         meta = torch.tensor([count * loss, count], dtype=torch.float64)
         works, buckets = [self.manager.allreduce(meta, reduce_op=dist.ReduceOp.SUM)], []
@@ -226,8 +264,10 @@ class ReplicaSync:
             why = str(err.original_exception if err is not None else "").strip().splitlines()
             why = why[0][:200] if why else f"fewer than {self.settings.min_replicas} live group(s)"
             if self.is_reporter:
-                log.info(f"ft: replica group {self.settings.replica}: step {self.trainer.state.step + 1} discarded ({why}); "
-                         "running it again on the same batch with the next quorum")
+                log.info(
+                    f"ft: replica group {self.settings.replica}: step {self.trainer.state.step + 1} discarded ({why}); "
+                    "running it again on the same batch with the next quorum"
+                )
             self.events.write("discarded", step=self.trainer.state.step + 1, error=why)
             return False
         total = float(meta[1])
@@ -262,7 +302,9 @@ class FaultTolerantStep:
         self.reload_data = False
         dog = watchdog.current()
         while True:
-            with dog.pause() if dog is not None else contextlib.nullcontext():  # torchft's own timeouts bound the quorum
+            with (
+                dog.pause() if dog is not None else contextlib.nullcontext()
+            ):  # torchft's own timeouts bound the quorum
                 if self.sync.begin():
                     micro_batches = next(chunks(self.loader, self.k))  # the healed position's batch
                     self.reload_data = True
@@ -280,8 +322,10 @@ class _CloseAtFitEnd(Callback):
     def on_fit_end(self, trainer: Any) -> None:
         counts = self.sync.events.counts
         if self.sync.is_reporter:
-            log.info(f"ft: replica group {self.sync.settings.replica}: {int(counts['discarded_steps'])} step(s) discarded, "
-                     f"{int(counts['heals'])} heal(s), {int(counts['samples_skipped'])} sample(s) of lost groups skipped")
+            log.info(
+                f"ft: replica group {self.sync.settings.replica}: {int(counts['discarded_steps'])} step(s) discarded, "
+                f"{int(counts['heals'])} heal(s), {int(counts['samples_skipped'])} sample(s) of lost groups skipped"
+            )
         self.sync.events.write("end", step=trainer.state.step, **counts)
         self.sync.close()
 

@@ -51,8 +51,17 @@ def _agreed_steps(pm: ParallelModel, n_local: int, device: torch.device) -> int:
 
 
 @torch.no_grad()
-def run_batches(pm: ParallelModel, loader: DataLoader, *, shard: Callable[[Any], Any], forward: Callable[[Any], Any],
-                collect: Callable[[Any], None], precision: str, device: torch.device, non_blocking: bool = False) -> None:
+def run_batches(
+    pm: ParallelModel,
+    loader: DataLoader,
+    *,
+    shard: Callable[[Any], Any],
+    forward: Callable[[Any], Any],
+    collect: Callable[[Any], None],
+    precision: str,
+    device: torch.device,
+    non_blocking: bool = False,
+) -> None:
     """``forward(shard(batch))`` on every batch behind ``loader`` (and the extra lockstep forwards),
     ``collect`` on the real ones (see the module doc); the module's train/eval mode is restored after."""
     module = forward_module(pm)

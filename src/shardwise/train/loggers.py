@@ -99,7 +99,9 @@ class TensorBoardLogger:
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         if not tensorboard_available():
-            raise ShardwiseError("TensorBoardLogger needs the tensorboard package", hint="pip install tensorboard, or use CSVLogger")
+            raise ShardwiseError(
+                "TensorBoardLogger needs the tensorboard package", hint="pip install tensorboard, or use CSVLogger"
+            )
         self.log_dir = os.path.join(os.fspath(run_dir), "tensorboard")
         self.writer: Any = None
 

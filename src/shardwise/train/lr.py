@@ -26,7 +26,10 @@ from shardwise.errors import ConfigError
 def scale_lr(base_lr: float, dp_size: int, *, rule: str = "linear", base_dp_size: int = 1) -> float:
     """``base_lr`` tuned for ``base_dp_size`` replicas, scaled to ``dp_size`` by ``rule``."""
     if dp_size < 1 or base_dp_size < 1:
-        raise ConfigError(f"scale_lr needs positive sizes, got dp_size={dp_size}, base_dp_size={base_dp_size}", hint="pass the data-parallel size")
+        raise ConfigError(
+            f"scale_lr needs positive sizes, got dp_size={dp_size}, base_dp_size={base_dp_size}",
+            hint="pass the data-parallel size",
+        )
     ratio = dp_size / base_dp_size
     if rule == "linear":
         return base_lr * ratio
@@ -37,7 +40,9 @@ def scale_lr(base_lr: float, dp_size: int, *, rule: str = "linear", base_dp_size
     raise ConfigError(f"scale_lr rule={rule!r} is unknown", hint="use 'linear', 'sqrt' or 'none'")
 
 
-def warmup_cosine_factor(step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0, warmup_start_factor: float = 0.0) -> float:
+def warmup_cosine_factor(
+    step: int, *, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0, warmup_start_factor: float = 0.0
+) -> float:
     """The multiplier of the base learning rate at ``step`` (see the module doc)."""
     if warmup_steps > 0 and step < warmup_steps:
         return warmup_start_factor + (1.0 - warmup_start_factor) * step / warmup_steps
@@ -74,7 +79,11 @@ def warmup_cosine(
         return LambdaLR(
             optimizer,
             lambda step: warmup_cosine_factor(
-                step, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio, warmup_start_factor=warmup_start_factor
+                step,
+                warmup_steps=warmup_steps,
+                total_steps=total_steps,
+                min_lr_ratio=min_lr_ratio,
+                warmup_start_factor=warmup_start_factor,
             ),
         )
 

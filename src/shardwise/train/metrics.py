@@ -41,12 +41,19 @@ def resolve_metrics(metrics: MetricsArg) -> dict[str, MetricFn]:
     """``["accuracy"]`` or ``{"acc": fn}`` -> ``{name: fn}``; unknown names raise with the valid ones."""
     if metrics is None:
         return {}
-    items = metrics.items() if isinstance(metrics, Mapping) else [(m if isinstance(m, str) else m.__name__, m) for m in metrics]
+    items = (
+        metrics.items()
+        if isinstance(metrics, Mapping)
+        else [(m if isinstance(m, str) else m.__name__, m) for m in metrics]
+    )
     out: dict[str, MetricFn] = {}
     for name, fn in items:
         if isinstance(fn, str):
             if fn not in BUILTIN:
-                raise ConfigError(f"unknown metric {fn!r}", hint=f"use one of {', '.join(BUILTIN)} or pass a function (outputs, targets) -> (sum, count)")
+                raise ConfigError(
+                    f"unknown metric {fn!r}",
+                    hint=f"use one of {', '.join(BUILTIN)} or pass a function (outputs, targets) -> (sum, count)",
+                )
             fn = BUILTIN[fn]
         out[name] = fn
     return out
@@ -108,7 +115,9 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device).upper()
-    key = "bf16" if precision in ("bf16", "fp16", "fp8") else "fp32"  # fp8: MFU against the bf16 peak (torchtitan's convention)
+    key = (
+        "bf16" if precision in ("bf16", "fp16", "fp8") else "fp32"
+    )  # fp8: MFU against the bf16 peak (torchtitan's convention)
     for (gpu, prec), value in PEAK_FLOPS.items():
         if gpu in name and prec == key:
             return value
@@ -118,7 +127,12 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 
 
 def throughput(
-    *, samples: int, seconds: float, tokens_per_sample: int | None, flops_per_sample: float | None, peak_flops_total: float | None
+    *,
+    samples: int,
+    seconds: float,
+    tokens_per_sample: int | None,
+    flops_per_sample: float | None,
+    peak_flops_total: float | None,
 ) -> dict[str, float]:
     """samples/s, tokens/s and MFU (each only when its inputs are known)."""
     out: dict[str, float] = {}

@@ -75,8 +75,13 @@ class DataOptions:
 
     def loader(self) -> LoaderOptions:
         """The DataLoader's share of these options."""
-        return LoaderOptions(num_workers=self.num_workers, pin_memory=self.pin_memory, persistent_workers=self.persistent_workers,
-                             collate_fn=self.collate_fn, worker_start_method=self.worker_start_method)
+        return LoaderOptions(
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+            collate_fn=self.collate_fn,
+            worker_start_method=self.worker_start_method,
+        )
 
 
 @dataclass(frozen=True)
@@ -103,7 +108,9 @@ class ParallelOptions:
     fsdp: FSDPOptions | None = None  # reshard_after_forward, reduce_dtype for zero plans
     pipeline: PipelineOptions | None = None  # where pp plans cut the model
     cluster: ClusterSpec | str | None = None  # plan="auto": a ClusterSpec, a preset or a spec file; None: this machine
-    certify: bool | CertifyOptions | None = None  # plan="auto": prove the choice by parity; None: for runs of 1000+ steps
+    certify: bool | CertifyOptions | None = (
+        None  # plan="auto": prove the choice by parity; None: for runs of 1000+ steps
+    )
 
 
 @dataclass(frozen=True)
@@ -127,15 +134,42 @@ SECTIONS: dict[str, type] = {"train": TrainOptions, "data": DataOptions, "precis
 
 # Every earlier flat keyword of the Trainer -> the field it now is ("section.field[.field]").
 OLD_KEYWORDS: dict[str, str] = {
-    **{name: f"train.{name}" for name in ("grad_accum_steps", "clip_grad_norm", "lr_scheduler", "scale_lr", "seed", "max_steps",
-                                          "max_epochs", "eval_every", "eval_batch_size", "loss_reduction", "ignore_index")},
-    **{name: f"data.{name}" for name in ("num_workers", "pin_memory", "persistent_workers", "worker_start_method", "collate_fn",
-                                         "shuffle")},
+    **{
+        name: f"train.{name}"
+        for name in (
+            "grad_accum_steps",
+            "clip_grad_norm",
+            "lr_scheduler",
+            "scale_lr",
+            "seed",
+            "max_steps",
+            "max_epochs",
+            "eval_every",
+            "eval_batch_size",
+            "loss_reduction",
+            "ignore_index",
+        )
+    },
+    **{
+        name: f"data.{name}"
+        for name in ("num_workers", "pin_memory", "persistent_workers", "worker_start_method", "collate_fn", "shuffle")
+    },
     **{name: f"precision.{name}" for name in ("fp8", "loss_scaler")},
     **{name: f"parallel.{name}" for name in ("ddp", "tp", "fsdp", "pipeline", "cluster", "certify")},
     "sync_batchnorm": "parallel.ddp.sync_batchnorm",
-    **{name: f"logging.{name}" for name in ("loggers", "log_every", "metrics", "run_dir", "progress_bar", "flops_per_sample",
-                                            "tokens_per_sample", "peak_flops_per_device")},
+    **{
+        name: f"logging.{name}"
+        for name in (
+            "loggers",
+            "log_every",
+            "metrics",
+            "run_dir",
+            "progress_bar",
+            "flops_per_sample",
+            "tokens_per_sample",
+            "peak_flops_per_device",
+        )
+    },
 }
 
 
@@ -145,7 +179,9 @@ def check_section(name: str, value: Any, cls: type) -> Any:
         return None if cls is str else cls()
     if not isinstance(value, cls):
         example = f"{name}='bf16'" if cls is str else f"{name}={cls.__name__}(...)"
-        raise ConfigError(f"Trainer({name}={value!r}) is not a {cls.__name__}", hint=f"pass {example} (shardwise.train.options)")
+        raise ConfigError(
+            f"Trainer({name}={value!r}) is not a {cls.__name__}", hint=f"pass {example} (shardwise.train.options)"
+        )
     return value
 
 
@@ -166,14 +202,19 @@ def accepts_old_keywords(init: Callable[..., None]) -> Callable[..., None]:
 def sections_with(given: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
     """The sections of ``given`` (the new keywords) with the ``old`` keywords' values set in them."""
     out: dict[str, Any] = {}
-    for name, value in sorted(old.items(), key=lambda item: OLD_KEYWORDS[item[0]].count(".")):  # ddp= before sync_batchnorm=
+    for name, value in sorted(
+        old.items(), key=lambda item: OLD_KEYWORDS[item[0]].count(".")
+    ):  # ddp= before sync_batchnorm=
         section, *path = OLD_KEYWORDS[name].split(".")
         cls = SECTIONS[section]
         current = out.get(section, given.get(section))
         current = PrecisionOptions.of(current) if cls is PrecisionOptions else check_section(section, current, cls)
         out[section] = _set(current, path, value, old=name)
-        warnings.warn(f"Trainer({name}=...) is deprecated: use {section}={_spelling(current, path, value)}", DeprecationWarning,
-                      stacklevel=3)  # the caller's Trainer(...) line (above this function and the wrapper)
+        warnings.warn(
+            f"Trainer({name}=...) is deprecated: use {section}={_spelling(current, path, value)}",
+            DeprecationWarning,
+            stacklevel=3,
+        )  # the caller's Trainer(...) line (above this function and the wrapper)
     return out
 
 
@@ -184,8 +225,10 @@ def _set(options: Any, path: list[str], value: Any, *, old: str) -> Any:
         return replace(options, **{name: _set(getattr(options, name), path[1:], value, old=old)})
     current, default = getattr(options, name), _default(type(options), name)
     if current is not default and current != default:
-        raise ConfigError(f"Trainer got {old}={_short(value)} and {type(options).__name__}({name}={_short(current)}) both",
-                          hint=f"pass {name} once, in {type(options).__name__}")
+        raise ConfigError(
+            f"Trainer got {old}={_short(value)} and {type(options).__name__}({name}={_short(current)}) both",
+            hint=f"pass {name} once, in {type(options).__name__}",
+        )
     return replace(options, **{name: value})
 
 

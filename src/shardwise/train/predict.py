@@ -57,7 +57,9 @@ def output_tensor(output: Any) -> torch.Tensor:
     if not isinstance(output, torch.Tensor):
         logits = getattr(output, "logits", None)
         if not isinstance(logits, torch.Tensor):
-            raise ConfigError(f"predict needs the model to return a tensor (or a ModelOutput with .logits), got {type(output).__name__}")
+            raise ConfigError(
+                f"predict needs the model to return a tensor (or a ModelOutput with .logits), got {type(output).__name__}"
+            )
         output = logits
     if isinstance(output, DTensor):
         output = output.full_tensor()
@@ -104,8 +106,16 @@ def predict(pm: ParallelModel, loader: DataLoader, *, dp_rank: int, dp_size: int
         if holder:
             batches.append(tensor.cpu())
 
-    run_batches(pm, loader, shard=lambda batch: pm.shard_batch(batch_inputs(batch), None), forward=forward, collect=collect,
-                precision=precision, device=device, non_blocking=non_blocking)
+    run_batches(
+        pm,
+        loader,
+        shard=lambda batch: pm.shard_batch(batch_inputs(batch), None),
+        forward=forward,
+        collect=collect,
+        precision=precision,
+        device=device,
+        non_blocking=non_blocking,
+    )
     indices = list(range(dp_rank, len(loader.dataset), dp_size))  # type: ignore[arg-type]
     if output_dir is not None:
         if holder:

@@ -62,9 +62,18 @@ class Prepared(tuple):
     """Unpacks as ``model, optimizer, loader``; ``.parallel`` (the ParallelModel), ``.meshes`` and
     ``.env`` are there for inspection."""
 
-    def __new__(cls, model: nn.Module, optimizer: torch.optim.Optimizer, loader: DistributedLoader, *, parallel: ParallelModel, meshes: Meshes,
-                env: RuntimeEnv, reduction: LossReduction = LossReduction(),
-                loss_fn: Callable[[Any, Any], torch.Tensor] | None = None) -> Prepared:
+    def __new__(
+        cls,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: DistributedLoader,
+        *,
+        parallel: ParallelModel,
+        meshes: Meshes,
+        env: RuntimeEnv,
+        reduction: LossReduction = LossReduction(),
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> Prepared:
         self = super().__new__(cls, (model, optimizer, loader))
         self.parallel, self.meshes, self.env, self.reduction = parallel, meshes, env, reduction
         self.loss_fn = parallel.loss_for(loss_fn) if loss_fn is not None else None  # the loss as the plan runs it
@@ -90,8 +99,9 @@ class Prepared(tuple):
         if loss_fn is None and self.loss_fn is None:
             raise ConfigError("forward_backward needs a loss function", hint="pass loss_fn= here or to prepare()")
         loss = self.parallel.loss_for(loss_fn) if loss_fn is not None else self.loss_fn
-        return self.parallel.forward_backward([MicroBatch(x, y) for x, y in micro_batches], loss_fn=loss, reduction=self.reduction,
-                                              device=self.env.device).loss
+        return self.parallel.forward_backward(
+            [MicroBatch(x, y) for x, y in micro_batches], loss_fn=loss, reduction=self.reduction, device=self.env.device
+        ).loss
 
     @property
     def model(self) -> nn.Module:
@@ -152,11 +162,21 @@ def prepare(
     # the sample shape from the dataset (no loss function here, so nothing to certify with).
     def check(resolved: Plan, device_type: str) -> None:  # before any mesh or wrapping
         if resolved.chunked_loss and loss_fn is None:
-            raise ConfigError("plan chunked_loss with prepare() needs loss_fn=: the model returns its LM head's input while training",
-                              hint="prepare(..., loss_fn=your_loss) and call prepared.loss_fn(model(x), y), which applies the head")
+            raise ConfigError(
+                "plan chunked_loss with prepare() needs loss_fn=: the model returns its LM head's input while training",
+                hint="prepare(..., loss_fn=your_loss) and call prepared.loss_fn(model(x), y), which applies the head",
+            )
 
-    built = build(model, optimizer_factory, plan=plan, global_batch_size=batch_size * runtime.init().world_size, seed=seed, ddp=ddp,
-                  data=AutoData(dataset, options.collate_fn), check=check)
+    built = build(
+        model,
+        optimizer_factory,
+        plan=plan,
+        global_batch_size=batch_size * runtime.init().world_size,
+        seed=seed,
+        ddp=ddp,
+        data=AutoData(dataset, options.collate_fn),
+        check=check,
+    )
     pm, meshes, env = built.model, built.meshes, built.env
     dp_rank, dp_size = built.dp_rank, built.dp_size
     optimizer = built.optimizer

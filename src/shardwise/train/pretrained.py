@@ -24,8 +24,14 @@ from shardwise.parallel.parallelize import ParallelModel
 from shardwise.runtime import env as runtime
 
 
-def from_pretrained(path: str, *, plan: Plan | str = "dp", loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
-                    precision: str | None = None, **options: Any) -> ParallelModel:
+def from_pretrained(
+    path: str,
+    *,
+    plan: Plan | str = "dp",
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+    precision: str | None = None,
+    **options: Any,
+) -> ParallelModel:
     """Load the model in ``path`` under ``plan`` on this world (``shardwise.init()`` if needed).
 
     ``loss_fn`` is needed with pipeline parallelism (it runs on the last stage); ``options`` are

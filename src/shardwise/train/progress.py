@@ -41,7 +41,9 @@ def duration(seconds: float) -> str:
 
 
 def _values(metrics: dict[str, Any], keys: tuple[str, ...]) -> str:
-    return "  ".join(f"{k} {metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k} {metrics[k]}" for k in keys if k in metrics)
+    return "  ".join(
+        f"{k} {metrics[k]:.4g}" if isinstance(metrics[k], float) else f"{k} {metrics[k]}" for k in keys if k in metrics
+    )
 
 
 def is_terminal(stream: Any) -> bool:
@@ -62,7 +64,9 @@ class ProgressBar(Callback):
         if not every_s > 0:
             from shardwise.errors import ConfigError
 
-            raise ConfigError(f"ProgressBar(every_s={every_s!r}) must be a positive number of seconds", hint="for example every_s=30")
+            raise ConfigError(
+                f"ProgressBar(every_s={every_s!r}) must be a positive number of seconds", hint="for example every_s=30"
+            )
         self.leave, self.every_s, self._stream, self._force = leave, every_s, stream, bar
         self.bar: Any = None
         self.lines = False  # writing plain lines (not a terminal)
@@ -82,8 +86,15 @@ class ProgressBar(Callback):
         if self._force if self._force is not None else is_terminal(self.stream):
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=trainer.total_steps, initial=trainer.step, desc="train", unit="step", leave=self.leave,
-                            file=self.stream, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=trainer.total_steps,
+                initial=trainer.step,
+                desc="train",
+                unit="step",
+                leave=self.leave,
+                file=self.stream,
+                dynamic_ncols=True,
+            )
         else:
             self.lines = True
 
@@ -114,7 +125,9 @@ class ProgressBar(Callback):
 
     def line(self, *, step: int, total: int | None, elapsed: float, done: int) -> str:
         """The progress line (module doc) for ``step`` of ``total``, ``done`` steps in ``elapsed`` s of this fit."""
-        parts = [f"train {time.strftime('%H:%M:%S')} step {step}" + (f"/{total} ({100 * step // total}%)" if total else "")]
+        parts = [
+            f"train {time.strftime('%H:%M:%S')} step {step}" + (f"/{total} ({100 * step // total}%)" if total else "")
+        ]
         m = self._last
         if "loss" in m:
             parts.append(f"loss {m['loss']:.4f}")

@@ -116,7 +116,11 @@ def checkpointed_parts(model: Any, optimizer: torch.optim.Optimizer, state: Trai
     (sharded as trained), the train state, and where present the LoRA base reference (adapters
     only: the frozen base is referenced by path and hash, see checkpoint/adapters.py), the
     learning-rate scheduler and the fp16 loss scaler."""
-    parts: dict[str, Any] = {"model": ModelState(model.module), "optimizer": OptimizerState(model.module, optimizer), "train_state": state}
+    parts: dict[str, Any] = {
+        "model": ModelState(model.module),
+        "optimizer": OptimizerState(model.module, optimizer),
+        "train_state": state,
+    }
     if lora is not None:
         parts["lora_base"] = BaseReference(model.module, path=lora[0], lora=lora[1] or model.lora_config or {})
     if scheduler is not None:

@@ -93,8 +93,15 @@ class OptimizerStep:
         pm, device = self.model, self.device
         scale = self.scaler.scale if self.scaler is not None else 1.0
         batches = [self._micro_batch(batch) for batch in micro_batches]
-        result = pm.forward_backward(batches, loss_fn=self.loss_fn, reduction=self.reduction, device=device, loss_scale=scale,
-                                     precision=self.precision, load=self._load)
+        result = pm.forward_backward(
+            batches,
+            loss_fn=self.loss_fn,
+            reduction=self.reduction,
+            device=device,
+            loss_scale=scale,
+            precision=self.precision,
+            load=self._load,
+        )
         loss_sum = result.loss
         self.after_backward()
         if self.replicas is not None and not self.replicas(loss_sum, result.weights):
@@ -107,8 +114,12 @@ class OptimizerStep:
             if self.scaler is not None:
                 take_step = self.scaler.unscale_(params)
             if self.clip_grad_norm is not None and take_step:
-                metrics["grad_norm"] = clip_grad_norm_(params, self.clip_grad_norm, pp_group=self.pp_group,  # a tensor: no sync yet
-                                                       skip=pm.tied_copies())
+                metrics["grad_norm"] = clip_grad_norm_(
+                    params,
+                    self.clip_grad_norm,
+                    pp_group=self.pp_group,  # a tensor: no sync yet
+                    skip=pm.tied_copies(),
+                )
         if take_step:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

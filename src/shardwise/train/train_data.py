@@ -42,9 +42,16 @@ def open_train_data(data: Dataset, *, options: LoaderOptions, dp_rank: int, dp_s
                     global_batch_size: int, seed: int, shuffle: bool) -> tuple[Any, Any]:
     """``(loader, position)`` for this rank's share of ``data`` (module doc)."""
     if isinstance(data, PackedStream):  # read in order through torchdata's StatefulDataLoader
-        stream = StreamLoader(data, dp_rank=dp_rank, dp_size=dp_size, micro_batch_size=micro_batch_size,
-                              global_batch_size=global_batch_size, num_workers=options.num_workers, collate_fn=options.collate_fn,
-                              multiprocessing_context=options.worker_start_method)
+        stream = StreamLoader(
+            data,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            num_workers=options.num_workers,
+            collate_fn=options.collate_fn,
+            multiprocessing_context=options.worker_start_method,
+        )
         return stream, stream.position
     loader = train_loader(data, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, dp_rank=dp_rank,
                           dp_size=dp_size, seed=seed, shuffle=shuffle, options=options)

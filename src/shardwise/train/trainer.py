@@ -51,8 +51,15 @@ from shardwise.train.attachments import default_loggers, open_run_files, ordered
 from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.loggers import Logger
 from shardwise.train.metrics import peak_flops, resolve_metrics
-from shardwise.train.options import (DataOptions, LoggingOptions, ParallelOptions, PrecisionOptions, TrainOptions, accepts_old_keywords,
-                                     check_section)
+from shardwise.train.options import (
+    DataOptions,
+    LoggingOptions,
+    ParallelOptions,
+    PrecisionOptions,
+    TrainOptions,
+    accepts_old_keywords,
+    check_section,
+)
 from shardwise.train.precision import LossScaler, autocast_precision, check_precision
 from shardwise.train.result import FitResult, stop_of
 from shardwise.train.step import OptimizerStep
@@ -65,8 +72,23 @@ from shardwise.auto.certify import CertifyOptions
 log = get_logger("train")
 
 # What exists only once the plan is chosen (plan="auto": when fit or setup sees the data).
-_DEFERRED = frozenset({"plan", "auto_choice", "meshes", "model", "optimizer", "dp_rank", "dp_size", "precision", "micro_batch_size",
-                       "eval_batch_size", "peak_flops_total", "lr_scheduler", "scaler"})
+_DEFERRED = frozenset(
+    {
+        "plan",
+        "auto_choice",
+        "meshes",
+        "model",
+        "optimizer",
+        "dp_rank",
+        "dp_size",
+        "precision",
+        "micro_batch_size",
+        "eval_batch_size",
+        "peak_flops_total",
+        "lr_scheduler",
+        "scaler",
+    }
+)
 
 
 class Trainer:
@@ -115,30 +137,60 @@ class Trainer:
         checkpoint: Any = None,
     ) -> None:
         train, data = check_section("train", train, TrainOptions), check_section("data", data, DataOptions)
-        parallel, logging = check_section("parallel", parallel, ParallelOptions), check_section("logging", logging, LoggingOptions)
+        parallel, logging = (
+            check_section("parallel", parallel, ParallelOptions),
+            check_section("logging", logging, LoggingOptions),
+        )
         precision = PrecisionOptions.of(precision)
-        check_counts(global_batch_size=global_batch_size, grad_accum_steps=train.grad_accum_steps, log_every=logging.log_every,
-                     max_steps=train.max_steps, max_epochs=train.max_epochs, eval_every=train.eval_every,
-                     eval_batch_size=train.eval_batch_size, clip_grad_norm=train.clip_grad_norm,
-                     tokens_per_sample=logging.tokens_per_sample)
+        check_counts(
+            global_batch_size=global_batch_size,
+            grad_accum_steps=train.grad_accum_steps,
+            log_every=logging.log_every,
+            max_steps=train.max_steps,
+            max_epochs=train.max_epochs,
+            eval_every=train.eval_every,
+            eval_batch_size=train.eval_batch_size,
+            clip_grad_norm=train.clip_grad_norm,
+            tokens_per_sample=logging.tokens_per_sample,
+        )
         if not callable(loss_fn):
-            raise ConfigError(f"loss_fn={loss_fn!r} is not callable", hint="pass a function (outputs, targets) -> scalar loss")
+            raise ConfigError(
+                f"loss_fn={loss_fn!r} is not callable", hint="pass a function (outputs, targets) -> scalar loss"
+            )
         self.loss_fn = scalar_loss(loss_fn)
         self.loss_reduction, self.ignore_index = check_loss_reduction(train.loss_reduction), train.ignore_index
         self.global_batch_size, self.grad_accum_steps = global_batch_size, train.grad_accum_steps
 
         def check(plan: Plan, device_type: str) -> None:  # before any mesh or wrapping
-            check_batch_split(global_batch_size, plan.dp_size * self.env.replicas, train.grad_accum_steps)  # replicas: train/ft.py
+            check_batch_split(
+                global_batch_size, plan.dp_size * self.env.replicas, train.grad_accum_steps
+            )  # replicas: train/ft.py
             check_precision(plan.precision, device_type)
 
         # The shared build step (train/build.py): init, plan (rank 0 plans "auto"), mesh, seeds,
         # parallelize, optimizer. Pipelines split each micro-batch again, so an automatic choice
         # considers them only without gradient accumulation.
-        self._build = partial(build, model, optimizer, plan=plan, global_batch_size=global_batch_size, seed=train.seed,
-                              precision=precision.compute, pipelines_allowed=train.grad_accum_steps == 1,
-                              cluster=parallel.cluster, tokens_per_sample=logging.tokens_per_sample, ddp=parallel.ddp,
-                              tp=parallel.tp, fsdp=parallel.fsdp, pipeline=parallel.pipeline, loss_fn=self.loss_fn, check=check,
-                              loss_reduction=train.loss_reduction, ignore_index=train.ignore_index, fp8=precision.fp8)
+        self._build = partial(
+            build,
+            model,
+            optimizer,
+            plan=plan,
+            global_batch_size=global_batch_size,
+            seed=train.seed,
+            precision=precision.compute,
+            pipelines_allowed=train.grad_accum_steps == 1,
+            cluster=parallel.cluster,
+            tokens_per_sample=logging.tokens_per_sample,
+            ddp=parallel.ddp,
+            tp=parallel.tp,
+            fsdp=parallel.fsdp,
+            pipeline=parallel.pipeline,
+            loss_fn=self.loss_fn,
+            check=check,
+            loss_reduction=train.loss_reduction,
+            ignore_index=train.ignore_index,
+            fp8=precision.fp8,
+        )
         self._fp8 = precision.fp8
         self.certify = CertifyOptions.of(parallel.certify)
         self.clip_grad_norm, self.seed = train.clip_grad_norm, train.seed
@@ -166,9 +218,14 @@ class Trainer:
 
         # checkpoint: a directory, a CheckpointManager or a CheckpointCallback (shardwise.checkpoint)
         self.checkpoint = checkpoint_callback(checkpoint)
-        self.callbacks: list[Callback] = ordered_callbacks(callbacks, progress_bar=logging.progress_bar,
-                                                           is_main=self.env.is_main, checkpoint=self.checkpoint,
-                                                           elastic=self.env.settings.elastic is not None, requested_plan=str(plan))
+        self.callbacks: list[Callback] = ordered_callbacks(
+            callbacks,
+            progress_bar=logging.progress_bar,
+            is_main=self.env.is_main,
+            checkpoint=self.checkpoint,
+            elastic=self.env.settings.elastic is not None,
+            requested_plan=str(plan),
+        )
         self.loggers: list[Logger] = default_loggers(logging.loggers, run_dir=self.run_dir, is_main=self.env.is_main)
 
     def _apply(self, built: Built) -> None:
@@ -181,7 +238,9 @@ class Trainer:
         self.precision = self.plan.precision
         # fp8: the unconverted ops run in the FP8 options' high precision; params16: no autocast
         self._autocast = autocast_precision(compute_precision(self.precision, self._fp8), params16=self.plan.params16)
-        scale_learning_rates(self.optimizer, self.dp_size * self.env.replicas, rule=self._scale_lr)  # replica groups: train/ft.py
+        scale_learning_rates(
+            self.optimizer, self.dp_size * self.env.replicas, rule=self._scale_lr
+        )  # replica groups: train/ft.py
         self.micro_batch_size = self.global_batch_size // (self.dp_size * self.env.replicas * self.grad_accum_steps)
         self.eval_batch_size = self._eval_batch_size or self.micro_batch_size
         peak = self._peak_flops_per_device or peak_flops(self.env.device, self.precision)
@@ -219,7 +278,9 @@ class Trainer:
 
     def stateful_components(self) -> dict[str, Any]:
         """Everything a checkpoint saves, each with ``state_dict`` / ``load_state_dict``."""
-        return checkpointed_parts(self.model, self.optimizer, self.state, lora=self._lora, scheduler=self.lr_scheduler, scaler=self.scaler)
+        return checkpointed_parts(
+            self.model, self.optimizer, self.state, lora=self._lora, scheduler=self.lr_scheduler, scaler=self.scaler
+        )
 
     def total_steps_for(self, train_data: Dataset) -> int:
         """The optimizer steps ``fit(train_data)`` will run: ``max_steps``, else ``max_epochs``
@@ -236,12 +297,24 @@ class Trainer:
     def _optimizer_step(self, reduction: LossReduction) -> OptimizerStep:
         """The step ``fit`` calls once per global batch (:mod:`shardwise.train.step`)."""
         return OptimizerStep(
-            model=self.model, optimizer=self.optimizer, loss_fn=self.model.loss_for(self.loss_fn), precision=self._autocast,
-            device=self.env.device, non_blocking=self.loader_options.pin_memory, clip_grad_norm=self.clip_grad_norm,
-            pp_group=self.meshes.pp.get_group() if self.plan.pp_enabled else None, scaler=self.scaler, lr_scheduler=self.lr_scheduler,
-            window=self._window, after_backward=partial(self._call, "on_after_backward"), reduction=reduction)
+            model=self.model,
+            optimizer=self.optimizer,
+            loss_fn=self.model.loss_for(self.loss_fn),
+            precision=self._autocast,
+            device=self.env.device,
+            non_blocking=self.loader_options.pin_memory,
+            clip_grad_norm=self.clip_grad_norm,
+            pp_group=self.meshes.pp.get_group() if self.plan.pp_enabled else None,
+            scaler=self.scaler,
+            lr_scheduler=self.lr_scheduler,
+            window=self._window,
+            after_backward=partial(self._call, "on_after_backward"),
+            reduction=reduction,
+        )
 
-    def fit(self, train_data: Dataset, val_data: Dataset | None = None, *, resume: str | int | None = None) -> FitResult:
+    def fit(
+        self, train_data: Dataset, val_data: Dataset | None = None, *, resume: str | int | None = None
+    ) -> FitResult:
         """Train until ``max_steps`` / ``max_epochs`` (default: one epoch) or a callback stops it.
 
         ``resume="auto"`` restores the newest complete checkpoint of ``Trainer(checkpoint=...)`` if
@@ -249,13 +322,22 @@ class Trainer:
         """
         if resume is not None:
             if self.checkpoint is None:
-                raise ConfigError(f"fit(resume={resume!r}) needs a checkpoint location", hint="pass Trainer(checkpoint='runs/x/checkpoints')")
+                raise ConfigError(
+                    f"fit(resume={resume!r}) needs a checkpoint location",
+                    hint="pass Trainer(checkpoint='runs/x/checkpoints')",
+                )
             self.checkpoint.resume = resume
         self.setup(train_data)  # plan="auto": chosen (and certified) for this data
-        loader, sampler = open_train_data(train_data, options=self.loader_options, dp_rank=self.env.replica * self.dp_size + self.dp_rank,
-                                          dp_size=self.env.replicas * self.dp_size,
-                                          micro_batch_size=self.micro_batch_size, global_batch_size=self.global_batch_size,
-                                          seed=self.seed, shuffle=self.shuffle)
+        loader, sampler = open_train_data(
+            train_data,
+            options=self.loader_options,
+            dp_rank=self.env.replica * self.dp_size + self.dp_rank,
+            dp_size=self.env.replicas * self.dp_size,
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+            seed=self.seed,
+            shuffle=self.shuffle,
+        )
         self.state.sampler = sampler  # the data position, saved with the train state
         if self.max_steps is None and self.max_epochs is None:
             self.max_epochs = 1
@@ -273,8 +355,14 @@ class Trainer:
         start = time.perf_counter()
         # The loss is averaged over every rank that holds different tokens (dp x cp).
         tokens = self.meshes.tokens
-        self._window = LogWindow(tokens.get_group() if tokens.size() > 1 else None, tokens.size(), self.global_batch_size,
-                                 self.tokens_per_sample, self.flops_per_sample, self.peak_flops_total)
+        self._window = LogWindow(
+            tokens.get_group() if tokens.size() > 1 else None,
+            tokens.size(),
+            self.global_batch_size,
+            self.tokens_per_sample,
+            self.flops_per_sample,
+            self.peak_flops_total,
+        )
         last_eval_step, val_metrics, train_loss = -1, {}, None
         reduction = LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index)
         if self.env.is_main:
@@ -300,7 +388,9 @@ class Trainer:
                     self._log(metrics)
                 if val_data is not None and self.eval_every and self.state.step % self.eval_every == 0:
                     val_metrics, last_eval_step = self._eval_during_fit(val_data), self.state.step
-                if self._finished() or getattr(train_step, "reload_data", False):  # healed: read on from the peer's position
+                if self._finished() or getattr(
+                    train_step, "reload_data", False
+                ):  # healed: read on from the peer's position
                     break
             if sampler.epoch_finished:
                 self.state.epoch += 1
@@ -317,18 +407,46 @@ class Trainer:
         for logger in self.loggers:
             logger.close()
         val_only = {k: v for k, v in val_metrics.items() if k.startswith("val_")}
-        stop = stop_of(should_stop=self.should_stop, limit_reached=self._limit_reached(), step=self.state.step, preemption=preemption)
-        return FitResult(self.state.step, self.state.epoch, train_loss, val_only, time.perf_counter() - start, list(self.history), stop)
+        stop = stop_of(
+            should_stop=self.should_stop,
+            limit_reached=self._limit_reached(),
+            step=self.state.step,
+            preemption=preemption,
+        )
+        return FitResult(
+            self.state.step,
+            self.state.epoch,
+            train_loss,
+            val_only,
+            time.perf_counter() - start,
+            list(self.history),
+            stop,
+        )
 
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self, data: Dataset) -> dict[str, float]:
         """Loss and metrics over all of ``data``, each sample counted exactly once (same on every rank)."""
-        loader = eval_loader(data, batch_size=self.eval_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size, options=self.loader_options)
-        return _evaluate.evaluate(self.model, loader, loss_fn=self.model.loss_for(self.loss_fn), metrics=self.metric_fns, precision=self._autocast,
-                                  device=self.env.device, non_blocking=self.loader_options.pin_memory,
-                                  reduction=LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index))
+        loader = eval_loader(
+            data,
+            batch_size=self.eval_batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            options=self.loader_options,
+        )
+        return _evaluate.evaluate(
+            self.model,
+            loader,
+            loss_fn=self.model.loss_for(self.loss_fn),
+            metrics=self.metric_fns,
+            precision=self._autocast,
+            device=self.env.device,
+            non_blocking=self.loader_options.pin_memory,
+            reduction=LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index),
+        )
 
-    def predict(self, data: Dataset, *, batch_size: int | None = None, output_dir: str | os.PathLike | None = None) -> Any:
+    def predict(
+        self, data: Dataset, *, batch_size: int | None = None, output_dir: str | os.PathLike | None = None
+    ) -> Any:
         """The model's outputs for every sample of ``data``, under this Trainer's plan.
 
         Every rank calls it. Returns, on rank 0, one tensor of the outputs stacked in dataset order
@@ -336,11 +454,23 @@ class Trainer:
         shard is written there instead and every rank returns None (see :mod:`shardwise.train.predict`).
         Samples may be ``(inputs, targets)`` pairs or the inputs alone.
         """
-        loader = eval_loader(data, batch_size=batch_size or self.eval_batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                             options=self.loader_options)
-        return _predict.predict(self.model, loader, dp_rank=self.dp_rank, dp_size=self.dp_size, precision=self._autocast,
-                                device=self.env.device, output_dir=os.fspath(output_dir) if output_dir is not None else None,
-                                non_blocking=self.loader_options.pin_memory)
+        loader = eval_loader(
+            data,
+            batch_size=batch_size or self.eval_batch_size,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            options=self.loader_options,
+        )
+        return _predict.predict(
+            self.model,
+            loader,
+            dp_rank=self.dp_rank,
+            dp_size=self.dp_size,
+            precision=self._autocast,
+            device=self.env.device,
+            output_dir=os.fspath(output_dir) if output_dir is not None else None,
+            non_blocking=self.loader_options.pin_memory,
+        )
 
     def _eval_during_fit(self, data: Dataset) -> dict[str, float]:
         metrics = {f"val_{k}": v for k, v in self.evaluate(data).items()}

@@ -48,7 +48,14 @@ class LogWindow:
         now = time.perf_counter()
         seconds, steps = now - self._start, self.steps
         out = {"loss": loss.item() / (self.ranks * steps), "step_time_s": seconds / steps}
-        out.update(throughput(samples=steps * self.global_batch_size, seconds=seconds, tokens_per_sample=self.tokens_per_sample,
-                              flops_per_sample=self.flops_per_sample, peak_flops_total=self.peak_flops_total))
+        out.update(
+            throughput(
+                samples=steps * self.global_batch_size,
+                seconds=seconds,
+                tokens_per_sample=self.tokens_per_sample,
+                flops_per_sample=self.flops_per_sample,
+                peak_flops_total=self.peak_flops_total,
+            )
+        )
         self._start, self.steps, self._loss = now, 0, None
         return out

@@ -80,8 +80,18 @@ from shardwise.verify.grad_norm import reference_grad_norm
 from shardwise.verify.state_bytes import memory_bytes
 from shardwise.verify.workloads import SMALL_GPT, GPTWorkload, ScriptWorkload, ragged_mask
 
-__all__ = ["SMALL_GPT", "GPTWorkload", "ParityReport", "Run", "ScriptWorkload", "Training", "parity_worker", "ragged_mask",
-           "run_parallel", "run_reference"]
+__all__ = [
+    "SMALL_GPT",
+    "GPTWorkload",
+    "ParityReport",
+    "Run",
+    "ScriptWorkload",
+    "Training",
+    "parity_worker",
+    "ragged_mask",
+    "run_parallel",
+    "run_reference",
+]
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -109,7 +119,9 @@ class ParityReport:
     @property
     def weight_diff(self) -> tuple[str, float]:
         # a NaN is the worst of all (max alone would keep whichever comes first)
-        name = max(self.weight_diffs, key=lambda n: (self.weight_diffs[n] != self.weight_diffs[n], self.weight_diffs[n]))
+        name = max(
+            self.weight_diffs, key=lambda n: (self.weight_diffs[n] != self.weight_diffs[n], self.weight_diffs[n])
+        )
         return name, self.weight_diffs[name]
 
     @property
@@ -134,7 +146,11 @@ class ParityReport:
             f"  loss       max rel diff {self.loss_diff:.2e}   (final {self.losses[-1]:.6f} vs {self.ref_losses[-1]:.6f})",
             f"  grad norm  max rel diff {self.grad_norm_diff:.2e}   (final {self.grad_norms[-1]:.6f} vs {self.ref_grad_norms[-1]:.6f})",
             f"  weights    max rel diff {wdiff:.2e}   ({name})"
-            + (f" [tolerance {self.weight_tolerance(rtol):g}: an adaptive optimizer]" if self.weight_rtol is not None else ""),
+            + (
+                f" [tolerance {self.weight_tolerance(rtol):g}: an adaptive optimizer]"
+                if self.weight_rtol is not None
+                else ""
+            ),
             f"  verdict    {'PASS' if self.passed(rtol) else 'FAIL'} at rtol {rtol:g}"
             + ("" if self.reference_moved else " (the reference did not train: zero gradients or unchanged weights)"),
         ]
@@ -175,7 +191,9 @@ def _optimizer(name: str, lr: float) -> Callable[[Any], torch.optim.Optimizer]:
         return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
     if name == "sgd":
         return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
-    raise ConfigError(f"optimizer {name!r} is unknown", hint="use adamw or sgd, or an optimizer factory (params -> optimizer)")
+    raise ConfigError(
+        f"optimizer {name!r} is unknown", hint="use adamw or sgd, or an optimizer factory (params -> optimizer)"
+    )
 
 
 @dataclass(frozen=True)
@@ -247,12 +265,16 @@ def _fp8_recipe(runs: Sequence[Run | str]) -> str | None:
     plans = [Plan.parse(run.plan if isinstance(run, Run) else run) for run in runs]
     recipes = {p.fp8_recipe if p.precision == "fp8" else None for p in plans}
     if len(recipes) > 1:
-        raise ConfigError(f"parity runs mix FP8 recipes and precisions ({', '.join(sorted(str(r) for r in recipes))}): they share one reference",
-                          hint="check plans of one FP8 recipe (or none) per call")
+        raise ConfigError(
+            f"parity runs mix FP8 recipes and precisions ({', '.join(sorted(str(r) for r in recipes))}): they share one reference",
+            hint="check plans of one FP8 recipe (or none) per call",
+        )
     return next(iter(recipes), None)
 
 
-def run_reference(workload: Any, batches: list[Any], training: Training, *, fp8_recipe: str | None = None) -> _Reference:
+def run_reference(
+    workload: Any, batches: list[Any], training: Training, *, fp8_recipe: str | None = None
+) -> _Reference:
     """The single-process run, on this rank alone (no communication); ``fp8_recipe``: its Linear
     layers converted as the parallel runs' are (module doc)."""
     model = workload.build(training.seed).to(training.device)
@@ -279,9 +301,15 @@ def run_reference(workload: Any, batches: list[Any], training: Training, *, fp8_
         aliases.setdefault(id(p), []).append(n)
     moved = max((float((p.detach() - initial[n]).abs().max() / initial[n].abs().max().clamp_min(1e-12))
                  for n, p in model.named_parameters() if n in initial and p.numel()), default=0.0)
-    return _Reference(tuple(losses), tuple(norms), {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
-                      memory, {names[0]: tuple(names) for names in aliases.values()}, moved=moved,
-                      linear=isinstance(opt, torch.optim.SGD))
+    return _Reference(
+        tuple(losses),
+        tuple(norms),
+        {n: p.detach() for n, p in model.named_parameters(remove_duplicate=False)},
+        memory,
+        {names[0]: tuple(names) for names in aliases.values()},
+        moved=moved,
+        linear=isinstance(opt, torch.optim.SGD),
+    )
 
 
 
@@ -314,13 +342,17 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     meshes = build_mesh(plan, torch.device(training.device).type)
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
     if training.global_batch % (dp_size * run.accumulation):
-        raise ConfigError(f"global batch {training.global_batch} does not split into {dp_size} ranks x {run.accumulation} micro-steps",
-                          hint=f"use a multiple of {dp_size * run.accumulation}")
+        raise ConfigError(
+            f"global batch {training.global_batch} does not split into {dp_size} ranks x {run.accumulation} micro-steps",
+            hint=f"use a multiple of {dp_size * run.accumulation}",
+        )
     options: dict[str, Any] = {"tp": TPOptions(loss_parallel=run.loss_parallel), "fp8": training.fp8}
     if plan.pp_enabled:
         options["loss_fn"] = workload.loss  # runs on the last stage, once per pipeline microbatch
     if run.meta_init:
-        pm = parallelize_on_meta(lambda: workload.build(training.seed), plan, meshes, device=training.device, seed=training.seed, **options)
+        pm = parallelize_on_meta(
+            lambda: workload.build(training.seed), plan, meshes, device=training.device, seed=training.seed, **options
+        )
     else:
         pm = parallelize(workload.build(training.seed).to(training.device), plan, meshes, **options)
     opt = build_optimizer(pm, training.optimizer_factory())
@@ -334,8 +366,9 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     for step, (x, y) in enumerate(batches):
         xs, ys = x.chunk(dp_size)[dp_rank].chunk(run.accumulation), y.chunk(dp_size)[dp_rank].chunk(run.accumulation)
         # the Trainer's own micro-step: weighed, sharded (cp), forward and backward, sync on the last
-        total = pm.forward_backward([MicroBatch(xm, ym) for xm, ym in zip(xs, ys)], loss_fn=loss_fn, reduction=reduction,
-                                    device=training.device).loss
+        total = pm.forward_backward(
+            [MicroBatch(xm, ym) for xm, ym in zip(xs, ys)], loss_fn=loss_fn, reduction=reduction, device=training.device
+        ).loss
         if after_backward is not None:
             after_backward(pm, plan)
         # the mean over every rank that holds different tokens (dp x cp)
@@ -349,9 +382,18 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
 
     diffs = _weight_diffs(pm, ref, training.weight_floor, pp_group=pp_group)
     memory.update({f"ref_{k}": v for k, v in ref.memory.items()})
-    return ParityReport(plan=run.label, losses=tuple(losses), ref_losses=ref.losses, grad_norms=tuple(norms),
-                        ref_grad_norms=ref.grad_norms, weight_diffs=diffs, memory=memory, seconds=time.perf_counter() - start,
-                        ref_moved=ref.moved, weight_rtol=None if ref.linear else ADAPTIVE_WEIGHT_RTOL)
+    return ParityReport(
+        plan=run.label,
+        losses=tuple(losses),
+        ref_losses=ref.losses,
+        grad_norms=tuple(norms),
+        ref_grad_norms=ref.grad_norms,
+        weight_diffs=diffs,
+        memory=memory,
+        seconds=time.perf_counter() - start,
+        ref_moved=ref.moved,
+        weight_rtol=None if ref.linear else ADAPTIVE_WEIGHT_RTOL,
+    )
 
 
 def _weight_diffs(pm: Any, ref: _Reference, floor: float, *, pp_group: dist.ProcessGroup | None) -> dict[str, float]:

@@ -100,7 +100,9 @@ class ScriptWorkload:
         fn = getattr(self._module(), "loss_fn", None)
         if fn is not None:
             return fn(output, target)
-        return F.cross_entropy(output.flatten(0, -2) if output.dim() > 2 else output, target.flatten(), ignore_index=IGNORE_INDEX)
+        return F.cross_entropy(
+            output.flatten(0, -2) if output.dim() > 2 else output, target.flatten(), ignore_index=IGNORE_INDEX
+        )
 
 
 @dataclass(frozen=True)

@@ -93,8 +93,13 @@ def check_pipeline(model: nn.Module, plan: Plan, *, options: PipelineOptions | N
     communication, so they surface before any process-group work."""
     if plan.pp_enabled:
         options = options or PipelineOptions()
-        stages = split_model(model, plan.pp * plan.virtual_stages, balance=options.balance, split_points=options.split_points,
-                             example_inputs=options.example_inputs)
+        stages = split_model(
+            model,
+            plan.pp * plan.virtual_stages,
+            balance=options.balance,
+            split_points=options.split_points,
+            example_inputs=options.example_inputs,
+        )
         check_ties(stage_ties(stages), pp=plan.pp)
 
 
@@ -152,7 +157,9 @@ class PipelineSchedule:
             from shardwise.parallel.pipeline.accumulation import ShardedAccumulationStage as stage_class
         else:
             stage_class = _pipelining().PipelineStage
-        self.stages = [stage_class(module, index, num_stages, self._device, group=self._group) for index, module in modules]
+        self.stages = [
+            stage_class(module, index, num_stages, self._device, group=self._group) for index, module in modules
+        ]
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         self._losses: list[torch.Tensor] = []
@@ -164,17 +171,25 @@ class PipelineSchedule:
         self._shapes_key: tuple | None = None
         m = plan.microbatches
         if plan.schedule == "gpipe":
-            self._schedule: Any = _pipelining().ScheduleGPipe(self.stages[0], m, loss_fn=self._stage_loss, scale_grads=False)
+            self._schedule: Any = _pipelining().ScheduleGPipe(
+                self.stages[0], m, loss_fn=self._stage_loss, scale_grads=False
+            )
         elif plan.schedule == "1f1b":
             self._schedule = _pipelining().Schedule1F1B(self.stages[0], m, loss_fn=self._stage_loss, scale_grads=False)
         elif plan.schedule == "interleaved_1f1b":
-            self._schedule = _pipelining().ScheduleInterleaved1F1B(self.stages, m, loss_fn=self._stage_loss, scale_grads=False)
+            self._schedule = _pipelining().ScheduleInterleaved1F1B(
+                self.stages, m, loss_fn=self._stage_loss, scale_grads=False
+            )
         else:
-            raise ConfigError(f"pipeline schedule {plan.schedule!r} is not available", hint="use gpipe, 1f1b or interleaved_1f1b")
+            raise ConfigError(
+                f"pipeline schedule {plan.schedule!r} is not available", hint="use gpipe, 1f1b or interleaved_1f1b"
+            )
 
     def _stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.loss_fn is None:
-            raise ConfigError("the pipeline has no loss function", hint="pass loss_fn= to parallelize (or set pm.pipeline.loss_fn)")
+            raise ConfigError(
+                "the pipeline has no loss function", hint="pass loss_fn= to parallelize (or set pm.pipeline.loss_fn)"
+            )
         loss = self.loss_fn(output, target)
         self._losses.append(loss.detach())
         if self._tokens is None:
@@ -183,8 +198,15 @@ class PipelineSchedule:
         self._counts.append(count)
         return loss * (self._tokens.weight(count) * self._scale)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0, tokens: TokenShare | None = None,
-             **model_kwargs: Any) -> torch.Tensor:
+    def step(
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        *,
+        loss_scale: float = 1.0,
+        tokens: TokenShare | None = None,
+        **model_kwargs: Any,
+    ) -> torch.Tensor:
         """Forward + backward of the batch through the pipeline; the mean unscaled loss on every rank.
 
         Every rank passes the same ``inputs``/``targets`` (those of its data-parallel group); only
@@ -231,21 +253,31 @@ class PipelineSchedule:
         return self.eval_outputs(inputs, targets, **model_kwargs)[0]
 
     @torch.no_grad()
-    def eval_outputs(self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def eval_outputs(
+        self, inputs: torch.Tensor, targets: torch.Tensor, **model_kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward only (as :meth:`eval_loss`): the mean loss on every rank, and the last stage's
         output (the logits) on the ranks that hold the last stage (None elsewhere)."""
         if self._eval_schedule is None:
             if len(self.stages) == 1:
-                self._eval_schedule = _pipelining().ScheduleGPipe(self.stages[0], 1, loss_fn=self._stage_loss, scale_grads=False)
+                self._eval_schedule = _pipelining().ScheduleGPipe(
+                    self.stages[0], 1, loss_fn=self._stage_loss, scale_grads=False
+                )
             else:
-                self._eval_schedule = _pipelining().ScheduleLoopedBFS(self.stages, 1, loss_fn=self._stage_loss, scale_grads=False)
+                self._eval_schedule = _pipelining().ScheduleLoopedBFS(
+                    self.stages, 1, loss_fn=self._stage_loss, scale_grads=False
+                )
         self._prepare(self._eval_schedule, inputs)
         self._losses, self._scale = [], 1.0
         args = (inputs.to(self._device),) if self.has_first else ()
         target = targets.to(self._device) if self.has_last else None
         self._tokens = None
         output = self._eval_schedule.eval(*args, target=target, **self._stage_kwargs(inputs, model_kwargs))
-        loss = _plain(self._losses[-1]).float() if self.has_last else torch.zeros((), dtype=torch.float32, device=self._device)
+        loss = (
+            _plain(self._losses[-1]).float()
+            if self.has_last
+            else torch.zeros((), dtype=torch.float32, device=self._device)
+        )
         dist.broadcast(loss, group=self._group, group_src=self.plan.pp - 1)
         return loss, (output if self.has_last else None)
 
@@ -257,7 +289,9 @@ class PipelineSchedule:
             if len(self.stages) == 1:
                 self._predict_schedule = _pipelining().ScheduleGPipe(self.stages[0], 1, loss_fn=None, scale_grads=False)
             else:
-                self._predict_schedule = _pipelining().ScheduleLoopedBFS(self.stages, 1, loss_fn=None, scale_grads=False)
+                self._predict_schedule = _pipelining().ScheduleLoopedBFS(
+                    self.stages, 1, loss_fn=None, scale_grads=False
+                )
         self._prepare(self._predict_schedule, inputs)
         args = (inputs.to(self._device),) if self.has_first else ()
         output = self._predict_schedule.eval(*args, **self._stage_kwargs(inputs, model_kwargs))
@@ -287,7 +321,12 @@ class PipelineSchedule:
         """
         key = (id(schedule), tuple(inputs.shape), torch.is_grad_enabled())
         if key != self._shapes_key:
-            for flag in ("_stage_forward_initialized", "_stage_backward_initialized", "_stages_forward_initialized", "_stages_backward_initialized"):
+            for flag in (
+                "_stage_forward_initialized",
+                "_stage_backward_initialized",
+                "_stages_forward_initialized",
+                "_stages_backward_initialized",
+            ):
                 if hasattr(schedule, flag):
                     setattr(schedule, flag, False)
             self._shapes_key = key

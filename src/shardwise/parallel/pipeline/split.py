@@ -90,7 +90,9 @@ def find_trunk(model: nn.Module) -> Trunk:
         dotted = [f"{prefix}.{n}" if prefix else n for n in names]
         inputs += dotted[:here]
         outputs[:0] = dotted[here + 1 :]
-    return Trunk(name=name, units=tuple(model.get_submodule(name).named_children()), inputs=tuple(inputs), outputs=tuple(outputs))
+    return Trunk(
+        name=name, units=tuple(model.get_submodule(name).named_children()), inputs=tuple(inputs), outputs=tuple(outputs)
+    )
 
 
 # -- costs and cut points ------------------------------------------------------------------------
@@ -122,7 +124,9 @@ def _flop_costs(model: nn.Module, trunk: Trunk, example_inputs: tuple[Any, ...])
     return units, sum(of(n) for n in trunk.inputs), sum(of(n) for n in trunk.outputs)
 
 
-def balanced_cuts(costs: Sequence[float], num_stages: int, *, first_extra: float = 0.0, last_extra: float = 0.0) -> list[int]:
+def balanced_cuts(
+    costs: Sequence[float], num_stages: int, *, first_extra: float = 0.0, last_extra: float = 0.0
+) -> list[int]:
     """Start index of each stage: contiguous, non-empty groups minimising the largest stage cost."""
     n = len(costs)
     prefix = [0.0]
@@ -159,13 +163,22 @@ def _parse_split_points(points: Sequence[int | str], trunk: Trunk, num_stages: i
         else:
             tail = point.split(".")[-1] if not trunk.name or point.startswith(f"{trunk.name}.") else None
             if tail is None or tail not in names:
-                raise ConfigError(f"split point {point!r} is not a unit of the trunk", hint=f"use e.g. {(trunk.name + '.') if trunk.name else ''}{names[len(names) // 2]}")
+                raise ConfigError(
+                    f"split point {point!r} is not a unit of the trunk",
+                    hint=f"use e.g. {(trunk.name + '.') if trunk.name else ''}{names[len(names) // 2]}",
+                )
             index = names.index(tail)
         starts.append(index)
     if len(starts) != num_stages:
-        raise ConfigError(f"{len(points)} split points make {len(starts)} stages but the plan needs {num_stages}", hint=f"give {num_stages - 1} split points")
+        raise ConfigError(
+            f"{len(points)} split points make {len(starts)} stages but the plan needs {num_stages}",
+            hint=f"give {num_stages - 1} split points",
+        )
     if any(b <= a for a, b in zip(starts, starts[1:])) or starts[-1] >= len(names):
-        raise ConfigError(f"split points {list(points)} must be increasing and inside 1..{len(names) - 1}", hint="every stage needs at least one unit")
+        raise ConfigError(
+            f"split points {list(points)} must be increasing and inside 1..{len(names) - 1}",
+            hint="every stage needs at least one unit",
+        )
     return starts
 
 
@@ -195,8 +208,10 @@ def check_ties(ties: Sequence[Tie], *, pp: int) -> None:
         ranks = [s % pp for s, _ in tie.holders]
         if len(set(ranks)) < len(ranks):
             (a, name_a), (b, name_b) = tie.holders[0], tie.holders[1]
-            raise ConfigError(f"parameter {name_a!r} (stage {a}) is tied to {name_b!r} (stage {b}), and both stages run on pipeline rank {a % pp}",
-                              hint="use virtual_stages=1, untie the weights, or another pp")
+            raise ConfigError(
+                f"parameter {name_a!r} (stage {a}) is tied to {name_b!r} (stage {b}), and both stages run on pipeline rank {a % pp}",
+                hint="use virtual_stages=1, untie the weights, or another pp",
+            )
 
 
 def split_model(
@@ -213,8 +228,13 @@ def split_model(
     """
     if isinstance(model, PipelineStages):
         if len(model) != num_stages:
-            raise ConfigError(f"PipelineStages holds {len(model)} stages but the plan needs {num_stages} (pp x virtual_stages)", hint=f"use pp={len(model)}")
-        stages: list[nn.Module] = [SequentialStage(OrderedDict([(name, child)])) for name, child in model.named_children()]
+            raise ConfigError(
+                f"PipelineStages holds {len(model)} stages but the plan needs {num_stages} (pp x virtual_stages)",
+                hint=f"use pp={len(model)}",
+            )
+        stages: list[nn.Module] = [
+            SequentialStage(OrderedDict([(name, child)])) for name, child in model.named_children()
+        ]
         for stage in stages:
             stage._keep_full_model(model)
         return stages
@@ -231,13 +251,18 @@ def split_model(
     else:
         if balance == "flops":
             if example_inputs is None:
-                raise ConfigError("balance='flops' needs an example batch to count FLOPs on", hint="pass example_inputs=(x,) or use balance='params'")
+                raise ConfigError(
+                    "balance='flops' needs an example batch to count FLOPs on",
+                    hint="pass example_inputs=(x,) or use balance='params'",
+                )
             costs, first, last = _flop_costs(model, trunk, example_inputs)
         elif balance == "params":
             costs = [float(_numel([m])) for _, m in trunk.units]
             dotted = trunk.name or ""
             path = [""] + [".".join(dotted.split(".")[:i]) for i in range(1, dotted.count(".") + 1)]
-            own = sum(p.numel() for prefix in path for p in model.get_submodule(prefix)._parameters.values() if p is not None)
+            own = sum(
+                p.numel() for prefix in path for p in model.get_submodule(prefix)._parameters.values() if p is not None
+            )
             first = float(_numel([model.get_submodule(n) for n in trunk.inputs]) + own)
             last = float(_numel([model.get_submodule(n) for n in trunk.outputs]))
         else:
@@ -249,7 +274,10 @@ def split_model(
         for stage in stages:
             stage._keep_full_model(model)
     else:
-        stages = [TrunkStage(model, trunk, a, b, is_first=s == 0, is_last=s == num_stages - 1) for s, (a, b) in enumerate(bounds)]
+        stages = [
+            TrunkStage(model, trunk, a, b, is_first=s == 0, is_last=s == num_stages - 1)
+            for s, (a, b) in enumerate(bounds)
+        ]
     return stages
 
 
@@ -260,7 +288,11 @@ def stage_summary(stages: Sequence[nn.Module]) -> list[str]:
         if isinstance(stage, TrunkStage):
             keys = list(stage.get_submodule(stage._trunk_name)._modules)
             trunk = f"{stage._trunk_name}[{keys[0]}..{keys[-1]}]"
-            names = [n for n in stage._owned if n in stage._owned_inputs] + [trunk] + [n for n in stage._owned if n not in stage._owned_inputs]
+            names = (
+                [n for n in stage._owned if n in stage._owned_inputs]
+                + [trunk]
+                + [n for n in stage._owned if n not in stage._owned_inputs]
+            )
         else:
             names = [name for name, _ in stage.named_children()]
         lines.append(f"stage {s}: {', '.join(names)} ({sum(p.numel() for p in stage.parameters()):,} params)")

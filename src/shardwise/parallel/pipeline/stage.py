@@ -98,8 +98,10 @@ def _hidden_of(out: Any, where: str) -> torch.Tensor:
         return out
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0]
-    raise ConfigError(f"pipeline block {where} returned {type(out).__name__}; a stage boundary needs the hidden state tensor",
-                      hint="make the blocks return the hidden state (or a tuple starting with it), or use pp=1")
+    raise ConfigError(
+        f"pipeline block {where} returned {type(out).__name__}; a stage boundary needs the hidden state tensor",
+        hint="make the blocks return the hidden state (or a tuple starting with it), or use pp=1",
+    )
 
 
 def output_tensor(out: Any) -> torch.Tensor:
@@ -163,9 +165,11 @@ class _Missing(nn.Module):
         self._name, self._trunk = name, trunk
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise ConfigError(f"{self._name} is registered after the trunk {self._trunk!r} but the model calls it before the trunk's "
-                          "end; the pipeline gives it to the last stage only",
-                          hint="register it before the trunk in __init__, or pass explicit stages with shardwise.PipelineStages")
+        raise ConfigError(
+            f"{self._name} is registered after the trunk {self._trunk!r} but the model calls it before the trunk's "
+            "end; the pipeline gives it to the last stage only",
+            hint="register it before the trunk in __init__, or pass explicit stages with shardwise.PipelineStages",
+        )
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -232,7 +236,9 @@ class TrunkStage(_StageInit, nn.Module):
             self._levels.append((prefix, _shell(original), kinds))
             if depth < len(parts) - 1:
                 container = container._modules[below]
-        object.__setattr__(self, "_trunk_shell_is_sequential", isinstance(model.get_submodule(trunk.name), nn.Sequential))
+        object.__setattr__(
+            self, "_trunk_shell_is_sequential", isinstance(model.get_submodule(trunk.name), nn.Sequential)
+        )
         self._range, self._count = (start, stop), len(units)
         self._unit_names = tuple(n for n, _ in units)
         self._keep_full_model(model)
@@ -281,17 +287,25 @@ class TrunkStage(_StageInit, nn.Module):
             inputs, received = args, None
         else:
             if stage_inputs is None:
-                raise ConfigError(f"pipeline stage with blocks {self._range[0]}..{self._range[1] - 1} needs the batch's inputs",
-                                  hint="call it as stage(hidden, stage_inputs=inputs) (the pipeline schedule does)")
+                raise ConfigError(
+                    f"pipeline stage with blocks {self._range[0]}..{self._range[1] - 1} needs the batch's inputs",
+                    hint="call it as stage(hidden, stage_inputs=inputs) (the pipeline schedule does)",
+                )
             received = args[0]
             inputs = stage_inputs if isinstance(stage_inputs, tuple) else (stage_inputs,)
-        device = received.device if received is not None else next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        device = (
+            received.device
+            if received is not None
+            else next((t.device for t in inputs if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        )
         root = self._view(0, received, device)
         try:
             out = root.forward(*inputs, **model_kwargs)
         except _StageDone as done:
             return done.hidden
         if not self.is_last:
-            raise ConfigError(f"{type(root).__name__}.forward returned before its block {self._trunk_name}.{self._unit_names[self._range[1] - 1]}",
-                              hint="pass explicit stages with shardwise.PipelineStages(...)")
+            raise ConfigError(
+                f"{type(root).__name__}.forward returned before its block {self._trunk_name}.{self._unit_names[self._range[1] - 1]}",
+                hint="pass explicit stages with shardwise.PipelineStages(...)",
+            )
         return output_tensor(out)

@@ -35,7 +35,9 @@ class TieSlot:
     counted: bool
 
 
-def tie_slots(ties: Sequence[Tie], pairs: Sequence[tuple[int, nn.Module]], pp_mesh: DeviceMesh, *, plan: Plan) -> list[TieSlot]:
+def tie_slots(
+    ties: Sequence[Tie], pairs: Sequence[tuple[int, nn.Module]], pp_mesh: DeviceMesh, *, plan: Plan
+) -> list[TieSlot]:
     """Process groups for the tied weights (collective: every rank calls it with the same ties).
 
     The mesh puts ``pp`` outermost, so the rank of pipeline stage-rank ``k`` at inner position
@@ -88,6 +90,8 @@ def sum_tied_grad(slot: TieSlot, before: torch.Tensor | None) -> None:
     if grad is not None:
         grad.copy_(total)
     elif isinstance(param, DTensor):
-        param.grad = DTensor.from_local(total, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+        param.grad = DTensor.from_local(
+            total, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+        )
     else:
         param.grad = total

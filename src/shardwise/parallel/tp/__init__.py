@@ -25,9 +25,20 @@ _NAMES = {
 }
 __all__ = sorted(_NAMES)
 # the old names, deprecated
-__getattr__, __dir__ = lazy_exports(__name__, _NAMES, deprecated={"TPPlan": "TPStyles", "derive_tp_plan": "derive_tp_styles",
-                                                                  "to_torch_plan": "to_torch_styles"})
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    _NAMES,
+    deprecated={"TPPlan": "TPStyles", "derive_tp_plan": "derive_tp_styles", "to_torch_plan": "to_torch_styles"},
+)
 
 if TYPE_CHECKING:
     from shardwise.parallel.tp.apply import apply_tp, to_torch_styles
-    from shardwise.parallel.tp.styles import HEAD_ATTRS, STYLES, TPOptions, TPStyles, derive_tp_styles, tp_share, validate_tp
+    from shardwise.parallel.tp.styles import (
+        HEAD_ATTRS,
+        STYLES,
+        TPOptions,
+        TPStyles,
+        derive_tp_styles,
+        tp_share,
+        validate_tp,
+    )

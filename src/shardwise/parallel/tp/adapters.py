@@ -78,7 +78,9 @@ def adapter_styles(model: nn.Module, styles: TPStyles) -> TPStyles:
             out.append((pattern, style))
             continue
         if style not in _COLUMN + _ROW:
-            raise ConfigError(f"tp cannot split the LoRA adapter of {(hits or base_hits)[0]}: its base layer's TP style is {style!r}",
-                              hint="adapt only the attention and MLP projections (drop it from lora targets), or mark it 'replicate'")
+            raise ConfigError(
+                f"tp cannot split the LoRA adapter of {(hits or base_hits)[0]}: its base layer's TP style is {style!r}",
+                hint="adapt only the attention and MLP projections (drop it from lora targets), or mark it 'replicate'",
+            )
         out += _pieces(pattern if hits else pattern.removesuffix(".base_layer"), style)
     return TPStyles(tuple(dict.fromkeys(out + own)))

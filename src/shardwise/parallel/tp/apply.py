@@ -76,7 +76,15 @@ from shardwise.errors import ConfigError
 from shardwise.exports import renamed
 from shardwise.parallel.chunked_loss import ChunkedHeadParallel, is_chunked_head
 from shardwise.parallel.fp8 import float8_tp_style
-from shardwise.parallel.tp.layers import ColumnSplit, ExpertSplit, GroupedColumnSplit, RowSplit, fused_pieces, is_conv1d, qkv_widths
+from shardwise.parallel.tp.layers import (
+    ColumnSplit,
+    ExpertSplit,
+    GroupedColumnSplit,
+    RowSplit,
+    fused_pieces,
+    is_conv1d,
+    qkv_widths,
+)
 from shardwise.parallel.tp.styles import HEAD_ATTRS, TPStyles, tp_share, validate_tp
 from shardwise.runtime.logging import get_logger
 
@@ -117,7 +125,11 @@ class _GradLikeWeight:
         if weight is self.hooked or not isinstance(weight, DTensor) or not weight.requires_grad:
             return
         placements = weight.placements
-        weight.register_hook(lambda g: g.redistribute(placements=placements) if isinstance(g, DTensor) and g.placements != placements else g)
+        weight.register_hook(
+            lambda g: (
+                g.redistribute(placements=placements) if isinstance(g, DTensor) and g.placements != placements else g
+            )
+        )
         self.hooked = weight
 
 
@@ -136,8 +148,11 @@ def _style(style: str, *, sp: bool, loss_parallel: bool) -> ParallelStyle | None
     if style == "embedding_colwise":
         return ColwiseParallel(input_layouts=Replicate(), output_layouts=seq if sp else Replicate())
     if style == "lm_head":
-        return ColwiseParallel(input_layouts=seq if sp else Replicate(), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                               use_local_output=not loss_parallel)
+        return ColwiseParallel(
+            input_layouts=seq if sp else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     if not sp:  # the rest only matter when activations are split along the sequence
         return None
     if style == "pos_embedding":
@@ -149,7 +164,9 @@ def _style(style: str, *, sp: bool, loss_parallel: bool) -> ParallelStyle | None
     if style == "adapter_sequence":
         return SequenceParallel(use_local_output=True)
     if style == "adapter_input":
-        return PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=True)
+        return PrepareModuleInput(
+            input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
     return None
 
 
@@ -186,8 +203,11 @@ def _own_style(module: nn.Module, style: str, parent: nn.Module | None = None) -
     if style == "colwise_grouped":
         widths = qkv_widths(parent) if parent is not None else None
         if widths is None or sum(widths) != getattr(module, "out_features", -1):
-            raise ConfigError(f"TP style 'colwise_grouped' on {type(module).__name__} needs its attention module's head counts "
-                              "and head_dim to split q|k|v", hint="mark it 'replicate' (and its partner), or use dp/zero/pp instead of tp")
+            raise ConfigError(
+                f"TP style 'colwise_grouped' on {type(module).__name__} needs its attention module's head counts "
+                "and head_dim to split q|k|v",
+                hint="mark it 'replicate' (and its partner), or use dp/zero/pp instead of tp",
+            )
         return GroupedColumnSplit(widths)
     if style.startswith("colwise_fused"):
         return ColumnSplit(fused_pieces(style))
@@ -219,9 +239,11 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
             if isinstance(keep, DTensor) != isinstance(other, DTensor) or (
                     isinstance(keep, DTensor) and tuple(keep.placements) != tuple(other.placements)):
                 where = lambda m, n: f"{m}.{n}" if m else n  # noqa: E731
-                raise ConfigError(f"tied weight {where(first_module, first_name)} and {where(module_name, pname)} get different TP layouts "
-                                  f"({getattr(keep, 'placements', 'replicated')} vs {getattr(other, 'placements', 'replicated')})",
-                                  hint="give both the vocabulary split ('vocab_embedding' and 'lm_head'), or untie them")
+                raise ConfigError(
+                    f"tied weight {where(first_module, first_name)} and {where(module_name, pname)} get different TP layouts "
+                    f"({getattr(keep, 'placements', 'replicated')} vs {getattr(other, 'placements', 'replicated')})",
+                    hint="give both the vocabulary split ('vocab_embedding' and 'lm_head'), or untie them",
+                )
             module.register_parameter(pname, keep)
 
 
@@ -248,8 +270,13 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, styles: TPStyles | None =
                           f"{matched[first][1]!r})", hint="drop sp from the plan")
     share, replicated = tp_share(model, styles, tp=tp)
     ties = _ties(model)
-    torch_plan = {name: style for name, (module, style_name) in matched.items() if name not in own
-                  for style in [_module_style(module, style_name, sp=sequence_parallel, loss_parallel=loss_parallel)] if style is not None}
+    torch_plan = {
+        name: style
+        for name, (module, style_name) in matched.items()
+        if name not in own
+        for style in [_module_style(module, style_name, sp=sequence_parallel, loss_parallel=loss_parallel)]
+        if style is not None
+    }
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
     parallelize_module(model, tp_mesh, {**torch_plan, **own})
     # torch's SequenceParallel re-registers norm parameters as trainable: a frozen base stays frozen
@@ -270,7 +297,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, styles: TPStyles | None =
                 _local_config(module, tp)
     big = [(n, c) for n, c in replicated if c >= 0.01 * sum(p.numel() for p in model.parameters())]
     if big and tp_mesh.get_local_rank() == 0:
-        names = ", ".join(f"{n or type(model).__name__} ({c:,})" for n, c in big[:4]) + (f" and {len(big) - 4} more" if len(big) > 4 else "")
+        names = ", ".join(f"{n or type(model).__name__} ({c:,})" for n, c in big[:4]) + (
+            f" and {len(big) - 4} more" if len(big) > 4 else ""
+        )
         log.warning("tp=%d keeps %.1f%% of the parameters on every rank; replicated (no TP style covers them): %s",
                     tp, 100 * share, names)
     return model

@@ -62,7 +62,12 @@ def is_conv1d(module: nn.Module) -> bool:
     """GPT-2's ``transformers.pytorch_utils.Conv1D`` (a Linear with a transposed (in, out) weight),
     recognized by its name and shape so this module never imports transformers."""
     weight = getattr(module, "weight", None)
-    return type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() >= 2 and hasattr(module, "nf")
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(weight, torch.Tensor)
+        and weight.dim() >= 2
+        and hasattr(module, "nf")
+    )
 
 
 def in_out(module: nn.Module) -> tuple[int, int] | None:
@@ -118,8 +123,10 @@ def inner_sizes(module: nn.Module, style: str) -> dict[str, int]:
         return {"out_features": shape[1]}
     if style == "experts":
         roles = expert_weights(module) or {}
-        return {f"{n}.dim{d}" + ("/2" if r == "fused" else ""): getattr(module, n).shape[d] // (2 if r == "fused" else 1)
-                for n, (r, d) in roles.items()}
+        return {
+            f"{n}.dim{d}" + ("/2" if r == "fused" else ""): getattr(module, n).shape[d] // (2 if r == "fused" else 1)
+            for n, (r, d) in roles.items()
+        }
     return {}
 
 
@@ -184,7 +191,10 @@ class ColumnSplit(_LocalStyle):
 
     def placements(self, module: nn.Module) -> dict[str, tuple[Placement, tuple[int, int] | None]]:
         out_dim = 1 if is_conv1d(module) else 0
-        return {"weight": _column(out_dim, self.pieces), **({"bias": _column(0, self.pieces)} if module.bias is not None else {})}
+        return {
+            "weight": _column(out_dim, self.pieces),
+            **({"bias": _column(0, self.pieces)} if module.bias is not None else {}),
+        }
 
     def forward(self, mesh: DeviceMesh) -> Callable[..., Any]:
         fused = self.pieces > 1
@@ -250,7 +260,9 @@ class GroupedColumnSplit(ParallelStyle):
 
     def rows(self, rank: int, tp: int) -> torch.Tensor:
         starts = [sum(self.widths[:i]) for i in range(len(self.widths))]
-        return torch.cat([torch.arange(s + rank * (w // tp), s + (rank + 1) * (w // tp)) for s, w in zip(starts, self.widths)])
+        return torch.cat(
+            [torch.arange(s + rank * (w // tp), s + (rank + 1) * (w // tp)) for s, w in zip(starts, self.widths)]
+        )
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         rows = self.rows(device_mesh.get_local_rank(), device_mesh.size())

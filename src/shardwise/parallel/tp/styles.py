@@ -25,20 +25,63 @@ from shardwise.exports import renamed
 from shardwise.models.lora import see_through
 from shardwise.parallel.tp.layers import expert_weights, in_out, inner_sizes, is_conv1d, qkv_widths
 
-__getattr__ = renamed(__name__, {"TPPlan": "TPStyles", "derive_tp_plan": "derive_tp_styles"})  # the old names, deprecated
+__getattr__ = renamed(
+    __name__, {"TPPlan": "TPStyles", "derive_tp_plan": "derive_tp_styles"}
+)  # the old names, deprecated
 
 STYLES = (
-    "colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise",
-    "pos_embedding", "sequence_parallel", "attention_input", "lm_head", "replicate", "colwise_fused2", "colwise_fused3", "colwise_grouped",
+    "colwise",
+    "rowwise",
+    "colwise_rep",
+    "rowwise_rep",
+    "vocab_embedding",
+    "embedding_colwise",
+    "pos_embedding",
+    "sequence_parallel",
+    "attention_input",
+    "lm_head",
+    "replicate",
+    "colwise_fused2",
+    "colwise_fused3",
+    "colwise_grouped",
     "experts",
-    "adapter_input", "adapter_sequence",
+    "adapter_input",
+    "adapter_sequence",
 )
 _OWN = ("colwise_fused2", "colwise_fused3", "colwise_grouped", "experts")  # always shardwise's styles (tp/layers.py)
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 
-_COL = {"q", "k", "v", "wq", "wk", "wv", "q_proj", "k_proj", "v_proj", "qkv", "c_attn", "query", "key", "value",
-        "w1", "w3", "fc1", "c_fc", "up", "up_proj", "gate", "gate_proj", "fc_in", "w_in", "in_proj", "qkv_proj", "query_key_value",
-        "Wqkv", "gate_up_proj"}
+_COL = {
+    "q",
+    "k",
+    "v",
+    "wq",
+    "wk",
+    "wv",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "qkv",
+    "c_attn",
+    "query",
+    "key",
+    "value",
+    "w1",
+    "w3",
+    "fc1",
+    "c_fc",
+    "up",
+    "up_proj",
+    "gate",
+    "gate_proj",
+    "fc_in",
+    "w_in",
+    "in_proj",
+    "qkv_proj",
+    "query_key_value",
+    "Wqkv",
+    "gate_up_proj",
+}
 _ROW = {"o", "wo", "o_proj", "out_proj", "proj", "c_proj", "out", "dense", "w2", "fc2", "down", "down_proj",
         "fc_out", "w_out"}
 _HEAD = {"lm_head", "head", "output", "out_head", "unembed", "logits"}
@@ -59,7 +102,9 @@ class TPOptions:
     def __init__(self, styles: Mapping[str, str] | None = None, loss_parallel: bool = False, *,
                  plan: Mapping[str, str] | None = None) -> None:
         if plan is not None:
-            warnings.warn("TPOptions(plan=...) is deprecated: use TPOptions(styles=...)", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                "TPOptions(plan=...) is deprecated: use TPOptions(styles=...)", DeprecationWarning, stacklevel=2
+            )
             styles = plan if styles is None else styles
         object.__setattr__(self, "styles", styles)
         object.__setattr__(self, "loss_parallel", loss_parallel)
@@ -81,7 +126,9 @@ class TPStyles:
     def of(cls, mapping: Mapping[str, str]) -> TPStyles:
         for pattern, style in mapping.items():
             if style not in STYLES:
-                raise ConfigError(f"TP style {style!r} for {pattern!r} is unknown", hint=f"use one of {', '.join(STYLES)}")
+                raise ConfigError(
+                    f"TP style {style!r} for {pattern!r} is unknown", hint=f"use one of {', '.join(STYLES)}"
+                )
         return cls(tuple(mapping.items()))
 
     def as_dict(self) -> dict[str, str]:
@@ -185,9 +232,11 @@ def _fused_pieces(sizes: dict[str, nn.Module], cols: list[str], rows: list[str],
     widths = qkv_widths(parent) if pieces == 3 and parent is not None else None
     if widths is not None and sum(widths) == out and widths[0] == inner:
         return -1
-    raise ConfigError(f"tp={tp} cannot shard {prefix}{cols[0]}: it fuses projections of unequal widths ({out} outputs "
-                      f"feed {prefix}{rows[0]}'s {inner} inputs)",
-                      hint="pass TP styles that mark it 'replicate' (and its partner 'replicate'), or use dp/zero/pp instead of tp")
+    raise ConfigError(
+        f"tp={tp} cannot shard {prefix}{cols[0]}: it fuses projections of unequal widths ({out} outputs "
+        f"feed {prefix}{rows[0]}'s {inner} inputs)",
+        hint="pass TP styles that mark it 'replicate' (and its partner 'replicate'), or use dp/zero/pp instead of tp",
+    )
 
 
 _BLOCK_INDEX = re.compile(r"\.\d+\.")  # a block index between two names
@@ -249,13 +298,24 @@ def validate_tp(model: nn.Module, styles: TPStyles, *, tp: int) -> None:
         if style == "colwise_grouped" and not isinstance(module, nn.Linear):
             raise ConfigError(f"TP style 'colwise_grouped' on {name} needs an nn.Linear, not {type(module).__name__}",
                               hint="mark this module 'replicate'")
-        if style in ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "lm_head", "colwise_fused2", "colwise_fused3") and not (
-                linear_like or (style.startswith("colwise_fused") and in_out(module))):
-            raise ConfigError(f"TP style {style!r} on {name} needs an nn.Linear, not {type(module).__name__} (or GPT-2's Conv1D)",
-                              hint="shard nn.Linear/Conv1D/nn.Embedding layers only, or mark this module 'replicate'")
+        if style in (
+            "colwise",
+            "rowwise",
+            "colwise_rep",
+            "rowwise_rep",
+            "lm_head",
+            "colwise_fused2",
+            "colwise_fused3",
+        ) and not (linear_like or (style.startswith("colwise_fused") and in_out(module))):
+            raise ConfigError(
+                f"TP style {style!r} on {name} needs an nn.Linear, not {type(module).__name__} (or GPT-2's Conv1D)",
+                hint="shard nn.Linear/Conv1D/nn.Embedding layers only, or mark this module 'replicate'",
+            )
         if style == "experts" and expert_weights(module) is None:
-            raise ConfigError(f"TP style 'experts' on {name} needs 3-D expert tensors (gate_up/down, applied with F.linear per expert)",
-                              hint="mark this module 'replicate'")
+            raise ConfigError(
+                f"TP style 'experts' on {name} needs 3-D expert tensors (gate_up/down, applied with F.linear per expert)",
+                hint="mark this module 'replicate'",
+            )
         if style in ("vocab_embedding", "embedding_colwise", "pos_embedding") and not isinstance(module, nn.Embedding):
             raise ConfigError(f"TP style {style!r} on {name} needs an nn.Embedding, not {type(module).__name__}",
                               hint="shard nn.Linear/nn.Embedding layers only, or mark this module 'replicate'")
@@ -264,9 +324,12 @@ def validate_tp(model: nn.Module, styles: TPStyles, *, tp: int) -> None:
     if bad:
         what, size = bad[0]
         good = [d for d in range(2, 65) if all(s % d == 0 for _, s in sizes)][:4]
-        raise ConfigError(f"tp={tp} does not divide {what}={size}",
-                          hint=f"use tp={' or tp='.join(map(str, good))}" if good else "this model cannot be split by tp; use dp/zero instead")
-
+        raise ConfigError(
+            f"tp={tp} does not divide {what}={size}",
+            hint=f"use tp={' or tp='.join(map(str, good))}"
+            if good
+            else "this model cannot be split by tp; use dp/zero instead",
+        )
 
 
 def tp_share(model: nn.Module, styles: TPStyles, *, tp: int) -> tuple[float, list[tuple[str, int]]]:
@@ -274,11 +337,24 @@ def tp_share(model: nn.Module, styles: TPStyles, *, tp: int) -> tuple[float, lis
     of the styles names at all (``(module name, parameters)``, largest first): layers replicated
     without anyone having asked for it (a norm, a positional embedding or a 'replicate' entry is
     replicated on purpose and not listed)."""
-    sharding = {"colwise", "rowwise", "colwise_rep", "rowwise_rep", "vocab_embedding", "embedding_colwise", "lm_head", *_OWN} - {
-        "colwise_grouped"}  # computed split, held whole (layers.GroupedColumnSplit)
+    sharding = {
+        "colwise",
+        "rowwise",
+        "colwise_rep",
+        "rowwise_rep",
+        "vocab_embedding",
+        "embedding_colwise",
+        "lm_head",
+        *_OWN,
+    } - {"colwise_grouped"}  # computed split, held whole (layers.GroupedColumnSplit)
     matched = styles.matches(model)
-    covered = {id(p) for _, (m, style) in matched.items() if style in sharding for p in m.parameters(recurse=False)
-               if not (is_conv1d(m) and style == "rowwise" and p.dim() == 1) and not (style == "experts" and p.dim() < 3)}
+    covered = {
+        id(p)
+        for _, (m, style) in matched.items()
+        if style in sharding
+        for p in m.parameters(recurse=False)
+        if not (is_conv1d(m) and style == "rowwise" and p.dim() == 1) and not (style == "experts" and p.dim() < 3)
+    }
     named = {id(p) for _, (m, _) in matched.items() for p in m.parameters(recurse=False)}
     total = kept = 0.0
     replicated: dict[str, int] = {}
