@@ -12,10 +12,15 @@ Measured, through the Trainer (AdamW, token reduction):
 
 - **peak memory**: the bytes of every tensor storage alive when a step starts (found by the
   garbage collector: parameters, optimizer state, what persists), plus the largest rise of
-  allocated bytes during that step (torch's profiler with ``profile_memory``: every CPU
-  allocation and free, summed in time order); the busiest rank. The process's own baseline
-  (libraries, the interpreter) is not a tensor and not counted, nor by the planner.
-- **step time**: the median of ``--steps`` steps after 2 warm-up steps, runs interleaved
+  allocated bytes during that step: torch's profiler with ``profile_memory`` records every CPU
+  allocation and free with the CPU allocator's running total of allocated bytes, which counts
+  the frees of every thread (c10's ``caffe2_report_cpu_memory_usage`` switched on, as torch's
+  profiler alone sees only the threads it profiles: a Gloo worker thread that drops the last
+  reference to a collective's buffer would otherwise leave that buffer counted to the step's
+  end, at random, on one rank in some repeats). The busiest rank, and the largest over the
+  ``--repeats`` rounds (each round profiles one step). The process's own baseline (libraries,
+  the interpreter) is not a tensor and not counted, nor by the planner.
+- **step time**: the median of ``--steps`` steps after 2 warm-up steps (before the profiled one), runs interleaved
   (``--repeats`` rounds over the options of a layout), the median over the rounds.
 
 Predicted: :func:`shardwise.plan.cost.estimate` of the plan (its runtime options folded in by
@@ -113,15 +118,35 @@ def live_tensor_bytes() -> float:
     return float(sum(seen.values()))
 
 
+def count_every_thread() -> None:
+    """Make the CPU allocator count every allocation and free of this process, whichever thread
+    makes it (c10's ``caffe2_report_cpu_memory_usage`` flag, a global of libc10 with no Python
+    setter), so that the profiler's running total includes frees made outside the profiled threads."""
+    import ctypes
+
+    import torch
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage").value = True
+
+
 def peak_delta_bytes(prof: Any) -> float:
-    """The largest rise of allocated CPU bytes during the profiled step over its start: the
-    running sum of the profiler's allocation (+) and free (-) records in time order."""
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    current = peak = 0
-    for event in events:
-        current += event.nbytes()
-        peak = max(peak, current)
-    return float(peak)
+    """The largest rise of allocated CPU bytes during the profiled step over its start: the CPU
+    allocator's total of allocated bytes (every thread's, :func:`count_every_thread`) at each of
+    the profiler's allocation and free records, less the total before the first one."""
+    records: list[tuple[int, int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            records.append((node.start_time_ns, fields.alloc_size, fields.total_allocated))
+    if not records:
+        return 0.0
+    records.sort()
+    start = records[0][2] - records[0][1]
+    return float(max(0, max(total for _, _, total in records) - start))
 
 
 def measure(model: str, vocab: int, plan: str, accumulation: int, steps: int, profile: bool) -> dict[str, Any]:
@@ -135,6 +160,7 @@ def measure(model: str, vocab: int, plan: str, accumulation: int, steps: int, pr
     import gc
 
     gc.collect()  # the previous configuration's objects, before this one allocates
+    count_every_thread()
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (BATCH * (steps + 4), SEQ + 1), generator=gen)
     data = TensorDataset(ids[:, :-1], ids[:, 1:])
@@ -222,22 +248,23 @@ def main() -> int:
                 runs = options_of(layout)
                 times: dict[str, list[float]] = {label: [] for label, _ in runs}
                 peaks: dict[str, dict[str, Any]] = {}
-                for round_ in range(args.repeats):  # interleaved: every option once per round
+                for _ in range(args.repeats):  # interleaved: every option once per round
                     for label, suffix in runs:
-                        ranks = pool.run(measure, model, args.vocab, plan + suffix, accumulation, args.steps, round_ == 0)
-                        got = ranks[0]
-                        times[label].append(statistics.median(got["times"]))
-                        if round_ == 0:
-                            got["rank_peaks"] = [r["peak"]["total"] for r in ranks]
-                            got["busiest_peak"] = max(got["rank_peaks"])
-                            peaks[label] = got
-                        print(f"{model} {layout} {label}: {times[label][-1] * 1e3:.0f} ms/step, peak {peaks[label]['busiest_peak'] / 2**20:.1f} MiB",
+                        ranks = pool.run(measure, model, args.vocab, plan + suffix, accumulation, args.steps, True)
+                        times[label].append(statistics.median(ranks[0]["times"]))
+                        got = peaks.setdefault(label, {"plan": ranks[0]["plan"], "rounds": []})
+                        got["rounds"].append([r["peak"]["total"] for r in ranks])
+                        if max(got["rounds"][-1]) >= max(max(x) for x in got["rounds"]):  # the busiest round so far
+                            got["peak"] = ranks[0]["peak"]
+                        print(f"{model} {layout} {label}: {times[label][-1] * 1e3:.0f} ms/step, peak {max(got['rounds'][-1]) / 2**20:.1f} MiB",
                               flush=True)
                 for label, suffix in runs:
-                    rows.append({"model": model, "layout": layout, "option": label, "plan_text": plan + suffix, "plan": peaks[label]["plan"],
+                    got = peaks[label]
+                    rows.append({"model": model, "layout": layout, "option": label, "plan_text": plan + suffix, "plan": got["plan"],
                                  "accumulation": accumulation, "step_time_s": statistics.median(times[label]),
-                                 "step_times_s": times[label], "measured_peak_bytes": peaks[label]["busiest_peak"],
-                                 "measured_rank_peaks": peaks[label]["rank_peaks"], "measured_rank0": peaks[label]["peak"],
+                                 "step_times_s": times[label], "measured_peak_bytes": max(max(x) for x in got["rounds"]),
+                                 "measured_rank_peaks": [max(x[i] for x in got["rounds"]) for i in range(len(got["rounds"][0]))],
+                                 "measured_round_peaks": got["rounds"], "measured_rank0": got["peak"],
                                  "baseline": "fp32" if label.startswith("fp32") else "bf16"})
     finally:
         pool.close()

@@ -15,7 +15,7 @@ from shardwise.cli import main
 from shardwise.layout import Plan
 from shardwise.plan.cluster import resolve
 from shardwise.plan.cost import estimate
-from shardwise.plan.memory import logits_bytes
+from shardwise.plan.memory import chunked_loss_bytes, logits_bytes
 from shardwise.plan.options import option_notes, option_sets
 from shardwise.plan.policy import RunPolicy
 from shardwise.plan.search import SearchOptions, fixed_options, search
@@ -105,7 +105,11 @@ def test_each_option_costs_what_the_runtime_does() -> None:
     run16 = RunPolicy().applied(replace(plan, params16=True, chunked_loss=True))
     kept, transient = logits_bytes(BIG_VOCAB, plan, run16)
     chunk = math.ceil(n * d / v)  # tokens a chunk: its logits are the size of the head's input
-    assert kept == pytest.approx(2 * n * d + 2 * v * d) and transient == pytest.approx(4 * v * d + 6 * chunk * v)
+    # params16: the fp32 accumulator of dW beside its saved 16-bit copy, a chunk's fp32 logits and
+    # their gradient's 16-bit copy, the chunk's 16-bit dW product; backward: the scaled dh, dW
+    forward, backward = (2 + 2) * v * d + 6 * chunk * v, 2 * n * d + 2 * v * d
+    assert chunked_loss_bytes(BIG_VOCAB, plan, run16) == (pytest.approx(2 * n * d + 2 * v * d), pytest.approx(forward), pytest.approx(backward))
+    assert kept == pytest.approx(2 * n * d + 2 * v * d) and transient == pytest.approx(max(forward, backward))
     unchunked = logits_bytes(BIG_VOCAB, plan, RunPolicy())
     assert unchunked == (pytest.approx(4 * n * v), pytest.approx(8 * n * v))
     # shardwise's default TP styles all-gathers the head's output: every rank holds the whole logits;

@@ -80,7 +80,7 @@ class CertifyOptions:
         if value is None or isinstance(value, bool):
             return cls(enabled=value)
         raise ConfigError(f"certify={value!r} is not True, False, None or a CertifyOptions",
-                          hint="certify=False turns certification off; None certifies runs of 1000 steps or more")
+                          hint="ParallelOptions(certify=False) turns certification off; None certifies runs of 1000 steps or more")
 
 
 # -- the shrunken copy ---------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def shrink(model: nn.Module, *, blocks: int) -> tuple[nn.Module, str]:
         what = f"{type(model).__name__}, {blocks} of {len(container)} blocks of {repr(name) if name else 'the model'}"
     if any(p.is_meta for p in small.parameters()):
         raise ConfigError(f"the {type(model).__name__} is on the meta device: certification needs its layers' values",
-                          hint="build the model on a real device, or pass certify=False")
+                          hint="build the model on a real device, or pass ParallelOptions(certify=False)")
     return small.eval(), what
 
 

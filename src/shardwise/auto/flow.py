@@ -46,7 +46,7 @@ def plan_for(model: Any, env: RuntimeEnv, *, global_batch_size: int, precision: 
         raise ConfigError(
             f"plan='auto' found no plan: {exc.message}",
             hint=exc.hint
-            or "pass tokens_per_sample= (the input length of one sample; 1 for non-sequence inputs), "
+            or "pass LoggingOptions(tokens_per_sample=...) (the input length of one sample; 1 for non-sequence inputs), "
             "or an explicit plan, e.g. plan='dp'",
         ) from None
     source = model
@@ -67,7 +67,7 @@ def plan_for(model: Any, env: RuntimeEnv, *, global_batch_size: int, precision: 
                                     loss_reduction=loss_reduction, ignore_index=ignore_index, optimizer=optimizer)
         if certificate.plan is None:
             raise ConfigError(f"plan='auto' found no plan: {certificate.summary()}",
-                              hint=f"pass an explicit plan, or certify=False to train with {plans[0]} unchecked")
+                              hint=f"pass an explicit plan, or ParallelOptions(certify=False) to train with {plans[0]} unchecked")
         plan = next(p for p in plans if str(p) == certificate.plan)
         if choice is not None:
             choice = choice.certified(plan, certificate.to_dict())

@@ -24,8 +24,10 @@ forward runs: the fp32 accumulator of ``dW`` (``4 V/t d``; it *is* the saved ``d
 parameters, a 16-bit copy of it is made at the end otherwise), the 16-bit copy of ``W`` when
 autocast casts it (``c V/t d``), and one chunk at a time: ``z_c`` in fp32 (``4 C V/t``, the
 softmax and ``G_c`` are computed in place of it) and, for a 16-bit compute dtype, ``G_c``'s 16-bit
-copy for the two gradient matmuls (``2 C V/t``). With :func:`chunk_tokens`' ``C = N d / (V/t)``
-one chunk's logits are ``N d`` elements: ``(4 + 2) N d`` bytes, the size of the head's input.
+copy for the two gradient matmuls (``2 C V/t``), and the chunk's product ``G_c^T h_c`` in the
+compute dtype (``c V/t d``) until it is added into the fp32 ``dW``. With :func:`chunk_tokens`'
+``C = N d / (V/t)`` one chunk's logits are ``N d`` elements: ``(4 + 2) N d`` bytes, the size of the
+head's input.
 
 Compute: the same three matmuls as the unchunked head (forward, ``dh``, ``dW``: ``6 N d V`` flops
 in all), no recomputation; the softmax is done once, in fp32.
@@ -147,7 +149,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if dh is not None:
                     dh[start:stop] = (g @ wc).to(h.dtype)
                 if dw is not None:
-                    dw += (g.t() @ hc).float()
+                    dw += g.t() @ hc  # added in fp32 as it is read: no fp32 copy of the product
                 if db is not None:
                     db += z.sum(dim=0)
                 del z, g

@@ -38,7 +38,7 @@ from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.comm import cp_time, dp_time, ep_time, pp_time, tp_time
 from shardwise.plan.compute import accumulate_time, microbatch_time, optimizer_time
-from shardwise.plan.memory import (StatePolicy, buffer_bytes, expert_param_count, gathered_bytes, layer_bytes, logits_bytes,
+from shardwise.plan.memory import (StatePolicy, buffer_bytes, chunked_loss_bytes, expert_param_count, gathered_bytes, layer_bytes, logits_bytes,
                                    model_state_bytes, modules_per_block, stage_param_count, weight_copy_bytes)
 from shardwise.plan.adapters import lora_microbatch, lora_state_bytes
 from shardwise.plan.policy import RunPolicy, compute_precision
@@ -220,12 +220,31 @@ def _memory(stats: ModelStats, plan: Plan, run: RunPolicy, policy: StatePolicy, 
     first = first_in_flight * layers * per_layer + transient + boundary + (logits_kept if p == 1 else 0.0)
     last = last_in_flight * layers * per_layer + transient + boundary + logits_kept * last_in_flight
     activations = max(first, last)
-    # the logits' gradient at the start of the last stage's backward (a chunked loss: one chunk's)
-    grad_of_logits = logits_transient if (p == 1 or last >= first) else 0.0
-    buffers = buffer_bytes(stats, plan, policy, run, layers=layers, boundary=boundary, stage_params=stage_params) + grad_of_logits
+    buffers = buffer_bytes(stats, plan, policy, run, layers=layers, boundary=boundary, stage_params=stage_params)
     memory = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
               "activations": activations, "buffers": buffers}
+    if p == 1 or last >= first:  # the loss runs on the busiest stage
+        if run.chunked_loss:
+            return _chunked_peak(stats, plan, run, memory, mbs=mbs, boundary=boundary)
+        memory["buffers"] += logits_transient  # the logits' gradient at the start of the last stage's backward
     return memory
+
+
+def _chunked_peak(stats: ModelStats, plan: Plan, run: RunPolicy, memory: dict[str, float], *, mbs: int,
+                  boundary: float) -> dict[str, float]:
+    """The busiest moment of a stage that runs the chunked loss (:func:`chunked_loss_bytes`): its
+    forward or its backward, with every activation and the gradients that exist before this
+    microbatch's backward (those of earlier microbatches, or DDP's persistent buckets; none for
+    one microbatch otherwise), or the end of backward (every gradient, the activations freed but
+    the last block input), whichever holds more."""
+    _, forward, backward = chunked_loss_bytes(stats, plan, run, mbs=mbs)
+    grads = memory["grads"]
+    persistent = plan.microbatches > 1 or (plan.zero <= 1 and plan.dp * plan.shard > 1)
+    before = grads if persistent else 0.0
+    at_loss = before + memory["activations"] + max(forward, backward)
+    if at_loss >= grads + boundary:
+        return {**memory, "grads": before, "buffers": memory["buffers"] + max(forward, backward)}
+    return {**memory, "activations": boundary}
 
 
 def _context_parallel(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, policy: StatePolicy | None,

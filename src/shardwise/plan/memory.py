@@ -257,40 +257,55 @@ def logits_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, *, mbs: int = 1)
       stage's output, the logits in the compute dtype (``c``), in its forward cache until that
       microbatch's backward. Under tensor parallelism without a vocabulary-parallel loss
       (``RunPolicy.loss_parallel``, off in shardwise's default TP styles) over the whole vocabulary;
-    - chunked (``Plan.chunked_loss``, :mod:`shardwise.parallel.linear_ce`: the head and the loss
-      ``C = N d / (V/t)`` tokens at a time, each chunk's backward in the same pass): kept is the
-      head input's gradient ``dh`` (``N d``, 4 bytes over fp32 parameters, 2 under ``params16``)
-      and the head's weight gradient, saved from forward to backward (over fp32 parameters its
-      fp32 accumulator, ``4 V/t d``; under ``params16`` its 16-bit copy, ``2 V/t d``); transient
-      while the loss runs: the fp32 accumulator under ``params16`` (``4 V/t d``), autocast's 16-bit
-      copy of the head's weight (``c V/t d``), and one chunk's fp32 logits with, in 16-bit compute,
-      their gradient's 16-bit copy (``(4 + 2) C V/t``); at its backward, over fp32 parameters, the
-      scaled weight gradient it returns (``4 V/t d``), which becomes the stored gradient only where
-      none exists yet (one microbatch) and ZeRO-2/3 does not shard it.
+    - chunked (``Plan.chunked_loss``): :func:`chunked_loss_bytes`; the transient here is the larger
+      of its forward and backward peaks (:func:`shardwise.plan.cost.estimate` takes them apart).
     """
     vocab_local = stats.logits_bytes / 2 / stats.seq / plan.tp  # vocabulary entries of one token on this rank
     tokens = mbs * stats.seq
     fp32 = plan.precision == "fp32"
     c = 4.0 if fp32 else 2.0
     if run.chunked_loss:
-        d = max(stats.hidden, 1)
-        chunk = max(1, min(tokens, math.ceil(tokens * d / max(vocab_local, 1))))
-        head = vocab_local * d
-        params16 = run.precision == "16bit" and not fp32
-        if params16:
-            return tokens * d * 2.0 + 2.0 * head, 4.0 * head + chunk * vocab_local * 6.0
-        autocast = run.autocast and not fp32
-        # dw is saved from forward to backward; backward's scaled copy becomes the stored gradient
-        # only where none exists yet (one microbatch) and it is not sharded
-        copy = 4.0 * head if plan.microbatches > 1 or plan.zero >= 2 else 0.0
-        kept = tokens * d * 4.0 + 4.0 * head
-        return kept, copy + (c * head if autocast else 0.0) + chunk * vocab_local * (4.0 + (2.0 if autocast else 0.0))
+        kept, forward, backward = chunked_loss_bytes(stats, plan, run, mbs=mbs)
+        return kept, max(forward, backward)
     # without a vocabulary-parallel loss every tensor-parallel rank holds the all-gathered logits
     elems = tokens * vocab_local * (1 if run.loss_parallel else plan.tp)
     if run.fused_loss:
         return elems * 4.0, 0.0
     cached = elems * c if plan.pp > 1 else 0.0  # the pipeline schedule's forward cache holds the stage output
     return elems * 4.0 + cached, elems * 8.0
+
+
+def chunked_loss_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, *, mbs: int = 1) -> tuple[float, float, float]:
+    """(kept, forward, backward) bytes of the chunked loss (``Plan.chunked_loss``,
+    :mod:`shardwise.parallel.linear_ce`: the head and the cross-entropy ``C = N d / (V/t)`` tokens
+    at a time, each chunk's gradients computed in the loss's forward), as its code allocates them,
+    with ``N`` tokens, ``d`` hidden, ``V/t`` vocabulary rows on this rank, ``c`` the bytes of the
+    matmuls' dtype (autocast's or the weight's), ``p`` of the head's weight and input (4 over fp32
+    parameters, 2 under ``params16``):
+
+    - kept from the loss's forward to its backward: the head input's gradient ``dh`` (``p N d``)
+      and the weight's gradient ``dW`` (``p V/t d``);
+    - forward, beside them and every activation, at its busiest moment (a chunk's ``dW`` matmul):
+      the fp32 accumulator of ``dW`` where the saved one is 16-bit (``(4 - p) V/t d``), autocast's
+      16-bit copy of the weight (``c V/t d``), the chunk's fp32 logits and, in 16-bit compute, their
+      gradient's 16-bit copy (``(4 + 2) C V/t``), and that matmul's output ``G_c^T h_c``
+      (``c V/t d``, added into the fp32 accumulator as it is read);
+    - backward: the scaled copies it returns, ``dh`` and ``dW`` (``p (N d + V/t d)``).
+
+    No ``[N, V/t]`` tensor either way; the forward peak comes before this microbatch's other
+    gradients exist, the backward one as the first of them does."""
+    vocab_local = stats.logits_bytes / 2 / stats.seq / plan.tp
+    tokens, d = mbs * stats.seq, max(stats.hidden, 1)
+    chunk = max(1, min(tokens, math.ceil(tokens * d / max(vocab_local, 1))))
+    head = vocab_local * d
+    fp32 = plan.precision == "fp32"
+    p = 2.0 if run.precision == "16bit" and not fp32 else 4.0  # params16: 16-bit weights, dh and dW
+    c = 4.0 if fp32 else 2.0
+    cast = c * head if run.autocast and not fp32 else 0.0
+    logits = chunk * vocab_local * (4.0 + (2.0 if c == 2.0 else 0.0))
+    matmul = c * head
+    kept = p * (tokens * d + head)
+    return kept, (4.0 - p) * head + cast + logits + matmul, p * (tokens * d + head)
 
 
 def weight_copy_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, policy: StatePolicy) -> float:
