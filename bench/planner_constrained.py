@@ -39,8 +39,12 @@ from shardwise.plan.stats import transformer_stats  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", default=os.path.join(RESULTS, "planner_validation.json"), help="a planner_validation.py result")
-    ap.add_argument("--memory-mb", type=float, default=24.0, help="device memory the planner may assume (MiB; 90%% usable)")
+    ap.add_argument(
+        "--results", default=os.path.join(RESULTS, "planner_validation.json"), help="a planner_validation.py result"
+    )
+    ap.add_argument(
+        "--memory-mb", type=float, default=24.0, help="device memory the planner may assume (MiB; 90%% usable)"
+    )
     ap.add_argument("--trainer-rounds", type=int, default=5)
     ap.add_argument("--trainer-steps", type=int, default=6)
     args = ap.parse_args()
@@ -67,10 +71,13 @@ def main() -> int:
         return 2
     best = min(fitting, key=lambda r: r["measured_s"])
     overall = min(rows, key=lambda r: r["measured_s"])
-    print(f"budget {args.memory_mb:g} MiB ({0.9 * args.memory_mb:.1f} usable): {len(fitting)} of {len(rows)} measured plans fit and "
-          f"run in the Trainer; fastest of them {best['plan']} ({1e3 * best['measured_s']:.1f} ms in the sweep); "
-          f"unconstrained fastest {overall['plan']} ({overall['memory_mb']:.1f} MiB predicted: "
-          f"{'fits' if overall['fits'] else 'does not fit'})", flush=True)
+    print(
+        f"budget {args.memory_mb:g} MiB ({0.9 * args.memory_mb:.1f} usable): {len(fitting)} of {len(rows)} measured plans fit and "
+        f"run in the Trainer; fastest of them {best['plan']} ({1e3 * best['measured_s']:.1f} ms in the sweep); "
+        f"unconstrained fastest {overall['plan']} ({overall['memory_mb']:.1f} MiB predicted: "
+        f"{'fits' if overall['fits'] else 'does not fit'})",
+        flush=True,
+    )
     spec_path = os.path.join(RESULTS, "planner_constrained_cluster.json")
     budget.save(spec_path)
     os.environ["SHARDWISE_CACHE_DIR"] = tempfile.mkdtemp(prefix="shardwise-bench-cache-")

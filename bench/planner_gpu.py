@@ -90,7 +90,11 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--spec", default=None, help="also predict with this calibrated spec (shardwise calibrate --nproc 1 on this GPU)")
+    ap.add_argument(
+        "--spec",
+        default=None,
+        help="also predict with this calibrated spec (shardwise calibrate --nproc 1 on this GPU)",
+    )
     ap.add_argument("--out", default=os.path.join(HERE, "results", "planner_gpu.json"))
     args = ap.parse_args()
 
@@ -136,20 +140,36 @@ def main() -> int:
                 "time_ratio_measured_over_predicted": got["step_time_s"] / pred.step_time_s,
             }
             if calibrated is not None:
-                cal = estimate(stats, calibrated, Plan(recompute=recompute, precision=precision), global_batch=args.batch)
+                cal = estimate(
+                    stats, calibrated, Plan(recompute=recompute, precision=precision), global_batch=args.batch
+                )
                 row["predicted_calibrated"] = {"step_time_s": cal.step_time_s, "time": cal.time}
                 row["time_ratio_measured_over_calibrated"] = got["step_time_s"] / cal.step_time_s
             rows.append(row)
-            print(f"{precision} recompute={recompute:<5} states {sum(got['states'].values()) / 1e9:6.3f} GB "
-                  f"(pred {pred_states / 1e9:6.3f}, {100 * row['states_error']:+.1f}%)  activations "
-                  f"{got['activations'] / 1e9:6.3f} GB (pred {pred.memory['activations'] / 1e9:6.3f}, "
-                  f"{100 * row['activations_error']:+.1f}%)  peak {got['peak'] / 1e9:6.3f} GB (pred total "
-                  f"{pred.memory_total / 1e9:6.3f})  step {1e3 * got['step_time_s']:7.2f} ms (pred "
-                  f"{1e3 * pred.step_time_s:7.2f}, x{row['time_ratio_measured_over_predicted']:.2f}"
-                  + (f"; calibrated {1e3 * row['predicted_calibrated']['step_time_s']:7.2f}, "
-                     f"x{row['time_ratio_measured_over_calibrated']:.2f}" if calibrated is not None else "") + ")", flush=True)
-    out = {"device": name, "cluster": cluster.name, "config": cfg.__dict__, "batch": args.batch, "torch": torch.__version__,
-           "rows": rows}
+            print(
+                f"{precision} recompute={recompute:<5} states {sum(got['states'].values()) / 1e9:6.3f} GB "
+                f"(pred {pred_states / 1e9:6.3f}, {100 * row['states_error']:+.1f}%)  activations "
+                f"{got['activations'] / 1e9:6.3f} GB (pred {pred.memory['activations'] / 1e9:6.3f}, "
+                f"{100 * row['activations_error']:+.1f}%)  peak {got['peak'] / 1e9:6.3f} GB (pred total "
+                f"{pred.memory_total / 1e9:6.3f})  step {1e3 * got['step_time_s']:7.2f} ms (pred "
+                f"{1e3 * pred.step_time_s:7.2f}, x{row['time_ratio_measured_over_predicted']:.2f}"
+                + (
+                    f"; calibrated {1e3 * row['predicted_calibrated']['step_time_s']:7.2f}, "
+                    f"x{row['time_ratio_measured_over_calibrated']:.2f}"
+                    if calibrated is not None
+                    else ""
+                )
+                + ")",
+                flush=True,
+            )
+    out = {
+        "device": name,
+        "cluster": cluster.name,
+        "config": cfg.__dict__,
+        "batch": args.batch,
+        "torch": torch.__version__,
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump(out, fh, indent=2)

@@ -68,7 +68,9 @@ def cli_estimate(case: Case) -> tuple[Estimate, bool, bool]:
     """The published layout under shardwise's runtime, its options chosen by the search."""
     every = candidates(case.stats, case.cluster, global_batch=case.global_batch, options=cli_options(case))
     if not every:
-        raise ValueError(f"no plan matches {case.cli_fixed} on {case.cluster.devices} GPUs with global batch {case.global_batch}")
+        raise ValueError(
+            f"no plan matches {case.cli_fixed} on {case.cluster.devices} GPUs with global batch {case.global_batch}"
+        )
     return _pick(every, case.cluster)
 
 
@@ -81,7 +83,9 @@ def fixed_estimate(case: Case, params: dict[str, float] | None = None) -> tuple[
     options = fixed_options(case.fixed, base)
     every = candidates(case.stats, cluster, global_batch=case.global_batch, options=options)
     if not every:
-        raise ValueError(f"no plan matches {case.fixed} on {cluster.devices} GPUs with global batch {case.global_batch}")
+        raise ValueError(
+            f"no plan matches {case.fixed} on {cluster.devices} GPUs with global batch {case.global_batch}"
+        )
     est, fits, _ = _pick(every, cluster)
     return est, fits
 
@@ -99,7 +103,9 @@ def tps(est: Estimate, case: Case) -> float:
     return est.tokens_per_s / case.cluster.devices
 
 
-def evaluate(all_cases: list[Case], *, free: bool = True, free_params: dict[int, dict[str, float]] | None = None) -> list[dict[str, Any]]:
+def evaluate(
+    all_cases: list[Case], *, free: bool = True, free_params: dict[int, dict[str, float]] | None = None
+) -> list[dict[str, Any]]:
     """Every row: the headline (``--fixed``, CLI defaults) with the interval the CLI prints, the
     framework's policy and, with ``free``, the free search (with ``free_params[row index]``, the
     cross-validated numbers, when given; else the presets)."""
@@ -115,14 +121,29 @@ def evaluate(all_cases: list[Case], *, free: bool = True, free_params: dict[int,
             out.append({"index": case.index, "source": case.source, "label": case.label, "error": str(exc)})
             continue
         row: dict[str, Any] = {
-            "index": case.index, "source": case.source, "label": case.label, "fixed": case.cli_fixed, "formula": case.formula,
-            "gpu": case.cluster.name, "gpus": case.cluster.devices, "published_tps": case.published_tps,
-            "predicted_tps": tps(est, case), "ratio": tps(est, case) / case.published_tps, "fits": fits, "fits_usable": usable,
-            "memory_gb": est.memory_total / 1e9, "gpu_memory_gb": case.cluster.memory_bytes / 1e9, "plan": str(est.plan),
+            "index": case.index,
+            "source": case.source,
+            "label": case.label,
+            "fixed": case.cli_fixed,
+            "formula": case.formula,
+            "gpu": case.cluster.name,
+            "gpus": case.cluster.devices,
+            "published_tps": case.published_tps,
+            "predicted_tps": tps(est, case),
+            "ratio": tps(est, case) / case.published_tps,
+            "fits": fits,
+            "fits_usable": usable,
+            "memory_gb": est.memory_total / 1e9,
+            "gpu_memory_gb": case.cluster.memory_bytes / 1e9,
+            "plan": str(est.plan),
             "options": [k for k in ("params16", "chunked_loss", "sharded_accumulation") if getattr(est.plan, k)],
-            "mfu": est.mfu, "terms": dominant_terms(est, k=4),
-            "framework_fixed": case.fixed, "framework_tps": tps(framework, case), "framework_ratio": tps(framework, case) / case.published_tps,
-            "framework_fits": framework_fits, "framework_plan": str(framework.plan),
+            "mfu": est.mfu,
+            "terms": dominant_terms(est, k=4),
+            "framework_fixed": case.fixed,
+            "framework_tps": tps(framework, case),
+            "framework_ratio": tps(framework, case) / case.published_tps,
+            "framework_fits": framework_fits,
+            "framework_plan": str(framework.plan),
         }
         low, high, kind = interval(est, case.cluster)
         row.update({"interval_tps": [low / case.cluster.devices, high / case.cluster.devices], "interval_kind": kind,
@@ -150,10 +171,14 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     framework = [abs(r["framework_ratio"] - 1) for r in rows if "framework_ratio" in r]
     n = max(1, len(errs))
     return {
-        "runs": len(rows), "median_abs_error": statistics.median(errs) if errs else float("nan"),
-        "within_15": sum(e <= 0.15 for e in errs) / n, "within_25": sum(e <= 0.25 for e in errs) / n,
-        "fit_misses": sum(not r["fits"] for r in rows), "fit_misses_usable": sum(not r.get("fits_usable", r["fits"]) for r in rows),
-        "free_ratio_median": statistics.median(frees) if frees else float("nan"), "free_ratio_max": max(frees, default=float("nan")),
+        "runs": len(rows),
+        "median_abs_error": statistics.median(errs) if errs else float("nan"),
+        "within_15": sum(e <= 0.15 for e in errs) / n,
+        "within_25": sum(e <= 0.25 for e in errs) / n,
+        "fit_misses": sum(not r["fits"] for r in rows),
+        "fit_misses_usable": sum(not r.get("fits_usable", r["fits"]) for r in rows),
+        "free_ratio_median": statistics.median(frees) if frees else float("nan"),
+        "free_ratio_max": max(frees, default=float("nan")),
         "free_within_1.3": sum(f <= GAP for f in frees) / max(1, len(frees)),
         "framework_median_abs_error": statistics.median(framework) if framework else float("nan"),
         "framework_fit_misses": sum(not r.get("framework_fits", True) for r in rows),
@@ -170,25 +195,40 @@ def markdown(out: dict[str, Any]) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, s in cv.get("by_source", {}).items():
         free = cv.get("free", {}).get(name, {})
-        lines.append(f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | {s['median_ratio']:.2f} | "
-                     f"{100 * cv['coverage'].get(name, float('nan')):.0f}% | {free.get('median', float('nan')):.2f}, {free.get('max', float('nan')):.2f} | "
-                     f"{100 * free.get('within', float('nan')):.0f}% | {100 * cv['framework_by_source'][name]['median_abs_error']:.1f}% |")
-    lines += ["", "| source | runs | **in-sample**: median abs. error | within 15% | within 25% | predicted not to fit (whole memory / 90%) "
-              "| printed interval covers | framework policy: median error, not fit |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | {s['median_ratio']:.2f} | "
+            f"{100 * cv['coverage'].get(name, float('nan')):.0f}% | {free.get('median', float('nan')):.2f}, {free.get('max', float('nan')):.2f} | "
+            f"{100 * free.get('within', float('nan')):.0f}% | {100 * cv['framework_by_source'][name]['median_abs_error']:.1f}% |"
+        )
+    lines += [
+        "",
+        "| source | runs | **in-sample**: median abs. error | within 15% | within 25% | predicted not to fit (whole memory / 90%) "
+        "| printed interval covers | framework policy: median error, not fit |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, s in [*out["by_source"].items(), ("all", out["overall"])]:
-        lines.append(f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | "
-                     f"{100 * s['within_25']:.0f}% | {s['fit_misses']} / {s['fit_misses_usable']} | {100 * s['interval_coverage']:.0f}% | "
-                     f"{100 * s['framework_median_abs_error']:.1f}%, {s['framework_fit_misses']} |")
+        lines.append(
+            f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | "
+            f"{100 * s['within_25']:.0f}% | {s['fit_misses']} / {s['fit_misses_usable']} | {100 * s['interval_coverage']:.0f}% | "
+            f"{100 * s['framework_median_abs_error']:.1f}%, {s['framework_fit_misses']} |"
+        )
     return "\n".join(lines)
 
 
 def free_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in [*sorted({r["source"] for r in rows}), "all"]:
-        frees = [r["free_over_best_published"] for r in rows if "free_over_best_published" in r and name in ("all", r["source"])]
+        frees = [
+            r["free_over_best_published"]
+            for r in rows
+            if "free_over_best_published" in r and name in ("all", r["source"])
+        ]
         if frees:
-            out[name] = {"median": statistics.median(frees), "max": max(frees), "within": sum(f <= GAP for f in frees) / len(frees)}
+            out[name] = {
+                "median": statistics.median(frees),
+                "max": max(frees),
+                "within": sum(f <= GAP for f in frees) / len(frees),
+            }
     return out
 
 
@@ -201,8 +241,13 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 6))
     for source in sorted({r["source"] for r in rows}):
         sel = [r for r in rows if r["source"] == source]
-        dots = ax.scatter([r["published_tps"] for r in sel], [r["predicted_tps"] for r in sel], s=18, label=f"{source} ({len(sel)})",
-                          marker="o" if all(r["fits"] for r in sel) else "x")
+        dots = ax.scatter(
+            [r["published_tps"] for r in sel],
+            [r["predicted_tps"] for r in sel],
+            s=18,
+            label=f"{source} ({len(sel)})",
+            marker="o" if all(r["fits"] for r in sel) else "x",
+        )
         ax.scatter([r["published_tps"] for r in sel], [r["framework_tps"] for r in sel], s=10, facecolors="none",
                    edgecolors=dots.get_facecolor(), linewidths=0.6)
     lo = min(min(r["published_tps"], r["predicted_tps"]) for r in rows) / 1.5
@@ -213,8 +258,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("published tokens/s per GPU")
     ax.set_ylabel("predicted tokens/s per GPU (published layout)")
-    ax.set_title("shardwise plan --fixed vs published runs (filled: CLI defaults;\nhollow: the framework's policy; dotted: +-15%)",
-                 fontsize=9)
+    ax.set_title(
+        "shardwise plan --fixed vs published runs (filled: CLI defaults;\nhollow: the framework's policy; dotted: +-15%)",
+        fontsize=9,
+    )
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -222,34 +269,49 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def _print_cv(cv: dict[str, Any]) -> None:
-    print("leave-one-source-out cross-validation (the per-chip numbers refitted without each source, that source predicted; "
-          "headline = shardwise plan --fixed <published layout>):")
-    print(f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'ratio':>6} {'in int.':>7} {'free med':>8} {'max':>5} {'<=1.3x':>6} "
-          f"{'framework':>9}  numbers used")
+    print(
+        "leave-one-source-out cross-validation (the per-chip numbers refitted without each source, that source predicted; "
+        "headline = shardwise plan --fixed <published layout>):"
+    )
+    print(
+        f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'ratio':>6} {'in int.':>7} {'free med':>8} {'max':>5} {'<=1.3x':>6} "
+        f"{'framework':>9}  numbers used"
+    )
     for name, s in cv["by_source"].items():
         free = cv.get("free", {}).get(name, {})
-        params = "; ".join(f"{chip}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items()) for chip, p in cv["params"].get(name, {}).items())
-        print(f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% {s['median_ratio']:>6.2f} "
-              f"{100 * cv['coverage'].get(name, float('nan')):>6.0f}% {free.get('median', float('nan')):>8.2f} {free.get('max', float('nan')):>5.2f} "
-              f"{100 * free.get('within', float('nan')):>5.0f}% {100 * cv['framework_by_source'][name]['median_abs_error']:>8.1f}%  {params}")
+        params = "; ".join(
+            f"{chip}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items())
+            for chip, p in cv["params"].get(name, {}).items()
+        )
+        print(
+            f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% {s['median_ratio']:>6.2f} "
+            f"{100 * cv['coverage'].get(name, float('nan')):>6.0f}% {free.get('median', float('nan')):>8.2f} {free.get('max', float('nan')):>5.2f} "
+            f"{100 * free.get('within', float('nan')):>5.0f}% {100 * cv['framework_by_source'][name]['median_abs_error']:>8.1f}%  {params}"
+        )
     print("intervals (published / predicted, 5%-95% of the held-out residuals per kind): "
           + "; ".join(f"{k} {v['low']:.2f}-{v['high']:.2f} ({v['runs']})" for k, v in cv["intervals"].items()))
     if cv.get("carried"):
-        print("carried over, not cross-validated (one source measured the chip; its intervals widened both ways by the largest "
-              "factor a held-out prediction of it was off by): " + "; ".join(f"{k} {v['factor']:.2f}x ({v['runs']} runs)"
-                                                                             for k, v in cv["carried"].items()))
+        print(
+            "carried over, not cross-validated (one source measured the chip; its intervals widened both ways by the largest "
+            "factor a held-out prediction of it was off by): "
+            + "; ".join(f"{k} {v['factor']:.2f}x ({v['runs']} runs)" for k, v in cv["carried"].items())
+        )
     for key, ab in cv.get("ablation", {}).items():
         how = "fitted instead of held at" if ab.get("fitted") else "held instead of fitted, at"
-        print(f"ablation: {key} {how} {ab['prior']}: cross-validated median |err| {100 * ab['median_abs_error']:.1f}% "
-              f"(framework policy {100 * ab['framework_median_abs_error']:.1f}%) vs {100 * cv['by_source']['all']['median_abs_error']:.1f}% "
-              f"({100 * cv['framework_by_source']['all']['median_abs_error']:.1f}%) fitted")
+        print(
+            f"ablation: {key} {how} {ab['prior']}: cross-validated median |err| {100 * ab['median_abs_error']:.1f}% "
+            f"(framework policy {100 * ab['framework_median_abs_error']:.1f}%) vs {100 * cv['by_source']['all']['median_abs_error']:.1f}% "
+            f"({100 * cv['framework_by_source']['all']['median_abs_error']:.1f}%) fitted"
+        )
 
 
 def _fit_all(items: list[Any]) -> dict[str, Any]:
     """``--fit``: each chip's numbers fitted on all its runs, printed beside the presets'."""
     out = {}
     for chip, params in fit_chips(items).items():
-        preset = preset_params(next(it.case.cluster for it in items if CHIPS.get(it.case.cluster.name, it.case.cluster.name) == chip))
+        preset = preset_params(
+            next(it.case.cluster for it in items if CHIPS.get(it.case.cluster.name, it.case.cluster.name) == chip)
+        )
         runs = sum(CHIPS.get(it.case.cluster.name, it.case.cluster.name) == chip for it in items)
         out[chip] = {"runs": runs, "params": params, "preset": preset}
         print(f"fit {chip} on {runs} runs: " + ", ".join(f"{k} {v:.3f}" for k, v in params.items())
@@ -259,11 +321,19 @@ def _fit_all(items: list[Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", default=DATA, help="published runs (JSON list of rows; default: bench/data/published_throughput.json)")
+    ap.add_argument(
+        "--runs", default=DATA, help="published runs (JSON list of rows; default: bench/data/published_throughput.json)"
+    )
     ap.add_argument("--out", default=RESULTS, help="directory for planner_published.json / .png")
     ap.add_argument("--name", default="planner_published", help="file stem of the outputs")
-    ap.add_argument("--no-cv", action="store_true", help="skip the leave-one-source-out cross-validation (the free search then uses the presets)")
-    ap.add_argument("--no-ablation", action="store_true", help="cross-validate without the ablations of each fitted number")
+    ap.add_argument(
+        "--no-cv",
+        action="store_true",
+        help="skip the leave-one-source-out cross-validation (the free search then uses the presets)",
+    )
+    ap.add_argument(
+        "--no-ablation", action="store_true", help="cross-validate without the ablations of each fitted number"
+    )
     ap.add_argument("--fit", action="store_true", help="fit the per-chip numbers on all runs and print them")
     ap.add_argument("--rows", action="store_true", help="print every row")
     ap.add_argument("--no-free", action="store_true", help="skip the free search")
@@ -280,12 +350,18 @@ def main(argv: list[str] | None = None) -> int:
             items.append(item_of(c))
         except ValueError:
             pass  # reported by evaluate() below
-    out: dict[str, Any] = {"runs_file": os.path.relpath(args.runs, os.path.dirname(HERE)) if args.runs.startswith(os.path.dirname(HERE)) else args.runs}
+    out: dict[str, Any] = {
+        "runs_file": os.path.relpath(args.runs, os.path.dirname(HERE))
+        if args.runs.startswith(os.path.dirname(HERE))
+        else args.runs
+    }
     free_params: dict[int, dict[str, float]] = {}
     if not args.no_cv and items:
         cv = cross_validate(items, ablate=not args.no_ablation)
         for it in items:
-            free_params[it.case.index] = cv["params"][it.case.source].get(CHIPS.get(it.case.cluster.name, it.case.cluster.name), {})
+            free_params[it.case.index] = cv["params"][it.case.source].get(
+                CHIPS.get(it.case.cluster.name, it.case.cluster.name), {}
+            )
         out["cv"] = cv
     evaluated = evaluate(usable, free=not args.no_free, free_params=free_params)
     elapsed = time.perf_counter() - start
@@ -293,24 +369,38 @@ def main(argv: list[str] | None = None) -> int:
     skipped += [Skip(r["index"], r["source"], r["label"], r["error"]) for r in evaluated if "error" in r]
     by_source = {s: summary([r for r in rows if r["source"] == s]) for s in sorted({r["source"] for r in rows})}
     total = summary(rows)
-    out.update({"overall": total, "by_source": by_source, "rows": rows, "skipped": [s.__dict__ for s in skipped], "seconds": elapsed})
+    out.update(
+        {
+            "overall": total,
+            "by_source": by_source,
+            "rows": rows,
+            "skipped": [s.__dict__ for s in skipped],
+            "seconds": elapsed,
+        }
+    )
     if "cv" in out:
         out["cv"]["free"] = free_summary(rows)
-    print(f"{len(rows)} runs ({len(skipped)} skipped) from {args.runs if args.runs != DATA else 'bench/data/published_throughput.json'}, "
-          f"{elapsed:.1f} s")
+    print(
+        f"{len(rows)} runs ({len(skipped)} skipped) from {args.runs if args.runs != DATA else 'bench/data/published_throughput.json'}, "
+        f"{elapsed:.1f} s"
+    )
     if "cv" in out:
         _print_cv(out["cv"])
     print("in-sample (the presets' numbers, fitted on all these runs):")
     if args.rows:
         for r in rows:
             free = f" free {r['free_over_best_published']:.2f}x" if "free_over_best_published" in r else ""
-            print(f"{r['index']:>3} {r['ratio']:6.2f} {'fit ' if r['fits'] else 'OOM '} {r['memory_gb']:6.1f}/{r['gpu_memory_gb']:.0f} GB"
-                  f" (framework {r['framework_ratio']:.2f}) {'in ' if r['in_interval'] else 'OUT'} {r['interval_kind']}{free}  {r['label']}  | {r['plan']}")
-    head = (f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'<=25%':>6} {'no fit':>6} {'>90%':>5} {'in int.':>7} {'framework':>9}")
+            print(
+                f"{r['index']:>3} {r['ratio']:6.2f} {'fit ' if r['fits'] else 'OOM '} {r['memory_gb']:6.1f}/{r['gpu_memory_gb']:.0f} GB"
+                f" (framework {r['framework_ratio']:.2f}) {'in ' if r['in_interval'] else 'OUT'} {r['interval_kind']}{free}  {r['label']}  | {r['plan']}"
+            )
+    head = f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'<=25%':>6} {'no fit':>6} {'>90%':>5} {'in int.':>7} {'framework':>9}"
     print(head)
     for name, s in [*by_source.items(), ("all", total)]:
-        print(f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% {100 * s['within_25']:>5.0f}% "
-              f"{s['fit_misses']:>6} {s['fit_misses_usable']:>5} {100 * s['interval_coverage']:>6.0f}% {100 * s['framework_median_abs_error']:>8.1f}%")
+        print(
+            f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% {100 * s['within_25']:>5.0f}% "
+            f"{s['fit_misses']:>6} {s['fit_misses_usable']:>5} {100 * s['interval_coverage']:>6.0f}% {100 * s['framework_median_abs_error']:>8.1f}%"
+        )
     gaps = [r for r in rows if "why" in r]
     if gaps:
         print(f"free search > {GAP}x the published layout ({len(gaps)} runs):")

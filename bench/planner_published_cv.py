@@ -35,7 +35,15 @@ from shardwise.plan.cost import Estimate, estimate
 from shardwise.plan.search import SearchOptions, candidates, fixed_options
 from shardwise.plan.uncertainty import QUANTILES, band, bounded, kind_keys
 
-CHIPS = {"a100-40gb": "A100", "a100-80gb": "A100", "a800": "A100", "h100": "H100", "h200": "H100", "h800": "H100", "v100": "V100"}
+CHIPS = {
+    "a100-40gb": "A100",
+    "a100-80gb": "A100",
+    "a800": "A100",
+    "h100": "H100",
+    "h200": "H100",
+    "h800": "H100",
+    "v100": "V100",
+}
 GRID = {"gemm": [0.55 + 0.025 * i for i in range(17)], "attention": [0.15 + 0.025 * i for i in range(23)],
         "overlap": [0.0 + 0.1 * i for i in range(11)]}
 # What each number is without fitting: a large GEMM's measured fraction of the A100's peak,
@@ -70,12 +78,16 @@ def preset_params(cluster: ClusterSpec) -> dict[str, float]:
 
 def cli_options(case: Case) -> SearchOptions:
     """``shardwise plan --fixed <published layout>`` with nothing else set (the whole memory counts)."""
-    options = fixed_options(case.cli_fixed or case.fixed, SearchOptions(precision=case.precision, headroom=0.0, top=1, hsdp=True))
+    options = fixed_options(
+        case.cli_fixed or case.fixed, SearchOptions(precision=case.precision, headroom=0.0, top=1, hsdp=True)
+    )
     return replace(options, recompute=case.cli_recompute) if case.cli_recompute else options
 
 
 def framework_options(case: Case) -> SearchOptions:
-    base = SearchOptions(precision=case.precision, headroom=0.0, top=1, policy=case.policy, run=case.run, hsdp=True, runtime_options=())
+    base = SearchOptions(
+        precision=case.precision, headroom=0.0, top=1, policy=case.policy, run=case.run, hsdp=True, runtime_options=()
+    )
     return fixed_options(case.fixed, base)
 
 
@@ -92,7 +104,9 @@ class Item:
 def _shortlist(case: Case, options: SearchOptions) -> tuple[Estimate, ...]:
     every = candidates(case.stats, case.cluster, global_batch=case.global_batch, options=options)
     if not every:
-        raise ValueError(f"no plan matches {case.cli_fixed or case.fixed} on {case.cluster.devices} GPUs with global batch {case.global_batch}")
+        raise ValueError(
+            f"no plan matches {case.cli_fixed or case.fixed} on {case.cluster.devices} GPUs with global batch {case.global_batch}"
+        )
     fitting = [e for e in every if e.fits]
     return tuple(fitting[:SHORTLIST]) if fitting else (min(every, key=lambda e: e.memory_total),)
 
@@ -107,8 +121,21 @@ def predict(item: Item, params: dict[str, float] | None, *, framework: bool = Fa
     cluster = with_params(case.cluster, params)
     options = framework_options(case) if framework else cli_options(case)
     plans: list[Plan] = [e.plan for e in (item.framework if framework else item.cli)]
-    ests = [bounded(estimate(case.stats, cluster, p, global_batch=case.global_batch, policy=options.policy, headroom=0.0, run=options.run),
-                    cluster) for p in plans]
+    ests = [
+        bounded(
+            estimate(
+                case.stats,
+                cluster,
+                p,
+                global_batch=case.global_batch,
+                policy=options.policy,
+                headroom=0.0,
+                run=options.run,
+            ),
+            cluster,
+        )
+        for p in plans
+    ]
     return min(ests, key=lambda e: e.step_time_s)
 
 
@@ -174,8 +201,15 @@ def loso(items: list[Item], *, hold: dict[str, float] | None = None) -> dict[str
             params = fitted.get(chip) or {**preset_params(it.case.cluster), **(HELD if hold is None else hold)}
             used[chip] = params
             est = predict(it, params)
-            rows.append({"index": it.case.index, "source": source, "ratio": est.tokens_per_s / it.case.cluster.devices / it.case.published_tps,
-                         "framework_ratio": ratio(it, params, framework=True), "kinds": kind_keys(est.plan, it.case.cluster)})
+            rows.append(
+                {
+                    "index": it.case.index,
+                    "source": source,
+                    "ratio": est.tokens_per_s / it.case.cluster.devices / it.case.published_tps,
+                    "framework_ratio": ratio(it, params, framework=True),
+                    "kinds": kind_keys(est.plan, it.case.cluster),
+                }
+            )
         params_by_source[source] = used
     return {"rows": rows, "params": params_by_source}
 
@@ -205,8 +239,15 @@ def intervals(rows: list[dict[str, Any]], *, minimum: int = 8) -> dict[str, dict
         for key in r["kinds"]:
             by_kind.setdefault(key, []).append(1.0 / r["ratio"] / bias[r["source"]])
     lo_q, hi_q = QUANTILES
-    return {k: {"low": round(_quantile(v, lo_q) * lo_shift, 3), "high": round(_quantile(v, hi_q) * hi_shift, 3), "runs": len(v)}
-            for k, v in sorted(by_kind.items()) if len(v) >= minimum or k == "all"}
+    return {
+        k: {
+            "low": round(_quantile(v, lo_q) * lo_shift, 3),
+            "high": round(_quantile(v, hi_q) * hi_shift, 3),
+            "runs": len(v),
+        }
+        for k, v in sorted(by_kind.items())
+        if len(v) >= minimum or k == "all"
+    }
 
 
 def carried(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -243,8 +284,12 @@ def summarize(rows: list[dict[str, Any]], key: str = "ratio") -> dict[str, Any]:
     for source in [*sorted({r["source"] for r in rows}), "all"]:
         errs = [abs(r[key] - 1) for r in rows if source == "all" or r["source"] == source]
         ratios = [r[key] for r in rows if source == "all" or r["source"] == source]
-        out[source] = {"runs": len(errs), "median_abs_error": statistics.median(errs), "within_15": sum(e <= 0.15 for e in errs) / len(errs),
-                       "median_ratio": statistics.median(ratios)}
+        out[source] = {
+            "runs": len(errs),
+            "median_abs_error": statistics.median(errs),
+            "within_15": sum(e <= 0.15 for e in errs) / len(errs),
+            "median_ratio": statistics.median(ratios),
+        }
     return out
 
 
@@ -262,10 +307,32 @@ def cross_validate(items: list[Item], *, ablate: bool = True) -> dict[str, Any]:
         for key, prior in PRIORS.items():
             hold = {k: v for k, v in HELD.items() if k != key} if key in HELD else {**HELD, key: prior}
             held = loso(items, hold=hold)["rows"]
-            out["ablation"][key] = {"prior": prior, "fitted": key in HELD, "median_abs_error": summarize(held)["all"]["median_abs_error"],
-                                    "framework_median_abs_error": summarize(held, "framework_ratio")["all"]["median_abs_error"]}
+            out["ablation"][key] = {
+                "prior": prior,
+                "fitted": key in HELD,
+                "median_abs_error": summarize(held)["all"]["median_abs_error"],
+                "framework_median_abs_error": summarize(held, "framework_ratio")["all"]["median_abs_error"],
+            }
     return out
 
 
-__all__ = ["CHIPS", "Item", "carried", "chip_of", "cli_options", "coverage", "cross_validate", "fit", "fit_chips", "framework_options", "intervals",
-           "item_of", "loso", "predict", "preset_params", "ratio", "summarize", "with_params"]
+__all__ = [
+    "CHIPS",
+    "Item",
+    "carried",
+    "chip_of",
+    "cli_options",
+    "coverage",
+    "cross_validate",
+    "fit",
+    "fit_chips",
+    "framework_options",
+    "intervals",
+    "item_of",
+    "loso",
+    "predict",
+    "preset_params",
+    "ratio",
+    "summarize",
+    "with_params",
+]

@@ -80,7 +80,9 @@ def year_of(row: dict[str, Any]) -> int | None:
 
 
 def _text(row: dict[str, Any]) -> str:
-    return " ".join(str(row.get(k) or "") for k in ("source", "model", "precision", "fsdp_or_zero", "recompute", "notes", "gpu"))
+    return " ".join(
+        str(row.get(k) or "") for k in ("source", "model", "precision", "fsdp_or_zero", "recompute", "notes", "gpu")
+    )
 
 
 # -- hardware -------------------------------------------------------------------------------------
@@ -116,7 +118,12 @@ def cluster_of(row: dict[str, Any]) -> ClusterSpec | str:
         # SXM and NVL" (docs/performance.md): the midpoint of the SXM's 989 and the NVL's 835 dense
         # bf16 TFLOP/s (NVIDIA H100 NVL datasheet), and the same share of the FP8 peak
         scale = (H100_NVL_BF16 + spec.peak("bf16")) / 2 / spec.peak("bf16")
-        spec = replace(spec, peak_flops={k: v * scale if k in ("bf16", "fp16", "fp8", "tf32") else v for k, v in spec.peak_flops.items()})
+        spec = replace(
+            spec,
+            peak_flops={
+                k: v * scale if k in ("bf16", "fp16", "fp8", "tf32") else v for k, v in spec.peak_flops.items()
+            },
+        )
     return spec
 
 
@@ -140,10 +147,20 @@ def stats_of(row: dict[str, Any], *, cp: int = 1) -> ModelStats:
     bloom = "bloom" in name
     dropout = ("megatron" in text and "gpt" in name and eager) and not bloom
     shape = TransformerShape(
-        layers=int(row["layers"]), hidden=h, heads=heads, vocab_size=int(row["vocab"]), seq_len=int(row["seq"]), ffn=ffn,
-        kv_heads=kv if kv != heads else 0, dropout=0.1 if dropout else 0.0, tied_embeddings=mpt or bloom or ("megatron" in text and not llama_like),
-        bias=not (llama_like or mpt), learned_positions=not (llama_like or bloom), attention="eager" if eager else "fused",
-        separate_qkv=llama_like, name=str(row.get("model", "")),
+        layers=int(row["layers"]),
+        hidden=h,
+        heads=heads,
+        vocab_size=int(row["vocab"]),
+        seq_len=int(row["seq"]),
+        ffn=ffn,
+        kv_heads=kv if kv != heads else 0,
+        dropout=0.1 if dropout else 0.0,
+        tied_embeddings=mpt or bloom or ("megatron" in text and not llama_like),
+        bias=not (llama_like or mpt),
+        learned_positions=not (llama_like or bloom),
+        attention="eager" if eager else "fused",
+        separate_qkv=llama_like,
+        name=str(row.get("model", "")),
     )
     s = int(row["seq"])
     if cp > 1:  # a sample is a 1/cp slice of a sequence, attending to all of it
@@ -214,14 +231,19 @@ def published_tokens_per_gpu(row: dict[str, Any], stats: ModelStats, peak: float
     if metric in ("iteration_time_s", "step_time_s"):
         return gb * s / (value * gpus), "global batch x seq / (iteration time x GPUs)"
     megatron_hw = 96.0 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))  # per token, full recompute counted
-    megatron_model = 72.0 * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))  # Korthikanti app. A, no recompute
+    megatron_model = (
+        72.0 * layers * h * h * (1 + s / (6 * h) + v / (12 * layers * h))
+    )  # Korthikanti app. A, no recompute
     six_n = 6.0 * stats.params_total + 12.0 * layers * h * s
     if metric == "hw_tflops_per_gpu_incl_recompute":
         return value * 1e12 / megatron_hw, "TFLOP/s / (96 l h^2 (1 + s/6h + V/16lh)) (Narayanan et al. 2021)"
     if metric in ("mfu_pct", "mfu"):
         frac = value / 100 if metric == "mfu_pct" else value
         if "Appendix-A" in notes or "72" in notes or "Korthikanti" in str(row.get("source")):
-            return frac * peak / megatron_model, "MFU x peak / (72 l h^2 (1 + s/6h + V/12lh)) (Korthikanti et al. 2022 app. A)"
+            return (
+                frac * peak / megatron_model,
+                "MFU x peak / (72 l h^2 (1 + s/6h + V/12lh)) (Korthikanti et al. 2022 app. A)",
+            )
         return frac * peak / six_n, "MFU x peak / (6 N + 12 l h s)"
     if metric in ("model_tflops_per_gpu", "tflops_per_gpu"):
         return value * 1e12 / six_n, "TFLOP/s / (6 N + 12 l h s)"
@@ -238,7 +260,11 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
     text = _text(row)
     low = text.lower()
     stats = stats_of(row, cp=cp)
-    precision = "fp16" if re.search(r"\bfp16\b", str(row.get("precision"))) and "bf16" not in str(row.get("precision")) else "bf16"
+    precision = (
+        "fp16"
+        if re.search(r"\bfp16\b", str(row.get("precision"))) and "bf16" not in str(row.get("precision"))
+        else "bf16"
+    )
     tps = published_tokens_per_gpu(row, stats, cluster.peak("bf16"))
     if isinstance(tps, str):
         return Skip(index, source, label, tps)
@@ -257,9 +283,18 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
     year = year_of(row)
     recent = year is not None and year >= 2023  # Megatron-LM, NeMo and torchtitan turn it on with TP
     sequence_parallel = tp > 1 and (says_sp or "torchtitan" in low or "async tp" in low or (recent and not denies_sp))
-    keys: dict[str, Any] = {"tp": tp, "pp": pp, "zero": zero, "recompute": recompute, "sequence_parallel": sequence_parallel}
+    keys: dict[str, Any] = {
+        "tp": tp,
+        "pp": pp,
+        "zero": zero,
+        "recompute": recompute,
+        "sequence_parallel": sequence_parallel,
+    }
     if zero and re.search(r"hybrid|hsdp", low):
-        keys["shard"], keys["dp"] = min(dp, cluster.devices_per_node // tp), dp // min(dp, cluster.devices_per_node // tp)
+        keys["shard"], keys["dp"] = (
+            min(dp, cluster.devices_per_node // tp),
+            dp // min(dp, cluster.devices_per_node // tp),
+        )
     elif zero:
         keys["shard"], keys["dp"] = dp, 1
     else:
@@ -280,11 +315,21 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
     notes = str(row.get("notes") or "").lower()
     fp8 = bool(re.search(r"float8|fp8", str(row.get("precision") or "").lower()))
     async_tp = "async tp" in fields or bool(re.search(r"optimizations?( column)?:[^.]*async tp", notes))
-    run = RunPolicy.sixteen_bit(selective=selective, grad_reduce_overlap=not framework_old, linear_dtype="fp8" if fp8 else "",
-                                async_tp=async_tp, zero3_unit="linear" if "deepspeed" in low and zero == 3 else "block",
-                                context_parallel=cp, sp_saves_shard="megatron" in low,
-                                fused_grad_accumulation="megatron" in low and year is not None and year >= 2022)
-    policy = StatePolicy.torch("bf16", reduce_bytes=2.0 if "pure" in low else 4.0) if zero >= 2 or "fsdp" in low else StatePolicy.megatron()
+    run = RunPolicy.sixteen_bit(
+        selective=selective,
+        grad_reduce_overlap=not framework_old,
+        linear_dtype="fp8" if fp8 else "",
+        async_tp=async_tp,
+        zero3_unit="linear" if "deepspeed" in low and zero == 3 else "block",
+        context_parallel=cp,
+        sp_saves_shard="megatron" in low,
+        fused_grad_accumulation="megatron" in low and year is not None and year >= 2022,
+    )
+    policy = (
+        StatePolicy.torch("bf16", reduce_bytes=2.0 if "pure" in low else 4.0)
+        if zero >= 2 or "fsdp" in low
+        else StatePolicy.megatron()
+    )
     fixed = ",".join(f"{k}={str(v).lower()}" for k, v in keys.items())
     cli = dict(keys)
     cli_recompute: tuple[str, ...] = ()
@@ -300,9 +345,23 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
     cli_fixed = ",".join(f"{k}={str(v).lower()}" for k, v in cli.items())
     setup = (stats.name, int(row["seq"]), str(row.get("gpu")), cluster.devices, gb)
     label = f"{row.get('model')} s{row['seq']} {cluster.devices}x{cluster.name} {fixed}"
-    return Case(index=index, source=source, label=label, stats=stats, cluster=cluster, global_batch=gb, fixed=fixed, run=run,
-                policy=policy, precision=precision, published_tps=tps[0], formula=tps[1], setup=setup, cli_fixed=cli_fixed,
-                cli_recompute=cli_recompute)
+    return Case(
+        index=index,
+        source=source,
+        label=label,
+        stats=stats,
+        cluster=cluster,
+        global_batch=gb,
+        fixed=fixed,
+        run=run,
+        policy=policy,
+        precision=precision,
+        published_tps=tps[0],
+        formula=tps[1],
+        setup=setup,
+        cli_fixed=cli_fixed,
+        cli_recompute=cli_recompute,
+    )
 
 
 
@@ -314,8 +373,14 @@ def cases(rows: list[dict[str, Any]]) -> list[Case | Skip]:
         try:
             out.append(case_of(i, row))
         except (ConfigError, KeyError, TypeError, ValueError) as exc:
-            out.append(Skip(i, source_of(row) if isinstance(row, dict) else "unknown", str(row.get("model", "?")) if isinstance(row, dict) else "?",
-                            f"cannot map the row: {exc}"))
+            out.append(
+                Skip(
+                    i,
+                    source_of(row) if isinstance(row, dict) else "unknown",
+                    str(row.get("model", "?")) if isinstance(row, dict) else "?",
+                    f"cannot map the row: {exc}",
+                )
+            )
     return out
 
 

@@ -170,10 +170,16 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--trainer-rounds", type=int, default=None,
-                    help="interleaved rounds of Trainer(plan='auto') vs the best plan (default 5; with --reuse: keep the stored ones unless given)")
+    ap.add_argument(
+        "--trainer-rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds of Trainer(plan='auto') vs the best plan (default 5; with --reuse: keep the stored ones unless given)",
+    )
     ap.add_argument("--trainer-steps", type=int, default=6, help="timed Trainer steps per run (after 2 warm-up steps)")
-    ap.add_argument("--reuse", default=None, help="a previous results JSON: re-predict its measurements (e.g. with a new --spec)")
+    ap.add_argument(
+        "--reuse", default=None, help="a previous results JSON: re-predict its measurements (e.g. with a new --spec)"
+    )
     args = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
 
@@ -215,7 +221,9 @@ def main() -> int:
         else:
             pred = estimate(stats, cluster, Plan.parse(text), global_batch=args.global_batch, policy=policy)
             want = {k: pred.memory[k] for k in ("params", "grads", "optimizer")}
-            row.update(predicted=want, measured=got, rel_error=(sum(got.values()) - sum(want.values())) / sum(want.values()))
+            row.update(
+                predicted=want, measured=got, rel_error=(sum(got.values()) - sum(want.values())) / sum(want.values())
+            )
         memory_rows.append(row)
         print(f"memory {text:<26} " + (f"predicted {sum(row['predicted'].values()) / 1e6:7.3f} MB  measured "
               f"{sum(row['measured'].values()) / 1e6:7.3f} MB  error {100 * row['rel_error']:+5.1f}%"
@@ -230,7 +238,9 @@ def main() -> int:
 
     rows.sort(key=lambda r: r["measured_s"])
     for r in rows:
-        print(f"time {r['plan']:<45} predicted {1e3 * r['predicted_s']:9.1f} ms  measured {1e3 * r['measured_s']:9.1f} ms")
+        print(
+            f"time {r['plan']:<45} predicted {1e3 * r['predicted_s']:9.1f} ms  measured {1e3 * r['measured_s']:9.1f} ms"
+        )
     for text, err in errors.items():
         print(f"time {text:<45} not measured: {err}")
     rho = spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]) if len(rows) > 1 else float("nan")
@@ -249,9 +259,13 @@ def main() -> int:
     else:
         trainer = {}
     summary = {
-        "spearman": rho, "plans_measured": len(rows), "plans_not_measured": len(errors),
-        "predicted_best": pred_best and pred_best["plan"], "measured_best": meas_best and meas_best["plan"],
-        "predicted_best_measured_s": pred_best and pred_best["measured_s"], "measured_best_s": meas_best and meas_best["measured_s"],
+        "spearman": rho,
+        "plans_measured": len(rows),
+        "plans_not_measured": len(errors),
+        "predicted_best": pred_best and pred_best["plan"],
+        "measured_best": meas_best and meas_best["plan"],
+        "predicted_best_measured_s": pred_best and pred_best["measured_s"],
+        "measured_best_s": meas_best and meas_best["measured_s"],
         "predicted_best_gap": pred_best and pred_best["measured_s"] / meas_best["measured_s"] - 1,
         "predicted_best_within_10pct": within,
         "memory_max_abs_error": max((abs(r["rel_error"]) for r in memory_rows if "rel_error" in r), default=None),
@@ -263,19 +277,35 @@ def main() -> int:
             summary[f"trainer_{name}_within_10pct"] = trainer[name]["ratio_to_best"] <= 1.10
     print(f"\nSpearman rank correlation (predicted vs measured step time, {len(rows)} plans): {rho:.3f}")
     if pred_best:
-        print(f"predicted best {pred_best['plan']}: measured {1e3 * pred_best['measured_s']:.1f} ms vs measured best "
-              f"{meas_best['plan']} {1e3 * meas_best['measured_s']:.1f} ms ({100 * summary['predicted_best_gap']:+.1f}%) "
-              f"-> within 10%: {within}")
-    for name, what in (("auto", "its own measurement of this machine (the default)"), ("auto_preset", "the cpu preset")):
+        print(
+            f"predicted best {pred_best['plan']}: measured {1e3 * pred_best['measured_s']:.1f} ms vs measured best "
+            f"{meas_best['plan']} {1e3 * meas_best['measured_s']:.1f} ms ({100 * summary['predicted_best_gap']:+.1f}%) "
+            f"-> within 10%: {within}"
+        )
+    for name, what in (
+        ("auto", "its own measurement of this machine (the default)"),
+        ("auto_preset", "the cpu preset"),
+    ):
         if name in trainer:
             t = trainer[name]
-            print(f"Trainer(plan='auto') with {what} chose {t['plan']}: median {1e3 * t['median_s']:.1f} ms in the Trainer's loop, "
-                  f"{t['ratio_to_best']:.3f} x the best plan in the same loop ({1e3 * trainer['best_median_s']:.1f} ms) "
-                  f"-> within 10%: {t['ratio_to_best'] <= 1.10}")
+            print(
+                f"Trainer(plan='auto') with {what} chose {t['plan']}: median {1e3 * t['median_s']:.1f} ms in the Trainer's loop, "
+                f"{t['ratio_to_best']:.3f} x the best plan in the same loop ({1e3 * trainer['best_median_s']:.1f} ms) "
+                f"-> within 10%: {t['ratio_to_best'] <= 1.10}"
+            )
     print(f"memory: largest |error| {100 * (summary['memory_max_abs_error'] or 0):.1f}% over "
           f"{sum('rel_error' in r for r in memory_rows)} measured plans")
-    out = {"summary": summary, "cluster": cluster.to_dict(), "config": config, "global_batch": args.global_batch,
-           "memory": memory_rows, "time": rows, "not_measured": errors, "trainer": trainer, "seconds": time.time() - started}
+    out = {
+        "summary": summary,
+        "cluster": cluster.to_dict(),
+        "config": config,
+        "global_batch": args.global_batch,
+        "memory": memory_rows,
+        "time": rows,
+        "not_measured": errors,
+        "trainer": trainer,
+        "seconds": time.time() - started,
+    }
     with open(os.path.join(RESULTS, "planner_validation.json"), "w") as fh:
         json.dump(out, fh, indent=2)
     plot(out, os.path.join(RESULTS, "planner_validation.png"))
@@ -303,8 +333,10 @@ def plot(out: dict, path: str) -> None:
         ax1.set_yscale("log")
         ax1.legend()
     s = out["summary"]
-    ax1.set_title(f"step time, 4 Gloo processes: Spearman {s['spearman']:.2f}, predicted best within 10%: {s['predicted_best_within_10pct']}",
-                  fontsize=9)
+    ax1.set_title(
+        f"step time, 4 Gloo processes: Spearman {s['spearman']:.2f}, predicted best within 10%: {s['predicted_best_within_10pct']}",
+        fontsize=9,
+    )
     ax1.set_xlabel("predicted (ms)")
     ax1.set_ylabel("measured median (ms)")
     mem = [r for r in out["memory"] if "predicted" in r]

@@ -51,7 +51,11 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "src"))
 
 SEQ, HIDDEN, LAYERS, HEADS, BATCH = 128, 128, 2, 4, 8
-LAYOUTS = {"zero=3": ("zero=3,shard=2", 2), "tp=2": ("tp=2", 1), "pp=2": ("pp=2,microbatches=2,schedule=1f1b", 1)}  # plan, accumulation
+LAYOUTS = {
+    "zero=3": ("zero=3,shard=2", 2),
+    "tp=2": ("tp=2", 1),
+    "pp=2": ("pp=2,microbatches=2,schedule=1f1b", 1),
+}  # plan, accumulation
 
 
 def options_of(layout: str) -> list[tuple[str, str]]:
@@ -69,7 +73,9 @@ def build_model(model: str, vocab: int) -> Any:
         return GPT(GPTConfig(vocab_size=vocab, seq_len=SEQ, layers=LAYERS, hidden=HIDDEN, heads=HEADS), seed=0)
     from shardwise.models import hf
 
-    return hf.build_causal_lm(hf.tiny_config("llama", vocab=vocab, hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=2, seq=SEQ), seed=0)
+    return hf.build_causal_lm(
+        hf.tiny_config("llama", vocab=vocab, hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=2, seq=SEQ), seed=0
+    )
 
 
 def model_stats(model: str, vocab: int) -> Any:
@@ -80,7 +86,9 @@ def model_stats(model: str, vocab: int) -> Any:
         return transformer_stats(GPTConfig(vocab_size=vocab, seq_len=SEQ, layers=LAYERS, hidden=HIDDEN, heads=HEADS))
     from shardwise.models import hf
 
-    return hf.stats_of_config(hf.tiny_config("llama", vocab=vocab, hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=2, seq=SEQ), seq=SEQ)
+    return hf.stats_of_config(
+        hf.tiny_config("llama", vocab=vocab, hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=2, seq=SEQ), seq=SEQ
+    )
 
 
 def _loss(output: Any, targets: Any) -> Any:
@@ -220,10 +228,17 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--models", default="gpt,llama")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="measure only these layouts (';'-separated or ','-separated keys of "
-                        "the layout table); the rows of the others are kept from bench/results/runtime_options.json")
-    parser.add_argument("--repredict", action="store_true",
-                        help="keep the measurements of bench/results/runtime_options.json, predict again (after a planner change)")
+    parser.add_argument(
+        "--layouts",
+        default=",".join(LAYOUTS),
+        help="measure only these layouts (';'-separated or ','-separated keys of "
+        "the layout table); the rows of the others are kept from bench/results/runtime_options.json",
+    )
+    parser.add_argument(
+        "--repredict",
+        action="store_true",
+        help="keep the measurements of bench/results/runtime_options.json, predict again (after a planner change)",
+    )
     args = parser.parse_args()
     path = os.path.join(RESULTS, "runtime_options.json")
     if args.repredict:
@@ -256,16 +271,31 @@ def main() -> int:
                         got["rounds"].append([r["peak"]["total"] for r in ranks])
                         if max(got["rounds"][-1]) >= max(max(x) for x in got["rounds"]):  # the busiest round so far
                             got["peak"] = ranks[0]["peak"]
-                        print(f"{model} {layout} {label}: {times[label][-1] * 1e3:.0f} ms/step, peak {max(got['rounds'][-1]) / 2**20:.1f} MiB",
-                              flush=True)
+                        print(
+                            f"{model} {layout} {label}: {times[label][-1] * 1e3:.0f} ms/step, peak {max(got['rounds'][-1]) / 2**20:.1f} MiB",
+                            flush=True,
+                        )
                 for label, suffix in runs:
                     got = peaks[label]
-                    rows.append({"model": model, "layout": layout, "option": label, "plan_text": plan + suffix, "plan": got["plan"],
-                                 "accumulation": accumulation, "step_time_s": statistics.median(times[label]),
-                                 "step_times_s": times[label], "measured_peak_bytes": max(max(x) for x in got["rounds"]),
-                                 "measured_rank_peaks": [max(x[i] for x in got["rounds"]) for i in range(len(got["rounds"][0]))],
-                                 "measured_round_peaks": got["rounds"], "measured_rank0": got["peak"],
-                                 "baseline": "fp32" if label.startswith("fp32") else "bf16"})
+                    rows.append(
+                        {
+                            "model": model,
+                            "layout": layout,
+                            "option": label,
+                            "plan_text": plan + suffix,
+                            "plan": got["plan"],
+                            "accumulation": accumulation,
+                            "step_time_s": statistics.median(times[label]),
+                            "step_times_s": times[label],
+                            "measured_peak_bytes": max(max(x) for x in got["rounds"]),
+                            "measured_rank_peaks": [
+                                max(x[i] for x in got["rounds"]) for i in range(len(got["rounds"][0]))
+                            ],
+                            "measured_round_peaks": got["rounds"],
+                            "measured_rank0": got["peak"],
+                            "baseline": "fp32" if label.startswith("fp32") else "bf16",
+                        }
+                    )
     finally:
         pool.close()
     command = f"bench/runtime_options.py --vocab {args.vocab} --repeats {args.repeats} --steps {args.steps} --models {args.models}"
@@ -297,17 +327,33 @@ def finish(rows: list[dict[str, Any]], *, command: str, vocab: int, path: str) -
         r["predicted_time_ratio"] = r["predicted"]["step_time_s"] / base["predicted"]["step_time_s"]
         r["measured_memory_ratio"] = r["measured_peak_bytes"] / base["measured_peak_bytes"]
         r["predicted_memory_ratio"] = r["predicted"]["total"] / base["predicted"]["total"]
-    out = {"command": command, "shape": {"seq": SEQ, "hidden": HIDDEN, "layers": LAYERS, "heads": HEADS, "vocab": vocab, "global_batch": BATCH},
-           "within_10_percent": sum(abs(r["predicted_over_measured"] - 1) <= 0.10 for r in rows), "configurations": len(rows), "rows": rows}
+    out = {
+        "command": command,
+        "shape": {
+            "seq": SEQ,
+            "hidden": HIDDEN,
+            "layers": LAYERS,
+            "heads": HEADS,
+            "vocab": vocab,
+            "global_batch": BATCH,
+        },
+        "within_10_percent": sum(abs(r["predicted_over_measured"] - 1) <= 0.10 for r in rows),
+        "configurations": len(rows),
+        "rows": rows,
+    }
     os.makedirs(RESULTS, exist_ok=True)
     with open(path, "w") as fh:
         json.dump(out, fh, indent=2)
-    print(f"\n{'model':6s} {'layout':7s} {'option':27s} {'peak MiB':>9s} {'pred MiB':>9s} {'pred/meas':>9s} {'ms/step':>8s} "
-          f"{'time x':>7s} {'pred x':>7s} {'mem x':>6s} {'pred x':>6s}")
+    print(
+        f"\n{'model':6s} {'layout':7s} {'option':27s} {'peak MiB':>9s} {'pred MiB':>9s} {'pred/meas':>9s} {'ms/step':>8s} "
+        f"{'time x':>7s} {'pred x':>7s} {'mem x':>6s} {'pred x':>6s}"
+    )
     for r in rows:
-        print(f"{r['model']:6s} {r['layout']:7s} {r['option']:27s} {r['measured_peak_bytes'] / 2**20:9.1f} {r['predicted']['total'] / 2**20:9.1f} "
-              f"{r['predicted_over_measured']:9.2f} {r['step_time_s'] * 1e3:8.0f} {r['measured_time_ratio']:7.2f} {r['predicted_time_ratio']:7.2f} "
-              f"{r['measured_memory_ratio']:6.2f} {r['predicted_memory_ratio']:6.2f}")
+        print(
+            f"{r['model']:6s} {r['layout']:7s} {r['option']:27s} {r['measured_peak_bytes'] / 2**20:9.1f} {r['predicted']['total'] / 2**20:9.1f} "
+            f"{r['predicted_over_measured']:9.2f} {r['step_time_s'] * 1e3:8.0f} {r['measured_time_ratio']:7.2f} {r['predicted_time_ratio']:7.2f} "
+            f"{r['measured_memory_ratio']:6.2f} {r['predicted_memory_ratio']:6.2f}"
+        )
     print(f"memory within 10% of the prediction: {out['within_10_percent']} of {len(rows)}")
     _plot(rows)
 
@@ -326,14 +372,25 @@ def _plot(rows: list[dict[str, Any]]) -> None:
     for ax, model in zip(axes[:, 0], models):
         mine = [r for r in rows if r["model"] == model]
         xs = range(len(mine))
-        ax.bar([x - 0.2 for x in xs], [r["measured_peak_bytes"] / 2**20 for r in mine], width=0.4, label="measured peak")
+        ax.bar(
+            [x - 0.2 for x in xs], [r["measured_peak_bytes"] / 2**20 for r in mine], width=0.4, label="measured peak"
+        )
         ax.bar([x + 0.2 for x in xs], [r["predicted"]["total"] / 2**20 for r in mine], width=0.4, label="predicted")
         for x, r in zip(xs, mine):
-            ax.text(x, r["measured_peak_bytes"] / 2**20, f"{r['measured_time_ratio']:.2f}x", ha="center", va="bottom", fontsize=7)
+            ax.text(
+                x,
+                r["measured_peak_bytes"] / 2**20,
+                f"{r['measured_time_ratio']:.2f}x",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"{r['layout']}\n{r['option']}" for r in mine], rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("MiB per rank (busiest)")
-        ax.set_title(f"{model}: peak memory per rank, measured vs predicted (labels: step time vs the layout's baseline)")
+        ax.set_title(
+            f"{model}: peak memory per rank, measured vs predicted (labels: step time vs the layout's baseline)"
+        )
         ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "runtime_options.png"), dpi=110)

@@ -24,12 +24,16 @@ def machine_spec_twice() -> dict:
     middle = time.perf_counter()
     second = machine_spec(env)
     end = time.perf_counter()
-    path = cache_path(env.settings.cache_dir, world_size=env.world_size, device_type="cpu", threads=torch.get_num_threads())
+    path = cache_path(
+        env.settings.cache_dir, world_size=env.world_size, device_type="cpu", threads=torch.get_num_threads()
+    )
     return {"first": first.to_dict(), "second": second.to_dict(), "first_s": middle - start, "second_s": end - middle,
             "path": path, "exists": os.path.exists(path)}
 
 
-@pytest.mark.slow_allowed(seconds=150, why="plan='auto' measures the whole machine once (about 45 s on two idle cores), then reads the cache")
+@pytest.mark.slow_allowed(
+    seconds=150, why="plan='auto' measures the whole machine once (about 45 s on two idle cores), then reads the cache"
+)
 @pytest.mark.timeout(480)
 def test_machine_spec_is_measured_in_the_world_and_then_read_from_the_cache(dist2) -> None:
     results = dist2.run(machine_spec_twice, timeout_s=420)  # a whole calibration, then the cache

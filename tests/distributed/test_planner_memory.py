@@ -18,12 +18,21 @@ BATCH = 8
 
 def predicted(plan_text: str) -> dict[str, float]:
     plan = Plan.parse(plan_text)
-    est = estimate(transformer_stats(SPEC), resolve("cpu", devices=4), plan, global_batch=BATCH, policy=StatePolicy.torch("fp32", "adam"))
+    est = estimate(
+        transformer_stats(SPEC),
+        resolve("cpu", devices=4),
+        plan,
+        global_batch=BATCH,
+        policy=StatePolicy.torch("fp32", "adam"),
+    )
     return {k: est.memory[k] for k in ("params", "grads", "optimizer")}
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("plan_text", ["dp=4", "zero=1,dp=4", "zero=2,dp=4", "zero=3,dp=4", "tp=4", "zero=3,dp=2,tp=2", "pp=2,dp=2,microbatches=2"])
+@pytest.mark.parametrize(
+    "plan_text",
+    ["dp=4", "zero=1,dp=4", "zero=2,dp=4", "zero=3,dp=4", "tp=4", "zero=3,dp=2,tp=2", "pp=2,dp=2,microbatches=2"],
+)
 def test_model_state_memory_within_10_percent(dist4, plan_text: str) -> None:
     results = dist4.run(measure_plan_worker, plan_text, CONFIG, global_batch=BATCH, steps=1, warmup=0)
     got = results[0]

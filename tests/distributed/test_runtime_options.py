@@ -38,7 +38,9 @@ def test_chunked_loss_and_sharded_accumulation_on_2(dist2) -> None:
         Run("cp=2,chunked_loss"),  # each rank's zig-zag chunks: other tokens, other valid counts
         Run("zero=3,shard=2,sharded_accumulation", accumulation=2),
         Run("zero=2,shard=2,sharded_accumulation,chunked_loss", accumulation=2),
-        Run("tp=2,chunked_loss", loss_parallel=True),  # training is the same without loss_parallel; evaluation's logits differ
+        Run(
+            "tp=2,chunked_loss", loss_parallel=True
+        ),  # training is the same without loss_parallel; evaluation's logits differ
         Run("tp=2,sp,chunked_loss"),
         Run("pp=2,microbatches=2,schedule=gpipe,chunked_loss"),
         Run("pp=2,microbatches=2,chunked_loss"),
@@ -54,7 +56,9 @@ class TiedLlama:
     def build(self, seed: int) -> nn.Module:
         from shardwise.models import hf
 
-        return Wrapper(hf.build_causal_lm(hf.tiny_config("llama", vocab=96, layers=2, tie_word_embeddings=True), seed=seed))
+        return Wrapper(
+            hf.build_causal_lm(hf.tiny_config("llama", vocab=96, layers=2, tie_word_embeddings=True), seed=seed)
+        )
 
     def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         return GPTWorkload(shape=GPTConfig(vocab_size=96, seq_len=16, layers=1, hidden=8, heads=1)).batch(step, size)
@@ -114,7 +118,12 @@ def train_params16(plan: str, steps: int = 4) -> dict:
     masters = {str(p.dtype) for group in trainer.optimizer.param_groups for p in group["params"]}
     weights = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().float().clone()
                for k, v in get_model_state_dict(trainer.model.module).items()}
-    return {"losses": [row["loss"] for row in trainer.history if "loss" in row], "weights": weights, "seen": seen, "masters": masters}
+    return {
+        "losses": [row["loss"] for row in trainer.history if "loss" in row],
+        "weights": weights,
+        "seen": seen,
+        "masters": masters,
+    }
 
 
 def test_params16_on_2_equals_one_process_at_bf16_tolerance(pools) -> None:
@@ -125,7 +134,9 @@ def test_params16_on_2_equals_one_process_at_bf16_tolerance(pools) -> None:
     nearly the same weights, at 1e-3. Measured: 8e-3 and 2e-5. Why over 30 s: 5 Trainer runs (one
     process, 3 plans on 2, a 1-step contrast), each building its model and process-group wrappers."""
     ref = pools(1).run(train_params16, "precision=bf16,params16")[0]
-    assert ref["seen"] == {"residual": "torch.bfloat16", "weight": "torch.bfloat16"} and ref["masters"] == {"torch.float32"}
+    assert ref["seen"] == {"residual": "torch.bfloat16", "weight": "torch.bfloat16"} and ref["masters"] == {
+        "torch.float32"
+    }
     for plan in ("zero=3,precision=bf16,params16", "dp=2,precision=bf16,params16", "tp=2,precision=bf16,params16"):
         got = pools(2).run(train_params16, plan)[0]
         assert got["seen"] == ref["seen"] and got["masters"] == {"torch.float32"}, (plan, got["seen"], got["masters"])
@@ -134,7 +145,10 @@ def test_params16_on_2_equals_one_process_at_bf16_tolerance(pools) -> None:
             diff = float((got["weights"][key] - want).abs().max() / want.abs().max().clamp_min(1e-2))
             assert diff < 2e-2, (plan, key, diff)
     plain = pools(2).run(train_params16, "dp=2,precision=bf16", steps=1)[0]
-    assert plain["seen"] == {"residual": "torch.float32", "weight": "torch.float32"}  # autocast over fp32: what params16 changes
+    assert plain["seen"] == {
+        "residual": "torch.float32",
+        "weight": "torch.float32",
+    }  # autocast over fp32: what params16 changes
 
 
 def grads_after_one_micro_batch(plan_text: str) -> dict:
@@ -163,7 +177,9 @@ def unsharded_grads_in_second_microbatch(plan_text: str) -> int:
     plan = Plan.parse(plan_text)
     pm = parallelize(GPT(SHAPE, seed=0), plan, build_mesh(plan, "cpu"), loss_fn=_gpt_loss)
     seen: list[int] = []
-    pm.module.register_forward_pre_hook(lambda module, args: seen.append(sum(p.grad is not None for p in module.parameters())))
+    pm.module.register_forward_pre_hook(
+        lambda module, args: seen.append(sum(p.grad is not None for p in module.parameters()))
+    )
     x, y = WORKLOAD.batch(0, 4)
     pm.pipeline.step(x, y)
     return seen[-1] if pm.pipeline.has_last else -1
@@ -184,9 +200,13 @@ def test_sharded_accumulation_reduce_scatters_every_micro_batch(dist2) -> None:
 def test_runtime_options_on_4(dist4) -> None:
     # why over 30 s: 4 processes on 2 cores; the layouts that need 4 (HSDP, dp x tp, tp x pp, pp x zero=3)
     runs = [
-        Run("zero=3,dp=2,shard=2,sharded_accumulation", accumulation=2),  # HSDP: reduce-scatter now, all-reduce at the boundary
+        Run(
+            "zero=3,dp=2,shard=2,sharded_accumulation", accumulation=2
+        ),  # HSDP: reduce-scatter now, all-reduce at the boundary
         Run("dp=2,tp=2,chunked_loss", loss_parallel=True),
         Run("tp=2,pp=2,microbatches=2,chunked_loss"),
-        Run("pp=2,zero=3,shard=2,microbatches=2,sharded_accumulation", accumulation=2),  # a reduce-scatter per pipeline microbatch
+        Run(
+            "pp=2,zero=3,shard=2,microbatches=2,sharded_accumulation", accumulation=2
+        ),  # a reduce-scatter per pipeline microbatch
     ]
     _check(dist4.run(parity_worker, WORKLOAD, runs, Training(steps=3))[0])

@@ -17,8 +17,18 @@ from shardwise.plan.compute import FP8_CAST_BYTES, fp8_gemm_time, gemm_time
 from shardwise.plan.cost import estimate
 from shardwise.plan.stats import TransformerSpec, transformer_stats
 
-LLAMA_8B = TransformerSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab_size=128256, seq_len=8192, bias=False,
-                           learned_positions=False, separate_qkv=True)
+LLAMA_8B = TransformerSpec(
+    layers=32,
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    ffn=14336,
+    vocab_size=128256,
+    seq_len=8192,
+    bias=False,
+    learned_positions=False,
+    separate_qkv=True,
+)
 
 
 def _linear_speedup(cluster: object, m: int, k: int, n: int, recipe: str = "tensorwise") -> float:
@@ -54,11 +64,16 @@ def test_fp8_plans_convert_the_block_linears_only() -> None:
     assert fp8.detail["compute_attention"] == bf16.detail["compute_attention"]  # attention stays bf16
     assert fp8.detail["compute_head"] == bf16.detail["compute_head"]  # so does the LM head
     assert fp8.memory["activations"] == pytest.approx(bf16.memory["activations"])  # torchao saves the 16-bit tensors
-    assert fp8.mfu > bf16.mfu and fp8.mfu == pytest.approx(bf16.mfu * bf16.step_time_s / fp8.step_time_s)  # against the bf16 peak
+    assert fp8.mfu > bf16.mfu and fp8.mfu == pytest.approx(
+        bf16.mfu * bf16.step_time_s / fp8.step_time_s
+    )  # against the bf16 peak
     # a layer whose shape is not a multiple of 16 stays bf16: nothing converts at hidden 1000
     odd = transformer_stats(TransformerSpec(layers=4, hidden=1000, heads=8, ffn=4000, vocab_size=32000, seq_len=2048))
-    assert (estimate(odd, cluster, Plan(precision="fp8", params16=True), global_batch=1).detail["compute_gemm"]
-            == pytest.approx(estimate(odd, cluster, Plan(precision="bf16", params16=True), global_batch=1).detail["compute_gemm"]))
+    assert estimate(odd, cluster, Plan(precision="fp8", params16=True), global_batch=1).detail[
+        "compute_gemm"
+    ] == pytest.approx(
+        estimate(odd, cluster, Plan(precision="bf16", params16=True), global_batch=1).detail["compute_gemm"]
+    )
 
 
 def test_fsdp_gathers_fp8_weights_for_tensorwise_only() -> None:
@@ -70,10 +85,14 @@ def test_fsdp_gathers_fp8_weights_for_tensorwise_only() -> None:
     bf16 = estimate(stats, cluster, plan, global_batch=16)
     tensorwise = estimate(stats, cluster, replace(plan, precision="fp8"), global_batch=16)
     rowwise = estimate(stats, cluster, replace(plan, precision="fp8", fp8_recipe="rowwise"), global_batch=16)
-    assert tensorwise.detail["dp_comm"] < 0.85 * bf16.detail["dp_comm"] and rowwise.detail["dp_comm"] == pytest.approx(bf16.detail["dp_comm"])
+    assert tensorwise.detail["dp_comm"] < 0.85 * bf16.detail["dp_comm"] and rowwise.detail["dp_comm"] == pytest.approx(
+        bf16.detail["dp_comm"]
+    )
     block = stats.params_per_block
     lin = 1 - stats.replicated_per_block / block
-    assert bf16.memory["buffers"] - tensorwise.memory["buffers"] == pytest.approx(2 * block * lin, rel=1e-6)  # two gathered blocks
+    assert bf16.memory["buffers"] - tensorwise.memory["buffers"] == pytest.approx(
+        2 * block * lin, rel=1e-6
+    )  # two gathered blocks
     assert rowwise.step_time_s > tensorwise.step_time_s
 
 
@@ -83,7 +102,27 @@ def test_the_search_considers_fp8_where_the_device_has_it(capsys: pytest.Capture
     assert auto_plan(spec, world_size=64, cluster="h100", global_batch=64).plan.precision == "fp8"
     assert auto_plan(spec, world_size=64, cluster="h100", global_batch=64, precision="bf16").plan.precision == "bf16"
     assert auto_plan(spec, world_size=64, cluster="a100-80gb", global_batch=64).plan.precision == "bf16"
-    assert main(["plan", "--model", "gpt3-1.3b", "--devices", "8", "--device-type", "h100", "--precision", "fp8", "--top", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "gpt3-1.3b",
+                "--devices",
+                "8",
+                "--device-type",
+                "h100",
+                "--precision",
+                "fp8",
+                "--top",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "precision=fp8" in capsys.readouterr().out
-    assert main(["plan", "--model", "gpt3-1.3b", "--devices", "8", "--device-type", "a100-80gb", "--precision", "fp8"]) == 2
+    assert (
+        main(["plan", "--model", "gpt3-1.3b", "--devices", "8", "--device-type", "a100-80gb", "--precision", "fp8"])
+        == 2
+    )
     assert "needs FP8 tensor cores" in capsys.readouterr().err

@@ -56,7 +56,10 @@ def test_zero_paper_table_1_from_the_command_line(capsys: pytest.CaptureFixture)
 
     cells = 0
     for (psi, n), published in sorted(ZERO_TABLE.items()):
-        assert main(["plan", "--params", f"{psi:g}", "--devices", str(n), "--memory-convention", "zero-paper", "--json"]) == 0
+        assert (
+            main(["plan", "--params", f"{psi:g}", "--devices", str(n), "--memory-convention", "zero-paper", "--json"])
+            == 0
+        )
         got = json.loads(capsys.readouterr().out)["model_states_gb"]
         for stage, want in enumerate(published):
             assert got[f"zero={stage}"] == pytest.approx(want, rel=6e-3, abs=6e-3), (psi, n, stage)
@@ -126,7 +129,9 @@ def test_activation_terms_reproduce_korthikanti_eq1() -> None:
     """Eager attention with dropout and ffn = 4h: s h (34 + 5 a s / h) bytes per layer and sample;
     fused attention without dropout (the default): 32 s h, nothing quadratic in s."""
     s, h, a = 2048, 12288, 96
-    paper = transformer_stats(TransformerSpec(layers=2, hidden=h, heads=a, vocab_size=1000, seq_len=s, attention="eager", dropout=True))
+    paper = transformer_stats(
+        TransformerSpec(layers=2, hidden=h, heads=a, vocab_size=1000, seq_len=s, attention="eager", dropout=True)
+    )
     assert paper.act_bytes_per_block == pytest.approx(s * h * (34 + 5 * a * s / h))
     assert paper.attn_act_bytes_per_block == pytest.approx(5 * a * s * s)
     fused = transformer_stats(TransformerSpec(layers=2, hidden=h, heads=a, vocab_size=1000, seq_len=s))
@@ -151,14 +156,18 @@ def test_activations_match_the_measurement_on_an_h200() -> None:
         est = estimate(stats, cluster, Plan(precision=row["precision"]), global_batch=recorded["batch"])
         measured = row["measured"]
         assert sum(measured["states"].values()) == pytest.approx(est.model_state_bytes, rel=1e-6)
-        held = recorded["batch"] * stats.logits_bytes / 2 * (2 if row["precision"] == "bf16" else 4)  # the bench's `out`
+        held = (
+            recorded["batch"] * stats.logits_bytes / 2 * (2 if row["precision"] == "bf16" else 4)
+        )  # the bench's `out`
         assert measured["activations"] == pytest.approx(est.memory["activations"] + held, rel=0.05), row["precision"]
 
 
 def test_estimate_zero_stages_shrink_states_and_cost_communication() -> None:
     stats = transformer_stats(_small())
     cluster = _cluster(8)
-    ests = [estimate(stats, cluster, Plan(dp=8) if z == 0 else Plan(zero=z, shard=8), global_batch=64) for z in range(4)]
+    ests = [
+        estimate(stats, cluster, Plan(dp=8) if z == 0 else Plan(zero=z, shard=8), global_batch=64) for z in range(4)
+    ]
     states = [e.model_state_bytes for e in ests]
     assert states[0] > states[1] > states[2] == states[3]
     assert states[0] == pytest.approx(16 * stats.params_total)
@@ -175,7 +184,11 @@ def test_activation_memory_by_schedule_and_recompute() -> None:
 
     # GPipe keeps all 16 microbatches in flight, 1F1B at most p = 4
     assert acts(schedule="gpipe") > 3.5 * acts(schedule="1f1b")
-    assert acts(schedule="1f1b", recompute="none") > acts(schedule="1f1b", recompute="selective") > acts(schedule="1f1b", recompute="full")
+    assert (
+        acts(schedule="1f1b", recompute="none")
+        > acts(schedule="1f1b", recompute="selective")
+        > acts(schedule="1f1b", recompute="full")
+    )
     times = [estimate(stats, cluster, Plan(pp=4, microbatches=16, recompute=r), global_batch=64).time["compute"]
              for r in ("none", "selective", "full")]
     assert times[0] < times[1] < times[2]
@@ -198,7 +211,9 @@ def test_analytic_stats_match_the_builtin_gpt() -> None:
 
     cfg = GPTConfig(layers=3, hidden=64, heads=4, vocab_size=96, seq_len=32)
     analytic = transformer_stats(cfg)
-    measured = measure_module(lambda: GPT(cfg), lambda d: torch.zeros(1, cfg.seq_len, dtype=torch.long, device=d), seq=cfg.seq_len)
+    measured = measure_module(
+        lambda: GPT(cfg), lambda d: torch.zeros(1, cfg.seq_len, dtype=torch.long, device=d), seq=cfg.seq_len
+    )
     assert analytic.params_total == measured.params_total == cfg.param_count()
     assert analytic.params_per_block == measured.params_per_block
     assert analytic.flops_per_sample == pytest.approx(measured.flops_per_sample, rel=1e-9)
@@ -251,7 +266,9 @@ def test_oversubscribed_hosts_hide_the_bubble_in_shared_cores() -> None:
     plan = Plan(pp=4, microbatches=4)
     assert estimate(stats, shared, plan, global_batch=16).time["bubble"] == 0.0
     dedicated = estimate(stats, base, plan, global_batch=16)
-    assert dedicated.time["bubble"] / (dedicated.time["bubble"] + dedicated.detail["microbatch"] * 4) == pytest.approx(3 / 7)
+    assert dedicated.time["bubble"] / (dedicated.time["bubble"] + dedicated.detail["microbatch"] * 4) == pytest.approx(
+        3 / 7
+    )
     # with one microbatch the critical path still dominates: (1 + 3) t / 2 - t = t of bubble
     one = estimate(stats, shared, Plan(pp=4, microbatches=1, schedule="gpipe"), global_batch=4)
     assert one.time["bubble"] == pytest.approx(one.detail["microbatch"])
@@ -271,7 +288,9 @@ def test_measured_parallel_layer_costs_replace_the_per_operator_estimates() -> N
     assert bw == pytest.approx(2 * 3 / 4 * boundary / base.intra_bw)
     tp = replace(base, tp_layer_overhead_s=0.01)
     est = estimate(stats, tp, Plan(tp=4, microbatches=2), global_batch=2)
-    logits = tp.collective_time("all_gather", stats.logits_bytes * 2.0, 4, latency=False)  # the head's output, gathered for the loss
+    logits = tp.collective_time(
+        "all_gather", stats.logits_bytes * 2.0, 4, latency=False
+    )  # the head's output, gathered for the loss
     assert est.detail["tp_comm"] == pytest.approx(2 * (stats.blocks * (4 * bw + 0.01) + 2 * bw + logits))
     assert est.detail["tp_comm"] != estimate(stats, base, Plan(tp=4, microbatches=2), global_batch=2).detail["tp_comm"]
     # ZeRO-3: one fixed cost per unit (blocks + root) and microbatch on top of the bytes
@@ -282,7 +301,10 @@ def test_measured_parallel_layer_costs_replace_the_per_operator_estimates() -> N
     assert got - bytes_only == pytest.approx(2 * (stats.blocks + 1) * 0.02)
     # the ZeRO-2 figure applies to stage 2 only
     z2 = replace(base, zero2_unit_overhead_s=0.02)
-    assert estimate(stats, z2, plan, global_batch=8).detail["dp_comm"] == estimate(stats, base, plan, global_batch=8).detail["dp_comm"]
+    assert (
+        estimate(stats, z2, plan, global_batch=8).detail["dp_comm"]
+        == estimate(stats, base, plan, global_batch=8).detail["dp_comm"]
+    )
 
 
 def test_parameter_tensor_count_matches_the_builtin_gpt() -> None:
@@ -300,7 +322,10 @@ def test_parameter_tensor_count_matches_the_builtin_gpt() -> None:
 
     more = replace(small, tensors_outer=small.tensors_outer + 10)
     plan = Plan(zero=1, shard=4)
-    gap = estimate(more, cluster, plan, global_batch=4).detail["dp_comm"] - estimate(small, cluster, plan, global_batch=4).detail["dp_comm"]
+    gap = (
+        estimate(more, cluster, plan, global_batch=4).detail["dp_comm"]
+        - estimate(small, cluster, plan, global_batch=4).detail["dp_comm"]
+    )
     assert gap == pytest.approx(10 * cluster.collective_time("broadcast", 1.0, 4))
 
 
@@ -377,7 +402,9 @@ def test_step_time_with_a_spec_calibrated_on_an_h200_matches_the_measurement() -
         measured = row["measured"]["step_time_s"]
         predicted = estimate(stats, spec, plan, global_batch=recorded["batch"]).step_time_s
         assert 0.8 < measured / predicted < 1.25, (row["precision"], row["recompute"], measured, predicted)
-        preset_errors.append(measured / estimate(stats, resolve("h200", devices=1), plan, global_batch=recorded["batch"]).step_time_s)
+        preset_errors.append(
+            measured / estimate(stats, resolve("h200", devices=1), plan, global_batch=recorded["batch"]).step_time_s
+        )
     assert max(preset_errors) > 1.5  # why calibrating matters
 
 

@@ -18,8 +18,18 @@ from shardwise.plan.policy import RunPolicy
 from shardwise.plan.stats import TransformerSpec, transformer_stats
 
 SIXTEEN = RunPolicy.sixteen_bit()
-LLAMA_8B = TransformerSpec(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab_size=128256, seq_len=8192, bias=False,
-                           learned_positions=False, separate_qkv=True)
+LLAMA_8B = TransformerSpec(
+    layers=32,
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    ffn=14336,
+    vocab_size=128256,
+    seq_len=8192,
+    bias=False,
+    learned_positions=False,
+    separate_qkv=True,
+)
 
 
 def _gpt(**kw: object) -> TransformerSpec:
@@ -69,7 +79,10 @@ def test_logits_and_the_fp32_loss_copy_are_counted_once() -> None:
     plan = Plan(precision="bf16")
     assert logits_bytes(stats, plan, SIXTEEN) == (pytest.approx(4 * elems), 0.0)
     assert logits_bytes(stats, plan, RunPolicy.shardwise()) == (pytest.approx(4 * elems), pytest.approx(8 * elems))
-    assert logits_bytes(stats, Plan(), RunPolicy.shardwise()) == (pytest.approx(4 * elems), pytest.approx(8 * elems))  # fp32 too
+    assert logits_bytes(stats, Plan(), RunPolicy.shardwise()) == (
+        pytest.approx(4 * elems),
+        pytest.approx(8 * elems),
+    )  # fp32 too
     # on the last pipeline stage the schedule's forward cache also holds the (16-bit) logits
     assert logits_bytes(stats, Plan(pp=2, precision="bf16"), RunPolicy.shardwise())[0] == pytest.approx(6 * elems)
     cluster = resolve("h100", devices=1)
@@ -99,7 +112,13 @@ def test_zero3_holds_one_unit_and_its_prefetched_successor() -> None:
     block, root = stats.params_per_block, stats.params_embed + stats.params_head
     assert est.memory["buffers"] == pytest.approx(2 * 2 * block + 4 * block + 2 * root)
     # DeepSpeed's ZeRO-3 fetches per module: the largest weight matrix and the prefetched next one
-    deepspeed = estimate(stats, cluster, Plan(zero=3, shard=8, precision="bf16"), global_batch=8, run=replace(SIXTEEN, zero3_unit="linear"))
+    deepspeed = estimate(
+        stats,
+        cluster,
+        Plan(zero=3, shard=8, precision="bf16"),
+        global_batch=8,
+        run=replace(SIXTEEN, zero3_unit="linear"),
+    )
     linear = 1024 * 4096
     assert deepspeed.memory["buffers"] == pytest.approx(2 * 2 * linear + 4 * linear + 2 * root)
     # shardwise accumulates unsharded gradients over microbatches (FSDP2 without gradient sync): one more full gradient
@@ -120,7 +139,9 @@ def test_collectives_across_nodes_use_every_nic_of_the_node() -> None:
     assert strided == pytest.approx(7 / 8 * nbytes / c.inter_bw)
     assert strided > 5 * full
     # ring latency: n - 1 steps for an all-gather, ceil(log2 n) for an all-reduce (tree)
-    assert c.collective_time("all_gather", 1.0, 64) == pytest.approx((64 - 1 - 8) * c.intra_latency_s + 8 * c.inter_latency_s, rel=1e-3)
+    assert c.collective_time("all_gather", 1.0, 64) == pytest.approx(
+        (64 - 1 - 8) * c.intra_latency_s + 8 * c.inter_latency_s, rel=1e-3
+    )
     assert c.collective_time("all_reduce", 1.0, 64) == pytest.approx(6 * c.inter_latency_s, rel=1e-3)
 
 
@@ -139,13 +160,17 @@ def test_pipeline_sends_are_charged_in_the_activation_dtype() -> None:
     stats = transformer_stats(_gpt())
     cluster = replace(resolve("a100-80gb", devices=16, devices_per_node=8), inter_latency_s=0.0, intra_latency_s=0.0)
     plan = Plan(pp=2, dp=8, microbatches=4, precision="bf16")
-    sixteen = estimate(stats, cluster, plan, global_batch=32, run=replace(SIXTEEN, pp_scatter_gather=False)).detail["pp_comm"]
+    sixteen = estimate(stats, cluster, plan, global_batch=32, run=replace(SIXTEEN, pp_scatter_gather=False)).detail[
+        "pp_comm"
+    ]
     autocast = estimate(stats, cluster, plan, global_batch=32, run=RunPolicy.shardwise()).detail["pp_comm"]
     assert autocast == pytest.approx(2 * sixteen)
     assert sixteen == pytest.approx(2 * (4 + 1) * 2048 * 1024 * 2 / cluster.inter_bw)
     tp = Plan(pp=2, tp=8, microbatches=4, precision="bf16")
     gathered = estimate(stats, cluster, tp, global_batch=4, run=SIXTEEN).detail["pp_comm"]
-    whole = estimate(stats, cluster, tp, global_batch=4, run=replace(SIXTEEN, pp_scatter_gather=False)).detail["pp_comm"]
+    whole = estimate(stats, cluster, tp, global_batch=4, run=replace(SIXTEEN, pp_scatter_gather=False)).detail[
+        "pp_comm"
+    ]
     assert whole == pytest.approx(8 * gathered)
 
 
@@ -185,4 +210,6 @@ def test_megatron_state_policy_and_gated_mlp_parameters() -> None:
     assert (policy.param, policy.grad, policy.optimizer) == (2.0, 4.0, 12.0)
     stats = transformer_stats(LLAMA_8B, gated_mlp=True)
     assert stats.params_total / 1e9 == pytest.approx(8.03, abs=0.01)  # Llama 3 8B
-    assert stats.flops_per_block == pytest.approx(2 * 8192 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 4 * 8192**2 * 4096)
+    assert stats.flops_per_block == pytest.approx(
+        2 * 8192 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 4 * 8192**2 * 4096
+    )

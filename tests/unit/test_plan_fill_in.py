@@ -75,8 +75,19 @@ def test_plan_fixed_keeps_the_named_degrees_and_searches_the_rest(capsys: pytest
 
 
 def test_plan_fixed_that_never_fits_is_shown_with_its_memory(capsys: pytest.CaptureFixture) -> None:
-    out = _plan_json(capsys, "--model", "gpt3-175b", "--devices", "8", "--device-type", "a100-80gb", "--global-batch", "8",
-                     "--fixed", "dp=8")
+    out = _plan_json(
+        capsys,
+        "--model",
+        "gpt3-175b",
+        "--devices",
+        "8",
+        "--device-type",
+        "a100-80gb",
+        "--global-batch",
+        "8",
+        "--fixed",
+        "dp=8",
+    )
     assert out["plans"] and not out["plans"][0]["fits"] and "does NOT fit" in out["explanation"]
     assert main(["plan", "--model", "gpt", "--devices", "4", "--device-type", "cpu", "--fixed", "tp=3"]) == 2
     assert "names no valid plan" in capsys.readouterr().err
@@ -85,7 +96,9 @@ def test_plan_fixed_that_never_fits_is_shown_with_its_memory(capsys: pytest.Capt
 def test_plan_fixed_prices_layouts_the_runtime_refuses_and_says_so(capsys: pytest.CaptureFixture) -> None:
     """Megatron's distributed optimizer with TP and PP (ZeRO-1 x TP x PP) is priced, and flagged:
     shardwise's parallel layer would refuse it, so the free search never offers it."""
-    out = _plan_json(capsys, "--model", "gpt3-13b", "--devices", "64", "--device-type", "a100-80gb", "--fixed", "zero=1,tp=2,pp=2")
+    out = _plan_json(
+        capsys, "--model", "gpt3-13b", "--devices", "64", "--device-type", "a100-80gb", "--fixed", "zero=1,tp=2,pp=2"
+    )
     (plan,) = out["plans"]
     assert (plan["zero_stage"], plan["tp"], plan["pp"]) == (1, 2, 2)
     assert "cannot run it" in out["explanation"] and "ZeroRedundancyOptimizer" in out["explanation"]
@@ -108,5 +121,7 @@ def test_ep_alone_fills_data_parallel_in_every_entry_point(capsys: pytest.Captur
     assert main(["verify", "--plan", "ep=2", "--nproc", "3"]) == 2  # dp=3 is not a multiple of ep=2: one line
     assert "ep=2 does not divide dp=3" in capsys.readouterr().err
     moe = '{"layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq": 64, "experts": 4, "top_k": 2}'
-    out = _plan_json(capsys, "--model-spec", moe, "--devices", "4", "--device-type", "cpu", "--fixed", "ep=2")  # shardwise plan
+    out = _plan_json(
+        capsys, "--model-spec", moe, "--devices", "4", "--device-type", "cpu", "--fixed", "ep=2"
+    )  # shardwise plan
     assert out["plans"] and all((p["ep"], p["dp"] * max(1, p.get("shard", 1))) == (2, 4) for p in out["plans"])

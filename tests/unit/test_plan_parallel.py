@@ -18,7 +18,10 @@ from shardwise.resolve import resolve_plan
         ("zero=1,fsdp=2", Plan(shard=2, zero=1)),
         ("dp=2,tp=2", Plan(dp=2, tp=2)),
         ("tp=2,sp", Plan(tp=2, sequence_parallel=True)),
-        ("zero=2,shard=2,tp=2,recompute=selective,precision=bf16", Plan(shard=2, tp=2, zero=2, recompute="selective", precision="bf16")),
+        (
+            "zero=2,shard=2,tp=2,recompute=selective,precision=bf16",
+            Plan(shard=2, tp=2, zero=2, recompute="selective", precision="bf16"),
+        ),
     ],
 )
 def test_parse(text, expected):
@@ -73,7 +76,11 @@ def test_json_round_trip(tmp_path):
         ("tp=2", 4, Plan(dp=2, tp=2)),  # the unnamed dp takes the rest
         ("dp=2,pp=2", 4, Plan(dp=2, pp=2, microbatches=2)),  # a pipeline gets one microbatch per stage
         ("tp=2,pp=2", 4, Plan(tp=2, pp=2, microbatches=2)),
-        ("pp=2,schedule=interleaved_1f1b,virtual_stages=2", 2, Plan(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=4)),
+        (
+            "pp=2,schedule=interleaved_1f1b,virtual_stages=2",
+            2,
+            Plan(pp=2, schedule="interleaved_1f1b", virtual_stages=2, microbatches=4),
+        ),
         ("pp=4,microbatches=8", 8, Plan(dp=2, pp=4, microbatches=8)),  # named keys are kept
         ("", 3, Plan(dp=3)),
     ],

@@ -58,11 +58,15 @@ def test_ep_divides_the_experts_memory_and_pays_all_to_all() -> None:
     replicated = estimate(stats, cluster, Plan(dp=64, precision="bf16", recompute="full"), global_batch=256)
     split = estimate(stats, cluster, Plan(dp=64, ep=8, precision="bf16", recompute="full"), global_batch=256)
     per_param = replicated.model_state_bytes / stats.params_total
-    assert split.model_state_bytes == pytest.approx(per_param * (dense + stats.blocks * stats.expert_params_per_block / 8))
+    assert split.model_state_bytes == pytest.approx(
+        per_param * (dense + stats.blocks * stats.expert_params_per_block / 8)
+    )
     assert split.detail["ep_comm"] > 0 == replicated.detail["ep_comm"]
     # Under ZeRO-3 the experts are sharded either way; ep gathers them over 8x fewer ranks.
     one = estimate(stats, cluster, Plan(dp=8, shard=8, zero=3, precision="bf16", recompute="full"), global_batch=256)
-    ep = estimate(stats, cluster, Plan(dp=8, shard=8, zero=3, ep=8, precision="bf16", recompute="full"), global_batch=256)
+    ep = estimate(
+        stats, cluster, Plan(dp=8, shard=8, zero=3, ep=8, precision="bf16", recompute="full"), global_batch=256
+    )
     assert ep.model_state_bytes == pytest.approx(one.model_state_bytes) and ep.detail["dp_comm"] < one.detail["dp_comm"]
 
 
@@ -72,8 +76,20 @@ def test_the_search_picks_ep_for_a_large_moe() -> None:
 
 
 def test_plan_cli_reads_moe_and_long_sequence_specs(capsys: pytest.CaptureFixture) -> None:
-    spec = {"layers": 32, "hidden": 4096, "heads": 32, "kv_heads": 8, "vocab": 32000, "seq": 4096, "num_local_experts": 8,
-            "num_experts_per_tok": 2, "moe_intermediate_size": 14336, "learned_positions": False, "bias": False, "gated_mlp": True}
+    spec = {
+        "layers": 32,
+        "hidden": 4096,
+        "heads": 32,
+        "kv_heads": 8,
+        "vocab": 32000,
+        "seq": 4096,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 14336,
+        "learned_positions": False,
+        "bias": False,
+        "gated_mlp": True,
+    }
     assert main(["plan", "--model-spec", json.dumps(spec), "--devices", "64", "--global-batch", "256", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plans"][0]["ep"] > 1

@@ -23,16 +23,26 @@ from shardwise.plan.stats import TransformerSpec, transformer_stats
 from shardwise.plan.support import runtime_conflict
 
 # A large vocabulary over a small hidden size: the full logits dominate (8192 x 256000 x 6 bytes)
-BIG_VOCAB = transformer_stats(TransformerSpec(layers=16, hidden=2048, heads=16, vocab_size=256000, seq_len=8192, bias=False,
-                                              learned_positions=False))
+BIG_VOCAB = transformer_stats(
+    TransformerSpec(
+        layers=16, hidden=2048, heads=16, vocab_size=256000, seq_len=8192, bias=False, learned_positions=False
+    )
+)
 # 13B on 8 A100-40GB under ZeRO-3: the states fit, an unsharded fp32 gradient (52 GB) does not
-MODEL_13B = transformer_stats(TransformerSpec(layers=40, hidden=5120, heads=40, vocab_size=32000, seq_len=2048, bias=False,
-                                              learned_positions=False))
+MODEL_13B = transformer_stats(
+    TransformerSpec(
+        layers=40, hidden=5120, heads=40, vocab_size=32000, seq_len=2048, bias=False, learned_positions=False
+    )
+)
 
 
 def test_the_default_policy_is_shardwise_and_the_plan_turns_its_options_on() -> None:
     run = RunPolicy()
-    assert run == RunPolicy.shardwise() and run.autocast and not (run.fused_loss or run.chunked_loss or run.sharded_grad_accumulation)
+    assert (
+        run == RunPolicy.shardwise()
+        and run.autocast
+        and not (run.fused_loss or run.chunked_loss or run.sharded_grad_accumulation)
+    )
     on = run.applied(Plan(zero=3, shard=2, precision="fp8", fp8_recipe="rowwise", params16=True, chunked_loss=True,
                           sharded_accumulation=True))
     assert (on.precision, on.chunked_loss, on.sharded_grad_accumulation, on.linear_dtype, on.fp8_recipe) == \
@@ -46,11 +56,20 @@ def test_fixed_layouts_get_the_option_that_makes_them_fit() -> None:
     """`--fixed` fixes only the keys it names: the chunked loss makes a 256k-vocabulary layout fit,
     sharded accumulation an 8-microbatch ZeRO-3 layout; naming the option off keeps it off."""
     cluster = resolve("a100-40gb", devices=8)
-    fits = search(BIG_VOCAB, cluster, global_batch=32, options=fixed_options("zero=3,recompute=full,microbatches=1", SearchOptions()))
+    fits = search(
+        BIG_VOCAB,
+        cluster,
+        global_batch=32,
+        options=fixed_options("zero=3,recompute=full,microbatches=1", SearchOptions()),
+    )
     assert fits.best.plan.chunked_loss and fits.best.fits
     assert "chunked_loss makes it fit" in fits.explanation
-    off = search(BIG_VOCAB, cluster, global_batch=32, options=fixed_options("zero=3,recompute=full,microbatches=1,chunked_loss=false",
-                                                                            SearchOptions()))
+    off = search(
+        BIG_VOCAB,
+        cluster,
+        global_batch=32,
+        options=fixed_options("zero=3,recompute=full,microbatches=1,chunked_loss=false", SearchOptions()),
+    )
     assert not off.plans and off.smallest.memory_total > 2 * fits.best.memory_total
     layout = "dp=8,tp=1,pp=1,recompute=full,microbatches=8"
     sharded = search(MODEL_13B, cluster, global_batch=64, options=fixed_options(layout, SearchOptions())).best
@@ -62,12 +81,24 @@ def test_fixed_layouts_get_the_option_that_makes_them_fit() -> None:
 
 
 def test_explain_names_the_option_and_json_carries_it(capsys: pytest.CaptureFixture) -> None:
-    spec = json.dumps({"layers": 16, "hidden": 2048, "heads": 16, "vocab": 256000, "seq": 8192, "bias": False, "learned_positions": False})
+    spec = json.dumps(
+        {
+            "layers": 16,
+            "hidden": 2048,
+            "heads": 16,
+            "vocab": 256000,
+            "seq": 8192,
+            "bias": False,
+            "learned_positions": False,
+        }
+    )
     args = ["plan", "--model-spec", spec, "--devices", "8", "--device-type", "a100-40gb", "--global-batch", "32",
             "--fixed", "zero=3,recompute=full,microbatches=1"]
     assert main(args + ["--explain"]) == 0
     text = capsys.readouterr().out
-    assert "#1 runtime options: " in text and "chunked_loss makes it fit" in text and " 16,C " in text  # the options column
+    assert (
+        "#1 runtime options: " in text and "chunked_loss makes it fit" in text and " 16,C " in text
+    )  # the options column
     assert main(args + ["--explain", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plans"][0]["chunked_loss"] and any("chunked_loss makes it fit" in n for n in out["runtime_options"][0])
@@ -80,11 +111,23 @@ def test_option_sets_respect_the_plan_and_the_device() -> None:
     assert {"params16": True, "chunked_loss": True, "sharded_accumulation": True} in free
     cpu = option_sets(precision="fp32", zero=0, shard=1, microbatches=2, has_logits=True, device_type="cpu",
                       allowed=("params16", "chunked_loss", "sharded_accumulation"), fixed={})
-    assert cpu == [{"params16": False, "chunked_loss": False, "sharded_accumulation": False},
-                   {"params16": False, "chunked_loss": True, "sharded_accumulation": False}]  # fp32: no params16; below ZeRO-2: no sharding
-    assert option_sets(precision="bf16", zero=2, shard=2, microbatches=2, has_logits=True, device_type="cuda", allowed=(),
-                       fixed={"params16": True}) == [{"params16": True, "chunked_loss": False, "sharded_accumulation": False}]
-    assert "zero=2 or zero=3 with params16" in str(runtime_conflict(Plan(zero=1, shard=4, precision="bf16", params16=True)))
+    assert cpu == [
+        {"params16": False, "chunked_loss": False, "sharded_accumulation": False},
+        {"params16": False, "chunked_loss": True, "sharded_accumulation": False},
+    ]  # fp32: no params16; below ZeRO-2: no sharding
+    assert option_sets(
+        precision="bf16",
+        zero=2,
+        shard=2,
+        microbatches=2,
+        has_logits=True,
+        device_type="cuda",
+        allowed=(),
+        fixed={"params16": True},
+    ) == [{"params16": True, "chunked_loss": False, "sharded_accumulation": False}]
+    assert "zero=2 or zero=3 with params16" in str(
+        runtime_conflict(Plan(zero=1, shard=4, precision="bf16", params16=True))
+    )
 
 
 def test_each_option_costs_what_the_runtime_does() -> None:
@@ -108,7 +151,11 @@ def test_each_option_costs_what_the_runtime_does() -> None:
     # params16: the fp32 accumulator of dW beside its saved 16-bit copy, a chunk's fp32 logits and
     # their gradient's 16-bit copy, the chunk's 16-bit dW product; backward: the scaled dh, dW
     forward, backward = (2 + 2) * v * d + 6 * chunk * v, 2 * n * d + 2 * v * d
-    assert chunked_loss_bytes(BIG_VOCAB, plan, run16) == (pytest.approx(2 * n * d + 2 * v * d), pytest.approx(forward), pytest.approx(backward))
+    assert chunked_loss_bytes(BIG_VOCAB, plan, run16) == (
+        pytest.approx(2 * n * d + 2 * v * d),
+        pytest.approx(forward),
+        pytest.approx(backward),
+    )
     assert kept == pytest.approx(2 * n * d + 2 * v * d) and transient == pytest.approx(max(forward, backward))
     unchunked = logits_bytes(BIG_VOCAB, plan, RunPolicy())
     assert unchunked == (pytest.approx(4 * n * v), pytest.approx(8 * n * v))
@@ -121,10 +168,14 @@ def test_each_option_costs_what_the_runtime_does() -> None:
     four = Plan(zero=3, shard=8, precision="bf16", microbatches=4, params16=True)
     held = estimate(MODEL_13B, cluster, four, global_batch=32)
     sharded = estimate(MODEL_13B, cluster, replace(four, sharded_accumulation=True), global_batch=32)
-    assert held.memory["buffers"] - sharded.memory["buffers"] == pytest.approx(4 * MODEL_13B.params_total * 7 / 8, rel=1e-6)
+    assert held.memory["buffers"] - sharded.memory["buffers"] == pytest.approx(
+        4 * MODEL_13B.params_total * 7 / 8, rel=1e-6
+    )
     assert sharded.detail["dp_comm"] > held.detail["dp_comm"]  # 4 reduce-scatters instead of 1
     # every microbatch after the first reads and writes the accumulated gradient once more
-    assert held.detail["compute_accumulate"] == pytest.approx(3 * 12 * MODEL_13B.params_total / (cluster.memory_bw * cluster.memory_efficiency))
+    assert held.detail["compute_accumulate"] == pytest.approx(
+        3 * 12 * MODEL_13B.params_total / (cluster.memory_bw * cluster.memory_efficiency)
+    )
     assert sharded.detail["compute_accumulate"] == pytest.approx(held.detail["compute_accumulate"] / 8)
 
 
@@ -134,7 +185,9 @@ def test_inter_node_collectives_take_less_from_compute() -> None:
     from shardwise.plan.comm import exposed
 
     cluster = resolve("a100-80gb", devices=64)
-    assert cluster.link_share(8) == 1.0 and cluster.link_share(8, stride=8) == pytest.approx(cluster.inter_bw / cluster.intra_bw)
+    assert cluster.link_share(8) == 1.0 and cluster.link_share(8, stride=8) == pytest.approx(
+        cluster.inter_bw / cluster.intra_bw
+    )
     assert exposed(cluster, 1.0, 10.0, share=cluster.link_share(8, stride=8)) < exposed(cluster, 1.0, 10.0)
 
 
@@ -142,18 +195,30 @@ def test_korthikanti_table_4_per_layer_times() -> None:
     """Korthikanti et al. 2022, Table 4 (one layer of the 22B model, tp=8, micro-batch 4, Megatron-LM):
     sequence parallelism 0.97 of the baseline, full recomputation 1.39, selective 1.07, selective
     with sequence parallelism 1.04. Under Megatron's policy the model lands within 5% of each."""
-    stats = transformer_stats(TransformerSpec(layers=8, hidden=6144, heads=64, vocab_size=51200, seq_len=2048, attention="eager", dropout=0.1))
+    stats = transformer_stats(
+        TransformerSpec(layers=8, hidden=6144, heads=64, vocab_size=51200, seq_len=2048, attention="eager", dropout=0.1)
+    )
     run = RunPolicy.sixteen_bit(grad_reduce_overlap=False, sp_saves_shard=True)
     from shardwise.plan.memory import StatePolicy
 
     def per_layer(recompute: str, sp: bool) -> float:
-        e = estimate(stats, resolve("a100-80gb", devices=8), Plan(tp=8, recompute=recompute, sequence_parallel=sp, precision="bf16"),
-                     global_batch=4, run=run, policy=StatePolicy.megatron())
+        e = estimate(
+            stats,
+            resolve("a100-80gb", devices=8),
+            Plan(tp=8, recompute=recompute, sequence_parallel=sp, precision="bf16"),
+            global_batch=4,
+            run=run,
+            policy=StatePolicy.megatron(),
+        )
         return e.step_time_s - e.detail["optimizer"] - e.detail["compute_head"]
 
     base = per_layer("none", False)
-    for (recompute, sp), measured in {("none", True): 19.0 / 19.6, ("full", False): 27.2 / 19.6, ("selective", False): 20.9 / 19.6,
-                                      ("selective", True): 20.3 / 19.6}.items():
+    for (recompute, sp), measured in {
+        ("none", True): 19.0 / 19.6,
+        ("full", False): 27.2 / 19.6,
+        ("selective", False): 20.9 / 19.6,
+        ("selective", True): 20.3 / 19.6,
+    }.items():
         assert per_layer(recompute, sp) / base == pytest.approx(measured, rel=0.05), (recompute, sp)
 
 
@@ -173,12 +238,34 @@ def test_runtime_options_for_memory_only_are_on_only_where_the_plan_does_not_fit
         return buf.getvalue()
 
     spec = '{"layers": 16, "hidden": 2048, "heads": 16, "vocab": 256000, "seq": 8192, "bias": false, "learned_positions": false}'
-    base = ["--model-spec", spec, "--devices", "8", "--device-type", "a100-40gb", "--global-batch", "32", "--fixed", "zero=3,recompute=full",
-            "--explain"]
+    base = [
+        "--model-spec",
+        spec,
+        "--devices",
+        "8",
+        "--device-type",
+        "a100-40gb",
+        "--global-batch",
+        "32",
+        "--fixed",
+        "zero=3,recompute=full",
+        "--explain",
+    ]
     speed = plan(*base)
     memory = plan(*base, "--runtime-options", "memory")
     assert speed.splitlines()[2].split()[9] == "16,C"
     assert memory.splitlines()[2].split()[9] == "C", memory
     assert "chunked_loss makes it fit" in memory and "runtime options only where needed to fit" in memory
-    small = plan("--model", "gpt2", "--devices", "8", "--device-type", "a100-80gb", "--fixed", "dp=8", "--runtime-options", "memory")
+    small = plan(
+        "--model",
+        "gpt2",
+        "--devices",
+        "8",
+        "--device-type",
+        "a100-80gb",
+        "--fixed",
+        "dp=8",
+        "--runtime-options",
+        "memory",
+    )
     assert small.splitlines()[2].split()[9] == "-", small

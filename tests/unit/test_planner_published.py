@@ -31,14 +31,22 @@ def test_rows_map_to_the_published_layout_and_runtime() -> None:
     titan = case_of(0, _find(model="Llama 3 8B", recompute="per-op"))
     assert titan.run.selective == "op" and titan.stats.gated_mlp and titan.stats.kv_hidden == 1024
     k175 = case_of(0, _find(model="175B", recompute="full"))
-    assert "schedule=interleaved_1f1b" in k175.fixed and "virtual_stages=3" in k175.fixed and k175.stats.attention == "eager"
+    assert (
+        "schedule=interleaved_1f1b" in k175.fixed
+        and "virtual_stages=3" in k175.fixed
+        and k175.stats.attention == "eager"
+    )
     assert not k175.run.grad_reduce_overlap and k175.run.pp_scatter_gather
     megatron = case_of(0, _find(model="GPT 145.6B"))
     assert "microbatches" not in megatron.fixed and "schedule" not in megatron.fixed  # the planner chooses them
     bloom = case_of(0, _find(model="BLOOM"))
     assert "zero=1" in bloom.fixed and bloom.policy.param == 2.0 and bloom.policy.optimizer == 12.0
     fp8 = [case_of(0, r) for r in RUNS if "405B" in r["model"]]
-    assert [c.run.linear_dtype for c in fp8] == ["", "fp8", "fp8"] and [c.run.async_tp for c in fp8] == [False, False, True]
+    assert [c.run.linear_dtype for c in fp8] == ["", "fp8", "fp8"] and [c.run.async_tp for c in fp8] == [
+        False,
+        False,
+        True,
+    ]
     assert all(c.cluster.memory_bytes == 96e9 and "sequence_parallel=true" in c.fixed for c in fp8)
 
 
@@ -50,7 +58,14 @@ def test_each_source_s_flop_formula_gives_tokens_per_gpu() -> None:
     assert bloom.published_tps == pytest.approx(19.561 * 2048 / 384, rel=2e-3)
     k530 = case_of(0, _find(model="530B", gpus=280, recompute="selective"))
     assert k530.published_tps == pytest.approx(2048 / 37.83)
-    mfu = case_of(0, {**_find(model="530B", gpus=2240, recompute="selective"), "published_metric": "mfu_pct", "published_value": 54.2})
+    mfu = case_of(
+        0,
+        {
+            **_find(model="530B", gpus=2240, recompute="selective"),
+            "published_metric": "mfu_pct",
+            "published_value": 54.2,
+        },
+    )
     assert mfu.published_tps == pytest.approx(2240 * 2048 / (39.15 * 2240), rel=0.01)
 
 
@@ -98,7 +113,10 @@ def test_a_named_schedule_is_the_one_the_run_had() -> None:
 
     assert schedule_of({"notes": "Schedule: 1F1B. Local batch size 32"}) == {"schedule": "1f1b"}
     assert schedule_of({"notes": "Interleaved 1F1B"}) == {"schedule": "interleaved_1f1b"}
-    assert schedule_of({"notes": "interleaved schedule, 3 model chunks per stage"}) == {"schedule": "interleaved_1f1b", "virtual_stages": 3}
+    assert schedule_of({"notes": "interleaved schedule, 3 model chunks per stage"}) == {
+        "schedule": "interleaved_1f1b",
+        "virtual_stages": 3,
+    }
     assert schedule_of({"notes": "non-interleaved"}) == {"schedule": "1f1b"}
     assert schedule_of({"notes": "Micro-batch and interleaving per row not in table."}) == {}
 
@@ -138,6 +156,10 @@ def test_a_chip_of_one_source_is_carried_not_cross_validated() -> None:
     prediction of it was off by; a chip measured by two sources is cross-validated, not carried."""
     from planner_published_cv import carried
 
-    rows = [{"source": "a", "ratio": 1.1, "kinds": ["A100/sharded/small"]}, {"source": "b", "ratio": 0.9, "kinds": ["A100/tp/large"]},
-            {"source": "c", "ratio": 1.05, "kinds": ["H100/tp/large"]}, {"source": "c", "ratio": 0.8, "kinds": ["H100/sharded/large"]}]
+    rows = [
+        {"source": "a", "ratio": 1.1, "kinds": ["A100/sharded/small"]},
+        {"source": "b", "ratio": 0.9, "kinds": ["A100/tp/large"]},
+        {"source": "c", "ratio": 1.05, "kinds": ["H100/tp/large"]},
+        {"source": "c", "ratio": 0.8, "kinds": ["H100/sharded/large"]},
+    ]
     assert carried(rows) == {"H100": {"factor": 1.25, "runs": 2}}

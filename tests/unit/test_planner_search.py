@@ -47,7 +47,11 @@ def test_175b_on_1024_h100_plans_in_under_two_seconds() -> None:
     # CPU time of this process: the search is single-threaded pure Python, and the wall clock of a
     # machine shared with other jobs measures their load, not the planner (unloaded: ~0.05 s).
     start = time.process_time()
-    result = search(transformer_stats(TransformerSpec.from_dict(GPT3)), resolve("h100", devices=1024, devices_per_node=8), global_batch=1536)
+    result = search(
+        transformer_stats(TransformerSpec.from_dict(GPT3)),
+        resolve("h100", devices=1024, devices_per_node=8),
+        global_batch=1536,
+    )
     elapsed = time.process_time() - start
     assert elapsed < 2.0, elapsed
     best = result.best
@@ -74,7 +78,11 @@ def test_no_fit_names_the_minimum_memory_and_device_count() -> None:
     assert "least memory any layout needs is" in str(err) and "GB per device" in str(err)
     assert result.min_devices is not None and result.min_devices > 8
     assert f"smallest device count that fits is {result.min_devices}" in str(err)
-    bigger = search(transformer_stats(TransformerSpec.from_dict(GPT3)), resolve("a100-40gb", devices=result.min_devices), global_batch=8)
+    bigger = search(
+        transformer_stats(TransformerSpec.from_dict(GPT3)),
+        resolve("a100-40gb", devices=result.min_devices),
+        global_batch=8,
+    )
     assert bigger.plans
 
 
@@ -121,7 +129,11 @@ def test_cli_table_and_fixed(capsys: pytest.CaptureFixture) -> None:
     rc, out, _ = _cli(capsys, "--model", "gpt3-13b", "--devices", "64", "--device-type", "a100-80gb", "--fixed",
                       "dp=4,tp=8,pp=2,microbatches=8", "--global-batch", "64", "--json")
     plan = json.loads(out)["plans"]
-    assert rc == 0 and len(plan) == 1 and (plan[0]["dp"], plan[0]["tp"], plan[0]["pp"], plan[0]["num_microbatches"]) == (4, 8, 2, 8)
+    assert (
+        rc == 0
+        and len(plan) == 1
+        and (plan[0]["dp"], plan[0]["tp"], plan[0]["pp"], plan[0]["num_microbatches"]) == (4, 8, 2, 8)
+    )
 
 
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture) -> None:
@@ -139,7 +151,11 @@ def test_script_sources(tmp_path, capsys: pytest.CaptureFixture) -> None:
     spec_file = tmp_path / "spec_model.py"
     spec_file.write_text("MODEL_SPEC = {'layers': 4, 'hidden': 64, 'heads': 4, 'vocab': 100, 'seq': 32}\n")
     rc, out, _ = _cli(capsys, "--script", str(spec_file), "--devices", "2", "--device-type", "cpu", "--json")
-    assert rc == 0 and json.loads(out)["params"] == transformer_stats(TransformerSpec(layers=4, hidden=64, heads=4, vocab_size=100, seq_len=32)).params_total
+    assert (
+        rc == 0
+        and json.loads(out)["params"]
+        == transformer_stats(TransformerSpec(layers=4, hidden=64, heads=4, vocab_size=100, seq_len=32)).params_total
+    )
     module_file = tmp_path / "mlp_model.py"
     module_file.write_text(textwrap.dedent("""
         import torch
@@ -163,7 +179,12 @@ def test_auto_plan_for_the_builtin_gpt() -> None:
     assert auto.plan.world_size == 4 and auto.estimate.fits
     assert "auto plan" in auto.summary()
     assert json.loads(auto.to_json())["plan"] == auto.plan.to_dict()
-    assert auto_plan({"layers": 2, "hidden": 64, "heads": 4, "vocab": 64, "seq": 16}, world_size=2, global_batch=8).plan.world_size == 2
+    assert (
+        auto_plan(
+            {"layers": 2, "hidden": 64, "heads": 4, "vocab": 64, "seq": 16}, world_size=2, global_batch=8
+        ).plan.world_size
+        == 2
+    )
 
 
 def test_explain_names_the_deciding_component() -> None:
@@ -195,7 +216,9 @@ def test_plan_for_trainer_only_returns_plans_the_parallel_layer_accepts(tmp_path
     validate(model, auto.plan)  # raises if the parallel layer would refuse it
     for est in auto.result.plans:
         assert not (est.plan.zero == 1 and est.plan.tp > 1)  # ZeRO-1 over TP is refused by the parallel layer
-    piped = plan_for_trainer(model, module_stats(model), cpu, world_size=4, global_batch=16, precision="fp32", pipelines_allowed=True)
+    piped = plan_for_trainer(
+        model, module_stats(model), cpu, world_size=4, global_batch=16, precision="fp32", pipelines_allowed=True
+    )
     assert all(not (e.plan.zero == 1 and e.plan.pp > 1) for e in piped.result.plans)
     auto.save(str(tmp_path / "auto_plan.json"))
     assert Plan.from_dict(json.loads((tmp_path / "auto_plan.json").read_text())["plan"]) == auto.plan
@@ -221,8 +244,12 @@ def test_search_offers_only_layouts_the_runtime_runs() -> None:
     """ZeRO-1 is ZeroRedundancyOptimizer over DDP: never with tp or pp; pipelines get ZeRO-2/3."""
     from shardwise.plan.search import _layouts
 
-    result = search(transformer_stats(TransformerSpec.from_dict(GPT3)), resolve("h100", devices=1024, devices_per_node=8),
-                    global_batch=1536, options=SearchOptions(top=100))
+    result = search(
+        transformer_stats(TransformerSpec.from_dict(GPT3)),
+        resolve("h100", devices=1024, devices_per_node=8),
+        global_batch=1536,
+        options=SearchOptions(top=100),
+    )
     assert len(result.plans) == 100
     assert all(runtime_conflict(e.plan) is None for e in result.plans)
     assert not any(e.plan.zero == 1 and (e.plan.tp > 1 or e.plan.pp > 1) for e in result.plans)
@@ -245,10 +272,19 @@ def test_no_hidden_microbatch_cap() -> None:
     from shardwise.plan.policy import RunPolicy
     from shardwise.plan.search import fixed_options
 
-    spec = TransformerSpec(layers=105, hidden=20480, heads=128, vocab_size=51200, seq_len=2048, attention="eager", dropout=0.1)
-    options = fixed_options("dp=9,tp=8,pp=35,recompute=full", SearchOptions(run=RunPolicy.sixteen_bit(fused_grad_accumulation=True), top=3))
+    spec = TransformerSpec(
+        layers=105, hidden=20480, heads=128, vocab_size=51200, seq_len=2048, attention="eager", dropout=0.1
+    )
+    options = fixed_options(
+        "dp=9,tp=8,pp=35,recompute=full", SearchOptions(run=RunPolicy.sixteen_bit(fused_grad_accumulation=True), top=3)
+    )
     assert options.max_microbatches is None
-    result = search(transformer_stats(spec), resolve("a100-80gb", devices=2520, devices_per_node=8), global_batch=2520, options=options)
+    result = search(
+        transformer_stats(spec),
+        resolve("a100-80gb", devices=2520, devices_per_node=8),
+        global_batch=2520,
+        options=options,
+    )
     assert result.best.plan.microbatches == 280 and result.best.fits
     capped = search(transformer_stats(spec), resolve("a100-80gb", devices=2520, devices_per_node=8), global_batch=2520,
                     options=replace(options, max_microbatches=128))

@@ -79,8 +79,10 @@ class CertifyOptions:
             return value
         if value is None or isinstance(value, bool):
             return cls(enabled=value)
-        raise ConfigError(f"certify={value!r} is not True, False, None or a CertifyOptions",
-                          hint="ParallelOptions(certify=False) turns certification off; None certifies runs of 1000 steps or more")
+        raise ConfigError(
+            f"certify={value!r} is not True, False, None or a CertifyOptions",
+            hint="ParallelOptions(certify=False) turns certification off; None certifies runs of 1000 steps or more",
+        )
 
 
 # -- the shrunken copy ---------------------------------------------------------------------------

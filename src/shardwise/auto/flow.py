@@ -66,8 +66,10 @@ def plan_for(model: Any, env: RuntimeEnv, *, global_batch_size: int, precision: 
         certificate = certify_plans(source, plans, data=data, env=env, loss_fn=loss_fn, loss_parallel=loss_parallel,
                                     loss_reduction=loss_reduction, ignore_index=ignore_index, optimizer=optimizer)
         if certificate.plan is None:
-            raise ConfigError(f"plan='auto' found no plan: {certificate.summary()}",
-                              hint=f"pass an explicit plan, or ParallelOptions(certify=False) to train with {plans[0]} unchecked")
+            raise ConfigError(
+                f"plan='auto' found no plan: {certificate.summary()}",
+                hint=f"pass an explicit plan, or ParallelOptions(certify=False) to train with {plans[0]} unchecked",
+            )
         plan = next(p for p in plans if str(p) == certificate.plan)
         if choice is not None:
             choice = choice.certified(plan, certificate.to_dict())

@@ -86,15 +86,20 @@ def find_lm_head(model: nn.Module) -> tuple[str, nn.Linear]:
         rows = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
         named = [(n, m) for n, m in linears if m.out_features in rows]
     if not named:
-        raise ConfigError(f"plan chunked_loss cannot apply: {type(model).__name__} has no LM head (an nn.Linear named lm_head, head or "
-                          "output, or whose outputs match an embedding's rows)", hint="drop chunked_loss, or name the model's head lm_head")
+        raise ConfigError(
+            f"plan chunked_loss cannot apply: {type(model).__name__} has no LM head (an nn.Linear named lm_head, head or "
+            "output, or whose outputs match an embedding's rows)",
+            hint="drop chunked_loss, or name the model's head lm_head",
+        )
     return named[-1]
 
 
 def _linear(name: str, head: nn.Module) -> nn.Linear:
     if not isinstance(head, nn.Linear):
-        raise ConfigError(f"plan chunked_loss cannot apply: the LM head {name} is a {type(head).__name__}, not an nn.Linear",
-                          hint="drop chunked_loss")
+        raise ConfigError(
+            f"plan chunked_loss cannot apply: the LM head {name} is a {type(head).__name__}, not an nn.Linear",
+            hint="drop chunked_loss",
+        )
     return head
 
 
@@ -118,7 +123,9 @@ class ChunkedHeadParallel(ColwiseParallel):
                          output_layouts=Shard(-1) if loss_parallel else Replicate(), use_local_output=not loss_parallel)
 
     @staticmethod
-    def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any) -> Any:
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: Any
+    ) -> Any:
         if passes_through(mod):
             return outputs.to_local()  # the replicated hidden states
         return ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
@@ -136,25 +143,41 @@ def loss_reduction(loss_fn: Callable[[Any, Any], torch.Tensor], vocab: int) -> s
         with torch.no_grad():
             got = loss_fn(logits, targets)
     except Exception as exc:  # noqa: BLE001 - any failure of user code means it cannot be checked
-        raise ConfigError(f"plan chunked_loss cannot apply: loss_fn failed on a [2, 3, {vocab}] batch of logits "
-                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})", hint=hint) from None
-    value = float(got.full_tensor() if isinstance(got, DTensor) else got) if isinstance(got, torch.Tensor) and got.numel() == 1 else None
+        raise ConfigError(
+            f"plan chunked_loss cannot apply: loss_fn failed on a [2, 3, {vocab}] batch of logits "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})",
+            hint=hint,
+        ) from None
+    value = (
+        float(got.full_tensor() if isinstance(got, DTensor) else got)
+        if isinstance(got, torch.Tensor) and got.numel() == 1
+        else None
+    )
     for reduction in REDUCTIONS:
-        want = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction))
+        want = float(
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction=reduction)
+        )
         if value is not None and abs(value - want) <= 1e-4 * abs(want):
             return reduction
     mean = float(F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX))
-    raise ConfigError(f"plan chunked_loss cannot apply: loss_fn is not the token cross-entropy of the logits (it gives {value} on a "
-                      f"random batch whose mean cross-entropy is {mean:.6f})", hint=hint)
+    raise ConfigError(
+        f"plan chunked_loss cannot apply: loss_fn is not the token cross-entropy of the logits (it gives {value} on a "
+        f"random batch whose mean cross-entropy is {mean:.6f})",
+        hint=hint,
+    )
 
 
 class ChunkedLoss:
     """The training loss under ``chunked_loss``: ``loss(output, targets)`` on the model's output,
     whose "logits" are the head's input while training (module doc); otherwise ``loss_fn``."""
 
-    def __init__(self, head: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], *, chunk: int | None = None) -> None:
+    def __init__(
+        self, head: nn.Module, loss_fn: Callable[[Any, Any], torch.Tensor], *, chunk: int | None = None
+    ) -> None:
         if not is_chunked_head(head):
-            raise ConfigError("ChunkedLoss needs the head install_chunked_head prepared", hint="use ParallelModel.loss_for(loss_fn)")
+            raise ConfigError(
+                "ChunkedLoss needs the head install_chunked_head prepared", hint="use ParallelModel.loss_for(loss_fn)"
+            )
         self.head, self.loss_fn, self.chunk = head, loss_fn, chunk
         self.reduction = loss_reduction(loss_fn, head.out_features)
 
@@ -164,24 +187,33 @@ class ChunkedLoss:
         hidden = logits_of(output)  # the head's output: a tensor, a ModelOutput's .logits or a tuple's first
         returned = self.head.__dict__.pop(_STASH, None)
         if returned is None or not _same_tensor(hidden, returned):
-            raise ConfigError(f"plan chunked_loss cannot apply: {type(output).__name__} is not what the LM head returned "
-                              "(the model changes the logits after its head: a soft-cap, a scale, a cast or a slice)",
-                              hint="drop chunked_loss for this model")
+            raise ConfigError(
+                f"plan chunked_loss cannot apply: {type(output).__name__} is not what the LM head returned "
+                "(the model changes the logits after its head: a soft-cap, a scale, a cast or a slice)",
+                hint="drop chunked_loss for this model",
+            )
         weight, bias = self.head.weight, self.head.bias
         if hidden.is_cuda and not isinstance(weight, DTensor) and importlib.util.find_spec("liger_kernel") is not None:
             return _liger(hidden, weight, bias, targets, reduction=self.reduction)
-        return linear_cross_entropy(hidden, weight, bias, targets, ignore_index=IGNORE_INDEX, reduction=self.reduction, chunk=self.chunk)
-
-
+        return linear_cross_entropy(
+            hidden, weight, bias, targets, ignore_index=IGNORE_INDEX, reduction=self.reduction, chunk=self.chunk
+        )
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """The same values in the same memory (a view of the head's output in the same layout counts)."""
-    return (a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
-            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.storage_offset() == b.storage_offset())
+    return (
+        a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.storage_offset() == b.storage_offset()
+    )
 
 
-def _liger(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, *, reduction: str) -> torch.Tensor:
+def _liger(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, *, reduction: str
+) -> torch.Tensor:
     """Liger-Kernel's fused linear cross-entropy (GPU only), in the compute dtype: autocast's when it
     is on, else the weight's (its Triton kernels take one dtype for the input and the weight)."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
@@ -189,7 +221,12 @@ def _liger(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
     with torch.autocast(device, enabled=False):
-        loss = liger_fused_linear_cross_entropy(hidden.flatten(0, -2).to(dtype), weight.to(dtype), targets.flatten().to(hidden.device),
-                                                bias=bias.to(dtype) if bias is not None else None, ignore_index=IGNORE_INDEX,
-                                                reduction=reduction)
+        loss = liger_fused_linear_cross_entropy(
+            hidden.flatten(0, -2).to(dtype),
+            weight.to(dtype),
+            targets.flatten().to(hidden.device),
+            bias=bias.to(dtype) if bias is not None else None,
+            ignore_index=IGNORE_INDEX,
+            reduction=reduction,
+        )
     return loss.float()

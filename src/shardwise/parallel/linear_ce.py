@@ -83,16 +83,20 @@ def _vocab_shard(weight: torch.Tensor) -> tuple[Any, int]:
         return None, 0
     sharded = [i for i, p in enumerate(weight.placements) if isinstance(p, Shard)]
     if any(weight.placements[i].dim != 0 for i in sharded) or len(sharded) > 1:
-        raise ConfigError(f"the chunked loss needs the LM head's weight split by vocabulary rows, not {weight.placements}",
-                          hint="use the 'lm_head' TP style for the head, or drop chunked_loss")
+        raise ConfigError(
+            f"the chunked loss needs the LM head's weight split by vocabulary rows, not {weight.placements}",
+            hint="use the 'lm_head' TP style for the head, or drop chunked_loss",
+        )
     if not sharded:
         return None, 0
     mesh_dim = sharded[0]
     mesh = weight.device_mesh
     rows = weight.to_local().shape[0]
     if weight.shape[0] % mesh.size(mesh_dim):
-        raise ConfigError(f"the LM head's vocabulary of {weight.shape[0]} does not split evenly over tp={mesh.size(mesh_dim)}",
-                          hint="pad the vocabulary to a multiple of tp")
+        raise ConfigError(
+            f"the LM head's vocabulary of {weight.shape[0]} does not split evenly over tp={mesh.size(mesh_dim)}",
+            hint="pad the vocabulary to a multiple of tp",
+        )
     return mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim) * rows
 
 
@@ -187,16 +191,29 @@ def _layout(t: torch.Tensor | None) -> tuple[Any, ...] | None:
     return (t.device_mesh, t.placements, t.shape, t.stride())
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor, *,
-                         ignore_index: int = -100, reduction: str = "mean", chunk: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk: int | None = None,
+) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, -2), targets.flatten(), ...)``
     computed chunk by chunk (module doc); a plain fp32 scalar on every rank. ``weight``/``bias``
     may be vocabulary-sharded DTensors (then each tp rank passes the same ``hidden`` and
     ``targets``). ``chunk``: tokens per chunk (default :func:`chunk_tokens`)."""
     if reduction not in REDUCTIONS:
-        raise ConfigError(f"chunked loss reduction {reduction!r} is unknown", hint=f"use one of {', '.join(REDUCTIONS)}")
+        raise ConfigError(
+            f"chunked loss reduction {reduction!r} is unknown", hint=f"use one of {', '.join(REDUCTIONS)}"
+        )
     if isinstance(hidden, DTensor):
-        raise ConfigError("the chunked loss got the LM head's input as a DTensor", hint="the head's input must be this rank's plain tensor")
+        raise ConfigError(
+            "the chunked loss got the LM head's input as a DTensor",
+            hint="the head's input must be this rank's plain tensor",
+        )
     group, start = _vocab_shard(weight)
     tokens = hidden.numel() // hidden.shape[-1]
     size = chunk or chunk_tokens(tokens, hidden=hidden.shape[-1], vocab_local=local_tensor(weight).shape[0])

@@ -64,7 +64,10 @@ def with_lora(stats: Any, *, r: int, base: str = "fp32") -> Any:
     shapes = [(h, h), (h, kv), (h, kv), (h, h)] + [(h, f), (f, h)] + ([(h, f)] if stats.gated_mlp else [])
     adapter = sum(r * (i + o) for i, o in shapes)
     matmul = sum(i * o for i, o in shapes)
-    return replace(stats, lora=LoraStats(r=r, adapter_params_per_block=float(adapter), matmul_params_per_block=float(matmul), base=base))
+    return replace(
+        stats,
+        lora=LoraStats(r=r, adapter_params_per_block=float(adapter), matmul_params_per_block=float(matmul), base=base),
+    )
 
 
 def trainable_share(stats: Any) -> float:
@@ -72,7 +75,11 @@ def trainable_share(stats: Any) -> float:
     lora = stats.lora
     if lora is None:
         return 1.0
-    return stats.blocks * lora.adapter_params_per_block / max(1.0, stats.params_total + stats.blocks * lora.adapter_params_per_block)
+    return (
+        stats.blocks
+        * lora.adapter_params_per_block
+        / max(1.0, stats.params_total + stats.blocks * lora.adapter_params_per_block)
+    )
 
 
 def lora_state_bytes(stats: Any, policy: Any, *, stage_params: float, zero: int, shard: int) -> dict[str, float]:
@@ -83,7 +90,11 @@ def lora_state_bytes(stats: Any, policy: Any, *, stage_params: float, zero: int,
     layers = stage_params / max(1.0, stats.params_total) * stats.blocks  # this rank's share of the blocks
     adapters = layers * lora.adapter_params_per_block
     matmul = min(stage_params, layers * lora.matmul_params_per_block)
-    frozen_bytes = (matmul * NF4_BYTES + (stage_params - matmul) * policy.param) if lora.base == "nf4" else stage_params * policy.param
+    frozen_bytes = (
+        (matmul * NF4_BYTES + (stage_params - matmul) * policy.param)
+        if lora.base == "nf4"
+        else stage_params * policy.param
+    )
     shard_params = zero >= 3 or (zero == 2 and policy.zero2_shards_params)
     return {
         "params": (frozen_bytes + adapters * policy.param) / (n if shard_params else 1),

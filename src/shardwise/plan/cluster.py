@@ -82,10 +82,15 @@ class ClusterSpec:
         if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
             raise ConfigError(f"cluster devices={self.devices!r} must be a positive integer", hint="e.g. --devices 8")
         if not isinstance(self.devices_per_node, int) or self.devices_per_node < 1:
-            raise ConfigError(f"cluster devices_per_node={self.devices_per_node!r} must be a positive integer", hint="e.g. --devices-per-node 8")
+            raise ConfigError(
+                f"cluster devices_per_node={self.devices_per_node!r} must be a positive integer",
+                hint="e.g. --devices-per-node 8",
+            )
         if self.devices % self.devices_per_node and self.devices > self.devices_per_node:
-            raise ConfigError(f"cluster devices={self.devices} is not a multiple of devices_per_node={self.devices_per_node}",
-                              hint="use whole nodes")
+            raise ConfigError(
+                f"cluster devices={self.devices} is not a multiple of devices_per_node={self.devices_per_node}",
+                hint="use whole nodes",
+            )
         if self.memory_bytes <= 0:
             raise ConfigError(f"cluster memory_bytes={self.memory_bytes} must be positive")
         for key in ("intra_bw", "inter_bw", "memory_bw"):
@@ -94,12 +99,19 @@ class ClusterSpec:
         if not self.peak_flops or any(v <= 0 for v in self.peak_flops.values()):
             raise ConfigError("cluster peak_flops must map dtypes to positive FLOP/s", hint='e.g. {"fp32": 1e12}')
         if self.oversubscription < 1:
-            raise ConfigError(f"cluster oversubscription={self.oversubscription} must be >= 1", hint="1 when every process has its own device")
+            raise ConfigError(
+                f"cluster oversubscription={self.oversubscription} must be >= 1",
+                hint="1 when every process has its own device",
+            )
         if not 0 < self.achievable_fraction <= 1 or not 0 <= self.overlap <= 1:
-            raise ConfigError(f"cluster achievable_fraction={self.achievable_fraction} and overlap={self.overlap} must lie in (0, 1]")
+            raise ConfigError(
+                f"cluster achievable_fraction={self.achievable_fraction} and overlap={self.overlap} must lie in (0, 1]"
+            )
         for key in ("gemm_efficiency", "attention_efficiency", "fp8_gemm_efficiency"):
             if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(f"cluster {key}={getattr(self, key)} must lie in [0, 1]", hint="0 means: use achievable_fraction")
+                raise ConfigError(
+                    f"cluster {key}={getattr(self, key)} must lie in [0, 1]", hint="0 means: use achievable_fraction"
+                )
         if not 0 < self.memory_efficiency <= 1:
             raise ConfigError(f"cluster memory_efficiency={self.memory_efficiency} must lie in (0, 1]")
 
@@ -177,10 +189,16 @@ class ClusterSpec:
                   "reduce_scatter": (group - 1) / group, "all_to_all": (group - 1) / group}.get(op, 1.0)
         volume = factor * nbytes
         if group * stride <= self.devices_per_node:
-            return (self._latency(op, group, self.intra_latency_s, self.intra_latency_s) if latency else 0.0) + volume / self.intra_bw
+            return (
+                self._latency(op, group, self.intra_latency_s, self.intra_latency_s) if latency else 0.0
+            ) + volume / self.intra_bw
         g = self.ranks_per_node(group, stride)
         seconds = volume * max(1.0 / self.intra_bw if g > 1 else 0.0, 1.0 / (g * self.inter_bw))
-        return (self._latency(op, group, self.intra_latency_s, self.inter_latency_s, nodes=max(1, group // g)) if latency else 0.0) + seconds
+        return (
+            self._latency(op, group, self.intra_latency_s, self.inter_latency_s, nodes=max(1, group // g))
+            if latency
+            else 0.0
+        ) + seconds
 
     @staticmethod
     def _latency(op: str, group: int, intra: float, inter: float, *, nodes: int = 1) -> float:
@@ -231,11 +249,15 @@ class ClusterSpec:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ConfigError(f"cluster spec key {unknown[0]!r} is unknown", hint=f"valid keys: {', '.join(sorted(known))}")
+            raise ConfigError(
+                f"cluster spec key {unknown[0]!r} is unknown", hint=f"valid keys: {', '.join(sorted(known))}"
+            )
         try:
             return cls(**data)
         except TypeError as exc:
-            raise ConfigError(f"cluster spec is incomplete ({exc})", hint="write it with `shardwise calibrate --out FILE`") from None
+            raise ConfigError(
+                f"cluster spec is incomplete ({exc})", hint="write it with `shardwise calibrate --out FILE`"
+            ) from None
 
     @classmethod
     def load(cls, path: str) -> ClusterSpec:
@@ -243,7 +265,10 @@ class ClusterSpec:
             with open(path) as fh:
                 data = json.load(fh)
         except FileNotFoundError:
-            raise ConfigError(f"cluster spec file {path!r} does not exist", hint="use a preset name or run `shardwise calibrate --out FILE`") from None
+            raise ConfigError(
+                f"cluster spec file {path!r} does not exist",
+                hint="use a preset name or run `shardwise calibrate --out FILE`",
+            ) from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"cluster spec file {path!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
         return cls.from_dict(data)
@@ -332,13 +357,39 @@ PRESETS: dict[str, ClusterSpec] = {
     # (4 processes, 2 per core), halved to one process per core. `Trainer(plan="auto")` measures the
     # machine instead (shardwise.auto.machine). CPU collectives compete with compute for the cores,
     # so nothing overlaps.
-    "cpu": ClusterSpec(name="cpu", devices=2, devices_per_node=2, memory_bytes=8 * GIB, peak_flops={"fp32": 50e9, "bf16": 25e9},
-                       achievable_fraction=1.0, intra_bw=2 * GB, intra_latency_s=200e-6, inter_bw=1 * GB, inter_latency_s=400e-6,
-                       memory_bw=10 * GB, overlap=0.0, kernel_overhead_s=10e-6, dtensor_overhead_s=40e-6,
-                       tp_layer_overhead_s=20e-3, zero3_unit_overhead_s=6e-3, zero2_unit_overhead_s=5e-3, pp_microbatch_overhead_s=3.5e-3,
-                       optimizer_tensor_s=25e-6, optimizer_dtensor_tensor_s=150e-6, optimizer_param_s=6e-9, device_type="cpu"),
+    "cpu": ClusterSpec(
+        name="cpu",
+        devices=2,
+        devices_per_node=2,
+        memory_bytes=8 * GIB,
+        peak_flops={"fp32": 50e9, "bf16": 25e9},
+        achievable_fraction=1.0,
+        intra_bw=2 * GB,
+        intra_latency_s=200e-6,
+        inter_bw=1 * GB,
+        inter_latency_s=400e-6,
+        memory_bw=10 * GB,
+        overlap=0.0,
+        kernel_overhead_s=10e-6,
+        dtensor_overhead_s=40e-6,
+        tp_layer_overhead_s=20e-3,
+        zero3_unit_overhead_s=6e-3,
+        zero2_unit_overhead_s=5e-3,
+        pp_microbatch_overhead_s=3.5e-3,
+        optimizer_tensor_s=25e-6,
+        optimizer_dtensor_tensor_s=150e-6,
+        optimizer_param_s=6e-9,
+        device_type="cpu",
+    ),
 }
-ALIASES = {"h100-80gb": "h100", "h200-141gb": "h200", "a100": "a100-80gb", "v100-32gb": "v100", "a800-80gb": "a800", "h800-80gb": "h800"}
+ALIASES = {
+    "h100-80gb": "h100",
+    "h200-141gb": "h200",
+    "a100": "a100-80gb",
+    "v100-32gb": "v100",
+    "a800-80gb": "a800",
+    "h800-80gb": "h800",
+}
 
 
 def resolve(device_type: str, *, devices: int | None = None, devices_per_node: int | None = None) -> ClusterSpec:
@@ -356,7 +407,9 @@ def resolve(device_type: str, *, devices: int | None = None, devices_per_node: i
             raise ConfigError(f"devices={devices!r} must be a positive integer", hint="e.g. --devices 8")
         per_node = devices_per_node or min(spec.devices_per_node, devices)
         if per_node < 1:
-            raise ConfigError(f"devices_per_node={per_node} must be a positive integer", hint="e.g. --devices-per-node 8")
+            raise ConfigError(
+                f"devices_per_node={per_node} must be a positive integer", hint="e.g. --devices-per-node 8"
+            )
         spec = replace(spec, devices=devices, devices_per_node=per_node)
     elif devices_per_node is not None:
         spec = replace(spec, devices_per_node=devices_per_node)

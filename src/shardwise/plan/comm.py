@@ -87,7 +87,9 @@ def tp_time(cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, boundary: float
     # model) only the bytes are added; otherwise latency per collective and DTENSOR_OPS_PER_LAYER
     # DTensor dispatches (sharding propagation, redistribution) forward, twice that backward.
     per_layer = collectives * cluster.collective_time("all_reduce", boundary, t, latency=not measured)
-    edge = 2 * cluster.collective_time("all_reduce", boundary, t, latency=not measured)  # vocab-parallel embedding / loss
+    edge = 2 * cluster.collective_time(
+        "all_reduce", boundary, t, latency=not measured
+    )  # vocab-parallel embedding / loss
     if logits and not (run.loss_parallel or run.chunked_loss):  # the LM head's output gathered for the loss
         edge += cluster.collective_time("all_gather", logits, t, latency=not measured)
     replay = 4 / 3 if plan.recompute == "full" else 1.0  # a replayed forward: a third more of fwd + bwd
@@ -109,7 +111,9 @@ def tp_time(cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, boundary: float
     return wire + regather + m * layers * dispatch
 
 
-def cp_time(cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, kv_bytes: float, layers: int, attention: float) -> float:
+def cp_time(
+    cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, kv_bytes: float, layers: int, attention: float
+) -> float:
     """Exposed context-parallel traffic of one step: every layer all-gathers one microbatch's keys
     and values (``kv_bytes``, the whole sequence) over the ``c`` ranks of a sequence in forward (and
     in the replayed forward under full recomputation) and reduce-scatters their gradients in
@@ -117,8 +121,12 @@ def cp_time(cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, kv_bytes: float
     c = run.context_parallel
     if c <= 1:
         return 0.0
-    per_layer = (2 + (1 if plan.recompute == "full" else 0)) * cluster.collective_time("all_gather", kv_bytes, c, stride=plan.tp)
-    return exposed(cluster, plan.microbatches * layers * per_layer, attention, share=cluster.link_share(c, stride=plan.tp))
+    per_layer = (2 + (1 if plan.recompute == "full" else 0)) * cluster.collective_time(
+        "all_gather", kv_bytes, c, stride=plan.tp
+    )
+    return exposed(
+        cluster, plan.microbatches * layers * per_layer, attention, share=cluster.link_share(c, stride=plan.tp)
+    )
 
 
 def ep_time(cluster: ClusterSpec, plan: Plan, *, rows_bytes: float, layers: int) -> float:
@@ -127,7 +135,9 @@ def ep_time(cluster: ClusterSpec, plan: Plan, *, rows_bytes: float, layers: int)
     tokens x h each) and two backward, two more under full recomputation."""
     if plan.ep <= 1 or rows_bytes <= 0:
         return 0.0
-    per_layer = (4 + (2 if plan.recompute == "full" else 0)) * cluster.collective_time("all_to_all", rows_bytes, plan.ep, stride=plan.tp)
+    per_layer = (4 + (2 if plan.recompute == "full" else 0)) * cluster.collective_time(
+        "all_to_all", rows_bytes, plan.ep, stride=plan.tp
+    )
     return plan.microbatches * layers * per_layer
 
 
@@ -145,8 +155,20 @@ def pp_time(cluster: ClusterSpec, plan: Plan, *, hop_bytes: float) -> float:
     return 2 * v * (m + p - 1) * cluster.p2p_time(hop_bytes, intra=intra)
 
 
-def dp_time(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, run: RunPolicy, *, stage_params: float, layers: int,
-            t_fwd: float, t_bwd: float, stage_tensors: int = 0, gather_bytes: float | None = None, units_per_block: int = 1) -> Comm:
+def dp_time(
+    cluster: ClusterSpec,
+    plan: Plan,
+    policy: StatePolicy,
+    run: RunPolicy,
+    *,
+    stage_params: float,
+    layers: int,
+    t_fwd: float,
+    t_bwd: float,
+    stage_tensors: int = 0,
+    gather_bytes: float | None = None,
+    units_per_block: int = 1,
+) -> Comm:
     """Data-parallel communication of one step (see the module doc); ``t_fwd``/``t_bwd``: one
     microbatch's compute, the windows the traffic can hide behind; ``gather_bytes``: bytes per
     parameter FSDP gathers (default the policy's compute dtype; FP8 all-gather: less);
@@ -161,7 +183,10 @@ def dp_time(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, run: RunPolic
     overlap_bwd = t_bwd if run.grad_reduce_overlap else 0.0
     if plan.zero == 0:
         total = cluster.collective_time("all_reduce", grads, plan.dp, stride=stride)
-        return Comm(dp_total=total, dp_exposed=exposed(cluster, total, overlap_bwd, share=cluster.link_share(plan.dp, stride=stride)))
+        return Comm(
+            dp_total=total,
+            dp_exposed=exposed(cluster, total, overlap_bwd, share=cluster.link_share(plan.dp, stride=stride)),
+        )
     shard, rep = plan.shard, plan.dp
     if plan.zero == 1:
         if not run.autocast:
@@ -176,7 +201,9 @@ def dp_time(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, run: RunPolic
         # behind, one broadcast per parameter tensor (torch's default, parameters_as_bucket_view=False),
         # so every tensor of the stage pays a broadcast latency.
         ar = cluster.collective_time("all_reduce", grads, plan.dp_size, stride=stride)
-        gather = cluster.collective_time("all_gather", stage_params * policy.param, plan.shard, stride=stride, latency=False)
+        gather = cluster.collective_time(
+            "all_gather", stage_params * policy.param, plan.shard, stride=stride, latency=False
+        )
         gather += stage_tensors * cluster.collective_latency("broadcast", plan.shard, stride=stride)
         share = cluster.link_share(plan.dp_size, stride=stride)
         return Comm(dp_total=ar + gather, dp_exposed=exposed(cluster, ar, overlap_bwd, share=share) + gather)
@@ -186,11 +213,23 @@ def dp_time(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, run: RunPolic
     # reduce-scatter together); then only the bytes are charged per collective and the fixed cost
     # once per unit and microbatch, exposed (it is CPU work on the critical path).
     units = layers * (units_per_block if plan.zero >= 3 else 1) + 1
-    unit_fixed = {3: cluster.zero3_unit_overhead_s, 2: cluster.zero2_unit_overhead_s}.get(plan.zero, 0.0) if shard > 1 else 0.0
+    unit_fixed = (
+        {3: cluster.zero3_unit_overhead_s, 2: cluster.zero2_unit_overhead_s}.get(plan.zero, 0.0) if shard > 1 else 0.0
+    )
     measured = unit_fixed > 0
-    hooks = units * FSDP_OPS_PER_UNIT * cluster.dtensor_overhead_s if shard > 1 and not measured and cluster.device_type == "cpu" else 0.0
-    rs = units * cluster.collective_time("reduce_scatter", grads / units, shard, stride=stride, latency=not measured) + hooks
-    ag = units * cluster.collective_time("all_gather", params / units, shard, stride=stride, latency=not measured) + hooks
+    hooks = (
+        units * FSDP_OPS_PER_UNIT * cluster.dtensor_overhead_s
+        if shard > 1 and not measured and cluster.device_type == "cpu"
+        else 0.0
+    )
+    rs = (
+        units * cluster.collective_time("reduce_scatter", grads / units, shard, stride=stride, latency=not measured)
+        + hooks
+    )
+    ag = (
+        units * cluster.collective_time("all_gather", params / units, shard, stride=stride, latency=not measured)
+        + hooks
+    )
     replicas = cluster.collective_time("all_reduce", grads / shard, rep, stride=stride * shard)
     fixed = m * units * unit_fixed
     reduces = m if run.sharded_grad_accumulation else 1  # reduce-scatters (and replica all-reduces) per step
@@ -199,7 +238,11 @@ def dp_time(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, run: RunPolic
         fwd = m * ag if policy.zero2_shards_params else 0.0  # FSDP2 gathers before each forward
         after = 0.0 if policy.zero2_shards_params else ag  # DeepSpeed stage 2: all-gather the updated parameters
         share = cluster.link_share(shard, stride=stride)
-        dp_exposed = exposed(cluster, fwd, m * t_fwd, share=share) + exposed(cluster, bwd_reduce, reduces * overlap_bwd, share=share) + after
+        dp_exposed = (
+            exposed(cluster, fwd, m * t_fwd, share=share)
+            + exposed(cluster, bwd_reduce, reduces * overlap_bwd, share=share)
+            + after
+        )
         return Comm(dp_total=fwd + bwd_reduce + after + fixed, dp_exposed=dp_exposed + fixed, dp_fixed=fixed)
     # ZeRO-3 gathers each block before its forward and again before its backward, every microbatch.
     fwd = m * ag
@@ -210,4 +253,14 @@ def dp_time(cluster: ClusterSpec, plan: Plan, policy: StatePolicy, run: RunPolic
     return Comm(dp_total=fwd + bwd + fixed, dp_exposed=max(dp_exposed, first) + fixed, dp_fixed=fixed)
 
 
-__all__ = ["Comm", "DTENSOR_OPS_PER_LAYER", "FSDP_OPS_PER_UNIT", "cp_time", "dp_time", "ep_time", "exposed", "pp_time", "tp_time"]
+__all__ = [
+    "Comm",
+    "DTENSOR_OPS_PER_LAYER",
+    "FSDP_OPS_PER_UNIT",
+    "cp_time",
+    "dp_time",
+    "ep_time",
+    "exposed",
+    "pp_time",
+    "tp_time",
+]

@@ -78,8 +78,15 @@ KERNELS_PER_LAYER = 20  # operators of one transformer layer's forward (matmuls,
 # per op (the bmm writes 2, the softmax reads 2 and writes 2, dropout reads 2 and writes 2 + a 1-byte
 # mask, the second bmm reads 2); plain torch ops (a model's own eager attention) add the scaling and
 # the causal mask as two more read-write passes, forward and backward.
-EAGER_SCORE_BYTES = {(True, False): (8.0, 10.0), (True, True): (13.0, 15.0), (False, False): (16.0, 18.0), (False, True): (21.0, 23.0)}
-CHUNK_KERNELS = 8  # operators of one chunk of the chunked loss, each way (head matmul, upcast, log-softmax, loss, gradient)
+EAGER_SCORE_BYTES = {
+    (True, False): (8.0, 10.0),
+    (True, True): (13.0, 15.0),
+    (False, False): (16.0, 18.0),
+    (False, True): (21.0, 23.0),
+}
+CHUNK_KERNELS = (
+    8  # operators of one chunk of the chunked loss, each way (head matmul, upcast, log-softmax, loss, gradient)
+)
 FP8_MULTIPLE = 16  # torch._scaled_mm needs both dimensions of each operand to be multiples of 16
 # Bytes moved per element by torchao's casts for FP8 training, per recipe (its roofline model,
 # torchao/testing/training/roofline_utils.py): (input or output gradient, weight), forward and
@@ -102,10 +109,14 @@ class MicrobatchTime:
         return self.fwd + self.bwd
 
 
-def microbatch_time(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, layers: int) -> MicrobatchTime:
+def microbatch_time(
+    stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, layers: int
+) -> MicrobatchTime:
     """Forward and backward of one microbatch of ``mbs`` samples over ``layers`` blocks plus the
     LM head (see the module doc)."""
-    dim = (mbs * stats.seq * max(stats.hidden, 1) * max(stats.hidden / plan.tp, 1)) ** (1 / 3) if stats.hidden else 1024.0
+    dim = (
+        (mbs * stats.seq * max(stats.hidden, 1) * max(stats.hidden / plan.tp, 1)) ** (1 / 3) if stats.hidden else 1024.0
+    )
     block_rate = cluster.block_flops(compute_precision(plan.precision), dim) if stats.hidden else None
     if block_rate:
         return _calibrated(stats, cluster, plan, run, mbs=mbs, layers=layers, dim=dim, rate=block_rate)
@@ -114,8 +125,17 @@ def microbatch_time(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: Ru
     return _physical(stats, cluster, plan, run, mbs=mbs, layers=layers)
 
 
-def _calibrated(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, layers: int, dim: float,
-                rate: float) -> MicrobatchTime:
+def _calibrated(
+    stats: ModelStats,
+    cluster: ClusterSpec,
+    plan: Plan,
+    run: RunPolicy,
+    *,
+    mbs: int,
+    layers: int,
+    dim: float,
+    rate: float,
+) -> MicrobatchTime:
     """A measured transformer layer's forward + backward throughput covers its kernels, memory
     traffic and autograd work; the LM head runs at the matmul rate and its softmax / loss are
     memory-bound (the logits written and read once each way)."""
@@ -133,7 +153,9 @@ def _calibrated(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPol
     # pointwise work they replay on a CPU): priced like full recomputation, never as free.
     if mode in ("matmuls", "op"):
         mode, extra = "full", layer_fwd
-    replay_rate = cluster.block_flops(compute_precision(plan.precision), dim, recompute=True) if mode == "full" else None
+    replay_rate = (
+        cluster.block_flops(compute_precision(plan.precision), dim, recompute=True) if mode == "full" else None
+    )
     # At the rate measured under full recomputation when there is one (model FLOPs: the replay
     # shows as a lower rate), else the replayed FLOPs at the plain rate.
     layers_s = 3 * layer_fwd / replay_rate if replay_rate else (3 * layer_fwd + extra) / rate
@@ -142,7 +164,9 @@ def _calibrated(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPol
     return MicrobatchTime(fwd, bwd, {"layers": layers_s, "head": 3 * head_fwd / flops + 2 * loss_traffic})
 
 
-def _generic(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, layers: int, dim: float) -> MicrobatchTime:
+def _generic(
+    stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, layers: int, dim: float
+) -> MicrobatchTime:
     """A model known only by its FLOPs and saved bytes (measured on the meta device): the FLOPs at
     the achievable matmul rate, the saved activations written in forward and read in backward,
     and a launch cost per operator."""
@@ -152,7 +176,10 @@ def _generic(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy
     flops = cluster.matmul_flops(compute_precision(plan.precision), dim)
     fwd_flops = mbs * (layers * stats.flops_per_block + stats.flops_head) / t
     mode = recompute_mode(plan, run)
-    extra = {"full": mbs * layers * stats.flops_per_block / t, "layer": mbs * layers * stats.flops_per_block / t / 2}.get(mode, 0.0)
+    extra = {
+        "full": mbs * layers * stats.flops_per_block / t,
+        "layer": mbs * layers * stats.flops_per_block / t / 2,
+    }.get(mode, 0.0)
     if mode == "attention":
         extra = mbs * layers * stats.attn_flops_per_block / t
     launches = layers * KERNELS_PER_LAYER * cluster.kernel_overhead_s
@@ -160,8 +187,16 @@ def _generic(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy
     traffic = produced / cluster.memory_bw
     replayed = produced if mode in ("full", "layer") else 0.0
     fwd = fwd_flops / flops + traffic + launches
-    bwd = (2 * fwd_flops + extra) / flops + traffic + replayed / cluster.memory_bw + 2 * launches + (launches if mode == "full" else 0.0)
-    return MicrobatchTime(fwd, bwd, {"gemm": (3 * fwd_flops + extra) / flops, "pointwise": 2 * traffic, "launch": 3 * launches})
+    bwd = (
+        (2 * fwd_flops + extra) / flops
+        + traffic
+        + replayed / cluster.memory_bw
+        + 2 * launches
+        + (launches if mode == "full" else 0.0)
+    )
+    return MicrobatchTime(
+        fwd, bwd, {"gemm": (3 * fwd_flops + extra) / flops, "pointwise": 2 * traffic, "launch": 3 * launches}
+    )
 
 
 def gemm_time(cluster: ClusterSpec, m: float, n: float, k: float, *, peak: float, elem: float,
@@ -180,10 +215,14 @@ def gemm_time(cluster: ClusterSpec, m: float, n: float, k: float, *, peak: float
 def fp8_gemm_time(cluster: ClusterSpec, m: float, n: float, k: float) -> float:
     """One FP8 GEMM (``torch._scaled_mm``): 1-byte operands, a 16-bit output, at the FP8 peak
     times the chip's FP8 GEMM efficiency."""
-    return gemm_time(cluster, m, n, k, peak=cluster.peak("fp8"), elem=1.0, efficiency=cluster.fp8_gemm_efficiency_, out_elem=2.0)
+    return gemm_time(
+        cluster, m, n, k, peak=cluster.peak("fp8"), elem=1.0, efficiency=cluster.fp8_gemm_efficiency_, out_elem=2.0
+    )
 
 
-def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, layers: int) -> MicrobatchTime:
+def _physical(
+    stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, layers: int
+) -> MicrobatchTime:
     """One microbatch's forward and backward on one device (module doc): ``layers`` blocks (GEMMs,
     the attention core, the pointwise work, launches and recomputation), then the LM head and the
     loss; ``parts`` says where the time goes."""
@@ -195,9 +234,13 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     bw = cluster.memory_bw * cluster.memory_efficiency
     fp8 = run.fp8 and "fp8" in cluster.peak_flops
     peak = cluster.peak(compute_precision(plan.precision))
-    gemms, gemm_bwd, casts_fwd, casts_bwd = _gemms(stats, cluster, plan, run, tokens=tokens, peak=peak, c=c, bw=bw, fp8=fp8)
+    gemms, gemm_bwd, casts_fwd, casts_bwd = _gemms(
+        stats, cluster, plan, run, tokens=tokens, peak=peak, c=c, bw=bw, fp8=fp8
+    )
     gemm_fwd = sum(gemms)
-    attn_fwd, attn_bwd, attn_fwd_traffic = _attention(stats, cluster, plan, run, mbs=mbs, tokens=tokens, peak=peak, c=c, bw=bw)
+    attn_fwd, attn_bwd, attn_fwd_traffic = _attention(
+        stats, cluster, plan, run, mbs=mbs, tokens=tokens, peak=peak, c=c, bw=bw
+    )
     pointwise_fwd, pointwise_bwd = _pointwise(stats, plan, tokens=tokens, c=c, r=r, bw=bw, autocast=autocast)
 
     launch = KERNELS_PER_LAYER * cluster.kernel_overhead_s
@@ -214,18 +257,35 @@ def _physical(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolic
     fwd = layers * fwd_layer + head_fwd + loss / 2
     bwd = layers * (bwd_layer + replay) + 2 * head_fwd + loss / 2
     parts = {
-        "gemm": layers * (gemm_fwd + gemm_bwd), "attention": layers * (attn_fwd + attn_bwd), "pointwise": layers * (pointwise_fwd + pointwise_bwd),
-        "head": 3 * head_fwd + loss, "recompute": layers * replay,
-        "launch": max(0.0, layers * (fwd_layer + bwd_layer)
-                      - layers * (gemm_fwd + gemm_bwd + casts_fwd + casts_bwd + attn_fwd + attn_bwd + pointwise_fwd + pointwise_bwd)),
+        "gemm": layers * (gemm_fwd + gemm_bwd),
+        "attention": layers * (attn_fwd + attn_bwd),
+        "pointwise": layers * (pointwise_fwd + pointwise_bwd),
+        "head": 3 * head_fwd + loss,
+        "recompute": layers * replay,
+        "launch": max(
+            0.0,
+            layers * (fwd_layer + bwd_layer)
+            - layers
+            * (gemm_fwd + gemm_bwd + casts_fwd + casts_bwd + attn_fwd + attn_bwd + pointwise_fwd + pointwise_bwd),
+        ),
     }
     if fp8:
         parts["fp8_casts"] = layers * (casts_fwd + casts_bwd)
     return MicrobatchTime(fwd, bwd, parts)
 
 
-def _gemms(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, tokens: int, peak: float, c: float, bw: float,
-           fp8: bool) -> tuple[list[float], float, float, float]:
+def _gemms(
+    stats: ModelStats,
+    cluster: ClusterSpec,
+    plan: Plan,
+    run: RunPolicy,
+    *,
+    tokens: int,
+    peak: float,
+    c: float,
+    bw: float,
+    fp8: bool,
+) -> tuple[list[float], float, float, float]:
     """One layer's GEMMs: each forward GEMM's seconds (in forward order, for the per-op recompute
     policy), the backward GEMMs' seconds, and FP8's casts forward and backward."""
     t = plan.tp
@@ -268,16 +328,30 @@ def _gemms(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, 
             weight = weight if weight_cast is None else weight_cast
             act -= 2.0 if fused_casts else 0.0
             shared = fused_casts and stats.qkv_input_copies > 1 and 0 < i < len(proj)  # k and v reuse q's input cast
-            casts_fwd += ((0.0 if shared else act * m_ * k_) + weight * k_ * n_) / bw  # the input's and the weight's casts
+            casts_fwd += (
+                (0.0 if shared else act * m_ * k_) + weight * k_ * n_
+            ) / bw  # the input's and the weight's casts
             casts_bwd += act * m_ * n_ / bw  # the output gradient's
         else:
             gemms.append(gemm_time(cluster, m_, n_, k_, peak=peak, elem=c))
-            gemm_bwd += gemm_time(cluster, m_, k_, n_, peak=peak, elem=c) + gemm_time(cluster, k_, n_, m_, peak=peak, elem=c)
+            gemm_bwd += gemm_time(cluster, m_, k_, n_, peak=peak, elem=c) + gemm_time(
+                cluster, k_, n_, m_, peak=peak, elem=c
+            )
     return gemms, gemm_bwd, casts_fwd, casts_bwd
 
 
-def _attention(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, tokens: int, peak: float, c: float,
-               bw: float) -> tuple[float, float, float]:
+def _attention(
+    stats: ModelStats,
+    cluster: ClusterSpec,
+    plan: Plan,
+    run: RunPolicy,
+    *,
+    mbs: int,
+    tokens: int,
+    peak: float,
+    c: float,
+    bw: float,
+) -> tuple[float, float, float]:
     """The attention core of one layer: forward and backward seconds, and the forward's traffic
     over the scores (eager attention; what recomputing the softmax replays)."""
     t, s, h = plan.tp, stats.seq, stats.hidden
@@ -287,7 +361,10 @@ def _attention(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPoli
     ctx = stats.context or s  # keys per query (context parallelism: the whole sequence)
     if stats.attention == "eager":
         batch = mbs * heads_local
-        attn_fwd = batch * (gemm_time(cluster, s, ctx, head_dim, peak=peak, elem=c) + gemm_time(cluster, s, head_dim, ctx, peak=peak, elem=c))
+        attn_fwd = batch * (
+            gemm_time(cluster, s, ctx, head_dim, peak=peak, elem=c)
+            + gemm_time(cluster, s, head_dim, ctx, peak=peak, elem=c)
+        )
         scores = mbs * heads_local * s * ctx * (c / 2)
         fwd_bytes, bwd_bytes = EAGER_SCORE_BYTES[(run.fused_softmax, stats.dropout)]
         attn_fwd_traffic = scores * fwd_bytes / bw
@@ -302,7 +379,9 @@ def _attention(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPoli
     return attn_fwd, attn_bwd, attn_fwd_traffic
 
 
-def _pointwise(stats: ModelStats, plan: Plan, *, tokens: int, c: float, r: float, bw: float, autocast: bool) -> tuple[float, float]:
+def _pointwise(
+    stats: ModelStats, plan: Plan, *, tokens: int, c: float, r: float, bw: float, autocast: bool
+) -> tuple[float, float]:
     """One layer's pointwise work (norms, residual adds, the activation, dropout, rotary, autocast's
     casts): forward and backward seconds at the memory bandwidth."""
     t, h, f, kv = plan.tp, stats.hidden, stats.ffn, stats.kv_hidden or stats.hidden
@@ -310,7 +389,11 @@ def _pointwise(stats: ModelStats, plan: Plan, *, tokens: int, c: float, r: float
     shard_norm = t if plan.sequence_parallel else 1
     norms = 2 * (r + c) * h / shard_norm
     adds = 2 * (2 * r + c) * h / shard_norm
-    act = (5 if stats.gated_mlp else 2) * c * (stats.top_k * stats.expert_ffn / (1 if plan.ep > 1 else t) if stats.experts else f / t)
+    act = (
+        (5 if stats.gated_mlp else 2)
+        * c
+        * (stats.top_k * stats.expert_ffn / (1 if plan.ep > 1 else t) if stats.experts else f / t)
+    )
     drop = 2 * (2 * c + 1) * h / shard_norm if stats.dropout else 0.0
     rotary = 2 * c * (h + kv) / t if stats.rotary else 0.0
     casts = 0.0
@@ -331,8 +414,17 @@ def _pointwise(stats: ModelStats, plan: Plan, *, tokens: int, c: float, r: float
     return pointwise_fwd, pointwise_bwd
 
 
-def _replay(stats: ModelStats, plan: Plan, run: RunPolicy, *, fwd_layer: float, gemms: list[float], pointwise_fwd: float,
-            attn_fwd: float, attn_fwd_traffic: float) -> float:
+def _replay(
+    stats: ModelStats,
+    plan: Plan,
+    run: RunPolicy,
+    *,
+    fwd_layer: float,
+    gemms: list[float],
+    pointwise_fwd: float,
+    attn_fwd: float,
+    attn_fwd_traffic: float,
+) -> float:
     """What recomputation replays of one layer's forward in backward, by the plan's recompute mode."""
     mode = recompute_mode(plan, run)
     if mode == "full":
@@ -352,12 +444,27 @@ def _replay(stats: ModelStats, plan: Plan, run: RunPolicy, *, fwd_layer: float, 
     return replay
 
 
-def _head(stats: ModelStats, cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, mbs: int, tokens: int, peak: float, c: float,
-          bw: float, layer: Callable[[float, float], float]) -> tuple[float, float]:
+def _head(
+    stats: ModelStats,
+    cluster: ClusterSpec,
+    plan: Plan,
+    run: RunPolicy,
+    *,
+    mbs: int,
+    tokens: int,
+    peak: float,
+    c: float,
+    bw: float,
+    layer: Callable[[float, float], float],
+) -> tuple[float, float]:
     """The LM head's forward GEMM and the loss on the last stage (seconds)."""
     t, h, v = plan.tp, stats.hidden, stats.vocab
     # -- LM head and loss on the last stage -------------------------------------------------------
-    head_fwd = gemm_time(cluster, tokens, v / t, h, peak=peak, elem=c) if v else mbs * stats.flops_head / t / (peak * cluster.gemm_efficiency_)
+    head_fwd = (
+        gemm_time(cluster, tokens, v / t, h, peak=peak, elem=c)
+        if v
+        else mbs * stats.flops_head / t / (peak * cluster.gemm_efficiency_)
+    )
     # the loss over this rank's logits: a vocabulary-parallel (or chunked) loss V/t of them, else all V
     vocab_rank = v / t if (run.loss_parallel or run.chunked_loss) else v
     loss = tokens * vocab_rank * (24.0 if run.fused_loss or run.chunked_loss else 32.0) / bw if v else 0.0
@@ -374,7 +481,9 @@ def accumulate_time(cluster: ClusterSpec, *, grad_elems: float, grad_bytes: floa
     return 3 * grad_bytes * grad_elems / (cluster.memory_bw * cluster.memory_efficiency)
 
 
-def optimizer_time(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, stage_params: float, stage_tensors: int) -> float:
+def optimizer_time(
+    stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, stage_params: float, stage_tensors: int
+) -> float:
     """Seconds of the optimizer step: a calibrated spec's Adam cost per local tensor (per DTensor
     under FSDP2, TP or a pipeline's data-parallel replicate; ZeRO-1 steps its partition of plain
     tensors) plus per element; a preset's Adam reads parameter, gradient and both moments and writes
@@ -382,10 +491,23 @@ def optimizer_time(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, stage
     optimizer_params = stage_params / (plan.shard if plan.zero >= 1 else 1)
     if cluster.optimizer_param_s > 0:
         dtensor = plan.zero >= 2 or plan.tp > 1 or (plan.pp > 1 and plan.dp_size > 1)
-        per_tensor = cluster.optimizer_dtensor_tensor_s if dtensor and cluster.optimizer_dtensor_tensor_s > 0 else cluster.optimizer_tensor_s
+        per_tensor = (
+            cluster.optimizer_dtensor_tensor_s
+            if dtensor and cluster.optimizer_dtensor_tensor_s > 0
+            else cluster.optimizer_tensor_s
+        )
         tensors = stage_tensors / (plan.shard if plan.zero == 1 else 1)
         return tensors * per_tensor + optimizer_params * cluster.optimizer_param_s
     return optimizer_params * 28.0 / (cluster.memory_bw * cluster.memory_efficiency)
 
 
-__all__ = ["FP8_CAST_BYTES", "accumulate_time", "KERNELS_PER_LAYER", "MicrobatchTime", "fp8_gemm_time", "gemm_time", "microbatch_time", "optimizer_time"]
+__all__ = [
+    "FP8_CAST_BYTES",
+    "accumulate_time",
+    "KERNELS_PER_LAYER",
+    "MicrobatchTime",
+    "fp8_gemm_time",
+    "gemm_time",
+    "microbatch_time",
+    "optimizer_time",
+]

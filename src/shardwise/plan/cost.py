@@ -38,14 +38,33 @@ from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.comm import cp_time, dp_time, ep_time, pp_time, tp_time
 from shardwise.plan.compute import accumulate_time, microbatch_time, optimizer_time
-from shardwise.plan.memory import (StatePolicy, buffer_bytes, chunked_loss_bytes, expert_param_count, gathered_bytes, layer_bytes, logits_bytes,
-                                   model_state_bytes, modules_per_block, stage_param_count, weight_copy_bytes)
+from shardwise.plan.memory import (
+    StatePolicy,
+    buffer_bytes,
+    chunked_loss_bytes,
+    expert_param_count,
+    gathered_bytes,
+    layer_bytes,
+    logits_bytes,
+    model_state_bytes,
+    modules_per_block,
+    stage_param_count,
+    weight_copy_bytes,
+)
 from shardwise.plan.adapters import lora_microbatch, lora_state_bytes
 from shardwise.plan.policy import RunPolicy, compute_precision
 from shardwise.plan.stats import ModelStats, slice_stats
 
-__all__ = ["Estimate", "RunPolicy", "StatePolicy", "bubble_fraction", "estimate", "micro_batch_size", "model_state_bytes",
-           "stage_param_count"]
+__all__ = [
+    "Estimate",
+    "RunPolicy",
+    "StatePolicy",
+    "bubble_fraction",
+    "estimate",
+    "micro_batch_size",
+    "model_state_bytes",
+    "stage_param_count",
+]
 
 
 def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> float:
@@ -88,18 +107,36 @@ class Estimate:
         """The shape ``shardwise plan --json`` prints for one plan."""
         p = self.plan
         return {
-            "dp": p.dp_size, "dp_replicate": p.dp, "dp_shard": p.shard, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
+            "dp": p.dp_size,
+            "dp_replicate": p.dp,
+            "dp_shard": p.shard,
+            "tp": p.tp,
+            "pp": p.pp,
+            "cp": p.cp,
+            "ep": p.ep,
             "zero_stage": p.zero,
-            "micro_batch_size": self.micro_batch_size, "num_microbatches": p.microbatches,
-            "schedule": p.schedule if p.pp > 1 else "none", "virtual_stages": p.virtual_stages,
-            "sequence_parallel": p.sequence_parallel, "recompute": p.recompute, "precision": p.precision, "plan": str(p),
-            "params16": p.params16, "chunked_loss": p.chunked_loss, "sharded_accumulation": p.sharded_accumulation,
+            "micro_batch_size": self.micro_batch_size,
+            "num_microbatches": p.microbatches,
+            "schedule": p.schedule if p.pp > 1 else "none",
+            "virtual_stages": p.virtual_stages,
+            "sequence_parallel": p.sequence_parallel,
+            "recompute": p.recompute,
+            "precision": p.precision,
+            "plan": str(p),
+            "params16": p.params16,
+            "chunked_loss": p.chunked_loss,
+            "sharded_accumulation": p.sharded_accumulation,
             **({"fp8_recipe": p.fp8_recipe} if p.precision == "fp8" else {}),
-            "precision_policy": self.run.precision, "selective_mode": self.run.selective,
+            "precision_policy": self.run.precision,
+            "selective_mode": self.run.selective,
             "memory_per_device_bytes": int(self.memory_total),
             "memory_breakdown": {k: int(v) for k, v in self.memory.items()},
-            "step_time_s": self.step_time_s, "time_breakdown": dict(self.time), "time_detail": dict(self.detail),
-            "tokens_per_s": self.tokens_per_s, "tflops_per_device": self.tflops_per_device, "mfu": self.mfu,
+            "step_time_s": self.step_time_s,
+            "time_breakdown": dict(self.time),
+            "time_detail": dict(self.detail),
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
             "fits": self.fits,
         }
 
@@ -128,11 +165,21 @@ def _in_flight(plan: Plan) -> tuple[float, float]:
     return float(min(m, p)), 1.0
 
 
-def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, policy: StatePolicy | None = None,
-             headroom: float = 0.1, run: RunPolicy | None = None) -> Estimate:
+def estimate(
+    stats: ModelStats,
+    cluster: ClusterSpec,
+    plan: Plan,
+    *,
+    global_batch: int,
+    policy: StatePolicy | None = None,
+    headroom: float = 0.1,
+    run: RunPolicy | None = None,
+) -> Estimate:
     """Memory and time of one training step of ``plan`` (see the module doc for every term)."""
     if plan.cp > 1:
-        return _context_parallel(stats, cluster, plan, global_batch=global_batch, policy=policy, headroom=headroom, run=run)
+        return _context_parallel(
+            stats, cluster, plan, global_batch=global_batch, policy=policy, headroom=headroom, run=run
+        )
     run = (run or RunPolicy()).applied(plan)  # the plan's runtime options (params16, chunked_loss, ...) on
     policy = policy or StatePolicy.torch(plan.precision)
     mbs = micro_batch_size(plan, global_batch)
@@ -155,7 +202,11 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     # Every microbatch after the first adds its weight gradients into the accumulated ones
     # (autograd's AccumulateGrad, FSDP2's unsharded accumulation): read both, write one.
     grad_elems = stage_params / (plan.shard if run.sharded_grad_accumulation and plan.zero >= 2 else 1)
-    accumulate = 0.0 if run.fused_grad_accumulation else (m - 1) * accumulate_time(cluster, grad_elems=grad_elems, grad_bytes=policy.grad)
+    accumulate = (
+        0.0
+        if run.fused_grad_accumulation
+        else (m - 1) * accumulate_time(cluster, grad_elems=grad_elems, grad_bytes=policy.grad)
+    )
     slot = mb.total + accumulate / m  # one microbatch on a stage, its share of the accumulation included
     compute = m * slot
     bubble = 0.0
@@ -167,12 +218,23 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         # the textbook (m + (p-1)/v) t_mb.
         o = max(1.0, cluster.oversubscription)
         bubble = max(0.0, (m + (p - 1) / v) * slot / o - compute)
-    tp_comm = tp_time(cluster, plan, run, boundary=mbs * stats.boundary_bytes * act_scale, layers=layers, compute=compute,
-                      logits=mbs * stats.logits_bytes * act_scale)
+    tp_comm = tp_time(
+        cluster,
+        plan,
+        run,
+        boundary=mbs * stats.boundary_bytes * act_scale,
+        layers=layers,
+        compute=compute,
+        logits=mbs * stats.logits_bytes * act_scale,
+    )
     pp_comm = pp_time(cluster, plan, hop_bytes=boundary / (t if plan.sequence_parallel or run.pp_scatter_gather else 1))
     kv_bytes = mbs * (stats.context or stats.seq) * 2 * (stats.kv_hidden or stats.hidden) / t * (4.0 if fp32 else 2.0)
-    cp_comm = cp_time(cluster, plan, run, kv_bytes=kv_bytes, layers=layers, attention=m * mb.parts.get("attention", 0.0))
-    ep_comm = ep_time(cluster, plan, rows_bytes=mbs * stats.seq * stats.top_k * stats.hidden * (4.0 if fp32 else 2.0), layers=layers)
+    cp_comm = cp_time(
+        cluster, plan, run, kv_bytes=kv_bytes, layers=layers, attention=m * mb.parts.get("attention", 0.0)
+    )
+    ep_comm = ep_time(
+        cluster, plan, rows_bytes=mbs * stats.seq * stats.top_k * stats.hidden * (4.0 if fp32 else 2.0), layers=layers
+    )
     stage_tensors = layers * stats.tensors_per_block + stats.tensors_outer
     dp = dp_time(cluster, plan, policy, run, stage_params=stage_params, layers=layers, t_fwd=mb.fwd, t_bwd=mb.bwd,
                  stage_tensors=stage_tensors, gather_bytes=gathered_bytes(stats, run, policy),
@@ -198,8 +260,17 @@ def estimate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
     )
 
 
-def _memory(stats: ModelStats, plan: Plan, run: RunPolicy, policy: StatePolicy, *, mbs: int, layers: int, stage_params: float,
-            boundary: float) -> dict[str, float]:
+def _memory(
+    stats: ModelStats,
+    plan: Plan,
+    run: RunPolicy,
+    policy: StatePolicy,
+    *,
+    mbs: int,
+    layers: int,
+    stage_params: float,
+    boundary: float,
+) -> dict[str, float]:
     """Bytes per device of the busiest stage (module doc): parameters, gradients, optimizer state,
     activations (the first or last stage's, whichever holds more) and buffers."""
     t, p = plan.tp, plan.pp
@@ -210,7 +281,9 @@ def _memory(stats: ModelStats, plan: Plan, run: RunPolicy, policy: StatePolicy, 
     if stats.lora is not None:  # a frozen base: gradients and optimizer states for the adapters only
         states = lora_state_bytes(stats, policy, stage_params=stage_params - experts, zero=plan.zero, shard=plan.shard)
     if experts:
-        for key, value in model_state_bytes(experts, policy, zero=plan.zero, shard=max(1, plan.shard // plan.ep)).items():
+        for key, value in model_state_bytes(
+            experts, policy, zero=plan.zero, shard=max(1, plan.shard // plan.ep)
+        ).items():
             states[key] += value
     kept, replay = layer_bytes(stats, plan, run)
     per_layer = kept * mbs + weight_copy_bytes(stats, plan, run, policy)
@@ -247,8 +320,16 @@ def _chunked_peak(stats: ModelStats, plan: Plan, run: RunPolicy, memory: dict[st
     return {**memory, "activations": boundary}
 
 
-def _context_parallel(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, policy: StatePolicy | None,
-                      headroom: float, run: RunPolicy | None) -> Estimate:
+def _context_parallel(
+    stats: ModelStats,
+    cluster: ClusterSpec,
+    plan: Plan,
+    *,
+    global_batch: int,
+    policy: StatePolicy | None,
+    headroom: float,
+    run: RunPolicy | None,
+) -> Estimate:
     """A ``cp`` plan priced as what it runs: ``cp`` ranks per sample, each with a ``1/cp`` slice of
     the sequence that attends to all of it (:func:`~shardwise.plan.stats.slice_stats`), so the
     data-parallel work is ``global_batch x cp`` slices over ``dp x shard x cp`` ranks; the
@@ -257,7 +338,9 @@ def _context_parallel(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, gl
     slices (:func:`~shardwise.plan.comm.cp_time`)."""
     from dataclasses import replace
 
-    folded = replace(plan, cp=1, shard=plan.shard * plan.cp) if plan.zero > 0 else replace(plan, cp=1, dp=plan.dp * plan.cp)
+    folded = (
+        replace(plan, cp=1, shard=plan.shard * plan.cp) if plan.zero > 0 else replace(plan, cp=1, dp=plan.dp * plan.cp)
+    )
     run = replace(run or RunPolicy(), context_parallel=plan.cp)
     est = estimate(slice_stats(stats, plan.cp), cluster, folded, global_batch=global_batch * plan.cp, policy=policy,
                    headroom=headroom, run=run)

@@ -57,9 +57,19 @@ class StatePolicy:
         # muon: one momentum on the matrices (shardwise.plan.muon blends in AdamW's 8 for the rest)
         states = {"adam": 8.0, "adamw": 8.0, "sgd": 4.0, "sgd_nomomentum": 0.0, "muon": 4.0}.get(optimizer)
         if states is None:
-            raise ConfigError(f"optimizer {optimizer!r} is unknown to the cost model", hint="use adam, adamw, muon, sgd or sgd_nomomentum")
+            raise ConfigError(
+                f"optimizer {optimizer!r} is unknown to the cost model",
+                hint="use adam, adamw, muon, sgd or sgd_nomomentum",
+            )
         compute = 4.0 if precision == "fp32" else 2.0
-        return cls(param=4.0, grad=4.0, optimizer=states, compute_bytes=compute, reduce_bytes=reduce_bytes, zero2_shards_params=True)
+        return cls(
+            param=4.0,
+            grad=4.0,
+            optimizer=states,
+            compute_bytes=compute,
+            reduce_bytes=reduce_bytes,
+            zero2_shards_params=True,
+        )
 
     @classmethod
     def zero_paper(cls, k: float = 12.0) -> StatePolicy:
@@ -158,15 +168,27 @@ def layer_tensors(stats: ModelStats, *, autocast: bool = False) -> list[Saved]:
         k, fe = stats.top_k, stats.expert_ffn
         out += [Saved("router", stats.experts, "norm", nxt), Saved("rows", 3 * k * h, "norm")]
         if stats.gated_mlp:
-            out += [Saved("gate", k * fe, "norm", nxt + 1), Saved("up", k * fe, "norm", nxt + 2), Saved("act", 2 * k * fe, "norm"),
-                    Saved("mlp_out", h, "norm", nxt + 3, in_none=False)]
+            out += [
+                Saved("gate", k * fe, "norm", nxt + 1),
+                Saved("up", k * fe, "norm", nxt + 2),
+                Saved("act", 2 * k * fe, "norm"),
+                Saved("mlp_out", h, "norm", nxt + 3, in_none=False),
+            ]
         else:
-            out += [Saved("fc1", k * fe, "norm", nxt + 1), Saved("act", k * fe, "norm"), Saved("mlp_out", h, "norm", nxt + 2, in_none=False)]
+            out += [
+                Saved("fc1", k * fe, "norm", nxt + 1),
+                Saved("act", k * fe, "norm"),
+                Saved("mlp_out", h, "norm", nxt + 2, in_none=False),
+            ]
     elif stats.gated_mlp:
         out += [Saved("gate", f, "sharded", nxt), Saved("up", f, "sharded", nxt + 1), Saved("act", f, "sharded"),
                 Saved("prod", f, "sharded"), Saved("mlp_out", h, "norm", nxt + 2, in_none=False)]
     else:
-        out += [Saved("fc1", f, "sharded", nxt), Saved("act", f, "sharded"), Saved("mlp_out", h, "norm", nxt + 1, in_none=False)]
+        out += [
+            Saved("fc1", f, "sharded", nxt),
+            Saved("act", f, "sharded"),
+            Saved("mlp_out", h, "norm", nxt + 1, in_none=False),
+        ]
     if stats.dropout:
         out += [Saved("masks", 2 * h, "mask")]  # residual dropouts after attention and MLP: 1 byte each
     return out
@@ -199,7 +221,9 @@ def layer_bytes(stats: ModelStats, plan: Plan, run: RunPolicy, *, mode: str | No
     scores = stats.attn_act_bytes_per_block * scale / t  # eager attention's s^2 tensors (per sample)
 
     def total(keep: list[Saved]) -> float:
-        return s * sum(_bytes(x, scale=scale, autocast=autocast, tp=t, sp=sp, sp_shards_inputs=run.sp_saves_shard) for x in keep)
+        return s * sum(
+            _bytes(x, scale=scale, autocast=autocast, tp=t, sp=sp, sp_shards_inputs=run.sp_saves_shard) for x in keep
+        )
 
     none = total([x for x in tensors if x.in_none]) + scores
     if mode == "none":

@@ -46,8 +46,10 @@ class MuonCost:
         return asdict(self)
 
     def line(self) -> str:
-        return (f"Muon ({self.path}): state {self.state_bytes / 1e9:.3g} GB, Newton-Schulz {self.ns_flops / 1e9:.3g} GFLOP "
-                f"({self.ns_seconds * 1e3:.3g} ms), {self.comm_bytes / 1e6:.3g} MB sent, buffers {self.buffer_bytes / 1e6:.3g} MB per rank and step")
+        return (
+            f"Muon ({self.path}): state {self.state_bytes / 1e9:.3g} GB, Newton-Schulz {self.ns_flops / 1e9:.3g} GFLOP "
+            f"({self.ns_seconds * 1e3:.3g} ms), {self.comm_bytes / 1e6:.3g} MB sent, buffers {self.buffer_bytes / 1e6:.3g} MB per rank and step"
+        )
 
 
 def block_matrices(stats: ModelStats) -> list[tuple[int, int]]:
@@ -79,7 +81,9 @@ def _path(plan: Plan) -> tuple[str, int]:
     return "local", 1
 
 
-def muon_cost(stats: ModelStats, plan: Plan, cluster: ClusterSpec, *, ns_bytes: int = 2, steps: int = NS_STEPS) -> MuonCost:
+def muon_cost(
+    stats: ModelStats, plan: Plan, cluster: ClusterSpec, *, ns_bytes: int = 2, steps: int = NS_STEPS
+) -> MuonCost:
     """Muon's terms for ``plan`` (module doc); ``ns_bytes`` 2 for bf16 Newton–Schulz, 4 for fp32."""
     mats = block_matrices(stats)
     per_block = sum(m * n for m, n in mats)
@@ -91,10 +95,22 @@ def muon_cost(stats: ModelStats, plan: Plan, cluster: ClusterSpec, *, ns_bytes: 
     b = values * ns_bytes
     comm = 2 * (n - 1) / n ** 2 * b if path == "owner" else (n - 1) / n * b if path == "gather" else 0.0
     m, k = max(mats, key=lambda mn: mn[0] * mn[1])
-    buffers = (3 * b / n if path == "owner" else b / shards if path == "gather" else 0.0) + (m * k + 3 * m * m) * ns_bytes
-    rate = cluster.peak_flops.get("bf16" if ns_bytes == 2 else "fp32", max(cluster.peak_flops.values())) * cluster.achievable_fraction
+    buffers = (3 * b / n if path == "owner" else b / shards if path == "gather" else 0.0) + (
+        m * k + 3 * m * m
+    ) * ns_bytes
+    rate = (
+        cluster.peak_flops.get("bf16" if ns_bytes == 2 else "fp32", max(cluster.peak_flops.values()))
+        * cluster.achievable_fraction
+    )
     total_muon = stats.blocks * per_block
     state = (4.0 * values + 8.0 * (stats.params_total / plan.pp - values)) / shards
-    return MuonCost(muon_params=total_muon, adamw_params=stats.params_total - total_muon, state_bytes=state,
-                    ns_flops=flops / (n if path == "owner" else 1), ns_seconds=flops / (n if path == "owner" else 1) / rate,
-                    comm_bytes=comm, buffer_bytes=buffers, path=path)
+    return MuonCost(
+        muon_params=total_muon,
+        adamw_params=stats.params_total - total_muon,
+        state_bytes=state,
+        ns_flops=flops / (n if path == "owner" else 1),
+        ns_seconds=flops / (n if path == "owner" else 1) / rate,
+        comm_bytes=comm,
+        buffer_bytes=buffers,
+        path=path,
+    )

@@ -49,7 +49,9 @@ def option_sets(*, precision: str, zero: int, shard: int, microbatches: int, has
     sharded = choices("sharded_accumulation", zero >= 2 and shard > 1 and microbatches > 1, False)
     if zero < 2:  # the plan value refuses it below ZeRO-2
         sharded = [False]
-    return [{"params16": a, "chunked_loss": b, "sharded_accumulation": c} for a in p16 for c in sharded for b in chunked]
+    return [
+        {"params16": a, "chunked_loss": b, "sharded_accumulation": c} for a in p16 for c in sharded for b in chunked
+    ]
 
 
 def costs_time(options: dict[str, bool]) -> bool:
@@ -71,7 +73,9 @@ def option_notes(est: Any, price: Callable[[Plan], Any]) -> list[str]:
         except ConfigError:  # a plan the cost model refuses without the option
             continue
         if est.fits and not without.fits:
-            notes.append(f"{name} makes it fit ({without.memory_total / 1e9:.3g} GB without it, {est.memory_limit / 1e9:.3g} GB usable)")
+            notes.append(
+                f"{name} makes it fit ({without.memory_total / 1e9:.3g} GB without it, {est.memory_limit / 1e9:.3g} GB usable)"
+            )
             continue
         saved = without.step_time_s - est.step_time_s
         mem = (without.memory_total - est.memory_total) / 1e9
@@ -79,7 +83,9 @@ def option_notes(est: Any, price: Callable[[Plan], Any]) -> list[str]:
             continue  # on, but it changes nothing worth saying for this plan
         said = []
         if abs(saved) >= 1e-3 * without.step_time_s:
-            said.append(f"{'saves' if saved >= 0 else 'costs'} {_s(abs(saved))} per step ({100 * abs(saved) / without.step_time_s:.1f}%)")
+            said.append(
+                f"{'saves' if saved >= 0 else 'costs'} {_s(abs(saved))} per step ({100 * abs(saved) / without.step_time_s:.1f}%)"
+            )
         if abs(mem) >= 0.01:
             said.append(f"{'saves' if mem >= 0 else 'needs'} {abs(mem):.3g} GB")
         notes.append(f"{name} " + ", ".join(said))

@@ -31,7 +31,9 @@ def spec_from_text(text: str) -> tuple[TransformerShape, bool]:
     also reads ``"gated_mlp": true`` (or ``"mlp": "swiglu"``), which the shape itself does not carry."""
     if not text.lstrip().startswith("{") and os.path.exists(text):
         if os.path.isdir(text):
-            raise ConfigError(f"--model-spec {text!r} is a directory", hint="give inline JSON or the path of a JSON file")
+            raise ConfigError(
+                f"--model-spec {text!r} is a directory", hint="give inline JSON or the path of a JSON file"
+            )
         with open(text) as fh:
             text = fh.read()
     try:
@@ -129,7 +131,9 @@ def auto_plan(model_or_spec: Any, *, world_size: int, cluster: ClusterSpec | str
     return AutoChoice(plan=best.plan, estimate=best, result=result)
 
 
-def cluster_for_device(device_type: str, *, world_size: int, device_name: str = "", memory_bytes: float | None = None) -> ClusterSpec:
+def cluster_for_device(
+    device_type: str, *, world_size: int, device_name: str = "", memory_bytes: float | None = None
+) -> ClusterSpec:
     """A preset for the device this process runs on: the H100/H200/A100 presets by name, else the
     generic ``cpu`` preset (or ``h100`` figures with the device's own memory for other GPUs)."""
     name = device_name.lower()

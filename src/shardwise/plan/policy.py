@@ -124,16 +124,32 @@ class RunPolicy:
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISION_POLICIES:
-            raise ConfigError(f"precision policy {self.precision!r} is unknown", hint="use autocast (shardwise's Trainer) or 16bit "
-                              "(Megatron-LM, torchtitan, llm-foundry)")
+            raise ConfigError(
+                f"precision policy {self.precision!r} is unknown",
+                hint="use autocast (shardwise's Trainer) or 16bit (Megatron-LM, torchtitan, llm-foundry)",
+            )
         if self.selective not in SELECTIVE_MODES:
-            raise ConfigError(f"selective recompute mode {self.selective!r} is unknown", hint=f"use one of {', '.join(SELECTIVE_MODES)}")
+            raise ConfigError(
+                f"selective recompute mode {self.selective!r} is unknown",
+                hint=f"use one of {', '.join(SELECTIVE_MODES)}",
+            )
         if self.zero3_unit not in ("block", "linear"):
-            raise ConfigError(f"zero3_unit {self.zero3_unit!r} is unknown", hint="use block (FSDP) or linear (DeepSpeed)")
-        if isinstance(self.context_parallel, bool) or not isinstance(self.context_parallel, int) or self.context_parallel < 1:
-            raise ConfigError(f"context_parallel={self.context_parallel!r} must be a positive integer", hint="1 without context parallelism")
+            raise ConfigError(
+                f"zero3_unit {self.zero3_unit!r} is unknown", hint="use block (FSDP) or linear (DeepSpeed)"
+            )
+        if (
+            isinstance(self.context_parallel, bool)
+            or not isinstance(self.context_parallel, int)
+            or self.context_parallel < 1
+        ):
+            raise ConfigError(
+                f"context_parallel={self.context_parallel!r} must be a positive integer",
+                hint="1 without context parallelism",
+            )
         if self.linear_dtype not in ("", "fp8"):
-            raise ConfigError(f"linear_dtype {self.linear_dtype!r} is unknown", hint='use "" (the plan\'s precision) or "fp8"')
+            raise ConfigError(
+                f"linear_dtype {self.linear_dtype!r} is unknown", hint='use "" (the plan\'s precision) or "fp8"'
+            )
         if self.fp8_recipe not in FP8_RECIPES:
             raise ConfigError(f"fp8_recipe {self.fp8_recipe!r} is unknown", hint=f"use one of {', '.join(FP8_RECIPES)}")
 

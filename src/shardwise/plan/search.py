@@ -105,8 +105,11 @@ class SearchResult:
 
     def no_fit_error(self) -> ConfigError:
         if self.smallest is None:
-            return ConfigError(f"no valid layout: after {self.evaluated} candidates none factors the world size with a data-parallel "
-                               "degree that divides the global batch", hint="use a global batch that is a multiple of the device count")
+            return ConfigError(
+                f"no valid layout: after {self.evaluated} candidates none factors the world size with a data-parallel "
+                "degree that divides the global batch",
+                hint="use a global batch that is a multiple of the device count",
+            )
         need = self.smallest.memory_total if self.smallest else float("nan")
         limit = self.smallest.memory_limit if self.smallest else float("nan")
         where = (f"the smallest device count that fits is {self.min_devices}" if self.min_devices
@@ -124,7 +127,9 @@ def divisors(n: int) -> list[int]:
     return sorted(set(small + [n // d for d in small]))
 
 
-def search(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, options: SearchOptions | None = None) -> SearchResult:
+def search(
+    stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, options: SearchOptions | None = None
+) -> SearchResult:
     """Rank every valid plan for ``cluster.devices`` processes (see the module doc)."""
     options = options or SearchOptions()
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
@@ -143,8 +148,18 @@ def search(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, option
     top = fitting[: max(1, options.top)]
     if top:
         text = explain(top[0], top[1]) if len(top) > 1 else f"{top[0].plan} is the only plan that fits."
-        notes = option_notes(top[0], lambda plan: estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy,
-                                                            headroom=options.headroom, run=options.run))
+        notes = option_notes(
+            top[0],
+            lambda plan: estimate(
+                stats,
+                cluster,
+                plan,
+                global_batch=global_batch,
+                policy=options.policy,
+                headroom=options.headroom,
+                run=options.run,
+            ),
+        )
         if notes:
             text += " Runtime options: " + "; ".join(notes) + "."
         return SearchResult(plans=top, evaluated=evaluated, explanation=text, notes=notes)
@@ -156,7 +171,9 @@ def search(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, option
 __all__ = ["SearchOptions", "SearchResult", "candidates", "divisors", "evaluate", "explain", "fixed_options", "search"]
 
 
-def evaluate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, options: SearchOptions | None = None) -> Estimate:
+def evaluate(
+    stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batch: int, options: SearchOptions | None = None
+) -> Estimate:
     """The estimate of one given plan (``shardwise plan --fixed``), checked against the world and model."""
     options = options or SearchOptions()
     plan.check_world(cluster.devices)
@@ -165,7 +182,15 @@ def evaluate(stats: ModelStats, cluster: ClusterSpec, plan: Plan, *, global_batc
         if bad or not stats.tp_divides:
             raise ConfigError(f"plan tp={plan.tp} does not divide the model's heads/hidden sizes {stats.tp_divides}",
                               hint="use a tp that divides the number of heads")
-    return estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom, run=options.run)
+    return estimate(
+        stats,
+        cluster,
+        plan,
+        global_batch=global_batch,
+        policy=options.policy,
+        headroom=options.headroom,
+        run=options.run,
+    )
 
 
 def candidates(stats: ModelStats, cluster: ClusterSpec, *, global_batch: int, options: SearchOptions) -> list[Estimate]:
@@ -205,16 +230,32 @@ def _matches(plan: Plan, fixed: dict[str, Any]) -> bool:
     return True
 
 
-def _price_options(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions, *, keep_all: bool,
-                   lean: bool, layout: dict[str, Any]) -> tuple[list[Estimate], int, bool]:
+def _price_options(
+    stats: ModelStats,
+    cluster: ClusterSpec,
+    global_batch: int,
+    options: SearchOptions,
+    *,
+    keep_all: bool,
+    lean: bool,
+    layout: dict[str, Any],
+) -> tuple[list[Estimate], int, bool]:
     """Price one layout under the runtime options in their order of preference (step 7 of the
     module doc): (estimates kept, estimates made, whether more recomputation is pointless). The
     preferred combination is priced first, then the leanest: when neither fits, nothing between
     them does, so a layout that does not fit costs at most two estimates per recomputation level."""
     fixed = options.fixed
-    sets = option_sets(precision=layout["precision"], zero=layout["zero"], shard=layout["shard"], microbatches=layout["microbatches"],
-                       has_logits=stats.logits_bytes > 0, device_type=cluster.device_type, allowed=options.runtime_options, fixed=fixed,
-                       for_memory=options.options_for_memory)
+    sets = option_sets(
+        precision=layout["precision"],
+        zero=layout["zero"],
+        shard=layout["shard"],
+        microbatches=layout["microbatches"],
+        has_logits=stats.logits_bytes > 0,
+        device_type=cluster.device_type,
+        allowed=options.runtime_options,
+        fixed=fixed,
+        for_memory=options.options_for_memory,
+    )
     leanest = max(sets, key=lambda o: sum(o.values()))  # every option on: each one only lowers the memory
     count = [0]
 
@@ -228,8 +269,18 @@ def _price_options(stats: ModelStats, cluster: ClusterSpec, global_batch: int, o
         if options.supported is not None and not options.supported(plan):
             return None
         count[0] += 1
-        return bounded(estimate(stats, cluster, plan, global_batch=global_batch, policy=options.policy, headroom=options.headroom,
-                                run=options.run), cluster)
+        return bounded(
+            estimate(
+                stats,
+                cluster,
+                plan,
+                global_batch=global_batch,
+                policy=options.policy,
+                headroom=options.headroom,
+                run=options.run,
+            ),
+            cluster,
+        )
 
     if lean:  # the leanest combination the runtime accepts (``supported`` may refuse an option)
         for runtime in sorted(sets, key=lambda o: -sum(o.values())):
@@ -263,9 +314,17 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
     for tp in divisors(world):
         if "tp" in fixed and tp != fixed["tp"]:
             continue
-        if tp > 1 and (per_node % tp or not stats.tp_divides or any(d % tp for d in stats.tp_divides)) and "tp" not in fixed:
+        if (
+            tp > 1
+            and (per_node % tp or not stats.tp_divides or any(d % tp for d in stats.tp_divides))
+            and "tp" not in fixed
+        ):
             continue
-        cps = [fixed["cp"]] if "cp" in fixed else [1] + (_cp_choices(stats, world // tp) if options.context_parallel else [])
+        cps = (
+            [fixed["cp"]]
+            if "cp" in fixed
+            else [1] + (_cp_choices(stats, world // tp) if options.context_parallel else [])
+        )
         for cp, pp in [(c, p) for c in cps if (world // tp) % c == 0 for p in divisors(world // (tp * c))]:
             if pp > stats.blocks or ("pp" in fixed and pp != fixed["pp"]):
                 continue
@@ -275,7 +334,9 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
             per_replica = global_batch // dp_total
             for zero, dp, shard, ep in _with_experts(stats, _layouts(dp_total, tp, pp, per_node, options), fixed):
                 stage_params = stage_param_count(stats, tp=tp, pp=pp, ep=ep)
-                states = model_state_bytes(stage_params, policy, zero=zero, shard=shard * cp)  # cp folds into the shard group
+                states = model_state_bytes(
+                    stage_params, policy, zero=zero, shard=shard * cp
+                )  # cp folds into the shard group
                 if sum(states.values()) > limit and not keep_all:
                     continue  # pruned: nothing below can make the model states smaller
                 for m in divisors(per_replica):
@@ -285,10 +346,29 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                         continue
                     for schedule, v in _schedules(stats, pp, m, options):
                         for recompute in options.recompute:
-                            found, count, done = _price_options(stats, cluster, global_batch, options, keep_all=keep_all, lean=lean, layout={
-                                "dp": dp, "shard": shard, "tp": tp, "pp": pp, "cp": cp, "ep": ep, "zero": zero, "schedule": schedule,
-                                "microbatches": m, "virtual_stages": v, "sequence_parallel": options.sequence_parallel and tp > 1,
-                                "recompute": recompute, "precision": options.precision})
+                            found, count, done = _price_options(
+                                stats,
+                                cluster,
+                                global_batch,
+                                options,
+                                keep_all=keep_all,
+                                lean=lean,
+                                layout={
+                                    "dp": dp,
+                                    "shard": shard,
+                                    "tp": tp,
+                                    "pp": pp,
+                                    "cp": cp,
+                                    "ep": ep,
+                                    "zero": zero,
+                                    "schedule": schedule,
+                                    "microbatches": m,
+                                    "virtual_stages": v,
+                                    "sequence_parallel": options.sequence_parallel and tp > 1,
+                                    "recompute": recompute,
+                                    "precision": options.precision,
+                                },
+                            )
                             out += found
                             evaluated += count
                             if done:
@@ -307,7 +387,9 @@ def _cp_choices(stats: ModelStats, ranks: int) -> list[int]:
     return out
 
 
-def _with_experts(stats: ModelStats, layouts: list[tuple[int, int, int]], fixed: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+def _with_experts(
+    stats: ModelStats, layouts: list[tuple[int, int, int]], fixed: dict[str, Any]
+) -> list[tuple[int, int, int, int]]:
     """Each (zero, dp, shard) layout with every expert-parallel degree an MoE model allows: ep
     divides the experts and the innermost data-parallel degree (``shard`` with ZeRO, else ``dp``)."""
     out = []
@@ -335,7 +417,9 @@ def _layouts(dp_total: int, tp: int, pp: int, per_node: int, options: SearchOpti
     if "shard" in fixed and isinstance(fixed["shard"], int) and dp_total % fixed["shard"] == 0:
         shards.add(fixed["shard"])
     for zero in options.zero_stages:
-        if zero == 0 or (zero == 1 and (tp > 1 or pp > 1) and "zero" not in fixed):  # runtime_conflict: ZeRO-1 is DDP-only
+        if zero == 0 or (
+            zero == 1 and (tp > 1 or pp > 1) and "zero" not in fixed
+        ):  # runtime_conflict: ZeRO-1 is DDP-only
             continue
         out += [(zero, dp_total // shard, shard) for shard in sorted(shards, reverse=True)]
     return out
@@ -356,15 +440,28 @@ def _schedules(stats: ModelStats, pp: int, m: int, options: SearchOptions) -> li
     return out
 
 
-def _least_memory(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> Estimate | None:
-    leanest = replace(options, recompute=options.recompute if "recompute" in options.fixed else ("full",),
-                      schedules=options.schedules if "schedule" in options.fixed else ("1f1b", "gpipe", "interleaved_1f1b"))
+def _least_memory(
+    stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions
+) -> Estimate | None:
+    leanest = replace(
+        options,
+        recompute=options.recompute if "recompute" in options.fixed else ("full",),
+        schedules=options.schedules if "schedule" in options.fixed else ("1f1b", "gpipe", "interleaved_1f1b"),
+    )
     every, _ = _enumerate(stats, cluster, global_batch, leanest, keep_all=True, lean=True)
     return min(every, key=lambda e: e.memory_total, default=None)
 
 
 def _min_devices(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions) -> int | None:
-    lean = replace(options, recompute=("full",), zero_stages=(1, 3), schedules=("1f1b", "gpipe"), hsdp=False, supported=None, fixed={})
+    lean = replace(
+        options,
+        recompute=("full",),
+        zero_stages=(1, 3),
+        schedules=("1f1b", "gpipe"),
+        hsdp=False,
+        supported=None,
+        fixed={},
+    )
     devices = cluster.devices
     while devices < 2**20:
         devices *= 2

@@ -134,7 +134,9 @@ def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_
     attn = h * h + 2 * h * kv + h * h + b * (h + 2 * kv + h)
     e, k, fe = shape.experts, shape.top_k if shape.experts else 0, shape.expert_ffn_
     expert_params = e * (3 if gated else 2) * h * fe  # bias-free expert weights, as 3-D tensors
-    mlp = (3 if gated else 2) * h * f + b * ((2 if gated else 1) * f + h) if not e else expert_params + h * e  # + router
+    mlp = (
+        (3 if gated else 2) * h * f + b * ((2 if gated else 1) * f + h) if not e else expert_params + h * e
+    )  # + router
     per_block = attn + mlp + 4 * h  # two LayerNorms (weight + bias)
     embed = v * h + (shape.seq_len * h if shape.learned_positions else 0)
     head = 2 * h + (0 if shape.tied_embeddings else v * h + b * v)
@@ -157,20 +159,46 @@ def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_
     scores = (2 + 3 * drop) * a * s * ctx if shape.attention == "eager" else 0  # softmax (+ mask, dropped)
     act = attn_act + mlp_act + norm_act + scores
     return ModelStats(
-        name=shape.name or "transformer", blocks=shape.layers, params_per_block=per_block, params_embed=embed, params_head=head,
-        flops_per_block=float(block_flops), flops_head=float(head_flops), attn_flops_per_block=float(attn_flops),
-        act_bytes_per_block=float(act), attn_act_bytes_per_block=float(scores), boundary_bytes=float(2 * s * h),
-        logits_bytes=float(2 * s * v), seq=s, hidden=h, heads=a, vocab=v, tied_embeddings=shape.tied_embeddings,
+        name=shape.name or "transformer",
+        blocks=shape.layers,
+        params_per_block=per_block,
+        params_embed=embed,
+        params_head=head,
+        flops_per_block=float(block_flops),
+        flops_head=float(head_flops),
+        attn_flops_per_block=float(attn_flops),
+        act_bytes_per_block=float(act),
+        attn_act_bytes_per_block=float(scores),
+        boundary_bytes=float(2 * s * h),
+        logits_bytes=float(2 * s * v),
+        seq=s,
+        hidden=h,
+        heads=a,
+        vocab=v,
+        tied_embeddings=shape.tied_embeddings,
         tp_divides=(a, h, f, shape.kv_heads_),
         replicated_per_block=4 * h + b * 2 * h,  # LayerNorms, o_proj and fc_out biases
-        replicated_embed=shape.seq_len * h if shape.learned_positions else 0, replicated_head=2 * h,
+        replicated_embed=shape.seq_len * h if shape.learned_positions else 0,
+        replicated_head=2 * h,
         # two LayerNorms (weight + bias) and six weight matrices, with biases when bias=True;
         # token (+ position) embeddings, final norm, LM head (+ bias) unless tied
-        tensors_per_block=(4 + 6 + 6 * b + (1 + b if gated else 0)) if not e else (4 + 4 + 4 * b + 3 + (1 if gated else 0)),
+        tensors_per_block=(4 + 6 + 6 * b + (1 + b if gated else 0))
+        if not e
+        else (4 + 4 + 4 * b + 3 + (1 if gated else 0)),
         tensors_outer=1 + int(shape.learned_positions) + 2 + (0 if shape.tied_embeddings else 1 + b),
-        residual_elems_per_block=float(2 * s * h), qkv_input_copies=3 if shape.separate_qkv else 1,
-        ffn=f, kv_hidden=kv, gated_mlp=gated, attention=shape.attention, dropout=drop > 0, rotary=not shape.learned_positions,
-        context=ctx if ctx != s else 0, experts=e, top_k=k, expert_ffn=fe if e else 0, expert_params_per_block=expert_params,
+        residual_elems_per_block=float(2 * s * h),
+        qkv_input_copies=3 if shape.separate_qkv else 1,
+        ffn=f,
+        kv_hidden=kv,
+        gated_mlp=gated,
+        attention=shape.attention,
+        dropout=drop > 0,
+        rotary=not shape.learned_positions,
+        context=ctx if ctx != s else 0,
+        experts=e,
+        top_k=k,
+        expert_ffn=fe if e else 0,
+        expert_params_per_block=expert_params,
     )
 
 
@@ -181,13 +209,23 @@ def slice_stats(stats: ModelStats, cp: int) -> ModelStats:
     if cp <= 1:
         return stats
     if stats.seq % cp:
-        raise ConfigError(f"cp={cp} does not divide the sequence length {stats.seq}", hint="use a cp that divides the sequence")
+        raise ConfigError(
+            f"cp={cp} does not divide the sequence length {stats.seq}", hint="use a cp that divides the sequence"
+        )
     scale = 1.0 / cp
-    return replace(stats, seq=stats.seq // cp, context=stats.context or stats.seq,
-                   flops_per_block=stats.flops_per_block * scale, flops_head=stats.flops_head * scale,
-                   attn_flops_per_block=stats.attn_flops_per_block * scale, act_bytes_per_block=stats.act_bytes_per_block * scale,
-                   attn_act_bytes_per_block=stats.attn_act_bytes_per_block * scale, boundary_bytes=stats.boundary_bytes * scale,
-                   logits_bytes=stats.logits_bytes * scale, residual_elems_per_block=stats.residual_elems_per_block * scale)
+    return replace(
+        stats,
+        seq=stats.seq // cp,
+        context=stats.context or stats.seq,
+        flops_per_block=stats.flops_per_block * scale,
+        flops_head=stats.flops_head * scale,
+        attn_flops_per_block=stats.attn_flops_per_block * scale,
+        act_bytes_per_block=stats.act_bytes_per_block * scale,
+        attn_act_bytes_per_block=stats.attn_act_bytes_per_block * scale,
+        boundary_bytes=stats.boundary_bytes * scale,
+        logits_bytes=stats.logits_bytes * scale,
+        residual_elems_per_block=stats.residual_elems_per_block * scale,
+    )
 
 
 # Named shapes for dry runs. "gpt" is shardwise's built-in GPT at its default size.
@@ -202,7 +240,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def preset(name: str) -> TransformerShape:
     if name not in PRESETS:
-        raise ConfigError(f"--model {name!r} is not a known model", hint=f"use one of {', '.join(PRESETS)}, or --model-spec JSON")
+        raise ConfigError(
+            f"--model {name!r} is not a known model", hint=f"use one of {', '.join(PRESETS)}, or --model-spec JSON"
+        )
     return TransformerShape.from_dict(PRESETS[name], name=name)
 
 
@@ -217,5 +257,14 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["ModelStats", "PRESETS", "TransformerShape", "TransformerSpec", "ceil_div", "human_count", "preset", "slice_stats",
-           "transformer_stats"]
+__all__ = [
+    "ModelStats",
+    "PRESETS",
+    "TransformerShape",
+    "TransformerSpec",
+    "ceil_div",
+    "human_count",
+    "preset",
+    "slice_stats",
+    "transformer_stats",
+]

@@ -42,6 +42,6 @@ def runtime_conflict(plan: Plan) -> ConfigError | None:
         return ConfigError(
             f"plan {plan}: zero=1 (ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages",
             hint=f"use zero=2 or zero=3 with pp (FSDP composes with pipeline stages), e.g. {dataclasses.replace(plan, zero=2)}, "
-                 f"or plain data parallelism: {dataclasses.replace(plan, zero=0, dp=plan.dp_size, shard=1)}",
+            f"or plain data parallelism: {dataclasses.replace(plan, zero=0, dp=plan.dp_size, shard=1)}",
         )
     return None

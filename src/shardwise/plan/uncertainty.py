@@ -29,7 +29,15 @@ from typing import Any
 
 QUANTILES = (0.05, 0.95)
 SMALL = 64  # devices: a "small" run at most this many
-CHIPS = {"a100-40gb": "A100", "a100-80gb": "A100", "a800": "A100", "h100": "H100", "h200": "H100", "h800": "H100", "v100": "V100"}
+CHIPS = {
+    "a100-40gb": "A100",
+    "a100-80gb": "A100",
+    "a800": "A100",
+    "h100": "H100",
+    "h200": "H100",
+    "h800": "H100",
+    "v100": "V100",
+}
 
 # published / predicted tokens/s, leave-one-source-out (bench/results/planner_published.json "cv" -> "intervals")
 INTERVALS: dict[str, dict[str, float]] = {
@@ -66,7 +74,9 @@ def carried_factor(chip: str, table: dict[str, Any] | None = None, carried: dict
     return max([float(c["factor"]) for c in carried.values()] or [1.0])
 
 
-def band(keys: list[str], table: dict[str, Any] | None = None, carried: dict[str, Any] | None = None) -> tuple[float, float, str]:
+def band(
+    keys: list[str], table: dict[str, Any] | None = None, carried: dict[str, Any] | None = None
+) -> tuple[float, float, str]:
     """(low, high) multipliers of a prediction whose kinds are ``keys`` (the chip first), and the kind."""
     table = INTERVALS if table is None else table
     key = interval_key(keys, table)
@@ -114,15 +124,23 @@ def interval_text(est: Any, cluster: Any) -> str:
     runs = INTERVALS[key].get("runs", 0)
     chip = kind_keys(est.plan, cluster)[0].split("/")[0]
     widen = carried_factor(chip)
-    unmeasured = "" if getattr(cluster, "name", "") in CHIPS else f"; no published run measured a {getattr(cluster, 'name', 'device')}"
+    unmeasured = (
+        ""
+        if getattr(cluster, "name", "") in CHIPS
+        else f"; no published run measured a {getattr(cluster, 'name', 'device')}"
+    )
     if widen == 1.0:
         carried = ""
     elif chip in CARRIED:
-        carried = f"; widened {widen:.2f}x both ways: the {chip} figures are carried over from the A100, not cross-validated"
+        carried = (
+            f"; widened {widen:.2f}x both ways: the {chip} figures are carried over from the A100, not cross-validated"
+        )
     else:
         carried = f"; widened {widen:.2f}x both ways, as for the least validated chip measured"
-    return (f"{low:.4g}-{high:.4g} tok/s ({low / est.tokens_per_s:.2f}-{high / est.tokens_per_s:.2f} x the prediction: the 90% interval "
-            f"of {runs:g} published runs of kind {key}, each predicted without its source{unmeasured}{carried})")
+    return (
+        f"{low:.4g}-{high:.4g} tok/s ({low / est.tokens_per_s:.2f}-{high / est.tokens_per_s:.2f} x the prediction: the 90% interval "
+        f"of {runs:g} published runs of kind {key}, each predicted without its source{unmeasured}{carried})"
+    )
 
 
 # -- the validated envelope -------------------------------------------------------------------------
@@ -157,8 +175,14 @@ def bounded(est: Any, cluster: Any) -> Any:
 
     factor = est.mfu / cap
     step = est.step_time_s * factor
-    return replace(est, step_time_s=step, tokens_per_s=est.tokens_per_s / factor, tflops_per_device=est.tflops_per_device / factor,
-                   mfu=cap, detail={**est.detail, "envelope_s": step - est.step_time_s})
+    return replace(
+        est,
+        step_time_s=step,
+        tokens_per_s=est.tokens_per_s / factor,
+        tflops_per_device=est.tflops_per_device / factor,
+        mfu=cap,
+        detail={**est.detail, "envelope_s": step - est.step_time_s},
+    )
 
 
 __all__ = [
