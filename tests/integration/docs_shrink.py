@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.doc_commands import Command
+from tests.doc_commands import Command, leading_globals
 
 NPROC_CAP = 2  # this machine's cores
 TINY_GPT = {"--max-steps": "2", "--model.layers": "1", "--model.hidden": "32", "--model.heads": "2", "--model.seq_len": "16",
@@ -111,8 +111,9 @@ def shrunk(cmd: Command, cwd: Path) -> list[str]:
             words = _set(words, flag, value, add=True)
         return words
     sub = cmd.subcommand
+    lead, words = leading_globals(words)  # `--verbose` before the subcommand stays there
     if sub in SERVERS:
-        return _set(words, "--port", str(_free_port()), add=False)
+        return lead + _set(words, "--port", str(_free_port()), add=False)
     script_at = _script_index(words) if sub == "run" else len(words)
     head, tail = words[:script_at], words[script_at:]
     if sub == "train" and "--print-config" not in head:
@@ -128,7 +129,7 @@ def shrunk(cmd: Command, cwd: Path) -> list[str]:
         if flag == "--nproc" and sub in NPROC_CAP_OF:
             value = str(NPROC_CAP_OF[sub])
         head = _set(head, flag, value, add=False)
-    return head + tail
+    return lead + head + tail
 
 
 def _free_port() -> int:
@@ -140,8 +141,9 @@ def _free_port() -> int:
 
 
 def _script_index(words: list[str]) -> int:
-    """Where ``shardwise run``'s script (and its own arguments) starts."""
-    i = 1
+    """Where ``shardwise run``'s script (and its own arguments) starts in ``words`` (``run`` and
+    its flags first; any global flags before ``run`` are skipped)."""
+    i = len(leading_globals(words)[0]) + 1
     while i < len(words):
         w = words[i]
         if w in ("-m", "--module", "--stop-with-stdin"):
