@@ -21,8 +21,9 @@ TINY_HF = {"--max-steps": "2", "--model.seq_len": "16", "--train.global_batch_si
 # instruction data: a chat with its template's role markers is about 44 tokens of the fixture model
 INSTRUCT_FORMATS, INSTRUCT_SEQ = ("chat", "prompt_completion"), "64"
 # per subcommand: flags set to a small value (added when absent), flags made smaller only where given
+# (None: a switch; calibrate --quick measures fewer sizes along the same code path)
 SET = {"verify": {"--steps": "2"}, "generate": {"--max-new-tokens": "4"}, "doctor": {"--max-size-mb": "1", "--iters": "2"},
-       "calibrate": {"--max-size-mb": "1", "--iters": "1"}}
+       "calibrate": {"--max-size-mb": "1", "--iters": "1", "--quick": None}}
 SMALLER = {"--step": "2", "--data.shuffle_windows": "4", "--nproc": str(NPROC_CAP), "--nproc-per-node": str(NPROC_CAP)}
 # measuring this machine takes about as long at any size: one process (calibrations with another
 # process count are the same run then, and run once)
@@ -81,9 +82,12 @@ def _value(words: list[str], flag: str) -> str | None:
     return None
 
 
-def _set(words: list[str], flag: str, value: str, *, add: bool) -> list[str]:
+def _set(words: list[str], flag: str, value: str | None, *, add: bool) -> list[str]:
     """``words`` with ``flag``'s value replaced by ``value`` (for --nproc-style caps: the smaller),
-    or ``flag value`` appended when ``add`` and it is absent (before a ``--`` or the script)."""
+    or ``flag value`` appended when ``add`` and it is absent (before a ``--`` or the script);
+    ``value`` None: a switch (``--quick``), appended when ``add`` and absent."""
+    if value is None:
+        return words + [flag] if add and flag not in words else list(words)
     out, found = list(words), False
     for i, w in enumerate(out):
         if w == flag and i + 1 < len(out):
