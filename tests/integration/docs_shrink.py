@@ -29,7 +29,9 @@ SMALLER = {"--step": "2", "--data.shuffle_windows": "4", "--nproc": str(NPROC_CA
 # process count are the same run then, and run once)
 NPROC_CAP_OF = {"calibrate": 1}
 # a documented Python script's own size flags
-SCRIPT_SET = {"examples/hf_finetune_llama.py": {"--steps": "2", "--nproc": "1"}}
+SCRIPT_SET = {"examples/hf_finetune_llama.py": {"--steps": "2", "--nproc": "1"},
+              # 2 steps, a checkpoint and an evaluation at each, resumed to 3 (steps // 2 more)
+              "examples/finetune_chat.py": {"--steps": "2"}}
 CLUSTER_HOSTS = ("node0", "node1", "node2")
 # commands that serve until they are stopped: they pass when they are still serving after
 # SERVE_S seconds and printed their line (the port: a free one, so runs beside them do not collide)
