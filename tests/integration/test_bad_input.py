@@ -18,7 +18,8 @@ read or a directory it cannot write: as root they run without the capabilities t
 permissions, dropped before exec) and those with their own value of a variable that an
 interpreter reads at start-up (``PYTHONPATH``, ``HOME``; a case's other variables are set in its
 forked child). The first cases show that a fresh interpreter's start-up prints nothing on stderr
-(no import-time warning), which the forked children, started after the imports, cannot. All selected cases run concurrently, one per core.
+(no import-time warning), which the forked children, started after the imports, cannot. All
+selected cases run concurrently, one per core.
 """
 
 from __future__ import annotations
