@@ -13,6 +13,9 @@ Then, as a user would type them::
     shardwise train --model.hf runs/chat-example/model --data.files runs/chat-example/chat.jsonl \\
         --data.format chat --data.packing true --nproc 2 --plan dp=2 --max-steps 60 --checkpoint.every_n_steps 30
     shardwise train ... --resume auto --max-steps 90            # continue from the newest checkpoint
+
+(``--steps N``: a checkpoint and an evaluation every N/2 steps and N/2 more steps on resume, the
+warm-up N/6: 30, 30 and 10 at the default 60.)
     shardwise checkpoint export --format hf runs/chat-example/runs/chat/checkpoints runs/chat-example/export
 
 The loss is the mean over the assistant tokens of each global batch (``train.loss_reduction =
@@ -76,13 +79,14 @@ def main() -> int:
                      kv_heads=2, seq=256, chat=True)
         print(f"made a Llama from a config, with a chat-template tokenizer, in {model_dir}", flush=True)
 
+    every = max(1, args.steps // 2)  # checkpoints and evaluations; the resume trains this much more
     common = ["--model.hf", model_dir, "--data.files", data, "--data.format", "chat", "--data.packing", args.packing,
               "--data.streaming", "true", "--data.val_files", val_data, "--model.seq_len=128", "--nproc", args.nproc,
-              "--plan", args.plan, "--train.global_batch_size=16", "--train.lr=3e-3", "--train.warmup_steps=10",
-              "--train.eval_every=30", "--checkpoint.every_n_steps=30", "--run.runs_dir", os.path.join(args.dir, "runs"),
+              "--plan", args.plan, "--train.global_batch_size=16", "--train.lr=3e-3", f"--train.warmup_steps={max(1, args.steps // 6)}",
+              f"--train.eval_every={every}", f"--checkpoint.every_n_steps={every}", "--run.runs_dir", os.path.join(args.dir, "runs"),
               "--run.name", "chat"]
     shardwise("train", *common, "--max-steps", str(args.steps))
-    shardwise("train", *common, "--max-steps", str(args.steps + 30), "--resume", "auto")
+    shardwise("train", *common, "--max-steps", str(args.steps + every), "--resume", "auto")
     export = os.path.join(args.dir, "export")
     shardwise("checkpoint", "export", "--format", "hf", os.path.join(args.dir, "runs", "chat", "checkpoints"), export)
 

@@ -32,6 +32,8 @@ PROGRAMS = ("shardwise", "python", "python3", "make", "torchrun", "srun", "sbatc
             "ssh-copy-id", "pip", "wandb", "mlflow")
 ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 # words that stand for something the user supplies (in prose, they make a command a pattern)
+# `shardwise`'s own flags, given before the subcommand (`shardwise --verbose train ...`; see `shardwise --help`)
+GLOBAL_FLAGS = ("--verbose",)
 PLACEHOLDERS = re.compile(r"^(N|K|R|DIR|dir|OUT|FILE|CKPT|PLAN|PORT|HOST|SECONDS|PATH|TEMPLATE|V|VALUE|MIN:MAX)$")
 
 
@@ -72,8 +74,12 @@ class Command:
 
     @property
     def subcommand(self) -> str:
-        words = self.words
-        return words[1] if self.program == "shardwise" and len(words) > 1 and not words[1].startswith("-") else ""
+        """The subcommand of a ``shardwise`` command, after its global flags (``--verbose``); ""
+        when there is none (``shardwise --version``) or the program is another."""
+        if self.program != "shardwise":
+            return ""
+        rest = leading_globals(self.words[1:])[1]
+        return rest[0] if rest and not rest[0].startswith("-") else ""
 
     @property
     def pattern(self) -> bool:
@@ -95,6 +101,14 @@ class Command:
         text = re.sub(r"(^|\s)\[([^\]]*)\]", r"\1\2", self.text)  # [--step N] -> --step N
         words = shlex.split(text)[len(self.env):]
         return [w for w in words[1:] if w != "..." and "section.key" not in w and not w.startswith("<")]
+
+
+def leading_globals(args: list[str]) -> tuple[list[str], list[str]]:
+    """``shardwise``'s arguments split into its leading global flags and the rest (the subcommand on)."""
+    n = 0
+    while n < len(args) and args[n] in GLOBAL_FLAGS:
+        n += 1
+    return args[:n], args[n:]
 
 
 def parse_error(argv: list[str]) -> str | None:

@@ -196,6 +196,18 @@ class Zygote:
                 self.proc.wait()
 
 
+class ZygoteDir(str):
+    """A test module's work directory (a path), and the zygote its commands fork from."""
+
+    zygote: Zygote
+
+    @classmethod
+    def of(cls, path: Any, zygote: Zygote) -> ZygoteDir:
+        out = cls(path)
+        out.zygote = zygote
+        return out
+
+
 def shardwise_command(zygote: Zygote, args: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
                       timeout: float = 300) -> Any:
     """``shardwise *args`` forked from ``zygote``: what ``subprocess.run([sys.executable, "-m",

@@ -8,6 +8,9 @@ key only, no PAM, no strict modes. Tests reach it through an ssh client configur
 (``shardwise run --ssh-config FILE``) in which the "hosts" ``127.0.0.1`` and ``localhost`` point at
 that port, so nothing of the user's own ssh set-up is read or changed. The test is skipped (with
 the reason) only where the server can be neither found nor installed.
+
+``hf_zygote``: for the Hugging Face CLI tests, a process that imported torch, shardwise and
+transformers once, from which their commands fork (:func:`tests.forkrun.shardwise_command`).
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.forkrun import Zygote
 
 SSHD_CANDIDATES = ("/usr/sbin/sshd", "/usr/local/sbin/sshd", "/usr/bin/sshd")
 
@@ -156,3 +162,12 @@ def elastic_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, flo
     from tests.integration.nodes_harness import SAVE_EVERY, STEPS, reference
 
     return reference(tmp_path_factory.mktemp("elastic-reference"), steps=STEPS, save_every=SAVE_EVERY)
+
+
+@pytest.fixture(scope="module")
+def hf_zygote() -> Iterator["Zygote"]:
+    from tests.forkrun import Zygote
+
+    server = Zygote(preload=("shardwise.jobs.hf_train", "shardwise.checkpoint.hf_export", "transformers", "tokenizers"))
+    yield server
+    server.close()

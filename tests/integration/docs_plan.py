@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.doc_commands import Command, all_commands
+from tests.doc_commands import Command, all_commands, leading_globals
 from tests.integration.docs_shrink import SERVE_S, SERVERS, _value, shrunk, skip_reason
 
 # Options (argparse destinations, per subcommand) that change no code path: a command that differs
@@ -54,6 +54,7 @@ class Planned:
 
 def _cost(argv: list[str]) -> float:
     """Rough CPU-seconds of a run on an idle machine (to start the longest first)."""
+    argv = leading_globals(argv)[1]
     n = int(_value(argv, "--nproc") or _value(argv, "--nproc-per-node") or (4 if argv[:1] == ["verify"] else 1))
     per_process = {"verify": 5.0, "calibrate": 25.0, "doctor": 3.0, "generate": 4.0, "train": 5.0 if "--model.hf" in argv else 3.0,
                    "run": 1.5}.get(argv[0] if argv else "", 0.5)
@@ -92,7 +93,8 @@ def _key(cmd: Command, argvs: list[list[str]], programs: list[str], cwd: Path) -
         if ns is None:
             parts.append(shlex.join([program, *argv]))
             continue
-        ns, gone = masked(argv[0] if argv else "", ns)
+        sub = leading_globals(argv)[1][:1]
+        ns, gone = masked(sub[0] if sub else "", ns)
         dropped += gone
         parts.append(json.dumps(ns, sort_keys=True, default=str))
     key = " && ".join(parts) + f" > {cmd.stdout_file}" + json.dumps(cmd.env, sort_keys=True) + f" ! {cmd.error}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.doc_commands import Command
+from tests.doc_commands import Command, leading_globals
 
 NPROC_CAP = 2  # this machine's cores
 TINY_GPT = {"--max-steps": "2", "--model.layers": "1", "--model.hidden": "32", "--model.heads": "2", "--model.seq_len": "16",
@@ -21,14 +21,17 @@ TINY_HF = {"--max-steps": "2", "--model.seq_len": "16", "--train.global_batch_si
 # instruction data: a chat with its template's role markers is about 44 tokens of the fixture model
 INSTRUCT_FORMATS, INSTRUCT_SEQ = ("chat", "prompt_completion"), "64"
 # per subcommand: flags set to a small value (added when absent), flags made smaller only where given
+# (None: a switch; calibrate --quick measures fewer sizes along the same code path)
 SET = {"verify": {"--steps": "2"}, "generate": {"--max-new-tokens": "4"}, "doctor": {"--max-size-mb": "1", "--iters": "2"},
-       "calibrate": {"--max-size-mb": "1", "--iters": "1"}}
+       "calibrate": {"--max-size-mb": "1", "--iters": "1", "--quick": None}}
 SMALLER = {"--step": "2", "--data.shuffle_windows": "4", "--nproc": str(NPROC_CAP), "--nproc-per-node": str(NPROC_CAP)}
 # measuring this machine takes about as long at any size: one process (calibrations with another
 # process count are the same run then, and run once)
 NPROC_CAP_OF = {"calibrate": 1}
 # a documented Python script's own size flags
-SCRIPT_SET = {"examples/hf_finetune_llama.py": {"--steps": "2", "--nproc": "1"}}
+SCRIPT_SET = {"examples/hf_finetune_llama.py": {"--steps": "2", "--nproc": "1"},
+              # 2 steps, a checkpoint and an evaluation at each, resumed to 3 (steps // 2 more)
+              "examples/finetune_chat.py": {"--steps": "2"}}
 CLUSTER_HOSTS = ("node0", "node1", "node2")
 # commands that serve until they are stopped: they pass when they are still serving after
 # SERVE_S seconds and printed their line (the port: a free one, so runs beside them do not collide)
@@ -81,9 +84,12 @@ def _value(words: list[str], flag: str) -> str | None:
     return None
 
 
-def _set(words: list[str], flag: str, value: str, *, add: bool) -> list[str]:
+def _set(words: list[str], flag: str, value: str | None, *, add: bool) -> list[str]:
     """``words`` with ``flag``'s value replaced by ``value`` (for --nproc-style caps: the smaller),
-    or ``flag value`` appended when ``add`` and it is absent (before a ``--`` or the script)."""
+    or ``flag value`` appended when ``add`` and it is absent (before a ``--`` or the script);
+    ``value`` None: a switch (``--quick``), appended when ``add`` and absent."""
+    if value is None:
+        return words + [flag] if add and flag not in words else list(words)
     out, found = list(words), False
     for i, w in enumerate(out):
         if w == flag and i + 1 < len(out):
@@ -111,8 +117,9 @@ def shrunk(cmd: Command, cwd: Path) -> list[str]:
             words = _set(words, flag, value, add=True)
         return words
     sub = cmd.subcommand
+    lead, words = leading_globals(words)  # `--verbose` before the subcommand stays there
     if sub in SERVERS:
-        return _set(words, "--port", str(_free_port()), add=False)
+        return lead + _set(words, "--port", str(_free_port()), add=False)
     script_at = _script_index(words) if sub == "run" else len(words)
     head, tail = words[:script_at], words[script_at:]
     if sub == "train" and "--print-config" not in head:
@@ -128,7 +135,7 @@ def shrunk(cmd: Command, cwd: Path) -> list[str]:
         if flag == "--nproc" and sub in NPROC_CAP_OF:
             value = str(NPROC_CAP_OF[sub])
         head = _set(head, flag, value, add=False)
-    return head + tail
+    return lead + head + tail
 
 
 def _free_port() -> int:
@@ -140,8 +147,9 @@ def _free_port() -> int:
 
 
 def _script_index(words: list[str]) -> int:
-    """Where ``shardwise run``'s script (and its own arguments) starts."""
-    i = 1
+    """Where ``shardwise run``'s script (and its own arguments) starts in ``words`` (``run`` and
+    its flags first; any global flags before ``run`` are skipped)."""
+    i = len(leading_globals(words)[0]) + 1
     while i < len(words):
         w = words[i]
         if w in ("-m", "--module", "--stop-with-stdin"):

@@ -15,10 +15,11 @@ shardwise once and forks a child per case that runs ``shardwise.cli.main(argv)``
 first case of every table, and every case that needs a fresh interpreter, still runs ``python -m
 shardwise`` as a subprocess: those marked ``unprivileged`` (they need a file the command cannot
 read or a directory it cannot write: as root they run without the capabilities that bypass
-permissions, dropped before exec) and those with their own environment (``PYTHONPATH``, ``HOME``,
-read at start-up). The first cases show that a fresh interpreter's start-up prints nothing on
-stderr (no import-time warning), which the forked children, started after the imports, cannot.
-All selected cases run concurrently, one per core.
+permissions, dropped before exec) and those with their own value of a variable that an
+interpreter reads at start-up (``PYTHONPATH``, ``HOME``; a case's other variables are set in its
+forked child). The first cases show that a fresh interpreter's start-up prints nothing on stderr
+(no import-time warning), which the forked children, started after the imports, cannot. All
+selected cases run concurrently, one per core.
 """
 
 from __future__ import annotations
@@ -536,8 +537,13 @@ def run_case(p: Prepared) -> Outcome:
     return Outcome(returncode, out, err, _diff(p.before, snapshot(p.root)))
 
 
+# variables an interpreter reads when it starts (a forked child would start with the parent's);
+# the others (MLFLOW_ALLOW_FILE_STORE...) are read by the command and are set in the forked child
+STARTUP_ENV = frozenset({"PYTHONPATH", "HOME"})
+
+
 def needs_fresh_interpreter(c: Case, first_of_table: bool) -> bool:
-    return first_of_table or c.unprivileged or bool(c.env)
+    return first_of_table or c.unprivileged or any(key in STARTUP_ENV for key, _ in c.env)
 
 
 def run_forked(prepared: list[Prepared], scratch: Path) -> dict[Case, Outcome]:
@@ -545,7 +551,7 @@ def run_forked(prepared: list[Prepared], scratch: Path) -> dict[Case, Outcome]:
     if not prepared:
         return {}
     jobs = [{"id": str(i), "kind": "shardwise", "argv": list(p.case.args), "cwd": str(p.root), "timeout_s": p.case.timeout_s,
-             "env": {"MPLCONFIGDIR": str(p.home / ".mpl")}, "stdout": str(p.home / "stdout"), "stderr": str(p.home / "stderr")}
+             "env": {"MPLCONFIGDIR": str(p.home / ".mpl"), **{k: v.format(home=p.home) for k, v in p.case.env}}, "stdout": str(p.home / "stdout"), "stderr": str(p.home / "stderr")}
             for i, p in enumerate(prepared)]
     server_env: dict[str, str | None] = {k: None for k in os.environ}
     server_env.update(_environment(scratch))

@@ -25,7 +25,6 @@ import json
 import os
 import random
 import subprocess
-from typing import Iterator
 
 import pytest
 
@@ -35,7 +34,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from shardwise.models import hf  # noqa: E402
-from tests.forkrun import Zygote, shardwise_command  # noqa: E402
+from tests.forkrun import Zygote, ZygoteDir, shardwise_command  # noqa: E402
 
 SEQ = 128
 GEN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
@@ -61,31 +60,16 @@ def write_jsonl(path: str, records: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def zygote() -> Iterator[Zygote]:
-    server = Zygote(preload=("shardwise.jobs.hf_train", "shardwise.checkpoint.hf_export", "transformers", "tokenizers"))
-    yield server
-    server.close()
-
-
-class Workdir(str):
-    """The module's work directory (a path), and the zygote its commands fork from."""
-
-    zygote: Zygote
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory, zygote: Zygote) -> Workdir:
+def workdir(tmp_path_factory: pytest.TempPathFactory, hf_zygote: Zygote) -> ZygoteDir:
     root = str(tmp_path_factory.mktemp("finetune-cli"))
     train, val = chats(17, seed=0), chats(4, seed=1)
     hf.save_tiny(os.path.join(root, "model"), family="llama", texts=[json.dumps(c) for c in train], vocab=320, seq=SEQ, chat=True)
     write_jsonl(os.path.join(root, "chat.jsonl"), train)
     write_jsonl(os.path.join(root, "val.jsonl"), val)
-    work = Workdir(root)
-    work.zygote = zygote
-    return work
+    return ZygoteDir.of(root, hf_zygote)
 
 
-def _train(workdir: Workdir, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _train(workdir: ZygoteDir, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     args = ["train", "--model.hf", os.path.join(workdir, "model"), "--data.files", os.path.join(workdir, "chat.jsonl"), "--data.format", "chat",
             "--nproc", "2", "--max-steps", "4",
             f"--model.seq_len={SEQ}", "--train.warmup_steps=2", "--train.eval_every=0", "--train.log_every=1",
@@ -121,7 +105,7 @@ def assistant_token_loss(workdir: str, records: list[dict], *, everything: bool 
     return total / count
 
 
-def _export_and_load(workdir: Workdir, name: str) -> dict:
+def _export_and_load(workdir: ZygoteDir, name: str) -> dict:
     import transformers
 
     out = os.path.join(workdir, f"export-{name}")
@@ -133,7 +117,7 @@ def _export_and_load(workdir: Workdir, name: str) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _kill_and_resume(workdir: Workdir, name: str, *extra: str) -> dict[str, str]:
+def _kill_and_resume(workdir: ZygoteDir, name: str, *extra: str) -> dict[str, str]:
     full = _train(workdir, name, *extra)
     assert full.returncode == 0, full.stdout + full.stderr
     killed = _train(workdir, name + "-cut", *extra, env={"SHARDWISE_FAULT": "rank=0,step=3,how=raise"})

@@ -4,7 +4,10 @@ BPE tokenizer made locally, fine-tuned on local text and JSONL files on 2 proces
 the machine from being measured); a run killed after its step-2 checkpoint and continued with
 ``--resume auto`` reproduces an uninterrupted run exactly (losses and final weights, compared
 through ``shardwise checkpoint export --format hf``); the same with the text read as a stream
-and a validation file (three more runs). Runs of ~20 s each.
+and a validation file (three more runs). Runs of ~20 s each. The commands fork from one process
+that imported torch, shardwise and transformers once (:func:`tests.forkrun.shardwise_command`:
+what the subprocess returns, without the seconds of imports per command); their workers start as
+usual.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 import sysconfig
 
 import pytest
@@ -21,10 +23,11 @@ import pytest
 pytest.importorskip("transformers")
 
 from shardwise.models import hf  # noqa: E402
+from tests.forkrun import Zygote, ZygoteDir, shardwise_command  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> str:
+def workdir(tmp_path_factory: pytest.TempPathFactory, hf_zygote: Zygote) -> ZygoteDir:
     root = tmp_path_factory.mktemp("hf-cli")
     stdlib = sysconfig.get_paths()["stdlib"]
     texts = []
@@ -40,15 +43,15 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> str:
     with open(root / "data" / "more.jsonl", "w") as fh:
         for text in texts[3:]:
             fh.write(json.dumps({"text": text}) + "\n")
-    return str(root)
+    return ZygoteDir.of(root, hf_zygote)
 
 
-def _train(workdir: str, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _train(workdir: ZygoteDir, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     args = ["train", "--model.hf", os.path.join(workdir, "model"), "--data.files", f"{workdir}/data/**/*.txt,{workdir}/data/*.jsonl",
             "--nproc", "2", "--plan", "auto", "--max-steps", "4", "--train.global_batch_size=4", "--train.warmup_steps=2",
             "--train.eval_every=0", "--train.log_every=1", "--checkpoint.every_n_steps=2", "--run.runs_dir", os.path.join(workdir, "runs"), "--run.name", name, *extra]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SHARDWISE_CLUSTER": "cpu", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], env=full_env, capture_output=True, text=True, timeout=300)
+    return shardwise_command(workdir.zygote, args, env=full_env, timeout=300)
 
 
 def _losses(workdir: str, name: str) -> dict[int, str]:
@@ -56,18 +59,18 @@ def _losses(workdir: str, name: str) -> dict[int, str]:
         return {int(row["step"]): row["loss"] for row in csv.DictReader(fh) if row.get("loss")}
 
 
-def _export(workdir: str, name: str) -> dict:
+def _export(workdir: ZygoteDir, name: str) -> dict:
     from safetensors.torch import load_file
 
     out = os.path.join(workdir, f"export-{name}")
-    done = subprocess.run([sys.executable, "-m", "shardwise.cli", "checkpoint", "export", "--format", "hf",
-                           os.path.join(workdir, "runs", name, "checkpoints"), out], capture_output=True, text=True, timeout=120)
+    done = shardwise_command(workdir.zygote, ["checkpoint", "export", "--format", "hf", os.path.join(workdir, "runs", name, "checkpoints"), out],
+                             timeout=120)
     assert done.returncode == 0, done.stderr
     assert {"config.json", "tokenizer.json"} <= set(os.listdir(out))  # kept from the model directory by the run
     return load_file(os.path.join(out, "model.safetensors"))
 
 
-def test_finetune_plan_auto_and_exact_resume(workdir: str) -> None:
+def test_finetune_plan_auto_and_exact_resume(workdir: ZygoteDir) -> None:
     full = _train(workdir, "full")
     assert full.returncode == 0, full.stdout + full.stderr
     assert "plan=auto chose" in full.stdout and "nats/token" in full.stdout and "4 file(s)" in full.stdout, full.stdout
@@ -84,7 +87,7 @@ def test_finetune_plan_auto_and_exact_resume(workdir: str) -> None:
     assert all(a[k].equal(b[k]) for k in a)
 
 
-def test_finetune_streaming_with_validation_files_resumes_exactly(workdir: str) -> None:
+def test_finetune_streaming_with_validation_files_resumes_exactly(workdir: ZygoteDir) -> None:
     """``--data.streaming true``: the text files are read as a packed stream (file order and a
     shuffle buffer reshuffled per epoch), the JSONL file is the validation split, ``--plan auto``
     sizes the model from the stream; a run killed at step 3 and resumed from its step-2 checkpoint

@@ -1,4 +1,9 @@
-"""``shardwise train`` end to end through the command line: 2 processes, outputs, exit codes."""
+"""``shardwise train`` end to end through the command line: 2 processes, outputs, exit codes.
+
+The end-to-end runs fork from one process that imported torch and shardwise once
+(:func:`tests.forkrun.shardwise_command`: what the subprocess returns, without the command's
+imports; its workers start as usual); the refused override runs ``python -m shardwise.cli`` as a
+fresh interpreter (its one stderr line is the whole of what the real command prints)."""
 
 from __future__ import annotations
 
@@ -7,10 +12,12 @@ import json
 import os
 import subprocess
 import sys
+from typing import Iterator
 
 import pytest
 
 from shardwise.plan import Plan
+from tests.forkrun import Zygote, shardwise_command
 
 TINY = [
     "--max-steps", "6",
@@ -25,10 +32,20 @@ def _shardwise(args: list[str], cwd: str, timeout: float = 240) -> subprocess.Co
     return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture(scope="module")
+def zygote() -> Iterator[Zygote]:
+    server = Zygote()
+    yield server
+    server.close()
+
+
 @pytest.mark.slow_allowed(seconds=180, why="three whole `shardwise train` runs (dp=2, one process, tp=2) whose losses are "
                           "compared end to end; 128 s alone on a 2-core VM in December 2026")
-def test_train_two_processes_end_to_end(tmp_path) -> None:
-    two = _shardwise(["train", "--nproc", "2", "--run.name=two", *TINY], str(tmp_path))
+def test_train_two_processes_end_to_end(tmp_path, zygote: Zygote) -> None:
+    def forked(args: list[str], cwd: str) -> subprocess.CompletedProcess:
+        return shardwise_command(zygote, args, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, cwd=cwd, timeout=240)
+
+    two = forked(["train", "--nproc", "2", "--run.name=two", *TINY], str(tmp_path))
     assert two.returncode == 0, two.stdout + two.stderr
     run_dir = tmp_path / "runs" / "two"
     for name in ("metrics.csv", "curves.png", "config.toml", "summary.json", "sample.txt"):
@@ -46,7 +63,7 @@ def test_train_two_processes_end_to_end(tmp_path) -> None:
 
     # The same job in one process (in-process path) gives the same losses: data parallelism
     # changes nothing in the math (same seed, same global batch).
-    one = _shardwise(["train", "--nproc", "1", "--run.name=one", *TINY], str(tmp_path))
+    one = forked(["train", "--nproc", "1", "--run.name=one", *TINY], str(tmp_path))
     assert one.returncode == 0, one.stdout + one.stderr
     single = json.loads((tmp_path / "runs" / "one" / "summary.json").read_text())
     assert summary["val_loss"] == pytest.approx(single["val_loss"], rel=1e-5)
@@ -56,7 +73,7 @@ def test_train_two_processes_end_to_end(tmp_path) -> None:
     # its local heads), the vocabulary is padded for the split, and the sample is generated with
     # the sharded logits gathered. TP adds partial matmul results in another order than one
     # process, so the agreement is to float32 rounding (measured: ~5e-8 relative), not bitwise.
-    tp = _shardwise(["train", "--nproc", "2", "--plan", "tp=2", "--run.name=tp", *TINY], str(tmp_path))
+    tp = forked(["train", "--nproc", "2", "--plan", "tp=2", "--run.name=tp", *TINY], str(tmp_path))
     assert tp.returncode == 0, tp.stdout + tp.stderr
     assert "plan (dp=1,tp=2, 2 processes)" in tp.stdout
     tensor = json.loads((tmp_path / "runs" / "tp" / "summary.json").read_text())
@@ -66,7 +83,7 @@ def test_train_two_processes_end_to_end(tmp_path) -> None:
     # The planner picks (with this machine's measured spec: cached by an earlier test's world of 2,
     # or measured now), prints the plan and saves its choice with the predictions; whatever it picks
     # trains like one process.
-    auto = _shardwise(["train", "--nproc", "2", "--plan", "auto", "--run.name=auto", *TINY], str(tmp_path))
+    auto = forked(["train", "--nproc", "2", "--plan", "auto", "--run.name=auto", *TINY], str(tmp_path))
     assert auto.returncode == 0, auto.stdout + auto.stderr
     assert "plan=auto chose" in auto.stdout + auto.stderr
     chosen = json.loads((tmp_path / "runs" / "auto" / "auto_plan.json").read_text())

@@ -151,3 +151,23 @@ def test_the_fill_in_table_is_what_the_rules_do() -> None:
             assert all(p in got for p in parts), (text, world, shown, got)
         else:
             assert got == shown, (text, world, shown, got)
+
+
+def test_a_global_flag_before_the_subcommand_is_shrunk_like_the_subcommand(tmp_path) -> None:
+    """``shardwise --verbose train --nproc 2`` is the train command with its global flag: it names
+    the subcommand, and the docs test shrinks it (tiny sizes) with ``--verbose`` kept before it, as
+    it does a ``run`` command's flags (the script's own arguments untouched). The global flags
+    listed are ``shardwise --help``'s (less --help and --version, which start nothing)."""
+    from shardwise.cli import build_parser
+    from tests.doc_commands import GLOBAL_FLAGS, Command
+    from tests.integration.docs_shrink import shrunk
+
+    top = {o for a in build_parser()._actions for o in a.option_strings if o.startswith("--")}
+    assert top - {"--help", "--version"} == set(GLOBAL_FLAGS)
+    train = Command("shardwise --verbose train --nproc 2")
+    assert train.subcommand == "train" and Command("shardwise --version").subcommand == ""
+    argv = shrunk(train, tmp_path)
+    assert argv[:2] == ["--verbose", "train"] and shrunk(Command("shardwise train --nproc 2"), tmp_path) == argv[1:]
+    assert "--max-steps" in argv and argv[argv.index("--model.layers") + 1] == "1"
+    run = shrunk(Command("shardwise --verbose run --nproc-per-node 4 train.py --nproc 9"), tmp_path)
+    assert run == ["--verbose", "run", "--nproc-per-node", "2", "train.py", "--nproc", "9"]

@@ -128,13 +128,18 @@ def measure_memory_bw(device: Any, *, nbytes: int = 64 * 2**20) -> float:
 
 CPU_MATMUL_SIZES = (64, 128, 256, 512, 1024)
 GPU_MATMUL_SIZES = (256, 1024, 4096, 8192)
+# `shardwise calibrate --quick`: the smaller matmuls and the narrower transformer layers only
+QUICK_MATMUL_SIZES, QUICK_BLOCK_WIDTHS = 3, 2
 
 
-def calibrate_worker(sizes: list[int], matmul_sizes: list[int] | None, iters: int) -> Calibration:
+def calibrate_worker(sizes: list[int], matmul_sizes: list[int] | None, iters: int, *, quick: bool = False) -> Calibration:
     """Runs on every rank of an initialized group: a group started by :func:`calibrate`, or a
     training job's own world (``Trainer(plan="auto")``). It measures with the intra-op threads the
     process already has (``shardwise run`` gives each local process the cores divided among them),
-    because that is what training will get; ``matmul_sizes`` None: the device's default sizes."""
+    because that is what training will get; ``matmul_sizes`` None: the device's default sizes.
+    ``quick``: the same measurements at fewer sizes (the smaller default matmuls, the narrower
+    transformer layers): a first look in a fraction of the time, with lower peaks and a shorter
+    table of layer throughputs for the planner to interpolate."""
     import torch
     import torch.distributed as dist
 
@@ -142,7 +147,7 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int] | None, iters: in
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if matmul_sizes is None:
-        matmul_sizes = list(GPU_MATMUL_SIZES if device.type == "cuda" else CPU_MATMUL_SIZES)
+        matmul_sizes = list(GPU_MATMUL_SIZES if device.type == "cuda" else CPU_MATMUL_SIZES)[:QUICK_MATMUL_SIZES if quick else None]
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if device.type == "cuda":
         dtypes["fp16"] = torch.float16
@@ -151,7 +156,7 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int] | None, iters: in
     overhead = measure_overhead(device)
     dtensor = measure_dtensor_overhead(device)
     layer_overheads = measure_parallel_layer_overheads(device)
-    block = measure_block_throughput(device, ("fp32", "bf16"))
+    block = measure_block_throughput(device, ("fp32", "bf16"), widths=QUICK_BLOCK_WIDTHS if quick else None)
     optimizer = measure_optimizer(device)
     solo = measure_solo_matmul(device, max(matmul_sizes))
     layer_overheads["pipeline_overlap"] = measure_pipeline_overlap(device, layer_overheads.get("pp_microbatch_s", 0.0))
@@ -240,23 +245,23 @@ def to_spec(cal: Calibration, *, name: str | None = None) -> ClusterSpec:
     )
 
 
-def _calibrate_with_threads(threads: int, sizes: list[int], matmul_sizes: list[int] | None, iters: int) -> Calibration:
+def _calibrate_with_threads(threads: int, sizes: list[int], matmul_sizes: list[int] | None, iters: int, quick: bool = False) -> Calibration:
     """A CPU worker of :func:`calibrate` with ``shardwise run``'s thread rule (cores / local processes):
     more threads than cores make OpenMP spin and slow small matmuls ~100x."""
     import torch
 
     if not torch.cuda.is_available():
         torch.set_num_threads(threads)
-    return calibrate_worker(sizes, matmul_sizes, iters)
+    return calibrate_worker(sizes, matmul_sizes, iters, quick=quick)
 
 
 def calibrate(nproc: int, *, sizes: tuple[int, ...] = DEFAULT_SIZES, matmul_sizes: tuple[int, ...] | None = None,
-              iters: int = 10, name: str | None = None, timeout_s: float = 300.0) -> ClusterSpec:
+              iters: int = 10, name: str | None = None, timeout_s: float = 300.0, quick: bool = False) -> ClusterSpec:
     """Start ``nproc`` local processes (each with the cores divided among them, as ``shardwise run``
-    gives), measure, and return the spec (rank 0's view)."""
+    gives), measure, and return the spec (rank 0's view); ``quick``: see :func:`calibrate_worker`."""
     from shardwise.launch.inprocess import launch
 
     sizes_arg = list(matmul_sizes) if matmul_sizes is not None else None
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    cal = launch(_calibrate_with_threads, nprocs=nproc, args=(threads, list(sizes), sizes_arg, iters), timeout_s=timeout_s)[0]
+    cal = launch(_calibrate_with_threads, nprocs=nproc, args=(threads, list(sizes), sizes_arg, iters, quick), timeout_s=timeout_s)[0]
     return to_spec(cal, name=name)

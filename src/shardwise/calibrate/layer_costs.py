@@ -139,7 +139,7 @@ CPU_BLOCK_SHAPES = ((64, 512, 128), (128, 512, 128), (256, 512, 128), (512, 256,
 GPU_BLOCK_SHAPES = ((512, 8192, 1024), (1024, 8192, 1024), (2048, 8192, 1024), (4096, 8192, 1024))
 
 
-def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[str, dict[str, float]]:
+def measure_block_throughput(device: Any, precisions: tuple[str, ...], *, widths: int | None = None) -> dict[str, dict[str, float]]:
     """Achieved FLOP/s of transformer layers (a stack of the built-in GPT's ``Block``: LayerNorms,
     q/k/v/o projections, ``scaled_dot_product_attention``, GELU MLP), forward + backward including
     the gradient of the input, in concurrent windows, by precision (fp32, or autocast) and by the
@@ -149,7 +149,8 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[s
     :class:`~shardwise.plan.stats.TransformerSpec` (model FLOPs: the replayed forward is not counted,
     so the recompute table's rate is lower by what recomputation really costs). A shape whose step
     would exceed ``SLOW_CALL_S`` in a reduced precision (bf16 emulated on a CPU) takes fp32's rate
-    there times the reduced/fp32 ratio of the largest shape timed."""
+    there times the reduced/fp32 ratio of the largest shape timed. ``widths``: only that many of
+    the narrowest shapes (``shardwise calibrate --quick``; None: all four)."""
     import torch
 
     from shardwise.models.gpt import Block, GPTConfig
@@ -158,7 +159,7 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...]) -> dict[s
 
     from shardwise.parallel.checkpointing import apply_checkpointing
 
-    shapes = GPU_BLOCK_SHAPES if device.type == "cuda" else CPU_BLOCK_SHAPES
+    shapes = (GPU_BLOCK_SHAPES if device.type == "cuda" else CPU_BLOCK_SHAPES)[:widths]
     out: dict[str, dict[str, float]] = {}
     for precision, recompute in [(p, "none") for p in precisions] + [(p, "full") for p in precisions]:
         table: dict[str, float] = {}

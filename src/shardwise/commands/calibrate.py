@@ -22,6 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="cluster.json", help="where to write the spec (JSON); it is also cached for plan='auto'")
     p.add_argument("--max-size-mb", type=float, default=16.0, help="largest collective message")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per size (median)")
+    p.add_argument("--quick", action="store_true",
+                   help="a first look in a fraction of the time: the same measurements at fewer sizes (the smaller matmuls, "
+                        "the two narrowest transformer layers), so lower peaks and a shorter table for the planner")
     p.add_argument("--name", default=None, help="name stored in the spec")
     p.set_defaults(func=_main)
 
@@ -43,7 +46,7 @@ def _main(args: argparse.Namespace) -> int:
     if len(sizes) < 2:
         sizes = DEFAULT_SIZES[:2]
     print(f"calibrating with {nproc} local processes ...", flush=True)
-    spec = calibrate(nproc, sizes=sizes, iters=args.iters, name=args.name)
+    spec = calibrate(nproc, sizes=sizes, iters=args.iters, name=args.name, quick=args.quick)
     spec.save(args.out)
     # The same spec is what Trainer(plan="auto") reads for a job of this shape on this host.
     from shardwise.auto.machine import cache_path, save_cached
