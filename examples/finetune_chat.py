@@ -39,10 +39,17 @@ def make_chats(n: int, seed: int) -> list[dict]:
     rng, chats = random.Random(seed), []
     for i in range(n):
         a, b = rng.randint(0, 49), rng.randint(0, 49)
-        messages = [{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
+        messages = [
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+        ]
         if i % 3 == 0:
-            messages = [{"role": "system", "content": "You add numbers."}, *messages,
-                        {"role": "user", "content": "And twice that?"}, {"role": "assistant", "content": f"Twice that is {2 * (a + b)}."}]
+            messages = [
+                {"role": "system", "content": "You add numbers."},
+                *messages,
+                {"role": "user", "content": "And twice that?"},
+                {"role": "assistant", "content": f"Twice that is {2 * (a + b)}."},
+            ]
         chats.append({"messages": messages})
     return chats
 
@@ -75,16 +82,49 @@ def main() -> int:
     write_jsonl(data, chats)
     write_jsonl(val_data, val)
     if not os.path.exists(os.path.join(model_dir, "config.json")):
-        hf.save_tiny(model_dir, family="llama", texts=[json.dumps(c) for c in chats], vocab=512, layers=4, hidden=64, heads=4,
-                     kv_heads=2, seq=256, chat=True)
+        hf.save_tiny(
+            model_dir,
+            family="llama",
+            texts=[json.dumps(c) for c in chats],
+            vocab=512,
+            layers=4,
+            hidden=64,
+            heads=4,
+            kv_heads=2,
+            seq=256,
+            chat=True,
+        )
         print(f"made a Llama from a config, with a chat-template tokenizer, in {model_dir}", flush=True)
 
     every = max(1, args.steps // 2)  # checkpoints and evaluations; the resume trains this much more
-    common = ["--model.hf", model_dir, "--data.files", data, "--data.format", "chat", "--data.packing", args.packing,
-              "--data.streaming", "true", "--data.val_files", val_data, "--model.seq_len=128", "--nproc", args.nproc,
-              "--plan", args.plan, "--train.global_batch_size=16", "--train.lr=3e-3", f"--train.warmup_steps={max(1, args.steps // 6)}",
-              f"--train.eval_every={every}", f"--checkpoint.every_n_steps={every}", "--run.runs_dir", os.path.join(args.dir, "runs"),
-              "--run.name", "chat"]
+    common = [
+        "--model.hf",
+        model_dir,
+        "--data.files",
+        data,
+        "--data.format",
+        "chat",
+        "--data.packing",
+        args.packing,
+        "--data.streaming",
+        "true",
+        "--data.val_files",
+        val_data,
+        "--model.seq_len=128",
+        "--nproc",
+        args.nproc,
+        "--plan",
+        args.plan,
+        "--train.global_batch_size=16",
+        "--train.lr=3e-3",
+        f"--train.warmup_steps={max(1, args.steps // 6)}",
+        f"--train.eval_every={every}",
+        f"--checkpoint.every_n_steps={every}",
+        "--run.runs_dir",
+        os.path.join(args.dir, "runs"),
+        "--run.name",
+        "chat",
+    ]
     shardwise("train", *common, "--max-steps", str(args.steps))
     shardwise("train", *common, "--max-steps", str(args.steps + every), "--resume", "auto")
     export = os.path.join(args.dir, "export")
@@ -96,7 +136,9 @@ def main() -> int:
     model = transformers.AutoModelForCausalLM.from_pretrained(export)
     tokenizer = transformers.AutoTokenizer.from_pretrained(export)
     question = [{"role": "user", "content": "What is 12 plus 30?"}]
-    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(question, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id)
     print("transformers loads the export; its greedy answer to 'What is 12 plus 30?':")

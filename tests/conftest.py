@@ -96,7 +96,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    cpu_profile.write(session.config, _teardowns(reporter), time.monotonic() - session.config.stash.get(_STARTED, time.monotonic()))
+    cpu_profile.write(
+        session.config, _teardowns(reporter), time.monotonic() - session.config.stash.get(_STARTED, time.monotonic())
+    )
 
 
 def _teardowns(reporter: object) -> list[pytest.TestReport]:

@@ -78,7 +78,9 @@ def stop(item: pytest.Item) -> None:
     cpu -= sum(c for pid, c in below0.items() if pid not in below1)  # counted whole by whoever waited for it
     from tests.suite_order import group_of
 
-    item.user_properties.append(("profile", {"wall_s": time.monotonic() - t0, "cpu_s": max(0.0, cpu), "group": group_of(item)}))
+    item.user_properties.append(
+        ("profile", {"wall_s": time.monotonic() - t0, "cpu_s": max(0.0, cpu), "group": group_of(item)})
+    )
 
 
 def write(config: pytest.Config, teardowns: list[pytest.TestReport], wall_s: float) -> None:
@@ -91,7 +93,10 @@ def write(config: pytest.Config, teardowns: list[pytest.TestReport], wall_s: flo
         for key, value in report.user_properties:
             if key == "profile":
                 rows.setdefault(report.nodeid.split("::", 1)[0], []).append(value)
-    files = {f: {"tests": len(r), "cpu_s": sum(x["cpu_s"] for x in r), "wall_s": sum(x["wall_s"] for x in r)} for f, r in rows.items()}
+    files = {
+        f: {"tests": len(r), "cpu_s": sum(x["cpu_s"] for x in r), "wall_s": sum(x["wall_s"] for x in r)}
+        for f, r in rows.items()
+    }
     groups: dict[str, float] = {}
     for r in rows.values():
         for x in r:
@@ -99,7 +104,9 @@ def write(config: pytest.Config, teardowns: list[pytest.TestReport], wall_s: flo
     Path(out).write_text(table(files, wall_s))
     from tests.suite_order import PROFILE
 
-    PROFILE.write_text(json.dumps({"files": files, "groups": {g: round(s, 1) for g, s in sorted(groups.items())}}, indent=1) + "\n")
+    PROFILE.write_text(
+        json.dumps({"files": files, "groups": {g: round(s, 1) for g, s in sorted(groups.items())}}, indent=1) + "\n"
+    )
 
 
 def table(files: dict[str, dict[str, float]], wall_s: float) -> str:

@@ -28,8 +28,23 @@ from typing import Iterator
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\s*$")
 SHELL = ("bash", "sh", "shell")
-PROGRAMS = ("shardwise", "python", "python3", "make", "torchrun", "srun", "sbatch", "salloc", "mpirun", "ssh", "ssh-keygen",
-            "ssh-copy-id", "pip", "wandb", "mlflow")
+PROGRAMS = (
+    "shardwise",
+    "python",
+    "python3",
+    "make",
+    "torchrun",
+    "srun",
+    "sbatch",
+    "salloc",
+    "mpirun",
+    "ssh",
+    "ssh-keygen",
+    "ssh-copy-id",
+    "pip",
+    "wandb",
+    "mlflow",
+)
 ENV = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 # words that stand for something the user supplies (in prose, they make a command a pattern)
 # `shardwise`'s own flags, given before the subcommand (`shardwise --verbose train ...`; see `shardwise --help`)
@@ -271,7 +286,11 @@ def help_examples(parser: object, name: str = "shardwise") -> list[Command]:
             body.append(line)
         body = [line.strip() if line.strip().endswith("\\") else _split_description(line.strip()) for line in body]
         for _, text in _joined(body, 1):
-            cmd = _command(text.strip(), f"{name} --help", "help") if text.strip() and not text.strip().startswith("#") else None
+            cmd = (
+                _command(text.strip(), f"{name} --help", "help")
+                if text.strip() and not text.strip().startswith("#")
+                else None
+            )
             if cmd:
                 out.append(cmd)
     for action in getattr(parser, "_actions", []):
@@ -291,7 +310,11 @@ def all_commands() -> list[Command]:
 
     found: dict[str, Command] = {}
     for cmd in [c for path in pages() for c in page_commands(path)] + help_examples(build_parser()):
-        key = " ".join(cmd.argv) + (f" > {cmd.stdout_file}" if cmd.stdout_file else "") + "".join(f" && {t}" for t in cmd.then)
+        key = (
+            " ".join(cmd.argv)
+            + (f" > {cmd.stdout_file}" if cmd.stdout_file else "")
+            + "".join(f" && {t}" for t in cmd.then)
+        )
         if key in found:
             seen = found[key]
             seen.where.extend(cmd.where)

@@ -131,18 +131,36 @@ def run(jobs: list[dict[str, Any]], parallel: int) -> dict[str, dict[str, Any]]:
     return results
 
 
-def run_phases(phases: list[list[dict[str, Any]]], *, parallel: int | None = None, env: dict[str, str | None] | None = None,
-               preload: tuple[str, ...] = (), timeout_s: float = 1800) -> dict[str, dict[str, Any]]:
+def run_phases(
+    phases: list[list[dict[str, Any]]],
+    *,
+    parallel: int | None = None,
+    env: dict[str, str | None] | None = None,
+    preload: tuple[str, ...] = (),
+    timeout_s: float = 1800,
+) -> dict[str, dict[str, Any]]:
     """From a test: start the server (module doc) in this environment updated with ``env`` (a
     None value removes the variable), importing PRELOAD and ``preload``, run ``phases`` (lists of
     jobs, one after the other) and return the results by job id."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    request = {"root": root, "parallel": parallel or os.cpu_count() or 1, "phases": phases, "preload": [*PRELOAD, *preload]}
+    request = {
+        "root": root,
+        "parallel": parallel or os.cpu_count() or 1,
+        "phases": phases,
+        "preload": [*PRELOAD, *preload],
+    }
     server_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
-    done = subprocess.run([sys.executable, "-m", "tests.forkrun"], input=json.dumps(request), capture_output=True, text=True,
-                          cwd=root, env=server_env, timeout=timeout_s)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.forkrun"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=server_env,
+        timeout=timeout_s,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"tests.forkrun exited {done.returncode}:\n{done.stderr[-3000:]}")
     answer = json.loads(done.stdout.strip().splitlines()[-1])
@@ -155,7 +173,9 @@ class Zygote:
     """A server (module doc) that stays up: :meth:`run` sends it phases and returns the results by
     job id, the imports paid once when it starts. One request at a time (not thread-safe)."""
 
-    def __init__(self, *, env: dict[str, str | None] | None = None, preload: tuple[str, ...] = (), log: str | None = None) -> None:
+    def __init__(
+        self, *, env: dict[str, str | None] | None = None, preload: tuple[str, ...] = (), log: str | None = None
+    ) -> None:
         import subprocess
         import tempfile
 
@@ -219,8 +239,16 @@ def shardwise_command(zygote: Zygote, args: list[str], *, env: dict[str, str] | 
 
     with tempfile.TemporaryDirectory(prefix="forkrun-") as tmp:
         out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
-        job = {"id": "cmd", "kind": "shardwise", "argv": list(args), "cwd": cwd or os.getcwd(), "env": dict(env or os.environ),
-               "stdout": out, "stderr": err, "timeout_s": timeout}
+        job = {
+            "id": "cmd",
+            "kind": "shardwise",
+            "argv": list(args),
+            "cwd": cwd or os.getcwd(),
+            "env": dict(env or os.environ),
+            "stdout": out,
+            "stderr": err,
+            "timeout_s": timeout,
+        }
         got = zygote.run([[job]])["cmd"]
         stdout, stderr = (open(path, errors="replace").read() if os.path.exists(path) else "" for path in (out, err))
     argv = [sys.executable, "-m", "shardwise.cli", *args]
@@ -246,7 +274,9 @@ def serve() -> None:
     """The server of :class:`Zygote`: the first line names the imports, each next one is a batch of phases."""
     # A process that passes SIGUSR1 (a time-limit warning) to its children, as a launcher does, must
     # not end this server when it happens to run beside it under the same parent (a pytest worker).
-    signal.signal(signal.SIGUSR1, lambda *_: print("forkrun: SIGUSR1 ignored by the server", file=sys.stderr, flush=True))
+    signal.signal(
+        signal.SIGUSR1, lambda *_: print("forkrun: SIGUSR1 ignored by the server", file=sys.stderr, flush=True)
+    )
     error = _prepare(json.loads(sys.stdin.readline()))
     print(json.dumps({"error": error} if error else {"ready": True}), flush=True)
     if error:

@@ -30,8 +30,12 @@ DEFAULT_S = {"unit": 0.3, "distributed": 5.0, "integration": 15.0}
 
 
 def configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"{EXPECTED}(seconds): the test's expected seconds, for the order the workers start groups in")
-    config.addinivalue_line("markers", "xdist_group(name): tests that run on the same pytest-xdist worker (--dist loadgroup)")
+    config.addinivalue_line(
+        "markers", f"{EXPECTED}(seconds): the test's expected seconds, for the order the workers start groups in"
+    )
+    config.addinivalue_line(
+        "markers", "xdist_group(name): tests that run on the same pytest-xdist worker (--dist loadgroup)"
+    )
 
 
 def group_of(item: pytest.Item) -> str:
@@ -73,7 +77,9 @@ def summary(terminalreporter: pytest.TerminalReporter, teardowns: list[pytest.Te
     if lines:
         terminalreporter.section("docs commands")
         ran = [line for line in lines if line.startswith("ran")]
-        terminalreporter.write_line(f"{len(ran)} ran, {sum(1 for x in lines if x.startswith('resolved'))} parsed and resolved, "
-                                    f"{sum(1 for x in lines if x.startswith('skipped'))} skipped")
+        terminalreporter.write_line(
+            f"{len(ran)} ran, {sum(1 for x in lines if x.startswith('resolved'))} parsed and resolved, "
+            f"{sum(1 for x in lines if x.startswith('skipped'))} skipped"
+        )
         for line in sorted(lines):
             terminalreporter.write_line(line)

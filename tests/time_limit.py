@@ -80,7 +80,9 @@ def allowance(item: pytest.Item, base_s: float) -> Allowance:
         return Allowance(base_s, None)
     seconds, why = mark.kwargs.get("seconds"), mark.kwargs.get("why")
     if not isinstance(seconds, (int, float)) or seconds <= 0 or not isinstance(why, str) or not why.strip():
-        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{MARKER} needs seconds=<positive number> and why=\"<the reason>\"")
+        raise pytest.UsageError(
+            f"{item.nodeid}: @pytest.mark.{MARKER} needs seconds=<positive number> and why=\"<the reason>\""
+        )
     return Allowance(float(seconds), why.strip())
 
 
@@ -91,14 +93,18 @@ def verdict(total_s: float, allowed: Allowance, scale: float) -> str | None:
         return None
     load = f" (x{scale:.1f} for this machine's load and speed and the tests beside it)" if scale > 1.0 else ""
     if allowed.why is None:
-        return (f"this test took {total_s:.1f} s (setup + call + teardown), over the suite's limit of {allowed.seconds:g} s{load}: "
-                f"make it faster (smaller model, fewer steps, a shared fixture), or give it "
-                f"@pytest.mark.{MARKER}(seconds=..., why=\"...\") saying why it must be slow")
+        return (
+            f"this test took {total_s:.1f} s (setup + call + teardown), over the suite's limit of {allowed.seconds:g} s{load}: "
+            f"make it faster (smaller model, fewer steps, a shared fixture), or give it "
+            f"@pytest.mark.{MARKER}(seconds=..., why=\"...\") saying why it must be slow"
+        )
     return f"this test took {total_s:.1f} s, over its allowance of {allowed.seconds:g} s{load} ({allowed.why})"
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"{MARKER}(seconds, why): this test may take up to `seconds` (not {LIMIT_S:.0f} s); why it must")
+    config.addinivalue_line(
+        "markers", f"{MARKER}(seconds, why): this test may take up to `seconds` (not {LIMIT_S:.0f} s); why it must"
+    )
     fixed = ENV in os.environ
     machine = max(load_factor(os.getloadavg()[0], os.cpu_count() or 1), speed_factor(probe_s()))
     config.stash[_SCALE] = 1.0 if fixed else machine * parallel_factor(os.environ.get("PYTEST_XDIST_WORKER_COUNT"))
@@ -128,7 +134,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):  # noqa
     allowed = allowance(item, base)
     if base <= 0:  # the guard is off
         return
-    message = verdict(spent.get("setup", 0.0) + spent.get("call", 0.0) + spent["teardown"], allowed, item.config.stash.get(_SCALE, 1.0))
+    message = verdict(
+        spent.get("setup", 0.0) + spent.get("call", 0.0) + spent["teardown"],
+        allowed,
+        item.config.stash.get(_SCALE, 1.0),
+    )
     if message:
         report.outcome = "failed"
         report.longrepr = f"{item.nodeid}: {message}"

@@ -41,8 +41,16 @@ def compiled_fit(plan: str, steps: int) -> dict:
                       global_batch_size=16, train=TrainOptions(max_steps=steps, seed=7),
                       logging=LoggingOptions(log_every=1, progress_bar=False), callbacks=[log])
     trainer.fit(_data())
-    compiled = [type(m).__name__ for m in trainer.model.module.modules() if getattr(m, "_compiled_call_impl", None) is not None]
-    return {"compiled": compiled, "recompiles": log.recompiles, "first": log.first, "last": compile_stats(), "active": log.active}
+    compiled = [
+        type(m).__name__ for m in trainer.model.module.modules() if getattr(m, "_compiled_call_impl", None) is not None
+    ]
+    return {
+        "compiled": compiled,
+        "recompiles": log.recompiles,
+        "first": log.first,
+        "last": compile_stats(),
+        "active": log.active,
+    }
 
 
 @pytest.mark.slow  # inductor compiles the plain block's forward and backward (~20 s cold per process)

@@ -59,17 +59,26 @@ def layout_of(plan: str, fp8: Fp8Options) -> dict:
             # parallelize_module's input hook closes over the style's _prepare_input_fn
             hooks = " ".join(getattr(getattr(c.cell_contents, "func", None), "__qualname__", "")
                              for h in m._forward_pre_hooks.values() for c in (getattr(h, "__closure__", None) or ()))
-            out[name] = (type(m).__name__, type(local).__name__, "Float8ColwiseParallel" in hooks or "Float8RowwiseParallel" in hooks)
+            out[name] = (
+                type(m).__name__,
+                type(local).__name__,
+                "Float8ColwiseParallel" in hooks or "Float8RowwiseParallel" in hooks,
+            )
     return out
 
 
 def test_fp8_tensorwise_plans_match_one_process_on_2(dist2) -> None:
     """tensorwise under dp, zero=3 (FP8 all-gather), tp and pp. A few seconds of work; more when it
     starts the shared pool on a loaded machine."""
-    tensorwise = [Run(f"{p},precision=fp8") for p in ("dp=2", "zero=3,shard=2", "tp=2", "pp=2,schedule=1f1b,microbatches=2")]
+    tensorwise = [
+        Run(f"{p},precision=fp8") for p in ("dp=2", "zero=3,shard=2", "tp=2", "pp=2,schedule=1f1b,microbatches=2")
+    ]
     _check(dist2.run(parity_worker, GPTWorkload(), tensorwise, TRAINING))
     zero3 = dist2.run(layout_of, "zero=3,shard=2,precision=fp8", TRAINING.fp8)[0]
-    assert zero3["blocks.0.attn.q_proj"][:2] == ("Float8Linear", "WeightWithDynamicFloat8CastTensor")  # all-gathered in FP8
+    assert zero3["blocks.0.attn.q_proj"][:2] == (
+        "Float8Linear",
+        "WeightWithDynamicFloat8CastTensor",
+    )  # all-gathered in FP8
     assert zero3["lm_head"][0] == "Linear"
 
 
@@ -77,7 +86,10 @@ def test_fp8_rowwise_plans_match_one_process_on_2(dist2) -> None:
     rowwise = [Run(f"{p},precision=fp8,fp8_recipe=rowwise") for p in ("dp=2", "zero=3,shard=2", "tp=2")]
     _check(dist2.run(parity_worker, GPTWorkload(), rowwise, TRAINING))
     rowwise_zero3 = dist2.run(layout_of, "zero=3,shard=2,precision=fp8,fp8_recipe=rowwise", TRAINING.fp8)[0]
-    assert rowwise_zero3["blocks.0.mlp.fc_in"][:2] == ("Float8Linear", "Tensor")  # torchao gathers rowwise in high precision
+    assert rowwise_zero3["blocks.0.mlp.fc_in"][:2] == (
+        "Float8Linear",
+        "Tensor",
+    )  # torchao gathers rowwise in high precision
 
 
 def test_unrounded_tensorwise_uses_torchaos_float8_tp_styles(dist2) -> None:
@@ -87,7 +99,9 @@ def test_unrounded_tensorwise_uses_torchaos_float8_tp_styles(dist2) -> None:
     layout = dist2.run(layout_of, "tp=2,precision=fp8", fp8)[0]
     assert layout["blocks.0.attn.q_proj"] == ("Float8Linear", "Tensor", True)
     assert layout["blocks.1.mlp.fc_out"] == ("Float8Linear", "Tensor", True)
-    per_rank = dist2.run(parity_worker, GPTWorkload(), [Run("tp=2,precision=fp8"), Run("dp=2,precision=fp8")], replace(TRAINING, fp8=fp8))
+    per_rank = dist2.run(
+        parity_worker, GPTWorkload(), [Run("tp=2,precision=fp8"), Run("dp=2,precision=fp8")], replace(TRAINING, fp8=fp8)
+    )
     for reports in per_rank:
         for report in reports:
             assert report.loss_diff < 1e-3 and report.grad_norm_diff < 2e-2, report.format(1e-3)
@@ -102,7 +116,11 @@ def test_fp8_dp_times_tp_matches_one_process_on_4(dist4) -> None:
 
 
 def test_fp8_rowwise_dp_times_tp_with_accumulation_on_4(dist4) -> None:
-    _check(dist4.run(parity_worker, GPTWorkload(), [Run("dp=2,tp=2,precision=fp8,fp8_recipe=rowwise", accumulation=2)], TRAINING))
+    _check(
+        dist4.run(
+            parity_worker, GPTWorkload(), [Run("dp=2,tp=2,precision=fp8,fp8_recipe=rowwise", accumulation=2)], TRAINING
+        )
+    )
 
 
 # -- the Trainer: bf16 for what is not converted, checkpoints -----------------------------------
@@ -132,7 +150,14 @@ def fit_fp8(plan: str, directory: str | None, max_steps: int, resume: str | None
     trainer.fit(_data(), resume=resume)
     msd, osd = get_state_dict(trainer.model.module, [trainer.optimizer], options=StateDictOptions(full_state_dict=True))
     state = {f"model.{k}": v.clone() for k, v in msd.items()}
-    state.update({f"optim.{fqn}.{key}": v.clone() for fqn, st in osd["state"].items() for key, v in st.items() if isinstance(v, torch.Tensor)})
+    state.update(
+        {
+            f"optim.{fqn}.{key}": v.clone()
+            for fqn, st in osd["state"].items()
+            for key, v in st.items()
+            if isinstance(v, torch.Tensor)
+        }
+    )
     kinds = {type(m).__name__ for m in trainer.model.module.modules()}
     return {"losses": rec.losses, "state": state, "float8": "Float8Linear" in kinds, "step": trainer.step}
 
@@ -145,7 +170,9 @@ def test_trainer_fp8_in_bf16_matches_one_process_and_resumes_bitwise(pools, tmp_
     assert one["float8"] and straight[0]["float8"]
     torch.testing.assert_close(torch.tensor(straight[0]["losses"]), torch.tensor(one["losses"]), rtol=1e-3, atol=0)
     pools(2).run(fit_fp8, plan, cut_dir, STOP, None, 0)
-    resumed = pools(2).run(fit_fp8, plan, cut_dir, TOTAL, "auto", 99)  # another init: everything comes from the checkpoint
+    resumed = pools(2).run(
+        fit_fp8, plan, cut_dir, TOTAL, "auto", 99
+    )  # another init: everything comes from the checkpoint
     for s, r in zip(straight, resumed):
         assert r["step"] == TOTAL and r["losses"] == s["losses"][STOP:]
         assert s["state"].keys() == r["state"].keys()

@@ -48,7 +48,11 @@ FOUR = {"llama": ["dp=2,tp=2"], "mixtral": ["dp=2,tp=2", "dp=2,pp=2,ep=2,microba
 # ep=2 alone is dp=2,ep=2.
 WRAPPED = os.path.join(ROOT, "examples", "hf_wrapped_script.py")
 WRAPPED_TWO = {"llama": ["cp=2"], "mixtral": ["cp=2", "ep=2"], ("phi3", "eager"): ["tp=2", "zero=3,shard=2"]}
-WRAPPED_FOUR = {"llama": ["dp=2,cp=2", "cp=2,tp=2"], "mixtral": ["dp=2,cp=2", "cp=2,tp=2"], ("phi3", "eager"): ["dp=2,tp=2"]}
+WRAPPED_FOUR = {
+    "llama": ["dp=2,cp=2", "cp=2,tp=2"],
+    "mixtral": ["dp=2,cp=2", "cp=2,tp=2"],
+    ("phi3", "eager"): ["dp=2,tp=2"],
+}
 
 
 def _script(family, directory, source: str = SCRIPT) -> str:
@@ -69,34 +73,47 @@ def _check(reports, plans, family):
 @pytest.mark.parametrize("family", sorted(TWO))
 def test_parity_two_processes(dist2, tmp_path, family: str) -> None:
     plans = TWO[family]
-    reports = dist2.run(parity_worker, ScriptWorkload(_script(family, tmp_path)), [Run(p) for p in plans], Training(steps=4))[0]
+    reports = dist2.run(
+        parity_worker, ScriptWorkload(_script(family, tmp_path)), [Run(p) for p in plans], Training(steps=4)
+    )[0]
     _check(reports, plans, family)
 
 
 @pytest.mark.parametrize("family", sorted(FOUR))
 def test_parity_four_processes(dist4, tmp_path, family: str) -> None:
     plans = FOUR[family]
-    reports = dist4.run(parity_worker, ScriptWorkload(_script(family, tmp_path)), [Run(p) for p in plans], Training(steps=4))[0]
+    reports = dist4.run(
+        parity_worker, ScriptWorkload(_script(family, tmp_path)), [Run(p) for p in plans], Training(steps=4)
+    )[0]
     _check(reports, plans, family)
 
 
 @pytest.mark.parametrize("family", list(WRAPPED_TWO), ids=str)
 def test_wrapped_parity_two_processes(dist2, tmp_path, family) -> None:
     plans = WRAPPED_TWO[family]
-    reports = dist2.run(parity_worker, ScriptWorkload(_script(family, tmp_path, WRAPPED)), [Run(p) for p in plans], Training(steps=3))[0]
+    reports = dist2.run(
+        parity_worker, ScriptWorkload(_script(family, tmp_path, WRAPPED)), [Run(p) for p in plans], Training(steps=3)
+    )[0]
     _check(reports, plans, family)
 
 
 @pytest.mark.parametrize("family", list(WRAPPED_FOUR), ids=str)
 def test_wrapped_parity_four_processes(dist4, tmp_path, family) -> None:
     plans = WRAPPED_FOUR[family]
-    reports = dist4.run(parity_worker, ScriptWorkload(_script(family, tmp_path, WRAPPED)), [Run(p) for p in plans], Training(steps=3))[0]
+    reports = dist4.run(
+        parity_worker, ScriptWorkload(_script(family, tmp_path, WRAPPED)), [Run(p) for p in plans], Training(steps=3)
+    )[0]
     _check(reports, plans, family)
 
 
 def test_verify_command_line_with_an_hf_script() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDWISE_HF_FAMILY": "gpt2"}
-    done = subprocess.run([sys.executable, "-m", "shardwise.cli", "verify", "--script", SCRIPT, "--plan", GPIPE, "--steps", "3"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", "verify", "--script", SCRIPT, "--plan", GPIPE, "--steps", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASS at rtol 1e-05" in done.stdout

@@ -57,13 +57,26 @@ def load_worker(path: str, plan: str) -> tuple[float, int, int, int, int]:
             diff = float((got - want).abs().max())
         else:
             loss, logits = pm.pipeline.eval_outputs(ids[:, :-1], ids[:, 1:])
-            diff = float((logits - want).abs().max()) if logits is not None else abs(float(loss) - float(hf.lm_loss(want, ids[:, 1:])))
+            diff = (
+                float((logits - want).abs().max())
+                if logits is not None
+                else abs(float(loss) - float(hf.lm_loss(want, ids[:, 1:])))
+            )
     s = pm.load
     return diff, s.elements_read, s.elements_local, s.elements_total, s.whole_reads
 
 
-@pytest.mark.parametrize("family,plan", [("llama", "zero=3,shard=2"), ("llama", "tp=2"), ("gpt2", "tp=2"), ("mixtral", "tp=2"),
-                                         ("gpt2", "pp=2,microbatches=2"), ("mixtral", "dp=2")])
+@pytest.mark.parametrize(
+    "family,plan",
+    [
+        ("llama", "zero=3,shard=2"),
+        ("llama", "tp=2"),
+        ("gpt2", "tp=2"),
+        ("mixtral", "tp=2"),
+        ("gpt2", "pp=2,microbatches=2"),
+        ("mixtral", "dp=2"),
+    ],
+)
 def test_from_pretrained_reads_only_its_slices(dist2, saved: dict[str, str], family: str, plan: str) -> None:
     results = dist2.run(load_worker, saved[family], plan)
     for diff, read, local, total, whole in results:
@@ -102,8 +115,24 @@ def test_roundtrip_tp2_pp2_export_loads_in_transformers(dist4, saved: dict[str, 
     assert all(fraction < 0.4 for _, _, fraction in results), [r[2] for r in results]  # 4 ranks: about 1/4 each
     logits = [r[0] for r in results if r[0] is not None]
     assert len(logits) == 2  # the two TP ranks of the last stage
-    done = subprocess.run([sys.executable, "-m", "shardwise", "checkpoint", "export", "--format", "hf", ckpt, out, "--model", saved[family]],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardwise",
+            "checkpoint",
+            "export",
+            "--format",
+            "hf",
+            ckpt,
+            out,
+            "--model",
+            saved[family],
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
     exported = transformers.AutoModelForCausalLM.from_pretrained(out)

@@ -39,7 +39,9 @@ class GPTLoRA:
         from shardwise.models.lora import LoRA, add_adapters
 
         lora = LoRA(r=4, alpha=8, targets=("q_proj", "v_proj", "o_proj", "fc_in", "fc_out"), init_b_zero=False)
-        return add_adapters(GPT(GPTConfig(vocab_size=64, seq_len=16, layers=4, hidden=32, heads=4), seed=seed), lora, seed=seed + 1)
+        return add_adapters(
+            GPT(GPTConfig(vocab_size=64, seq_len=16, layers=4, hidden=32, heads=4), seed=seed), lora, seed=seed + 1
+        )
 
     def batch(self, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.randint(0, 64, (size, 17), generator=torch.Generator().manual_seed(500 + step))
@@ -59,8 +61,11 @@ class QLoRA:
         from shardwise.models.lora import LoRA, add_adapters
         from shardwise.models.nf4 import quantize_base
 
-        model = add_adapters(hf.build_causal_lm(hf.tiny_config("llama", hidden=64), seed=seed), LoRA(r=4, alpha=8, init_b_zero=False),
-                             seed=seed + 1)
+        model = add_adapters(
+            hf.build_causal_lm(hf.tiny_config("llama", hidden=64), seed=seed),
+            LoRA(r=4, alpha=8, init_b_zero=False),
+            seed=seed + 1,
+        )
         quantize_base(model)
         return model
 

@@ -47,5 +47,9 @@ def test_calibration_yields_a_usable_spec(dist2, tmp_path) -> None:
     assert 1.0 <= spec.oversubscription <= 2.0  # 2 processes with one thread each
     spec.save(str(tmp_path / "cluster.json"))
     loaded = ClusterSpec.load(str(tmp_path / "cluster.json"))
-    result = search(transformer_stats(TransformerSpec(layers=2, hidden=64, heads=4, vocab_size=64, seq_len=16)), loaded, global_batch=8)
+    result = search(
+        transformer_stats(TransformerSpec(layers=2, hidden=64, heads=4, vocab_size=64, seq_len=16)),
+        loaded,
+        global_batch=8,
+    )
     assert result.best.plan.world_size == 2

@@ -61,7 +61,9 @@ def _install_sshd() -> str:
     try:
         done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=240)
         if done.returncode != 0:  # a fresh machine may have no package lists yet
-            subprocess.run(["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=120"], env=env, capture_output=True, timeout=240)
+            subprocess.run(
+                ["apt-get", "update", "-q", "-o", "DPkg::Lock::Timeout=120"], env=env, capture_output=True, timeout=240
+            )
             done = subprocess.run(install, env=env, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
         pytest.skip("installing openssh-server timed out")
@@ -108,7 +110,9 @@ def _host_block(patterns: str, port: int, user: str, key: Path, hostname: str | 
 
 
 def _keygen(path: Path) -> None:
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path)], check=True, capture_output=True, timeout=60
+    )
 
 
 @pytest.fixture(scope="session")
@@ -122,27 +126,51 @@ def sshd() -> Iterator[LoopbackSshd]:
     shutil.copy(work / "user_key.pub", work / "authorized_keys")
     user = getpass.getuser()
     port = free_port()
-    (work / "sshd_config").write_text("\n".join([
-        f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {work / 'host_key'}",
-        f"AuthorizedKeysFile {work / 'authorized_keys'}", f"PidFile {work / 'sshd.pid'}", "StrictModes no", "UsePAM no",
-        "PasswordAuthentication no", "KbdInteractiveAuthentication no", "PubkeyAuthentication yes",
-        "PermitRootLogin prohibit-password", "PrintMotd no", "MaxStartups 100:30:200", "MaxSessions 100", "LogLevel ERROR",
-    ]) + "\n")
+    (work / "sshd_config").write_text(
+        "\n".join(
+            [
+                f"Port {port}",
+                "ListenAddress 127.0.0.1",
+                f"HostKey {work / 'host_key'}",
+                f"AuthorizedKeysFile {work / 'authorized_keys'}",
+                f"PidFile {work / 'sshd.pid'}",
+                "StrictModes no",
+                "UsePAM no",
+                "PasswordAuthentication no",
+                "KbdInteractiveAuthentication no",
+                "PubkeyAuthentication yes",
+                "PermitRootLogin prohibit-password",
+                "PrintMotd no",
+                "MaxStartups 100:30:200",
+                "MaxSessions 100",
+                "LogLevel ERROR",
+            ]
+        )
+        + "\n"
+    )
     if os.geteuid() == 0:
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation directory
     log = open(work / "sshd.log", "w")
-    server = subprocess.Popen([sshd_path, "-D", "-e", "-f", str(work / "sshd_config")], stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sshd_path, "-D", "-e", "-f", str(work / "sshd_config")], stdout=log, stderr=subprocess.STDOUT
+    )
     config = work / "ssh_config"
     config.write_text(_host_block("127.0.0.1 localhost", port, user, work / "user_key"))
     try:
         deadline = time.monotonic() + 30
         while True:
-            check = subprocess.run(["ssh", "-F", str(config), "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "127.0.0.1", "true"],
-                                   capture_output=True, text=True, timeout=30)
+            check = subprocess.run(
+                ["ssh", "-F", str(config), "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", "127.0.0.1", "true"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             if check.returncode == 0:
                 break
             if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the test sshd does not accept logins: {check.stderr.strip()} / sshd log: {(work / 'sshd.log').read_text()}")
+                pytest.fail(
+                    f"the test sshd does not accept logins: {check.stderr.strip()} / sshd log: {(work / 'sshd.log').read_text()}"
+                )
             time.sleep(0.3)
         yield LoopbackSshd(port=port, user=user, key=work / "user_key", config=config, dir=work)
     finally:

@@ -42,8 +42,16 @@ PRELOAD = ("torch.distributed.tensor", "torch.distributed.fsdp", "shardwise.veri
 HF_NAMES = ("my-hf-model", "models/my-llama", "DIR")  # what the docs call a Hugging Face model directory
 # the docs' run directories: the fixture runs (GPT_RUN, HF_RUN) under the names the docs use
 # (and LORA_RUN: the LoRA run, `runs/x` in docs/lora.md, `runs/lora` in `shardwise checkpoint --help`)
-RUN_LINKS = (("gpt-stdlib-x", "gpt-stdlib-x"), ("gpt", "gpt-stdlib-x"), ("hf-x", "hf-x"), ("ckpt", "hf-x/checkpoints"), ("<name>", "hf-x"),
-             ("lora-x", "lora-x"), ("x", "lora-x"), ("lora", "lora-x/checkpoints"))
+RUN_LINKS = (
+    ("gpt-stdlib-x", "gpt-stdlib-x"),
+    ("gpt", "gpt-stdlib-x"),
+    ("hf-x", "hf-x"),
+    ("ckpt", "hf-x/checkpoints"),
+    ("<name>", "hf-x"),
+    ("lora-x", "lora-x"),
+    ("x", "lora-x"),
+    ("lora", "lora-x/checkpoints"),
+)
 
 
 def make_hf_model(directory: str) -> int:
@@ -51,7 +59,9 @@ def make_hf_model(directory: str) -> int:
     forked child)."""
     from shardwise.models import hf
 
-    hf.save_tiny(directory, family="llama", texts=_texts() + [_chat_text(c) for c in _chats()], vocab=320, seq=64, chat=True)
+    hf.save_tiny(
+        directory, family="llama", texts=_texts() + [_chat_text(c) for c in _chats()], vocab=320, seq=64, chat=True
+    )
     return 0
 
 
@@ -65,7 +75,10 @@ def _chats() -> list[list[dict[str, str]]]:
     chats = []
     for i in range(24):
         a, b = i % 7 + 2, i % 5 + 3
-        turns = [{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": f"It is {a + b}."}]
+        turns = [
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": f"It is {a + b}."},
+        ]
         chats.append(([{"role": "system", "content": "Answer briefly."}] if i % 3 == 0 else []) + turns)
     return chats
 
@@ -102,7 +115,9 @@ def fixtures(fx: Path) -> None:
     for folder in ("sft", "data"):  # chat data: `--data.format chat`
         (fx / folder).mkdir(exist_ok=True)
         for i in range(2):
-            (fx / folder / f"chats{i}.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats[i::2]))
+            (fx / folder / f"chats{i}.jsonl").write_text(
+                "".join(json.dumps({"messages": c}) + "\n" for c in chats[i::2])
+            )
     qa = [(c[-2]["content"], c[-1]["content"]) for c in chats]  # `--data.format prompt_completion`, its own field names
     pq.write_table(pa.table({"question": [q for q, _ in qa], "answer": [a for _, a in qa]}), fx / "qa.parquet")
     (fx / HF_NAMES[0]).mkdir()  # filled by make_hf_model, after the work directories link it

@@ -56,8 +56,14 @@ def _cost(argv: list[str]) -> float:
     """Rough CPU-seconds of a run on an idle machine (to start the longest first)."""
     argv = leading_globals(argv)[1]
     n = int(_value(argv, "--nproc") or _value(argv, "--nproc-per-node") or (4 if argv[:1] == ["verify"] else 1))
-    per_process = {"verify": 5.0, "calibrate": 25.0, "doctor": 3.0, "generate": 4.0, "train": 5.0 if "--model.hf" in argv else 3.0,
-                   "run": 1.5}.get(argv[0] if argv else "", 0.5)
+    per_process = {
+        "verify": 5.0,
+        "calibrate": 25.0,
+        "doctor": 3.0,
+        "generate": 4.0,
+        "train": 5.0 if "--model.hf" in argv else 3.0,
+        "run": 1.5,
+    }.get(argv[0] if argv else "", 0.5)
     return 1.0 + per_process * n + (15.0 if argv[:1] and argv[0].endswith(".py") else 0.0)
 
 
@@ -131,7 +137,10 @@ def plan_commands(root: Path) -> list[Planned]:
             differ = sorted(set(dropped) | set(dropped_of[seen[key]]))
             sub = cmd.subcommand
             p.same_as, p.cost = seen[key], 0.0
-            p.why_same = "; ".join(f"{d}: {VALUE_ONLY.get(sub, {}).get(d, 'the same value here')}" for d in differ) or "the same options once shrunk: it differs only in sizes"
+            p.why_same = (
+                "; ".join(f"{d}: {VALUE_ONLY.get(sub, {}).get(d, 'the same value here')}" for d in differ)
+                or "the same options once shrunk: it differs only in sizes"
+            )
         else:
             seen[key] = i
         planned.append(p)
@@ -139,7 +148,12 @@ def plan_commands(root: Path) -> list[Planned]:
 
 
 def _serves(cmd: Command, part: int) -> bool:
-    return part == 0 and cmd.program == "shardwise" and cmd.subcommand in SERVERS and not ({"--help", "-h"} & set(cmd.words))
+    return (
+        part == 0
+        and cmd.program == "shardwise"
+        and cmd.subcommand in SERVERS
+        and not ({"--help", "-h"} & set(cmd.words))
+    )
 
 
 def jobs_of(p: Planned, env: dict[str, str]) -> list[list[dict[str, Any]]]:
@@ -148,11 +162,21 @@ def jobs_of(p: Planned, env: dict[str, str]) -> list[list[dict[str, Any]]]:
     phases = []
     for j, argv in enumerate(p.run):
         program = p.cmd.program if j == 0 else Command(p.cmd.then[j - 1]).program
-        phases.append([{"id": f"{p.cwd.name}.{j}", "kind": "shardwise" if program == "shardwise" else "python", "argv": argv,
-                        "cwd": str(p.cwd), "cost": _cost(argv), "env": {**env, **p.cmd.env, "SHARDWISE_CLUSTER": "cpu"},
-                        "timeout_s": SERVE_S if _serves(p.cmd, j) else 480,
-                        "stdout": str(p.cwd / (p.cmd.stdout_file if j == 0 and p.cmd.stdout_file else f"out.{j}.txt")),
-                        "stderr": str(p.cwd / f"err.{j}.txt")}])
+        phases.append(
+            [
+                {
+                    "id": f"{p.cwd.name}.{j}",
+                    "kind": "shardwise" if program == "shardwise" else "python",
+                    "argv": argv,
+                    "cwd": str(p.cwd),
+                    "cost": _cost(argv),
+                    "env": {**env, **p.cmd.env, "SHARDWISE_CLUSTER": "cpu"},
+                    "timeout_s": SERVE_S if _serves(p.cmd, j) else 480,
+                    "stdout": str(p.cwd / (p.cmd.stdout_file if j == 0 and p.cmd.stdout_file else f"out.{j}.txt")),
+                    "stderr": str(p.cwd / f"err.{j}.txt"),
+                }
+            ]
+        )
     return phases
 
 
@@ -176,8 +200,12 @@ def resolution(argv: list[str]) -> dict[str, Any]:
                 resolved[section].pop(field)
         rest = {k: v for k, v in vars(args).items() if not k.startswith("cfg:") and k not in ("func", "config")}
         return {"config": resolved, "nproc": nproc, "plan": str(job_plan(config, nproc)), "args": masked(sub, rest)[0]}
-    checks = {"doctor": ("shardwise.commands.doctor", "_check_args"), "plan": ("shardwise.commands.plan", "_check"),
-              "verify": ("shardwise.commands.verify", "_check_numbers"), "run": ("shardwise.commands.run", "_check_flags")}
+    checks = {
+        "doctor": ("shardwise.commands.doctor", "_check_args"),
+        "plan": ("shardwise.commands.plan", "_check"),
+        "verify": ("shardwise.commands.verify", "_check_numbers"),
+        "run": ("shardwise.commands.run", "_check_flags"),
+    }
     if sub in checks:
         import importlib
 

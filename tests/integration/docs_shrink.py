@@ -13,17 +13,31 @@ from pathlib import Path
 from tests.doc_commands import Command, leading_globals
 
 NPROC_CAP = 2  # this machine's cores
-TINY_GPT = {"--max-steps": "2", "--model.layers": "1", "--model.hidden": "32", "--model.heads": "2", "--model.seq_len": "16",
-            "--data.max_chars": "20000", "--train.global_batch_size": "4", "--train.warmup_steps": "1", "--train.eval_every": "0",
-            "--train.eval_windows": "2", "--sample.chars": "8"}
+TINY_GPT = {
+    "--max-steps": "2",
+    "--model.layers": "1",
+    "--model.hidden": "32",
+    "--model.heads": "2",
+    "--model.seq_len": "16",
+    "--data.max_chars": "20000",
+    "--train.global_batch_size": "4",
+    "--train.warmup_steps": "1",
+    "--train.eval_every": "0",
+    "--train.eval_windows": "2",
+    "--sample.chars": "8",
+}
 TINY_HF = {"--max-steps": "2", "--model.seq_len": "16", "--train.global_batch_size": "4", "--train.warmup_steps": "1",
            "--train.eval_every": "0", "--train.eval_windows": "2"}
 # instruction data: a chat with its template's role markers is about 44 tokens of the fixture model
 INSTRUCT_FORMATS, INSTRUCT_SEQ = ("chat", "prompt_completion"), "64"
 # per subcommand: flags set to a small value (added when absent), flags made smaller only where given
 # (None: a switch; calibrate --quick measures fewer sizes along the same code path)
-SET = {"verify": {"--steps": "2"}, "generate": {"--max-new-tokens": "4"}, "doctor": {"--max-size-mb": "1", "--iters": "2"},
-       "calibrate": {"--max-size-mb": "1", "--iters": "1", "--quick": None}}
+SET = {
+    "verify": {"--steps": "2"},
+    "generate": {"--max-new-tokens": "4"},
+    "doctor": {"--max-size-mb": "1", "--iters": "2"},
+    "calibrate": {"--max-size-mb": "1", "--iters": "1", "--quick": None},
+}
 SMALLER = {"--step": "2", "--data.shuffle_windows": "4", "--nproc": str(NPROC_CAP), "--nproc-per-node": str(NPROC_CAP)}
 # measuring this machine takes about as long at any size: one process (calibrations with another
 # process count are the same run then, and run once)
@@ -51,9 +65,11 @@ def skip_reason(cmd: Command) -> str | None:
     if program == "pip":
         return "installs packages from a package index (network)"
     if program == "make":
-        return {"test": "is this test suite", "setup": "makes the environment this suite runs in",
-                "train": "runs `shardwise train` at full size (400 steps, minutes); the suite runs `shardwise train` shrunk"}.get(
-            words[1] if len(words) > 1 else "", "a make target")
+        return {
+            "test": "is this test suite",
+            "setup": "makes the environment this suite runs in",
+            "train": "runs `shardwise train` at full size (400 steps, minutes); the suite runs `shardwise train` shrunk",
+        }.get(words[1] if len(words) > 1 else "", "a make target")
     if program in ("python", "python3") and len(words) > 1 and words[1].startswith("bench/"):
         return "a benchmark (minutes of interleaved timing); its results are committed in bench/results/"
     if "--hostfile" in words or "--hosts" in words:

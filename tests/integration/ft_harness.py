@@ -85,14 +85,49 @@ class FtJob:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def start(work: Path, *, replicas: int, nproc: int, plan: str, steps: int, sleep_s: float, max_restarts: int = 0,
-          min_replicas: int = 1, kill: str = "", extra: list[str] | None = None, env: dict[str, str] | None = None) -> FtJob:
+def start(
+    work: Path,
+    *,
+    replicas: int,
+    nproc: int,
+    plan: str,
+    steps: int,
+    sleep_s: float,
+    max_restarts: int = 0,
+    min_replicas: int = 1,
+    kill: str = "",
+    extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> FtJob:
     out, ft_dir = work / "out", work / "ft"
-    args = [sys.executable, "-m", "shardwise", "run", "--ft-replicas", str(replicas), "--ft-min-replicas", str(min_replicas),
-            "--ft-dir", str(ft_dir), "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts), *FAST, *(extra or []),
-            str(SCRIPT), str(out), plan, str(steps), str(sleep_s), kill]
+    args = [
+        sys.executable,
+        "-m",
+        "shardwise",
+        "run",
+        "--ft-replicas",
+        str(replicas),
+        "--ft-min-replicas",
+        str(min_replicas),
+        "--ft-dir",
+        str(ft_dir),
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        *FAST,
+        *(extra or []),
+        str(SCRIPT),
+        str(out),
+        plan,
+        str(steps),
+        str(sleep_s),
+        kill,
+    ]
     environ = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **(env or {}))
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, start_new_session=True)
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environ, start_new_session=True
+    )
     job = FtJob(proc, out, ft_dir)
     threading.Thread(target=job._pump, daemon=True).start()
     return job
@@ -101,7 +136,9 @@ def start(work: Path, *, replicas: int, nproc: int, plan: str, steps: int, sleep
 def results(job: FtJob) -> dict[int, dict[str, Any]]:
     import torch
 
-    return {int(p.stem[len("replica"):]): torch.load(p, weights_only=False) for p in sorted(job.out.glob("replica*.pt"))}
+    return {
+        int(p.stem[len("replica") :]): torch.load(p, weights_only=False) for p in sorted(job.out.glob("replica*.pt"))
+    }
 
 
 def session_processes(sid: int) -> list[int]:

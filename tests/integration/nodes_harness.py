@@ -33,8 +33,21 @@ def env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
 
 
-def job_args(directory: Path, *, steps: int, save_every: int, plan: str = "dp=2,tp=2", extra: tuple[str, ...] = ()) -> list[str]:
-    return [str(SCRIPT), "--dir", str(directory), "--steps", str(steps), "--save-every", str(save_every), "--plan", plan, *extra]
+def job_args(
+    directory: Path, *, steps: int, save_every: int, plan: str = "dp=2,tp=2", extra: tuple[str, ...] = ()
+) -> list[str]:
+    return [
+        str(SCRIPT),
+        "--dir",
+        str(directory),
+        "--steps",
+        str(steps),
+        "--save-every",
+        str(save_every),
+        "--plan",
+        plan,
+        *extra,
+    ]
 
 
 def free_port() -> int:
@@ -76,8 +89,15 @@ class Proc:
 
     def __init__(self, name: str, cmd: list[str], *, extra_env: dict[str, str] | None = None) -> None:
         self.name, self.lines, self.times = name, [], []
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env(**(extra_env or {})),
-                                     cwd=REPO, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env(**(extra_env or {})),
+            cwd=REPO,
+            start_new_session=True,
+        )
         self.seen: set[int] = {self.proc.pid}
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -126,9 +146,29 @@ def rendezvous_server(port: int) -> Proc:
 def agent(name: str, endpoint: str, args: list[str], *, rdzv_id: str, nproc: int = 2, hosts_store: bool = False,
           max_restarts: int = 3, rdzv_conf: str = RDZV_CONF, extra_env: dict[str, str] | None = None) -> Proc:
     """One node: ``shardwise run --nnodes 1:2`` with the c10d rendezvous at ``endpoint``."""
-    cmd = [sys.executable, "-m", "shardwise", "run", "--nnodes", "1:2", "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--max-restarts", str(max_restarts), "--rdzv-timeout", "90",
-           "--rdzv-conf", f"{rdzv_conf},is_host={int(hosts_store)}", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardwise",
+        "run",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        str(nproc),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--max-restarts",
+        str(max_restarts),
+        "--rdzv-timeout",
+        "90",
+        "--rdzv-conf",
+        f"{rdzv_conf},is_host={int(hosts_store)}",
+        *args,
+    ]
     return Proc(name, cmd, extra_env=extra_env)
 
 
@@ -144,7 +184,9 @@ def wait_for(procs: list[Proc], pattern: str, timeout_s: float) -> float:
         if all(p.proc.poll() is not None for p in procs):
             break
         time.sleep(0.05)
-    raise AssertionError(f"no line matching {pattern!r}:\n" + "\n".join(f"[{p.name}] {line}" for p in procs for line in p.lines[-60:]))
+    raise AssertionError(
+        f"no line matching {pattern!r}:\n" + "\n".join(f"[{p.name}] {line}" for p in procs for line in p.lines[-60:])
+    )
 
 
 def losses(lines: list[str]) -> dict[int, float]:

@@ -106,7 +106,9 @@ def wait_for_rows(metrics: Path, rows: int, started: Started, timeout: float = 1
         if metrics.exists() and len(metrics.read_text().splitlines()) > rows:
             return
         if started.proc.poll() is not None:
-            raise AssertionError(f"the run ended (rc {started.proc.returncode}) before it logged {rows} rows:\n{started.stderr[-3000:]}")
+            raise AssertionError(
+                f"the run ended (rc {started.proc.returncode}) before it logged {rows} rows:\n{started.stderr[-3000:]}"
+            )
         time.sleep(0.1)
     raise AssertionError(f"{metrics} did not reach {rows} rows within {timeout} s")
 

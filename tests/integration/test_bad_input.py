@@ -79,7 +79,9 @@ class Case:
 
 def case(name: str, args: list[str], expect: str, *prepare: Prepare, unprivileged: bool = False,
          env: dict[str, str] | None = None, lines: int = 1, creates: str = "", timeout_s: int = TIMEOUT_S) -> Case:
-    return Case(name, tuple(args), expect, tuple(prepare), unprivileged, tuple((env or {}).items()), lines, creates, timeout_s)
+    return Case(
+        name, tuple(args), expect, tuple(prepare), unprivileged, tuple((env or {}).items()), lines, creates, timeout_s
+    )
 
 
 # -- preparing files -----------------------------------------------------------------------------
@@ -138,7 +140,10 @@ def reseal(rel: str) -> Prepare:
         step_dir = next(p for p in (root / rel).parents if (p / "COMMITTED.json").exists())
         marker = json.loads((step_dir / "COMMITTED.json").read_text())
         data = (root / rel).read_bytes()
-        marker["files"][str((root / rel).relative_to(step_dir))] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        marker["files"][str((root / rel).relative_to(step_dir))] = {
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
         (step_dir / "COMMITTED.json").write_text(json.dumps(marker))
 
     return run
@@ -168,9 +173,13 @@ def shard_missing(model: str) -> Prepare:
         data = weights.read_bytes()
         header = json.loads(data[8: 8 + int.from_bytes(data[:8], "little")])
         keys = sorted(k for k in header if k != "__metadata__")
-        weight_map = {k: "model-00001-of-00002.safetensors" for k in keys} | {keys[-1]: "model-00002-of-00002.safetensors"}
+        weight_map = {k: "model-00001-of-00002.safetensors" for k in keys} | {
+            keys[-1]: "model-00002-of-00002.safetensors"
+        }
         weights.rename(root / model / "model-00001-of-00002.safetensors")
-        (root / model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (root / model / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map})
+        )
 
     return run
 
@@ -188,22 +197,68 @@ TRAIN_CASES = [
     case("unknown-flag", ["train", "--bogus"], r"unrecognized arguments: --bogus"),
     case("unknown-key", ["train", "--train.lrr=1"], r"--train\.lrr=1"),
     case("nproc-zero", ["train", "--nproc", "0"], r"'parallel\.nproc'.*not a positive integer"),
-    case("tp3-on-2-processes", ["train", "--nproc", "2", "--plan", "tp=3"], r"tp\*pp=3 does not divide the world of 2 processes"),
+    case(
+        "tp3-on-2-processes",
+        ["train", "--nproc", "2", "--plan", "tp=3"],
+        r"tp\*pp=3 does not divide the world of 2 processes",
+    ),
     case("unknown-plan-key", ["train", "--nproc", "2", "--plan", "dpp=2"], r"unknown plan key 'dpp'"),
     case("config-is-a-directory", ["train", "--config", "conf"], r"config file 'conf' is a directory", mkdir("conf")),
-    case("config-unreadable", ["train", "--config", "secret.toml"], r"config file 'secret\.toml' cannot be read",
-         write("secret.toml", "[train]\nlr = 0.1\n", mode=0o000), unprivileged=True),
-    case("config-not-toml", ["train", "--config", "bad.toml"], r"config file 'bad\.toml' is not valid TOML", write("bad.toml", "[train\nlr = ")),
-    case("config-not-text", ["train", "--config", "bin.toml"], r"config file 'bin\.toml' is not valid TOML",
-         write("bin.toml", b"\xff\xfe\x00[train]")),
-    case("config-wrong-type", ["train", "--config", "c.toml"], r"'train\.lr' \(from c\.toml\): 'fast' is not a number",
-         write("c.toml", "[train]\nlr = 'fast'\n")),
+    case(
+        "config-unreadable",
+        ["train", "--config", "secret.toml"],
+        r"config file 'secret\.toml' cannot be read",
+        write("secret.toml", "[train]\nlr = 0.1\n", mode=0o000),
+        unprivileged=True,
+    ),
+    case(
+        "config-not-toml",
+        ["train", "--config", "bad.toml"],
+        r"config file 'bad\.toml' is not valid TOML",
+        write("bad.toml", "[train\nlr = "),
+    ),
+    case(
+        "config-not-text",
+        ["train", "--config", "bin.toml"],
+        r"config file 'bin\.toml' is not valid TOML",
+        write("bin.toml", b"\xff\xfe\x00[train]"),
+    ),
+    case(
+        "config-wrong-type",
+        ["train", "--config", "c.toml"],
+        r"'train\.lr' \(from c\.toml\): 'fast' is not a number",
+        write("c.toml", "[train]\nlr = 'fast'\n"),
+    ),
     # [data] options that only work together
-    case("streaming-without-model-hf", ["train", "--nproc", "1", "--data.streaming", "true"], r"data\.streaming and data\.format are for fine-tuning a Hugging Face"),
-    case("val-files-without-streaming", ["train", "--nproc", "1", "--model.hf", "m", "--data.files", "a.txt", "--data.val_files", "a.txt"],
-         r"data\.val_files is an option of a streamed dataset.*--data\.streaming true", write("a.txt", "text")),
-    case("streaming-without-max-steps", ["train", "--nproc", "1", "--model.hf", "m", "--data.files", "a.txt", "--data.streaming", "true",
-                                         "--max-steps", "0"], r"no length known before training.*--max-steps", write("a.txt", "text")),
+    case(
+        "streaming-without-model-hf",
+        ["train", "--nproc", "1", "--data.streaming", "true"],
+        r"data\.streaming and data\.format are for fine-tuning a Hugging Face",
+    ),
+    case(
+        "val-files-without-streaming",
+        ["train", "--nproc", "1", "--model.hf", "m", "--data.files", "a.txt", "--data.val_files", "a.txt"],
+        r"data\.val_files is an option of a streamed dataset.*--data\.streaming true",
+        write("a.txt", "text"),
+    ),
+    case(
+        "streaming-without-max-steps",
+        [
+            "train",
+            "--nproc",
+            "1",
+            "--model.hf",
+            "m",
+            "--data.files",
+            "a.txt",
+            "--data.streaming",
+            "true",
+            "--max-steps",
+            "0",
+        ],
+        r"no length known before training.*--max-steps",
+        write("a.txt", "text"),
+    ),
 ]
 
 # Instruction data for --model.hf (a chat model and one without a chat template are in the template
@@ -211,97 +266,281 @@ TRAIN_CASES = [
 GOOD_CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]})
 FT = ("train", "--nproc", "1", "--run.name=ft", "--model.seq_len=32")
 TRAIN_CASES_INSTRUCT = [
-    case("instruct-line-not-json", [*FT, "--model.hf", "chatmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
-         r"c\.jsonl:2 is not JSON", write("c.jsonl", GOOD_CHAT + "\n{oops\n")),
-    case("instruct-record-without-the-field", [*FT, "--model.hf", "chatmodel", "--data.format", "prompt_completion", "--data.files", "p.jsonl"],
-         r"p\.jsonl:1 has no field 'completion'.*--data\.completion_key", write("p.jsonl", '{"prompt": "a"}\n')),
-    case("chat-without-an-assistant-turn", [*FT, "--model.hf", "chatmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
-         r"c\.jsonl:2: the chat has no assistant turn", write("c.jsonl", GOOD_CHAT + '\n{"messages": [{"role": "user", "content": "x"}]}\n')),
-    case("tokenizer-without-a-chat-template", [*FT, "--model.hf", "plainmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
-         r"the tokenizer has no chat template", write("c.jsonl", GOOD_CHAT + "\n")),
-    case("every-prompt-fills-the-context", [*FT, "--model.hf", "chatmodel", "--data.format", "prompt_completion", "--data.files", "p.jsonl",
-                                            "--model.seq_len=8"], r"none of the 2 record\(s\) leaves a target to learn within the 8-token context",
-         write("p.jsonl", "".join(json.dumps({"prompt": "hello " * 20, "completion": "x"}) + "\n" for _ in range(2)))),
-    case("packing-text", [*FT, "--model.hf", "chatmodel", "--data.files", "a.txt", "--data.packing", "true"],
-         r"data\.packing is an option of prompt_completion and chat", write("a.txt", "text")),
-    case("packing-under-cp", [*FT[:2], "2", *FT[3:], "--plan", "cp=2", "--model.hf", "chatmodel", "--data.format", "chat",
-                              "--data.files", "c.jsonl", "--data.packing", "true"], r"context parallel's split attention cannot keep packed",
-         write("c.jsonl", GOOD_CHAT + "\n")),
-    case("instruct-format-without-model-hf", ["train", "--nproc", "1", "--data.format", "chat"], r"data\.format are for fine-tuning"),
-    case("chat-role-the-template-does-not-know", [*FT, "--model.hf", "chatmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
-         r"c\.jsonl:2: message 1 has role 'asistant', which the tokenizer's chat template does not know",
-         write("c.jsonl", GOOD_CHAT + "\n" + GOOD_CHAT.replace('"assistant"', '"asistant"') + "\n")),
+    case(
+        "instruct-line-not-json",
+        [*FT, "--model.hf", "chatmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
+        r"c\.jsonl:2 is not JSON",
+        write("c.jsonl", GOOD_CHAT + "\n{oops\n"),
+    ),
+    case(
+        "instruct-record-without-the-field",
+        [*FT, "--model.hf", "chatmodel", "--data.format", "prompt_completion", "--data.files", "p.jsonl"],
+        r"p\.jsonl:1 has no field 'completion'.*--data\.completion_key",
+        write("p.jsonl", '{"prompt": "a"}\n'),
+    ),
+    case(
+        "chat-without-an-assistant-turn",
+        [*FT, "--model.hf", "chatmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
+        r"c\.jsonl:2: the chat has no assistant turn",
+        write("c.jsonl", GOOD_CHAT + '\n{"messages": [{"role": "user", "content": "x"}]}\n'),
+    ),
+    case(
+        "tokenizer-without-a-chat-template",
+        [*FT, "--model.hf", "plainmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
+        r"the tokenizer has no chat template",
+        write("c.jsonl", GOOD_CHAT + "\n"),
+    ),
+    case(
+        "every-prompt-fills-the-context",
+        [
+            *FT,
+            "--model.hf",
+            "chatmodel",
+            "--data.format",
+            "prompt_completion",
+            "--data.files",
+            "p.jsonl",
+            "--model.seq_len=8",
+        ],
+        r"none of the 2 record\(s\) leaves a target to learn within the 8-token context",
+        write("p.jsonl", "".join(json.dumps({"prompt": "hello " * 20, "completion": "x"}) + "\n" for _ in range(2))),
+    ),
+    case(
+        "packing-text",
+        [*FT, "--model.hf", "chatmodel", "--data.files", "a.txt", "--data.packing", "true"],
+        r"data\.packing is an option of prompt_completion and chat",
+        write("a.txt", "text"),
+    ),
+    case(
+        "packing-under-cp",
+        [
+            *FT[:2],
+            "2",
+            *FT[3:],
+            "--plan",
+            "cp=2",
+            "--model.hf",
+            "chatmodel",
+            "--data.format",
+            "chat",
+            "--data.files",
+            "c.jsonl",
+            "--data.packing",
+            "true",
+        ],
+        r"context parallel's split attention cannot keep packed",
+        write("c.jsonl", GOOD_CHAT + "\n"),
+    ),
+    case(
+        "instruct-format-without-model-hf",
+        ["train", "--nproc", "1", "--data.format", "chat"],
+        r"data\.format are for fine-tuning",
+    ),
+    case(
+        "chat-role-the-template-does-not-know",
+        [*FT, "--model.hf", "chatmodel", "--data.format", "chat", "--data.files", "c.jsonl"],
+        r"c\.jsonl:2: message 1 has role 'asistant', which the tokenizer's chat template does not know",
+        write("c.jsonl", GOOD_CHAT + "\n" + GOOD_CHAT.replace('"assistant"', '"asistant"') + "\n"),
+    ),
     # the weights of --model.hf, checked from the files' headers before any process starts (also on a resume)
-    case("hf-weights-truncated", [*FT, "--model.hf", "cut", "--data.format", "chat", "--data.files", "c.jsonl"],
-         r"cut/model\.safetensors is truncated: it has \d+ bytes, its header describes \d+",
-         copy_dir("chatmodel", "cut"), truncate("cut/model.safetensors"), write("c.jsonl", GOOD_CHAT + "\n")),
-    case("hf-weights-truncated-on-resume", [*FT, "--resume", "auto", "--model.hf", "cut", "--data.format", "chat", "--data.files", "c.jsonl"],
-         r"cut/model\.safetensors is truncated", copy_dir("chatmodel", "cut"), truncate("cut/model.safetensors"), write("c.jsonl", GOOD_CHAT + "\n")),
-    case("hf-weights-shard-missing", [*FT, "--model.hf", "sharded", "--data.format", "chat", "--data.files", "c.jsonl"],
-         r"sharded/model-00002-of-00002\.safetensors is missing: model\.safetensors\.index\.json names it for 1 tensor",
-         copy_dir("chatmodel", "sharded"), shard_missing("sharded"), write("c.jsonl", GOOD_CHAT + "\n")),
-    case("hf-weights-shape-not-the-config", [*FT, "--model.hf", "wide", "--data.format", "chat", "--data.files", "c.jsonl"],
-         r"wide/model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \[\d+, \d+\], but the model that "
-         r"config\.json describes needs", copy_dir("chatmodel", "wide"), edit_json("wide/config.json", intermediate_size=512),
-         write("c.jsonl", GOOD_CHAT + "\n")),
-    case("qlora-under-tp", [*FT[:2], "2", *FT[3:], "--plan", "tp=2", "--model.hf", "chatmodel", "--data.format", "chat", "--data.files",
-                            "c.jsonl", "--lora.r", "4", "--lora.base", "nf4"], r"tp cannot split QLoRA's 4-bit NF4 base",
-         write("c.jsonl", GOOD_CHAT + "\n")),
+    case(
+        "hf-weights-truncated",
+        [*FT, "--model.hf", "cut", "--data.format", "chat", "--data.files", "c.jsonl"],
+        r"cut/model\.safetensors is truncated: it has \d+ bytes, its header describes \d+",
+        copy_dir("chatmodel", "cut"),
+        truncate("cut/model.safetensors"),
+        write("c.jsonl", GOOD_CHAT + "\n"),
+    ),
+    case(
+        "hf-weights-truncated-on-resume",
+        [*FT, "--resume", "auto", "--model.hf", "cut", "--data.format", "chat", "--data.files", "c.jsonl"],
+        r"cut/model\.safetensors is truncated",
+        copy_dir("chatmodel", "cut"),
+        truncate("cut/model.safetensors"),
+        write("c.jsonl", GOOD_CHAT + "\n"),
+    ),
+    case(
+        "hf-weights-shard-missing",
+        [*FT, "--model.hf", "sharded", "--data.format", "chat", "--data.files", "c.jsonl"],
+        r"sharded/model-00002-of-00002\.safetensors is missing: model\.safetensors\.index\.json names it for 1 tensor",
+        copy_dir("chatmodel", "sharded"),
+        shard_missing("sharded"),
+        write("c.jsonl", GOOD_CHAT + "\n"),
+    ),
+    case(
+        "hf-weights-shape-not-the-config",
+        [*FT, "--model.hf", "wide", "--data.format", "chat", "--data.files", "c.jsonl"],
+        r"wide/model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \[\d+, \d+\], but the model that "
+        r"config\.json describes needs",
+        copy_dir("chatmodel", "wide"),
+        edit_json("wide/config.json", intermediate_size=512),
+        write("c.jsonl", GOOD_CHAT + "\n"),
+    ),
+    case(
+        "qlora-under-tp",
+        [
+            *FT[:2],
+            "2",
+            *FT[3:],
+            "--plan",
+            "tp=2",
+            "--model.hf",
+            "chatmodel",
+            "--data.format",
+            "chat",
+            "--data.files",
+            "c.jsonl",
+            "--lora.r",
+            "4",
+            "--lora.base",
+            "nf4",
+        ],
+        r"tp cannot split QLoRA's 4-bit NF4 base",
+        write("c.jsonl", GOOD_CHAT + "\n"),
+    ),
     # a bad record after the 1000 the command checks: 2 workers meet it in their second step of 512
     # records each and stop; the launcher prints their one line (after rank 0's log line)
-    case("streamed-bad-json-late", [*FT[:2], "2", "--run.name=late", *FT[4:], "--model.hf", "chatmodel", "--data.format", "chat",
-                                    "--data.files", "c.jsonl", "--data.streaming", "true", "--max-steps", "2",
-                                    "--train.global_batch_size=1024"], r"c\.jsonl:1010 is not JSON .*\(raised on ranks 0, 1\)",
-         write("c.jsonl", "".join((GOOD_CHAT if i != 1009 else "{oops") + "\n" for i in range(1100))),
-         lines=3, creates="runs/late/", timeout_s=300),
+    case(
+        "streamed-bad-json-late",
+        [
+            *FT[:2],
+            "2",
+            "--run.name=late",
+            *FT[4:],
+            "--model.hf",
+            "chatmodel",
+            "--data.format",
+            "chat",
+            "--data.files",
+            "c.jsonl",
+            "--data.streaming",
+            "true",
+            "--max-steps",
+            "2",
+            "--train.global_batch_size=1024",
+        ],
+        r"c\.jsonl:1010 is not JSON .*\(raised on ranks 0, 1\)",
+        write("c.jsonl", "".join((GOOD_CHAT if i != 1009 else "{oops") + "\n" for i in range(1100))),
+        lines=3,
+        creates="runs/late/",
+        timeout_s=300,
+    ),
 ]
 
 # A refused resume or an unusable run directory: these used to truncate metrics.csv, rewrite
 # config.toml, start a tensorboard file and a progress bar, or print a traceback, before the error.
 TRAIN_CASES_RUN_DIR = [
-    case("resume-other-model-shape", ["train", "--nproc", "1", "--run.name=base", "--resume", "auto", *TINY, "--model.hidden=64"],
-         r"does not match this model"),
-    case("resume-replaced-shard", ["train", "--nproc", "1", "--run.name=base", "--resume", "auto", *TINY],
-         r"__0_0\.distcp .*it was not loaded", bomb(f"{STEP}/__0_0.distcp")),
-    case("runs-dir-not-writable", ["train", "--nproc", "1", "--run.runs_dir=ro", *TINY], r"(?i)\bro\b.*(writ|permission)",
-         mkdir("ro", 0o555), unprivileged=True),
-    case("runs-dir-is-a-file", ["train", "--nproc", "1", "--run.runs_dir=afile", *TINY], r"(?i)afile.*(directory|file)",
-         write("afile", "x")),
+    case(
+        "resume-other-model-shape",
+        ["train", "--nproc", "1", "--run.name=base", "--resume", "auto", *TINY, "--model.hidden=64"],
+        r"does not match this model",
+    ),
+    case(
+        "resume-replaced-shard",
+        ["train", "--nproc", "1", "--run.name=base", "--resume", "auto", *TINY],
+        r"__0_0\.distcp .*it was not loaded",
+        bomb(f"{STEP}/__0_0.distcp"),
+    ),
+    case(
+        "runs-dir-not-writable",
+        ["train", "--nproc", "1", "--run.runs_dir=ro", *TINY],
+        r"(?i)\bro\b.*(writ|permission)",
+        mkdir("ro", 0o555),
+        unprivileged=True,
+    ),
+    case(
+        "runs-dir-is-a-file",
+        ["train", "--nproc", "1", "--run.runs_dir=afile", *TINY],
+        r"(?i)afile.*(directory|file)",
+        write("afile", "x"),
+    ),
 ]
 
 # --hang-timeout is checked before anything else, with one process too (it used to be checked only
 # when launching workers, after the run directory was written).
 TRAIN_CASES_HANG_TIMEOUT = [
-    case("hang-timeout-negative", ["train", "--nproc", "2", "--run.name=h", "--hang-timeout", "-5"], r"--hang-timeout -5 is negative"),
-    case("hang-timeout-negative-one-process", ["train", "--nproc", "1", "--run.name=h", "--hang-timeout", "-5"], r"--hang-timeout -5 is negative"),
+    case(
+        "hang-timeout-negative",
+        ["train", "--nproc", "2", "--run.name=h", "--hang-timeout", "-5"],
+        r"--hang-timeout -5 is negative",
+    ),
+    case(
+        "hang-timeout-negative-one-process",
+        ["train", "--nproc", "1", "--run.name=h", "--hang-timeout", "-5"],
+        r"--hang-timeout -5 is negative",
+    ),
 ]
 
 # The [log] tracker: what would fail inside a worker after the processes started (an option the
 # tracker does not read, a package that cannot be imported, a store MLflow cannot open or write, a
 # server that does not answer, W&B online without a login) is refused before anything starts.
-NO_MLFLOW = write("shadow/mlflow/__init__.py", "raise ModuleNotFoundError(\"No module named 'mlflow'\", name='mlflow')\n")
+NO_MLFLOW = write(
+    "shadow/mlflow/__init__.py", "raise ModuleNotFoundError(\"No module named 'mlflow'\", name='mlflow')\n"
+)
 MLFLOW = ["train", "--nproc", "1", "--run.name=m", "--log.tracker", "mlflow"]
 FILE_STORE = {"MLFLOW_ALLOW_FILE_STORE": "true"}
 TRAIN_CASES_TRACKER = [
-    case("tracker-unknown", ["train", "--nproc", "1", "--log.tracker", "comet"], r"'log\.tracker'.*'comet' is not one of none, mlflow, wandb"),
-    case("tracker-option-without-tracker", ["train", "--nproc", "1", "--log.tracking_uri", "file:///tmp/mlruns"],
-         r"'log\.tracking_uri' is set, but log\.tracker is 'none'"),
-    case("tracker-option-of-the-other-tracker", ["train", "--nproc", "1", "--log.tracker", "wandb", "--log.tracking_uri", "mlruns"],
-         r"'log\.tracking_uri' is set, but log\.tracker is 'wandb'"),
+    case(
+        "tracker-unknown",
+        ["train", "--nproc", "1", "--log.tracker", "comet"],
+        r"'log\.tracker'.*'comet' is not one of none, mlflow, wandb",
+    ),
+    case(
+        "tracker-option-without-tracker",
+        ["train", "--nproc", "1", "--log.tracking_uri", "file:///tmp/mlruns"],
+        r"'log\.tracking_uri' is set, but log\.tracker is 'none'",
+    ),
+    case(
+        "tracker-option-of-the-other-tracker",
+        ["train", "--nproc", "1", "--log.tracker", "wandb", "--log.tracking_uri", "mlruns"],
+        r"'log\.tracking_uri' is set, but log\.tracker is 'wandb'",
+    ),
     case("tracker-experiment-empty", [*MLFLOW, "--log.experiment="], r"'log\.experiment' is empty"),
-    case("mlflow-not-installed", [*MLFLOW, "--log.tracking_uri", "mlruns"], r"log\.tracker 'mlflow' needs the mlflow package",
-         NO_MLFLOW, env={"PYTHONPATH": "shadow"}),
-    case("mlflow-uri-unknown-scheme", [*MLFLOW, "--log.tracking_uri", "bogus://x"], r"'bogus://x'.*MLflow has no tracking store for this scheme"),
+    case(
+        "mlflow-not-installed",
+        [*MLFLOW, "--log.tracking_uri", "mlruns"],
+        r"log\.tracker 'mlflow' needs the mlflow package",
+        NO_MLFLOW,
+        env={"PYTHONPATH": "shadow"},
+    ),
+    case(
+        "mlflow-uri-unknown-scheme",
+        [*MLFLOW, "--log.tracking_uri", "bogus://x"],
+        r"'bogus://x'.*MLflow has no tracking store for this scheme",
+    ),
     case("mlflow-uri-not-a-uri", [*MLFLOW, "--log.tracking_uri", "http://[::1"], r"'http://\[::1' is not a URI"),
-    case("mlflow-file-store-switched-off", [*MLFLOW, "--log.tracking_uri", "mlruns"], r"file store.*MLFLOW_ALLOW_FILE_STORE=true",
-         env={"MLFLOW_ALLOW_FILE_STORE": "false"}),
-    case("mlflow-file-store-not-writable", [*MLFLOW, "--log.tracking_uri", "ro/mlruns"], r"'ro/mlruns'.*is not writable",
-         mkdir("ro", 0o555), unprivileged=True, env=FILE_STORE),
-    case("mlflow-file-store-under-a-file", [*MLFLOW, "--log.tracking_uri", "file:afile/mlruns"], r"'afile' is a file, not a directory",
-         write("afile", "x"), env=FILE_STORE),
-    case("mlflow-server-not-answering", [*MLFLOW, "--log.tracking_uri", "http://127.0.0.1:9"], r"no tracking server answers at 127\.0\.0\.1:9"),
-    case("wandb-online-without-login", ["train", "--nproc", "1", "--log.tracker", "wandb", "--log.wandb_mode", "online"],
-         r"'wandb' in online mode needs a W&B login", env={"HOME": "{home}", "WANDB_API_KEY": ""}),
+    case(
+        "mlflow-file-store-switched-off",
+        [*MLFLOW, "--log.tracking_uri", "mlruns"],
+        r"file store.*MLFLOW_ALLOW_FILE_STORE=true",
+        env={"MLFLOW_ALLOW_FILE_STORE": "false"},
+    ),
+    case(
+        "mlflow-file-store-not-writable",
+        [*MLFLOW, "--log.tracking_uri", "ro/mlruns"],
+        r"'ro/mlruns'.*is not writable",
+        mkdir("ro", 0o555),
+        unprivileged=True,
+        env=FILE_STORE,
+    ),
+    case(
+        "mlflow-file-store-under-a-file",
+        [*MLFLOW, "--log.tracking_uri", "file:afile/mlruns"],
+        r"'afile' is a file, not a directory",
+        write("afile", "x"),
+        env=FILE_STORE,
+    ),
+    case(
+        "mlflow-server-not-answering",
+        [*MLFLOW, "--log.tracking_uri", "http://127.0.0.1:9"],
+        r"no tracking server answers at 127\.0\.0\.1:9",
+    ),
+    case(
+        "wandb-online-without-login",
+        ["train", "--nproc", "1", "--log.tracker", "wandb", "--log.wandb_mode", "online"],
+        r"'wandb' in online mode needs a W&B login",
+        env={"HOME": "{home}", "WANDB_API_KEY": ""},
+    ),
 ]
 
 RUN_CASES = [
@@ -310,18 +549,38 @@ RUN_CASES = [
     case("script-is-a-directory", ["run", "adir"], r"script 'adir' is a directory", mkdir("adir")),
     case("nproc-zero", ["run", "--nproc-per-node", "0", "ok.py"], r"--nproc-per-node 0 must be at least 1"),
     case("master-port-out-of-range", ["run", "--master-port", "70000", "ok.py"], r"--master-port 70000 is not a port"),
-    case("hang-timeout-nan", ["run", "--hang-timeout", "nan", "ok.py"], r"--hang-timeout nan is not a number of seconds"),
-    case("log-dir-is-a-file", ["run", "--log-dir", "afile", "ok.py"], r"--log-dir 'afile' is not a directory", write("afile", "x")),
+    case(
+        "hang-timeout-nan", ["run", "--hang-timeout", "nan", "ok.py"], r"--hang-timeout nan is not a number of seconds"
+    ),
+    case(
+        "log-dir-is-a-file",
+        ["run", "--log-dir", "afile", "ok.py"],
+        r"--log-dir 'afile' is not a directory",
+        write("afile", "x"),
+    ),
 ]
 
 SLURM_CASES = [
     case("time-word", ["slurm", "--time", "forever", "--", "t.py"], r"--time 'forever' is not a Slurm time"),
     case("time-seconds-over-59", ["slurm", "--time", "10:75", "--", "t.py"], r"--time '10:75' is not a Slurm time"),
     case("cpus-zero", ["slurm", "--cpus-per-task", "0", "--", "t.py"], r"--cpus-per-task 0 must be at least 1"),
-    case("job-name-with-newline", ["slurm", "--job-name", "a\nrm -rf ~", "--", "t.py"], r"--job-name .* contains whitespace"),
-    case("out-in-missing-directory", ["slurm", "--out", "nodir/job.sbatch", "--", "t.py"], r"--out nodir/job\.sbatch: directory .* does not exist"),
-    case("out-not-writable", ["slurm", "--out", "ro/job.sbatch", "--", "t.py"], r"--out ro/job\.sbatch: directory .* is not writable",
-         mkdir("ro", 0o555), unprivileged=True),
+    case(
+        "job-name-with-newline",
+        ["slurm", "--job-name", "a\nrm -rf ~", "--", "t.py"],
+        r"--job-name .* contains whitespace",
+    ),
+    case(
+        "out-in-missing-directory",
+        ["slurm", "--out", "nodir/job.sbatch", "--", "t.py"],
+        r"--out nodir/job\.sbatch: directory .* does not exist",
+    ),
+    case(
+        "out-not-writable",
+        ["slurm", "--out", "ro/job.sbatch", "--", "t.py"],
+        r"--out ro/job\.sbatch: directory .* is not writable",
+        mkdir("ro", 0o555),
+        unprivileged=True,
+    ),
 ]
 
 DOCTOR_CASES = [
@@ -336,23 +595,52 @@ DOCTOR_CASES = [
 
 VERIFY_CASES = [
     case("tp-does-not-divide-the-vocabulary", ["verify", "--plan", "tp=3"], r"tp=3 does not divide"),
-    case("global-batch-zero", ["verify", "--plan", "dp=2", "--global-batch", "0"], r"--global-batch 0 must be a positive integer"),
-    case("accumulation-zero", ["verify", "--plan", "dp=2", "--accumulation", "0"], r"--accumulation 0 must be a positive integer"),
+    case(
+        "global-batch-zero",
+        ["verify", "--plan", "dp=2", "--global-batch", "0"],
+        r"--global-batch 0 must be a positive integer",
+    ),
+    case(
+        "accumulation-zero",
+        ["verify", "--plan", "dp=2", "--accumulation", "0"],
+        r"--accumulation 0 must be a positive integer",
+    ),
     case("rtol-nan", ["verify", "--plan", "dp=2", "--rtol", "nan"], r"--rtol nan must be a non-negative number"),
     case("timeout-zero", ["verify", "--plan", "dp=2", "--timeout", "0"], r"--timeout 0 must be a positive number"),
-    case("script-is-a-directory", ["verify", "--plan", "dp=2", "--script", "adir"], r"--script 'adir' is a directory", mkdir("adir")),
-
+    case(
+        "script-is-a-directory",
+        ["verify", "--plan", "dp=2", "--script", "adir"],
+        r"--script 'adir' is a directory",
+        mkdir("adir"),
+    ),
 ]
 
 PLAN_CASES = [
     case("spec-not-json", ["plan", "--model-spec", '{"layers": 2,', "--devices", "4"], r"not JSON"),
-    case("spec-file-missing", ["plan", "--model-spec", "spec.json", "--devices", "4"],
-         r"--model-spec 'spec\.json' is neither a JSON object nor an existing file"),
-    case("spec-file-is-a-directory", ["plan", "--model-spec", "adir", "--devices", "4"], r"--model-spec 'adir' is a directory", mkdir("adir")),
-    case("spec-file-unreadable", ["plan", "--model-spec", "spec.json", "--devices", "4"], r"--model-spec 'spec\.json' cannot be read",
-         write("spec.json", json.dumps(SPEC), mode=0o000), unprivileged=True),
-    case("device-type-is-a-directory", ["plan", "--model", "gpt", "--devices", "4", "--device-type", "adir"],
-         r"--device-type 'adir' is a directory", mkdir("adir")),
+    case(
+        "spec-file-missing",
+        ["plan", "--model-spec", "spec.json", "--devices", "4"],
+        r"--model-spec 'spec\.json' is neither a JSON object nor an existing file",
+    ),
+    case(
+        "spec-file-is-a-directory",
+        ["plan", "--model-spec", "adir", "--devices", "4"],
+        r"--model-spec 'adir' is a directory",
+        mkdir("adir"),
+    ),
+    case(
+        "spec-file-unreadable",
+        ["plan", "--model-spec", "spec.json", "--devices", "4"],
+        r"--model-spec 'spec\.json' cannot be read",
+        write("spec.json", json.dumps(SPEC), mode=0o000),
+        unprivileged=True,
+    ),
+    case(
+        "device-type-is-a-directory",
+        ["plan", "--model", "gpt", "--devices", "4", "--device-type", "adir"],
+        r"--device-type 'adir' is a directory",
+        mkdir("adir"),
+    ),
 ]
 
 CALIBRATE_CASES = [
@@ -366,53 +654,150 @@ CALIBRATE_CASES = [
 INSPECT_CASES = [
     case("empty-directory", ["checkpoint", "inspect", "empty"], r"no checkpoints in empty", mkdir("empty")),
     case("run-directory-not-checkpoints", ["checkpoint", "inspect", RUN], r"no checkpoints in runs/base"),
-    case("step-that-does-not-exist", ["checkpoint", "inspect", CKPT, "--step", "99"], r"no step 99 in .*\(steps: 1, 2\)"),
-    case("step-not-complete", ["checkpoint", "inspect", CKPT, "--step", "2"], r"step 2 .* is not complete",
-         write(f"{STEP}/COMMITTED.json", "{not json")),
-    case("metadata-not-a-pickle", ["checkpoint", "inspect", CKPT], r"\.metadata is not a readable checkpoint index",
-         write(f"{STEP}/.metadata", b"garbage"), reseal(f"{STEP}/.metadata")),
-    case("metadata-pickle-bomb", ["checkpoint", "inspect", CKPT], r"refers to (posix|os)\.system", bomb(f"{STEP}/.metadata")),
+    case(
+        "step-that-does-not-exist", ["checkpoint", "inspect", CKPT, "--step", "99"], r"no step 99 in .*\(steps: 1, 2\)"
+    ),
+    case(
+        "step-not-complete",
+        ["checkpoint", "inspect", CKPT, "--step", "2"],
+        r"step 2 .* is not complete",
+        write(f"{STEP}/COMMITTED.json", "{not json"),
+    ),
+    case(
+        "metadata-not-a-pickle",
+        ["checkpoint", "inspect", CKPT],
+        r"\.metadata is not a readable checkpoint index",
+        write(f"{STEP}/.metadata", b"garbage"),
+        reseal(f"{STEP}/.metadata"),
+    ),
+    case(
+        "metadata-pickle-bomb",
+        ["checkpoint", "inspect", CKPT],
+        r"refers to (posix|os)\.system",
+        bomb(f"{STEP}/.metadata"),
+    ),
 ]
 
 CONSOLIDATE_CASES = [
-    case("step-other-than-the-directory", ["checkpoint", "consolidate", STEP, "m.safetensors", "--step", "1"], r"step 2, not --step 1"),
-    case("step-directory-truncated-shard", ["checkpoint", "consolidate", STEP, "m.safetensors"], r"__0_0\.distcp has \d+ bytes",
-         truncate(f"{STEP}/__0_0.distcp")),
-    case("root-step-truncated-shard", ["checkpoint", "consolidate", CKPT, "m.safetensors", "--step", "2"], r"__0_0\.distcp has \d+ bytes",
-         truncate(f"{STEP}/__0_0.distcp")),
-    case("marker-wrong-types", ["checkpoint", "consolidate", STEP, "m.safetensors"], r"no complete checkpoint",
-         edit_marker(STEP, files=["__0_0.distcp"])),
-    case("shard-pickle-bomb", ["checkpoint", "consolidate", STEP, "m.safetensors"], r"__0_0\.distcp .*it was not loaded",
-         bomb(f"{STEP}/__0_0.distcp")),
+    case(
+        "step-other-than-the-directory",
+        ["checkpoint", "consolidate", STEP, "m.safetensors", "--step", "1"],
+        r"step 2, not --step 1",
+    ),
+    case(
+        "step-directory-truncated-shard",
+        ["checkpoint", "consolidate", STEP, "m.safetensors"],
+        r"__0_0\.distcp has \d+ bytes",
+        truncate(f"{STEP}/__0_0.distcp"),
+    ),
+    case(
+        "root-step-truncated-shard",
+        ["checkpoint", "consolidate", CKPT, "m.safetensors", "--step", "2"],
+        r"__0_0\.distcp has \d+ bytes",
+        truncate(f"{STEP}/__0_0.distcp"),
+    ),
+    case(
+        "marker-wrong-types",
+        ["checkpoint", "consolidate", STEP, "m.safetensors"],
+        r"no complete checkpoint",
+        edit_marker(STEP, files=["__0_0.distcp"]),
+    ),
+    case(
+        "shard-pickle-bomb",
+        ["checkpoint", "consolidate", STEP, "m.safetensors"],
+        r"__0_0\.distcp .*it was not loaded",
+        bomb(f"{STEP}/__0_0.distcp"),
+    ),
     case("no-model-tensors", ["checkpoint", "consolidate", "counters", "m.safetensors"], r"holds no model tensors"),
-    case("output-in-missing-directory", ["checkpoint", "consolidate", CKPT, "nodir/m.safetensors"],
-         r"output nodir/m\.safetensors: directory .* does not exist"),
-    case("output-not-writable", ["checkpoint", "consolidate", CKPT, "ro/m.safetensors"], r"output ro/m\.safetensors: directory .* is not writable",
-         mkdir("ro", 0o555), unprivileged=True),
-    case("output-is-a-directory", ["checkpoint", "consolidate", CKPT, "adir"], r"output adir is a directory", mkdir("adir")),
-    case("output-is-a-shard", ["checkpoint", "consolidate", CKPT, f"{STEP}/__0_0.distcp"], r"lies inside the checkpoint"),
-    case("output-inside-the-step", ["checkpoint", "consolidate", STEP, f"{STEP}/m.safetensors"], r"lies inside the checkpoint"),
-    case("output-is-the-latest-pointer", ["checkpoint", "consolidate", CKPT, f"{CKPT}/latest"], r"lies inside the checkpoint"),
+    case(
+        "output-in-missing-directory",
+        ["checkpoint", "consolidate", CKPT, "nodir/m.safetensors"],
+        r"output nodir/m\.safetensors: directory .* does not exist",
+    ),
+    case(
+        "output-not-writable",
+        ["checkpoint", "consolidate", CKPT, "ro/m.safetensors"],
+        r"output ro/m\.safetensors: directory .* is not writable",
+        mkdir("ro", 0o555),
+        unprivileged=True,
+    ),
+    case(
+        "output-is-a-directory",
+        ["checkpoint", "consolidate", CKPT, "adir"],
+        r"output adir is a directory",
+        mkdir("adir"),
+    ),
+    case(
+        "output-is-a-shard", ["checkpoint", "consolidate", CKPT, f"{STEP}/__0_0.distcp"], r"lies inside the checkpoint"
+    ),
+    case(
+        "output-inside-the-step",
+        ["checkpoint", "consolidate", STEP, f"{STEP}/m.safetensors"],
+        r"lies inside the checkpoint",
+    ),
+    case(
+        "output-is-the-latest-pointer",
+        ["checkpoint", "consolidate", CKPT, f"{CKPT}/latest"],
+        r"lies inside the checkpoint",
+    ),
 ]
 
 # The template's run is the built-in GPT job (2 heads, context 16), whose checkpoints keep its
 # shape and characters in gpt/model.json; "counters" is a checkpoint that keeps no model config.
 GPT_FILE = f"{CKPT}/gpt/model.json"
 GENERATE_CASES = [
-    case("checkpoint-without-model-config", ["generate", "--checkpoint", "counters", "--prompt", "x"],
-         r"checkpoint counters keeps no model config"),
-    case("model-file-not-json", ["generate", "--checkpoint", CKPT, "--prompt", "x"], r"model\.json is not a shardwise GPT model file \(not JSON\)",
-         write(GPT_FILE, "{not json")),
-    case("model-file-without-vocabulary", ["generate", "--checkpoint", CKPT, "--prompt", "x"], r"needs a \"shape\" object and a \"vocab\" string",
-         write(GPT_FILE, json.dumps({"format": "shardwise-gpt", "version": 1, "shape": {"layers": 1}}))),
-    case("tp-does-not-divide-the-heads", ["generate", "--checkpoint", CKPT, "--prompt", "x", "--plan", "tp=3"], r"tp=3 does not divide .*heads=2"),
-    case("pipeline-plan", ["generate", "--checkpoint", CKPT, "--prompt", "x", "--plan", "pp=2"], r"does not run under pipeline parallelism"),
-    case("sequence-parallel-plan", ["generate", "--checkpoint", CKPT, "--prompt", "x", "--plan", "tp=2,sp"], r"does not run under sequence parallelism"),
-    case("run-directory-not-checkpoints", ["generate", "--checkpoint", RUN, "--prompt", "x"], r"runs/base is a run directory.*runs/base/checkpoints"),
-    case("prompt-outside-the-vocabulary", ["generate", "--checkpoint", CKPT, "--prompt", "x\u00e9"], r"vocabulary lacks: '\u00e9'"),
-    case("prompt-id-outside-the-vocabulary", ["generate", "--checkpoint", CKPT, "--prompt-ids", "1,500"], r"prompt id 500 is outside"),
-    case("longer-than-the-context", ["generate", "--checkpoint", CKPT, "--prompt", "def ", "--max-new-tokens", "20"],
-         r"needs 23 positions; the model's context is 16"),
+    case(
+        "checkpoint-without-model-config",
+        ["generate", "--checkpoint", "counters", "--prompt", "x"],
+        r"checkpoint counters keeps no model config",
+    ),
+    case(
+        "model-file-not-json",
+        ["generate", "--checkpoint", CKPT, "--prompt", "x"],
+        r"model\.json is not a shardwise GPT model file \(not JSON\)",
+        write(GPT_FILE, "{not json"),
+    ),
+    case(
+        "model-file-without-vocabulary",
+        ["generate", "--checkpoint", CKPT, "--prompt", "x"],
+        r"needs a \"shape\" object and a \"vocab\" string",
+        write(GPT_FILE, json.dumps({"format": "shardwise-gpt", "version": 1, "shape": {"layers": 1}})),
+    ),
+    case(
+        "tp-does-not-divide-the-heads",
+        ["generate", "--checkpoint", CKPT, "--prompt", "x", "--plan", "tp=3"],
+        r"tp=3 does not divide .*heads=2",
+    ),
+    case(
+        "pipeline-plan",
+        ["generate", "--checkpoint", CKPT, "--prompt", "x", "--plan", "pp=2"],
+        r"does not run under pipeline parallelism",
+    ),
+    case(
+        "sequence-parallel-plan",
+        ["generate", "--checkpoint", CKPT, "--prompt", "x", "--plan", "tp=2,sp"],
+        r"does not run under sequence parallelism",
+    ),
+    case(
+        "run-directory-not-checkpoints",
+        ["generate", "--checkpoint", RUN, "--prompt", "x"],
+        r"runs/base is a run directory.*runs/base/checkpoints",
+    ),
+    case(
+        "prompt-outside-the-vocabulary",
+        ["generate", "--checkpoint", CKPT, "--prompt", "x\u00e9"],
+        r"vocabulary lacks: '\u00e9'",
+    ),
+    case(
+        "prompt-id-outside-the-vocabulary",
+        ["generate", "--checkpoint", CKPT, "--prompt-ids", "1,500"],
+        r"prompt id 500 is outside",
+    ),
+    case(
+        "longer-than-the-context",
+        ["generate", "--checkpoint", CKPT, "--prompt", "def ", "--max-new-tokens", "20"],
+        r"needs 23 positions; the model's context is 16",
+    ),
 ]
 
 # Hugging Face models (the template's chat model and a LoRA run on it, runs/lora, whose checkpoint
@@ -421,32 +806,74 @@ GENERATE_CASES = [
 # before any process starts.
 LORA_CKPT = "runs/lora/checkpoints"
 GENERATE_CASES_HF = [
-    case("hf-directory-truncated", ["generate", "--checkpoint", "cut", "--prompt", "hi"], r"cut/model\.safetensors is truncated",
-         copy_dir("chatmodel", "cut"), truncate("cut/model.safetensors")),
-    case("hf-directory-shape-not-the-config", ["generate", "--checkpoint", "wide", "--prompt", "hi"],
-         r"wide/model\.safetensors: tensor '.*' has shape", copy_dir("chatmodel", "wide"), edit_json("wide/config.json", intermediate_size=512)),
-    case("lora-run-tp-does-not-divide", ["generate", "--checkpoint", LORA_CKPT, "--prompt", "hi", "--plan", "tp=3"], r"tp=3 does not divide"),
+    case(
+        "hf-directory-truncated",
+        ["generate", "--checkpoint", "cut", "--prompt", "hi"],
+        r"cut/model\.safetensors is truncated",
+        copy_dir("chatmodel", "cut"),
+        truncate("cut/model.safetensors"),
+    ),
+    case(
+        "hf-directory-shape-not-the-config",
+        ["generate", "--checkpoint", "wide", "--prompt", "hi"],
+        r"wide/model\.safetensors: tensor '.*' has shape",
+        copy_dir("chatmodel", "wide"),
+        edit_json("wide/config.json", intermediate_size=512),
+    ),
+    case(
+        "lora-run-tp-does-not-divide",
+        ["generate", "--checkpoint", LORA_CKPT, "--prompt", "hi", "--plan", "tp=3"],
+        r"tp=3 does not divide",
+    ),
 ]
 EXPORT_CASES = [
-    case("merge-onto-a-truncated-base", ["checkpoint", "export", "--format", "hf", "--merge", LORA_CKPT, "out", "--model", "chatmodel"],
-         r"chatmodel/model\.safetensors is truncated", truncate("chatmodel/model.safetensors")),
-    case("merge-onto-a-base-missing-a-shard", ["checkpoint", "export", "--format", "hf", "--merge", LORA_CKPT, "out", "--model", "chatmodel"],
-         r"model-00002-of-00002\.safetensors is missing", shard_missing("chatmodel")),
+    case(
+        "merge-onto-a-truncated-base",
+        ["checkpoint", "export", "--format", "hf", "--merge", LORA_CKPT, "out", "--model", "chatmodel"],
+        r"chatmodel/model\.safetensors is truncated",
+        truncate("chatmodel/model.safetensors"),
+    ),
+    case(
+        "merge-onto-a-base-missing-a-shard",
+        ["checkpoint", "export", "--format", "hf", "--merge", LORA_CKPT, "out", "--model", "chatmodel"],
+        r"model-00002-of-00002\.safetensors is missing",
+        shard_missing("chatmodel"),
+    ),
 ]
 
 HF = bool(importlib.util.find_spec("transformers") and importlib.util.find_spec("peft"))
 # what the Hugging Face cases import, once in the process the cases are forked from (seconds each otherwise)
 HF_PRELOAD = ("transformers.models.auto.modeling_auto", "transformers.models.llama.modeling_llama", "peft")
 TABLES = {
-    "train": TRAIN_CASES + TRAIN_CASES_RUN_DIR + TRAIN_CASES_HANG_TIMEOUT + TRAIN_CASES_TRACKER
-    + (TRAIN_CASES_INSTRUCT if importlib.util.find_spec("transformers") else []), "run": RUN_CASES, "slurm": SLURM_CASES,
-    "doctor": DOCTOR_CASES, "verify": VERIFY_CASES, "plan": PLAN_CASES, "calibrate": CALIBRATE_CASES, "inspect": INSPECT_CASES,
-    "consolidate": CONSOLIDATE_CASES, "generate": GENERATE_CASES + (GENERATE_CASES_HF if HF else []), **({"export": EXPORT_CASES} if HF else {}),
+    "train": TRAIN_CASES
+    + TRAIN_CASES_RUN_DIR
+    + TRAIN_CASES_HANG_TIMEOUT
+    + TRAIN_CASES_TRACKER
+    + (TRAIN_CASES_INSTRUCT if importlib.util.find_spec("transformers") else []),
+    "run": RUN_CASES,
+    "slurm": SLURM_CASES,
+    "doctor": DOCTOR_CASES,
+    "verify": VERIFY_CASES,
+    "plan": PLAN_CASES,
+    "calibrate": CALIBRATE_CASES,
+    "inspect": INSPECT_CASES,
+    "consolidate": CONSOLIDATE_CASES,
+    "generate": GENERATE_CASES + (GENERATE_CASES_HF if HF else []),
+    **({"export": EXPORT_CASES} if HF else {}),
 }
 ALL = [(command, c) for command, cases in TABLES.items() for c in cases]
 # the first case of each table runs in a fresh interpreter (the module doc)
-FIRST_OF_TABLE = {cases[0] for cases in (TRAIN_CASES, TRAIN_CASES_INSTRUCT, TRAIN_CASES_RUN_DIR, TRAIN_CASES_HANG_TIMEOUT,
-                                         TRAIN_CASES_TRACKER, *list(TABLES.values())[1:])}
+FIRST_OF_TABLE = {
+    cases[0]
+    for cases in (
+        TRAIN_CASES,
+        TRAIN_CASES_INSTRUCT,
+        TRAIN_CASES_RUN_DIR,
+        TRAIN_CASES_HANG_TIMEOUT,
+        TRAIN_CASES_TRACKER,
+        *list(TABLES.values())[1:],
+    )
+}
 
 
 # -- the harness -------------------------------------------------------------------------------------
@@ -475,16 +902,29 @@ def snapshot(root: Path) -> dict[str, str]:
 
 
 def _diff(before: dict[str, str], after: dict[str, str]) -> list[str]:
-    return ([f"created {p}" for p in sorted(after.keys() - before.keys())] + [f"deleted {p}" for p in sorted(before.keys() - after.keys())]
-            + [f"modified {p}" for p in sorted(before.keys() & after.keys()) if before[p] != after[p]])
+    return (
+        [f"created {p}" for p in sorted(after.keys() - before.keys())]
+        + [f"deleted {p}" for p in sorted(before.keys() - after.keys())]
+        + [f"modified {p}" for p in sorted(before.keys() & after.keys()) if before[p] != after[p]]
+    )
 
 
 def _environment(root: Path) -> dict[str, str]:
     """Ours, without a launcher's variables (inside Slurm or mpirun `run` would behave differently)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_", "SHARDWISE_FAULT"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "TORCHELASTIC_", "SHARDWISE_FAULT"))
+    }
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTHONWARNINGS"):
         env.pop(key, None)
-    return {**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1", "MPLCONFIGDIR": str(root / ".mpl")}
+    return {
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "MPLCONFIGDIR": str(root / ".mpl"),
+    }
 
 
 def _without_permission_override() -> None:
@@ -500,8 +940,16 @@ def shardwise(args: tuple[str, ...], cwd: Path, *, env: dict[str, str], unprivil
               timeout_s: float = TIMEOUT_S) -> tuple[int | None, str, str]:
     """``python -m shardwise ARGS`` in ``cwd``; the whole process group is killed at the timeout."""
     as_root = unprivileged and os.geteuid() == 0
-    proc = subprocess.Popen([sys.executable, "-m", "shardwise", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True, preexec_fn=_without_permission_override if as_root else None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardwise", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_without_permission_override if as_root else None,
+    )
     try:
         out, err = proc.communicate(timeout=timeout_s)
         return proc.returncode, out, err
@@ -533,7 +981,9 @@ def prepare_case(c: Case, template: Path, scratch: Path) -> Prepared:
 def run_case(p: Prepared) -> Outcome:
     """``python -m shardwise`` in a fresh interpreter."""
     env = {**_environment(p.home), **{key: value.format(home=p.home) for key, value in p.case.env}}
-    returncode, out, err = shardwise(p.case.args, p.root, env=env, unprivileged=p.case.unprivileged, timeout_s=p.case.timeout_s)
+    returncode, out, err = shardwise(
+        p.case.args, p.root, env=env, unprivileged=p.case.unprivileged, timeout_s=p.case.timeout_s
+    )
     return Outcome(returncode, out, err, _diff(p.before, snapshot(p.root)))
 
 
@@ -550,13 +1000,27 @@ def run_forked(prepared: list[Prepared], scratch: Path) -> dict[Case, Outcome]:
     """The cases forked from one process that imported torch and shardwise (tests/forkrun.py)."""
     if not prepared:
         return {}
-    jobs = [{"id": str(i), "kind": "shardwise", "argv": list(p.case.args), "cwd": str(p.root), "timeout_s": p.case.timeout_s,
-             "env": {"MPLCONFIGDIR": str(p.home / ".mpl"), **{k: v.format(home=p.home) for k, v in p.case.env}}, "stdout": str(p.home / "stdout"), "stderr": str(p.home / "stderr")}
-            for i, p in enumerate(prepared)]
+    jobs = [
+        {
+            "id": str(i),
+            "kind": "shardwise",
+            "argv": list(p.case.args),
+            "cwd": str(p.root),
+            "timeout_s": p.case.timeout_s,
+            "env": {"MPLCONFIGDIR": str(p.home / ".mpl"), **{k: v.format(home=p.home) for k, v in p.case.env}},
+            "stdout": str(p.home / "stdout"),
+            "stderr": str(p.home / "stderr"),
+        }
+        for i, p in enumerate(prepared)
+    ]
     server_env: dict[str, str | None] = {k: None for k in os.environ}
     server_env.update(_environment(scratch))
-    results = run_phases([jobs], env=server_env, preload=("shardwise.checkpoint", "shardwise.generate.decode", *(HF_PRELOAD if HF else ())),
-                         timeout_s=sum(p.case.timeout_s for p in prepared) + 4 * TIMEOUT_S)
+    results = run_phases(
+        [jobs],
+        env=server_env,
+        preload=("shardwise.checkpoint", "shardwise.generate.decode", *(HF_PRELOAD if HF else ())),
+        timeout_s=sum(p.case.timeout_s for p in prepared) + 4 * TIMEOUT_S,
+    )
     outcomes = {}
     for i, p in enumerate(prepared):
         rc = results[str(i)]["rc"]
@@ -578,24 +1042,49 @@ class _Counter:
 def _make_template(root: Path) -> None:
     """The files every case starts from: a real one-process run with two checkpoints, a checkpoint
     without a model, and a trivial script."""
-    code, out, err = shardwise(("train", "--nproc", "1", "--run.name=base", "--max-steps", "2", *TINY, "--checkpoint.every_n_steps=1"),
-                               root, env=_environment(root))
+    code, out, err = shardwise(
+        ("train", "--nproc", "1", "--run.name=base", "--max-steps", "2", *TINY, "--checkpoint.every_n_steps=1"),
+        root,
+        env=_environment(root),
+    )
     assert code == 0, out + err
     assert sorted(p.name for p in (root / CKPT).glob("step_*")) == ["step_00000001", "step_00000002"]
     from shardwise.checkpoint import CheckpointManager
 
     assert CheckpointManager(str(root / "counters")).save({"counter": _Counter()}, step=1)
     (root / "ok.py").write_text("pass\n")
-    if importlib.util.find_spec("transformers"):  # a model with a chat template and one without (the instruction-data cases)
+    if importlib.util.find_spec(
+        "transformers"
+    ):  # a model with a chat template and one without (the instruction-data cases)
         from shardwise.models import hf
 
         for name, chat in (("chatmodel", True), ("plainmodel", False)):
             hf.save_tiny(str(root / name), texts=["hello there, " * 20], vocab=140, seq=32, chat=chat)
     if HF:  # a LoRA run on the chat model (the generate and export cases)
         (root / "lora.jsonl").write_text("".join(GOOD_CHAT + "\n" for _ in range(8)))
-        code, out, err = shardwise(("train", "--nproc", "1", "--run.name=lora", "--max-steps", "1", "--model.hf", "chatmodel", "--model.seq_len=32",
-                                    "--data.format", "chat", "--data.files", "lora.jsonl", "--lora.r", "4", "--train.global_batch_size=4",
-                                    "--checkpoint.every_n_steps=1"), root, env=_environment(root))
+        code, out, err = shardwise(
+            (
+                "train",
+                "--nproc",
+                "1",
+                "--run.name=lora",
+                "--max-steps",
+                "1",
+                "--model.hf",
+                "chatmodel",
+                "--model.seq_len=32",
+                "--data.format",
+                "chat",
+                "--data.files",
+                "lora.jsonl",
+                "--lora.r",
+                "4",
+                "--train.global_batch_size=4",
+                "--checkpoint.every_n_steps=1",
+            ),
+            root,
+            env=_environment(root),
+        )
         assert code == 0, out + err
     shutil.rmtree(root / ".mpl", ignore_errors=True)
 

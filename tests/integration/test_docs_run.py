@@ -54,12 +54,43 @@ from tests.integration.docs_plan import Planned, jobs_of, plan_commands, resolut
 from tests.integration.docs_shrink import (  # noqa: F401 - the names this module has always offered
     INSTRUCT_SEQ, NPROC_CAP, SERVE_S, SERVERS, TINY_GPT, TINY_HF, shrunk, skip_reason)
 
-GPT_RUN = ["train", "--nproc", "1", "--run.name", "gpt-stdlib-x", "--checkpoint.every_n_steps", "1", *[x for kv in TINY_GPT.items() for x in kv]]
+GPT_RUN = [
+    "train",
+    "--nproc",
+    "1",
+    "--run.name",
+    "gpt-stdlib-x",
+    "--checkpoint.every_n_steps",
+    "1",
+    *[x for kv in TINY_GPT.items() for x in kv],
+]
 HF_RUN = ["train", "--nproc", "1", "--model.hf", "my-hf-model", "--data.files", "corpus/**/*.txt", "--run.name", "hf-x",
           "--checkpoint.every_n_steps", "1", *[x for kv in TINY_HF.items() for x in kv]]
-LORA_RUN = ["train", "--nproc", "1", "--model.hf", "my-hf-model", "--data.files", "sft/*.jsonl", "--data.format", "chat", "--lora.r", "4",
-            "--run.name", "lora-x", "--checkpoint.every_n_steps", "1", *[x for kv in {**TINY_HF, "--model.seq_len": INSTRUCT_SEQ}.items() for x in kv]]
-ENV = {"OMP_NUM_THREADS": "1", "SHARDWISE_CLUSTER": "cpu", "WANDB_SILENT": "true", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+LORA_RUN = [
+    "train",
+    "--nproc",
+    "1",
+    "--model.hf",
+    "my-hf-model",
+    "--data.files",
+    "sft/*.jsonl",
+    "--data.format",
+    "chat",
+    "--lora.r",
+    "4",
+    "--run.name",
+    "lora-x",
+    "--checkpoint.every_n_steps",
+    "1",
+    *[x for kv in {**TINY_HF, "--model.seq_len": INSTRUCT_SEQ}.items() for x in kv],
+]
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "SHARDWISE_CLUSTER": "cpu",
+    "WANDB_SILENT": "true",
+    "WANDB_MODE": "offline",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 @dataclass
@@ -100,15 +131,37 @@ def _make_fixtures(root: Path, zygote: Zygote) -> None:
         fx.mkdir()
         fixtures(fx)
         jobs = [
-            [{"id": "hf-model", "kind": "call", "argv": ["tests.integration.docs_fixtures", "make_hf_model", str(fx / HF_NAMES[0])],
-              "cwd": str(fx), "stdout": str(root / "hf-model.out"), "stderr": str(root / "hf-model.err"), "timeout_s": 120}],
-            [{"id": name, "kind": "shardwise", "argv": argv, "cwd": str(fx), "env": ENV, "stdout": str(root / f"{name}.out"),
-              "stderr": str(root / f"{name}.err"), "timeout_s": 180} for name, argv in (("gpt-run", GPT_RUN), ("hf-run", HF_RUN), ("lora-run", LORA_RUN))],
+            [
+                {
+                    "id": "hf-model",
+                    "kind": "call",
+                    "argv": ["tests.integration.docs_fixtures", "make_hf_model", str(fx / HF_NAMES[0])],
+                    "cwd": str(fx),
+                    "stdout": str(root / "hf-model.out"),
+                    "stderr": str(root / "hf-model.err"),
+                    "timeout_s": 120,
+                }
+            ],
+            [
+                {
+                    "id": name,
+                    "kind": "shardwise",
+                    "argv": argv,
+                    "cwd": str(fx),
+                    "env": ENV,
+                    "stdout": str(root / f"{name}.out"),
+                    "stderr": str(root / f"{name}.err"),
+                    "timeout_s": 180,
+                }
+                for name, argv in (("gpt-run", GPT_RUN), ("hf-run", HF_RUN), ("lora-run", LORA_RUN))
+            ],
         ]
         results = zygote.run(jobs, parallel=os.cpu_count() or 1)
         for name in ("hf-model", "gpt-run", "hf-run", "lora-run"):
             if results[name]["rc"] != 0:
-                failed.write_text(f"fixture {name} failed:\n" + _tail(root / f"{name}.out") + _tail(root / f"{name}.err"))
+                failed.write_text(
+                    f"fixture {name} failed:\n" + _tail(root / f"{name}.out") + _tail(root / f"{name}.err")
+                )
                 pytest.fail(failed.read_text())
         (root / "fixtures.ok").write_text("")
 
@@ -145,8 +198,11 @@ def _param(index: int) -> Any:
 # Over 30 s: a 4-process verify takes about 20 s on two cores; the first command on each worker
 # also starts its zygote (about 10 s) and the first of all makes the fixtures (about 20 s).
 @pytest.mark.slow
-@pytest.mark.slow_allowed(seconds=150, why="the first documented command on each worker starts its zygote (about 10 s) and the "
-                          "first of all makes the fixture runs (about 20 s); a 4-process verify takes about 20 s on two cores")
+@pytest.mark.slow_allowed(
+    seconds=150,
+    why="the first documented command on each worker starts its zygote (about 10 s) and the "
+    "first of all makes the fixture runs (about 20 s); a 4-process verify takes about 20 s on two cores",
+)
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("index", [_param(i) for i in range(len(PLANNED_IDS))])
 def test_the_documented_command_runs(index: int, request: pytest.FixtureRequest, record_property: Any,
@@ -158,7 +214,9 @@ def test_the_documented_command_runs(index: int, request: pytest.FixtureRequest,
         pytest.skip(f"{where} {p.skipped}")
     if p.same_as is not None:
         _check_resolved(p, _PLAN[p.same_as], tmp_path, monkeypatch)
-        record_property("docs_command", f"resolved {where}: the code path of `{_PLAN[p.same_as].cmd.text}` ({p.why_same})")
+        record_property(
+            "docs_command", f"resolved {where}: the code path of `{_PLAN[p.same_as].cmd.text}` ({p.why_same})"
+        )
         return
     docs_run: DocsRun = request.getfixturevalue("docs_run")  # only a command that runs needs the runs and the zygote
     p = docs_run.planned[index]
@@ -177,14 +235,21 @@ def _check_resolved(p: Planned, first: Planned, cwd: Path, monkeypatch: pytest.M
     fixtures(cwd)
     monkeypatch.chdir(cwd)
     shown = f"{', '.join(p.cmd.where)}: `{p.cmd.text}`"
-    parts = [[p.cmd, *[Command(t, p.cmd.where) for t in p.cmd.then]], [first.cmd, *[Command(t, first.cmd.where) for t in first.cmd.then]]]
-    mine, theirs = ([shrunk(c, cwd) if c.program == "shardwise" else c.words[1:] for c in cs if not skip_reason(c)] for cs in parts)
+    parts = [
+        [p.cmd, *[Command(t, p.cmd.where) for t in p.cmd.then]],
+        [first.cmd, *[Command(t, first.cmd.where) for t in first.cmd.then]],
+    ]
+    mine, theirs = (
+        [shrunk(c, cwd) if c.program == "shardwise" else c.words[1:] for c in cs if not skip_reason(c)] for cs in parts
+    )
     assert len(mine) == len(theirs), f"{shown}: {len(mine)} parts, `{first.cmd.text}` {len(theirs)}"
     for j, (a, b) in enumerate(zip(mine, theirs)):
         if parts[0][0].program != "shardwise" or j > 0:
             assert a == b, f"{shown}: part {j} `{shlex.join(a)}` is not the run's `{shlex.join(b)}`"
             continue
-        assert resolution(a) == resolution(b), f"{shown} resolves differently from `{first.cmd.text}`, whose run stands for it ({p.why_same})"
+        assert resolution(a) == resolution(b), (
+            f"{shown} resolves differently from `{first.cmd.text}`, whose run stands for it ({p.why_same})"
+        )
 
 
 def _check_part(p: Planned, j: int, argv: list[str], got: dict[str, Any]) -> None:
@@ -193,14 +258,25 @@ def _check_part(p: Planned, j: int, argv: list[str], got: dict[str, Any]) -> Non
     shown = f"{', '.join(p.cmd.where)}: `{p.cmd.text}` ran as `{shlex.join(argv)}`"
     if p.cmd.error and j == 0:
         assert got["rc"] not in (0, "timeout"), f"{shown} exited {got['rc']}; the page shows it refused"
-        assert p.cmd.error.strip() in _tail(err, 100000), f"{shown} did not print the page's line {p.cmd.error!r}:\n{_tail(err)}"
+        assert p.cmd.error.strip() in _tail(err, 100000), (
+            f"{shown} did not print the page's line {p.cmd.error!r}:\n{_tail(err)}"
+        )
         return
-    if j == 0 and p.cmd.program == "shardwise" and p.cmd.subcommand in SERVERS and not ({"--help", "-h"} & set(p.cmd.words)):
+    if (
+        j == 0
+        and p.cmd.program == "shardwise"
+        and p.cmd.subcommand in SERVERS
+        and not ({"--help", "-h"} & set(p.cmd.words))
+    ):
         assert got["rc"] == "timeout", f"{shown} exited {got['rc']} before it was stopped:\n{_tail(out)}\n{_tail(err)}"
-        assert SERVERS[p.cmd.subcommand] in _tail(out) + _tail(err), f"{shown} did not say it serves:\n{_tail(out)}\n{_tail(err)}"
+        assert SERVERS[p.cmd.subcommand] in _tail(out) + _tail(err), (
+            f"{shown} did not say it serves:\n{_tail(out)}\n{_tail(err)}"
+        )
         return
     assert got["rc"] == 0, f"{shown} exited {got['rc']} after {got['seconds']:.0f} s:\n{_tail(out)}\n{_tail(err)}"
     if argv[:1] == ["train"] and not {"--print-config", "--help"} & set(argv):  # its output is a file: lines, no bar
         log = _tail(out, 10**7) + _tail(err, 10**7)
         assert "\r" not in log, f"{shown}: a carriage return in its log:\n{log[-2000:]}"
-        assert re.search(r"^train \d\d:\d\d:\d\d step 2/2 \(100%\)  loss \d", log, flags=re.M), f"{shown}: no progress line:\n{log[-2000:]}"
+        assert re.search(r"^train \d\d:\d\d:\d\d step 2/2 \(100%\)  loss \d", log, flags=re.M), (
+            f"{shown}: no progress line:\n{log[-2000:]}"
+        )

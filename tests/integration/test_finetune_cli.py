@@ -37,18 +37,27 @@ from shardwise.models import hf  # noqa: E402
 from tests.forkrun import Zygote, ZygoteDir, shardwise_command  # noqa: E402
 
 SEQ = 128
-GEN_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
-                "{{ m['content'] }}{{ eos_token }}\n{% endgeneration %}{% else %}{{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}")
+GEN_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}{{ eos_token }}\n{% endgeneration %}{% else %}{{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+)
 
 
 def chats(n: int, seed: int) -> list[dict]:
     rng, out = random.Random(seed), []
     for i in range(n):
         a, b = rng.randint(0, 99), rng.randint(0, 99)
-        messages = [{"role": "user", "content": f"What is {a} plus {b}?"}, {"role": "assistant", "content": f"{a} plus {b} is {a + b}."}]
+        messages = [
+            {"role": "user", "content": f"What is {a} plus {b}?"},
+            {"role": "assistant", "content": f"{a} plus {b} is {a + b}."},
+        ]
         if i % 3 == 0:  # ragged: some chats have a system prompt and a second exchange
-            messages = [{"role": "system", "content": "You add numbers."}, *messages, {"role": "user", "content": "And doubled?"},
-                        {"role": "assistant", "content": str(2 * (a + b))}]
+            messages = [
+                {"role": "system", "content": "You add numbers."},
+                *messages,
+                {"role": "user", "content": "And doubled?"},
+                {"role": "assistant", "content": str(2 * (a + b))},
+            ]
         out.append({"messages": messages})
     return out
 
@@ -63,17 +72,40 @@ def write_jsonl(path: str, records: list[dict]) -> None:
 def workdir(tmp_path_factory: pytest.TempPathFactory, hf_zygote: Zygote) -> ZygoteDir:
     root = str(tmp_path_factory.mktemp("finetune-cli"))
     train, val = chats(17, seed=0), chats(4, seed=1)
-    hf.save_tiny(os.path.join(root, "model"), family="llama", texts=[json.dumps(c) for c in train], vocab=320, seq=SEQ, chat=True)
+    hf.save_tiny(
+        os.path.join(root, "model"), family="llama", texts=[json.dumps(c) for c in train], vocab=320, seq=SEQ, chat=True
+    )
     write_jsonl(os.path.join(root, "chat.jsonl"), train)
     write_jsonl(os.path.join(root, "val.jsonl"), val)
     return ZygoteDir.of(root, hf_zygote)
 
 
-def _train(workdir: ZygoteDir, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    args = ["train", "--model.hf", os.path.join(workdir, "model"), "--data.files", os.path.join(workdir, "chat.jsonl"), "--data.format", "chat",
-            "--nproc", "2", "--max-steps", "4",
-            f"--model.seq_len={SEQ}", "--train.warmup_steps=2", "--train.eval_every=0", "--train.log_every=1",
-            "--checkpoint.every_n_steps=2", "--run.runs_dir", os.path.join(workdir, "runs"), "--run.name", name, *extra]
+def _train(
+    workdir: ZygoteDir, name: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    args = [
+        "train",
+        "--model.hf",
+        os.path.join(workdir, "model"),
+        "--data.files",
+        os.path.join(workdir, "chat.jsonl"),
+        "--data.format",
+        "chat",
+        "--nproc",
+        "2",
+        "--max-steps",
+        "4",
+        f"--model.seq_len={SEQ}",
+        "--train.warmup_steps=2",
+        "--train.eval_every=0",
+        "--train.log_every=1",
+        "--checkpoint.every_n_steps=2",
+        "--run.runs_dir",
+        os.path.join(workdir, "runs"),
+        "--run.name",
+        name,
+        *extra,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     return shardwise_command(workdir.zygote, args, env=full_env, timeout=300)
 
@@ -93,7 +125,9 @@ def assistant_token_loss(workdir: str, records: list[dict], *, everything: bool 
     model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
     total, count = 0.0, 0
     for r in records:
-        enc = tok.apply_chat_template(r["messages"], chat_template=GEN_TEMPLATE, return_assistant_tokens_mask=True, return_dict=True)
+        enc = tok.apply_chat_template(
+            r["messages"], chat_template=GEN_TEMPLATE, return_assistant_tokens_mask=True, return_dict=True
+        )
         ids, mask = torch.tensor(enc["input_ids"]), torch.tensor(enc["assistant_masks"], dtype=torch.bool)
         if everything:
             mask[:] = True
@@ -109,8 +143,11 @@ def _export_and_load(workdir: ZygoteDir, name: str) -> dict:
     import transformers
 
     out = os.path.join(workdir, f"export-{name}")
-    done = shardwise_command(workdir.zygote, ["checkpoint", "export", "--format", "hf", os.path.join(workdir, "runs", name, "checkpoints"), out],
-                             timeout=120)
+    done = shardwise_command(
+        workdir.zygote,
+        ["checkpoint", "export", "--format", "hf", os.path.join(workdir, "runs", name, "checkpoints"), out],
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert transformers.AutoTokenizer.from_pretrained(out).chat_template == hf.CHAT_TEMPLATE
@@ -134,12 +171,16 @@ def _kill_and_resume(workdir: ZygoteDir, name: str, *extra: str) -> dict[str, st
 def test_chat_under_tp2_padded_logs_the_assistant_token_mean_and_resumes_exactly(workdir: str) -> None:
     # ~45 s: three 2-process runs (full, killed, resumed) and two exports
     records = [json.loads(line) for line in open(os.path.join(workdir, "chat.jsonl"))]
-    losses = _kill_and_resume(workdir, "tp", "--plan", "tp=2", "--train.global_batch_size=16", "--data.val_fraction=0.001")
+    losses = _kill_and_resume(
+        workdir, "tp", "--plan", "tp=2", "--train.global_batch_size=16", "--data.val_fraction=0.001"
+    )
     assert "chat: 1 file(s), 17 record(s), 17 sample(s); padded per batch" in losses["stdout"], losses["stdout"]
     assert "loss_reduction='tokens'" in losses["stdout"]
     want = assistant_token_loss(workdir, records[:16])  # the last record is the validation split
     assert abs(float(losses[1]) - want) <= 1e-5 * want, (losses[1], want)
-    everything = assistant_token_loss(workdir, records[:16], everything=True)  # an untrained model is near-uniform on all tokens
+    everything = assistant_token_loss(
+        workdir, records[:16], everything=True
+    )  # an untrained model is near-uniform on all tokens
     assert abs(everything - want) > 1e-4 * want, (everything, want)  # yet the mask is 10x the tolerance away
 
 
@@ -153,8 +194,19 @@ def test_chat_under_dp2_packed_and_streamed_resumes_exactly(workdir: str) -> Non
     tok = hf.load_tokenizer(os.path.join(workdir, "model"))
     rows = len(pack(make_examples(read_records(path), tok, InstructFormat(format="chat"), seq_len=SEQ).pieces, SEQ, 0))
     assert rows % 2 == 0 and rows < 17  # several chats per row; one global batch of all rows splits over dp=2
-    losses = _kill_and_resume(workdir, "dp", "--plan", "dp=2", f"--train.global_batch_size={rows}", "--data.packing", "true",
-                              "--data.streaming", "true", "--data.val_files", os.path.join(workdir, "val.jsonl"))
+    losses = _kill_and_resume(
+        workdir,
+        "dp",
+        "--plan",
+        "dp=2",
+        f"--train.global_batch_size={rows}",
+        "--data.packing",
+        "true",
+        "--data.streaming",
+        "true",
+        "--data.val_files",
+        os.path.join(workdir, "val.jsonl"),
+    )
     assert "packed into rows of 128 tokens" in losses["stdout"], losses["stdout"]
     want = assistant_token_loss(workdir, [json.loads(line) for line in open(path)])
     assert abs(float(losses[1]) - want) <= 1e-5 * want, (losses[1], want)

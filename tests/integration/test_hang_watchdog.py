@@ -24,10 +24,23 @@ NPROC = 3
 
 
 def _run(mode: str, target: int) -> tuple[int, str, float, float]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SHARDWISE_HANG_TIMEOUT")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SHARDWISE_HANG_TIMEOUT")
+    }
     env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = "3"
-    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", str(NPROC), "--hang-timeout", str(HANG_TIMEOUT_S),
-           SCRIPT, mode, str(target)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardwise",
+        "run",
+        "--nproc-per-node",
+        str(NPROC),
+        "--hang-timeout",
+        str(HANG_TIMEOUT_S),
+        SCRIPT,
+        mode,
+        str(target),
+    ]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     fault_at = None
@@ -47,7 +60,9 @@ def _assert_every_live_rank_reported(out: str, live: list[int], stuck: int) -> N
     for rank in live:
         # Every live rank prints the verdict and its stacks. Only the first rank to leave is sure to
         # print its exit line: when it exits, the elastic agent stops the others (still non-zero).
-        assert re.search(rf"\[shardwise watchdog\] rank {rank} \(.*(detected a hang|another rank detected a hang)", out), f"rank {rank} did not report:\n{out}"
+        assert re.search(
+            rf"\[shardwise watchdog\] rank {rank} \(.*(detected a hang|another rank detected a hang)", out
+        ), f"rank {rank} did not report:\n{out}"
         assert re.search(rf"\[shardwise watchdog\] rank {rank} \(.*Python stacks of every thread", out), out
     assert re.search(r"\[shardwise watchdog\] rank \d+ \(.*exiting with code 124", out), out
     assert f"Stuck rank(s): {stuck}." in out, out
@@ -71,7 +86,9 @@ def test_sigstopped_rank_is_named_frozen_and_the_job_ends() -> None:
     assert rc != 0, out
     assert since_fault < HANG_TIMEOUT_S + 60, (since_fault, out)
     _assert_every_live_rank_reported(out, [0, 1], stuck=2)
-    match = re.search(r"rank 2 \(.*, pid (\d+)\) has sent no heartbeat for \d+ s(?: at step \d+)?: the process is frozen", out)
+    match = re.search(
+        r"rank 2 \(.*, pid (\d+)\) has sent no heartbeat for \d+ s(?: at step \d+)?: the process is frozen", out
+    )
     assert match, out
     with pytest.raises(ProcessLookupError):  # the stopped process was ended too (no orphan left)
         os.kill(int(match.group(1)), 0)

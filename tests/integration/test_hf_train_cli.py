@@ -46,11 +46,39 @@ def workdir(tmp_path_factory: pytest.TempPathFactory, hf_zygote: Zygote) -> Zygo
     return ZygoteDir.of(root, hf_zygote)
 
 
-def _train(workdir: ZygoteDir, name: str, *extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    args = ["train", "--model.hf", os.path.join(workdir, "model"), "--data.files", f"{workdir}/data/**/*.txt,{workdir}/data/*.jsonl",
-            "--nproc", "2", "--plan", "auto", "--max-steps", "4", "--train.global_batch_size=4", "--train.warmup_steps=2",
-            "--train.eval_every=0", "--train.log_every=1", "--checkpoint.every_n_steps=2", "--run.runs_dir", os.path.join(workdir, "runs"), "--run.name", name, *extra]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "SHARDWISE_CLUSTER": "cpu", **(env or {})}
+def _train(
+    workdir: ZygoteDir, name: str, *extra: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    args = [
+        "train",
+        "--model.hf",
+        os.path.join(workdir, "model"),
+        "--data.files",
+        f"{workdir}/data/**/*.txt,{workdir}/data/*.jsonl",
+        "--nproc",
+        "2",
+        "--plan",
+        "auto",
+        "--max-steps",
+        "4",
+        "--train.global_batch_size=4",
+        "--train.warmup_steps=2",
+        "--train.eval_every=0",
+        "--train.log_every=1",
+        "--checkpoint.every_n_steps=2",
+        "--run.runs_dir",
+        os.path.join(workdir, "runs"),
+        "--run.name",
+        name,
+        *extra,
+    ]
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "SHARDWISE_CLUSTER": "cpu",
+        **(env or {}),
+    }
     return shardwise_command(workdir.zygote, args, env=full_env, timeout=300)
 
 
@@ -63,8 +91,11 @@ def _export(workdir: ZygoteDir, name: str) -> dict:
     from safetensors.torch import load_file
 
     out = os.path.join(workdir, f"export-{name}")
-    done = shardwise_command(workdir.zygote, ["checkpoint", "export", "--format", "hf", os.path.join(workdir, "runs", name, "checkpoints"), out],
-                             timeout=120)
+    done = shardwise_command(
+        workdir.zygote,
+        ["checkpoint", "export", "--format", "hf", os.path.join(workdir, "runs", name, "checkpoints"), out],
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert {"config.json", "tokenizer.json"} <= set(os.listdir(out))  # kept from the model directory by the run
     return load_file(os.path.join(out, "model.safetensors"))
@@ -92,8 +123,17 @@ def test_finetune_streaming_with_validation_files_resumes_exactly(workdir: Zygot
     shuffle buffer reshuffled per epoch), the JSONL file is the validation split, ``--plan auto``
     sizes the model from the stream; a run killed at step 3 and resumed from its step-2 checkpoint
     trains on exactly the uninterrupted run's windows (the same losses, bitwise)."""
-    stream = ("--data.streaming", "true", "--data.files", f"{workdir}/data/**/*.txt", "--data.val_files", f"{workdir}/data/*.jsonl",
-              "--data.shuffle_windows", "8", "--train.eval_every=2")
+    stream = (
+        "--data.streaming",
+        "true",
+        "--data.files",
+        f"{workdir}/data/**/*.txt",
+        "--data.val_files",
+        f"{workdir}/data/*.jsonl",
+        "--data.shuffle_windows",
+        "8",
+        "--train.eval_every=2",
+    )
     full = _train(workdir, "stream-full", *stream)
     assert full.returncode == 0, full.stdout + full.stderr
     assert "3 file(s) streamed; validation 1 file(s)" in full.stdout and "nats/token" in full.stdout, full.stdout
@@ -103,5 +143,7 @@ def test_finetune_streaming_with_validation_files_resumes_exactly(workdir: Zygot
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     want, got = _losses(workdir, "stream-full"), _losses(workdir, "stream-cut")
     assert sorted(want) == [1, 2, 3, 4] and [got[s] for s in (3, 4)] == [want[s] for s in (3, 4)]
-    summaries = [json.loads(open(os.path.join(workdir, "runs", n, "summary.json")).read()) for n in ("stream-full", "stream-cut")]
+    summaries = [
+        json.loads(open(os.path.join(workdir, "runs", n, "summary.json")).read()) for n in ("stream-full", "stream-cut")
+    ]
     assert summaries[0]["val_loss"] == summaries[1]["val_loss"] and summaries[0]["unigram_entropy"] > 0

@@ -54,9 +54,26 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def test_hostfile_world_of_four_over_ssh(sshd: LoopbackSshd, tmp_path: Path) -> None:
-    hostfile = _hostfile(tmp_path, "# two loopback 'hosts', two processes each\n127.0.0.1 slots=2\n\nlocalhost slots=2  # node 1\n")
-    proc = subprocess.run(SHARDWISE + ["run", "--hostfile", hostfile, "--ssh-config", str(sshd.config), "--rdzv-timeout", "60",
-                                       str(SCRIPTS / "report_world.py")], capture_output=True, text=True, timeout=240, cwd=REPO)
+    hostfile = _hostfile(
+        tmp_path, "# two loopback 'hosts', two processes each\n127.0.0.1 slots=2\n\nlocalhost slots=2  # node 1\n"
+    )
+    proc = subprocess.run(
+        SHARDWISE
+        + [
+            "run",
+            "--hostfile",
+            hostfile,
+            "--ssh-config",
+            str(sshd.config),
+            "--rdzv-timeout",
+            "60",
+            str(SCRIPTS / "report_world.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     worlds = {}  # rank -> (host prefix of its output line, its fields); two ranks of one host may share a line
     for line in proc.stdout.splitlines():
@@ -75,13 +92,34 @@ def test_failing_host_stops_every_host(sshd: LoopbackSshd, tmp_path: Path) -> No
     """Node 1's script exits 3 once node 0's workers run; node 0's workers and agent must go too."""
     env = dict(os.environ, SW_TEST_DIR=str(tmp_path), SW_TEST_FAIL_NODE="1")
     start = time.monotonic()
-    proc = subprocess.run(SHARDWISE + ["run", "--hosts", "127.0.0.1:2,localhost:2", "--ssh-config", str(sshd.config),
-                                       "--env", "SW_TEST_DIR", "--env", "SW_TEST_FAIL_NODE", "--rdzv-timeout", "60",
-                                       str(SCRIPTS / "hold_or_fail.py")], capture_output=True, text=True, timeout=240, env=env, cwd=REPO)
+    proc = subprocess.run(
+        SHARDWISE
+        + [
+            "run",
+            "--hosts",
+            "127.0.0.1:2,localhost:2",
+            "--ssh-config",
+            str(sshd.config),
+            "--env",
+            "SW_TEST_DIR",
+            "--env",
+            "SW_TEST_FAIL_NODE",
+            "--rdzv-timeout",
+            "60",
+            str(SCRIPTS / "hold_or_fail.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=REPO,
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "[localhost] FAILING rank=2" in proc.stdout or "[localhost] FAILING rank=3" in proc.stdout, proc.stdout
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("shardwise run: error: host localhost (node 1) failed, exit code 1; every other host was stopped"), last
+    assert last.startswith(
+        "shardwise run: error: host localhost (node 1) failed, exit code 1; every other host was stopped"
+    ), last
     pids = _recorded_pids(tmp_path)
     assert len(pids) == 8  # 4 workers and the agent of each
     assert _wait_gone(pids, 15) == [], "processes outlived the job"
@@ -93,9 +131,24 @@ def test_stopping_the_launcher_stops_every_host(sshd: LoopbackSshd, tmp_path: Pa
     """Ctrl-C (SIGINT) stops every host and exits 130; even a SIGKILLed launcher leaves no remote
     process behind (their ssh sessions' stdin closes, which each remote ``shardwise run`` watches)."""
     env = dict(os.environ, SW_TEST_DIR=str(tmp_path))
-    launcher = subprocess.Popen(SHARDWISE + ["run", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config),
-                                             "--env", "SW_TEST_DIR", str(SCRIPTS / "hold_or_fail.py")],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    launcher = subprocess.Popen(
+        SHARDWISE
+        + [
+            "run",
+            "--hosts",
+            "127.0.0.1:1,localhost:1",
+            "--ssh-config",
+            str(sshd.config),
+            "--env",
+            "SW_TEST_DIR",
+            str(SCRIPTS / "hold_or_fail.py"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
     try:
         deadline = time.monotonic() + 120
         while len(_recorded_pids(tmp_path)) < 4 and time.monotonic() < deadline and launcher.poll() is None:
@@ -134,8 +187,23 @@ def test_unreachable_host_is_one_line_within_the_timeout(sshd: LoopbackSshd, tmp
         config = sshd.config_with({"deadhost": port})
         hostfile = _hostfile(tmp_path, "127.0.0.1 slots=1\ndeadhost slots=1\n")
         start = time.monotonic()
-        proc = subprocess.run(SHARDWISE + ["run", "--hostfile", hostfile, "--ssh-config", str(config), "--ssh-timeout", "3",
-                                           str(SCRIPTS / "report_world.py")], capture_output=True, text=True, timeout=60, cwd=REPO)
+        proc = subprocess.run(
+            SHARDWISE
+            + [
+                "run",
+                "--hostfile",
+                hostfile,
+                "--ssh-config",
+                str(config),
+                "--ssh-timeout",
+                "3",
+                str(SCRIPTS / "report_world.py"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=REPO,
+        )
         elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
@@ -146,10 +214,28 @@ def test_unreachable_host_is_one_line_within_the_timeout(sshd: LoopbackSshd, tmp
 
 
 def test_doctor_checks_collectives_across_hosts(sshd: LoopbackSshd) -> None:
-    proc = subprocess.run(SHARDWISE + ["doctor", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config),
-                                       "--max-size-mb", "0.1", "--iters", "2"], capture_output=True, text=True, timeout=240, cwd=REPO)
+    proc = subprocess.run(
+        SHARDWISE
+        + [
+            "doctor",
+            "--hosts",
+            "127.0.0.1:1,localhost:1",
+            "--ssh-config",
+            str(sshd.config),
+            "--max-size-mb",
+            "0.1",
+            "--iters",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"node 0\s+127\.0\.0\.1\s+ok: .*torch", proc.stdout) and re.search(r"node 1\s+localhost\s+ok:", proc.stdout)
+    assert re.search(r"node 0\s+127\.0\.0\.1\s+ok: .*torch", proc.stdout) and re.search(
+        r"node 1\s+localhost\s+ok:", proc.stdout
+    )
     assert "collectives on 2 processes over 2 node(s)" in proc.stdout
     for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
         assert re.search(rf"\[127\.0\.0\.1\]\s+{op}\s+ok", proc.stdout), proc.stdout
@@ -158,29 +244,73 @@ def test_doctor_checks_collectives_across_hosts(sshd: LoopbackSshd) -> None:
 
 def test_elastic_job_keeps_its_rendezvous_store_on_the_launcher(sshd: LoopbackSshd) -> None:
     """``--nnodes 1:2``: the store lives in this launcher (no node is special), every host reaches it."""
-    proc = subprocess.run(SHARDWISE + ["run", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config), "--nnodes", "1:2",
-                                       "--max-restarts", "1", "--rdzv-timeout", "60", "--rdzv-conf", "last_call_timeout=2",
-                                       str(SCRIPTS / "report_world.py")], capture_output=True, text=True, timeout=240, cwd=REPO)
+    proc = subprocess.run(
+        SHARDWISE
+        + [
+            "run",
+            "--hosts",
+            "127.0.0.1:1,localhost:1",
+            "--ssh-config",
+            str(sshd.config),
+            "--nnodes",
+            "1:2",
+            "--max-restarts",
+            "1",
+            "--rdzv-timeout",
+            "60",
+            "--rdzv-conf",
+            "last_call_timeout=2",
+            str(SCRIPTS / "report_world.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"pre-flight ok on 2 host\(s\) .* elastic 1:2 nodes, rendezvous id \w+, rendezvous store on this machine, "
-                     r"port \d+$", proc.stderr, re.M), proc.stderr
+    assert re.search(
+        r"pre-flight ok on 2 host\(s\) .* elastic 1:2 nodes, rendezvous id \w+, rendezvous store on this machine, "
+        r"port \d+$",
+        proc.stderr,
+        re.M,
+    ), proc.stderr
     assert sorted(re.findall(r"WORLD rank=(\d) world=2 .* sum=3", proc.stdout)) == ["0", "1"], proc.stdout
 
 
 def test_unreachable_rendezvous_store_is_one_line_per_host_before_anything_starts(sshd: LoopbackSshd) -> None:
     port = free_port()  # nothing listens there
-    proc = subprocess.run(SHARDWISE + ["run", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config), "--nnodes", "1:2",
-                                       "--rdzv-store", f"127.0.0.1:{port}", str(SCRIPTS / "report_world.py")],
-                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    proc = subprocess.run(
+        SHARDWISE
+        + [
+            "run",
+            "--hosts",
+            "127.0.0.1:1,localhost:1",
+            "--ssh-config",
+            str(sshd.config),
+            "--nnodes",
+            "1:2",
+            "--rdzv-store",
+            f"127.0.0.1:{port}",
+            str(SCRIPTS / "report_world.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
     assert proc.returncode == 1, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines[0] == "shardwise run: error: pre-flight found 2 problems, nothing was started:", proc.stderr
     for host, line in zip(("127.0.0.1", "localhost"), lines[1:]):
-        assert line.startswith(f"  host {host}: cannot reach the rendezvous store at 127.0.0.1:{port}: Connection refused; "), line
+        assert line.startswith(
+            f"  host {host}: cannot reach the rendezvous store at 127.0.0.1:{port}: Connection refused; "
+        ), line
     assert len(lines) == 3 and "WORLD" not in proc.stdout
 
 
-@pytest.mark.slow_allowed(seconds=120, why="two fault-tolerant replica groups started over ssh, each a torchft manager and a short run")
+@pytest.mark.slow_allowed(
+    seconds=120, why="two fault-tolerant replica groups started over ssh, each a torchft manager and a short run"
+)
 def test_fault_tolerant_groups_over_hosts(sshd: LoopbackSshd, tmp_path: Path) -> None:
     """``--ft-replicas 2`` over two hosts: one group per host, each with its own rendezvous, both
     meeting at the lighthouse this launcher hosts; no failure, so both commit every step and end
@@ -190,13 +320,42 @@ def test_fault_tolerant_groups_over_hosts(sshd: LoopbackSshd, tmp_path: Path) ->
     from tests.integration import ft_harness as h
 
     out = tmp_path / "out"
-    proc = subprocess.run(SHARDWISE + ["run", "--hosts", "127.0.0.1:1,localhost:1", "--ssh-config", str(sshd.config), "--ft-replicas", "2",
-                                       "--ft-min-replicas", "2", "--ft-dir", str(tmp_path / "ft"), *h.FAST, "--rdzv-timeout", "60",
-                                       str(h.SCRIPT), str(out), "dp", "3", "0"],
-                          capture_output=True, text=True, timeout=240, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        SHARDWISE
+        + [
+            "run",
+            "--hosts",
+            "127.0.0.1:1,localhost:1",
+            "--ssh-config",
+            str(sshd.config),
+            "--ft-replicas",
+            "2",
+            "--ft-min-replicas",
+            "2",
+            "--ft-dir",
+            str(tmp_path / "ft"),
+            *h.FAST,
+            "--rdzv-timeout",
+            "60",
+            str(h.SCRIPT),
+            str(out),
+            "dp",
+            "3",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(r"2 replica group\(s\) of 1 host\(s\), lighthouse on this machine, 127\.0\.0\.1:\d+", proc.stderr), proc.stderr
-    assert re.search(r"\[127\.0\.0\.1\] .*STEP 0 3 ", proc.stdout) and re.search(r"\[localhost\] .*STEP 1 3 ", proc.stdout), proc.stdout
+    assert re.search(
+        r"2 replica group\(s\) of 1 host\(s\), lighthouse on this machine, 127\.0\.0\.1:\d+", proc.stderr
+    ), proc.stderr
+    assert re.search(r"\[127\.0\.0\.1\] .*STEP 0 3 ", proc.stdout) and re.search(
+        r"\[localhost\] .*STEP 1 3 ", proc.stdout
+    ), proc.stdout
     got = [torch.load(out / f"replica{r}.pt", weights_only=False) for r in (0, 1)]
     assert got[0]["step"] == got[1]["step"] == 3
     assert all(torch.equal(got[0]["weights"][k], got[1]["weights"][k]) for k in got[0]["weights"])

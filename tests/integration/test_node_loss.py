@@ -35,10 +35,13 @@ KILL_AT, HOLD_AT = 6, 10
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_node_lost_then_regained_keeps_the_losses_of_one_uninterrupted_run(tmp_path: Path,
-                                                                             elastic_reference: dict[int, float]) -> None:
+def test_node_lost_then_regained_keeps_the_losses_of_one_uninterrupted_run(
+    tmp_path: Path, elastic_reference: dict[int, float]
+) -> None:
     port, directory = free_port(), tmp_path / "elastic"
-    args = job_args(directory, steps=STEPS, save_every=SAVE_EVERY, extra=("--hold-at", f"{KILL_AT}:4", "--hold-at", f"{HOLD_AT}:2"))
+    args = job_args(
+        directory, steps=STEPS, save_every=SAVE_EVERY, extra=("--hold-at", f"{KILL_AT}:4", "--hold-at", f"{HOLD_AT}:2")
+    )
     a = agent("A", f"127.0.0.1:{port}", args, rdzv_id="node-loss-test", hosts_store=True)
     time.sleep(0.5)  # A binds the rendezvous store first
     b = agent("B", f"127.0.0.1:{port}", args, rdzv_id="node-loss-test")
@@ -63,18 +66,28 @@ def test_node_lost_then_regained_keeps_the_losses_of_one_uninterrupted_run(tmp_p
     assert any(w == 2 for s, w, _ in worlds if s > KILL_AT) and any(w == 4 for s, w, _ in worlds if s > HOLD_AT)
 
     # the log says who was lost, the old and new plan, and the steps redone
-    lost = re.search(r"^elastic: lost 1 node after step (\d+): \S+ \(agent pid \d+, ranks 2-3\); 2 processes remain on 1 node$", text, re.M)
+    lost = re.search(
+        r"^elastic: lost 1 node after step (\d+): \S+ \(agent pid \d+, ranks 2-3\); 2 processes remain on 1 node$",
+        text,
+        re.M,
+    )
     assert lost, text
     last_before_loss = int(lost.group(1))
-    assert re.search(r"^elastic: plan dp=2,tp=2 \(4 processes\) -> dp=1,tp=2 \(2 processes\); global batch 8 kept", text, re.M), text
+    assert re.search(
+        r"^elastic: plan dp=2,tp=2 \(4 processes\) -> dp=1,tp=2 \(2 processes\); global batch 8 kept", text, re.M
+    ), text
     resumed = int(re.search(r"^checkpoint: resumed from step (\d+)", text, re.M).group(1))
     assert resumed % SAVE_EVERY == 0 and resumed <= last_before_loss
     redone = {0: "no steps are redone", 1: f"step {last_before_loss} is redone"}.get(
         last_before_loss - resumed, f"steps {resumed + 1}-{last_before_loss} are redone")
     assert f"elastic: resumed from the checkpoint of step {resumed}; {redone}" in lines, text
     assert last_before_loss == KILL_AT and resumed == KILL_AT // SAVE_EVERY * SAVE_EVERY, text
-    assert re.search(rf"^elastic: 1 node joined after step {HOLD_AT + 1}: .*; 4 processes on 2 nodes$", text, re.M), text
-    assert re.search(rf"^elastic: resumed from the checkpoint of step {HOLD_AT + 1}; no steps are redone$", text, re.M), text
+    assert re.search(rf"^elastic: 1 node joined after step {HOLD_AT + 1}: .*; 4 processes on 2 nodes$", text, re.M), (
+        text
+    )
+    assert re.search(
+        rf"^elastic: resumed from the checkpoint of step {HOLD_AT + 1}; no steps are redone$", text, re.M
+    ), text
 
     # the same losses as one uninterrupted process, step by step
     got = losses(lines)

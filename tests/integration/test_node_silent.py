@@ -23,8 +23,18 @@ from pathlib import Path
 import pytest
 
 from shardwise.checkpoint import commit as cm
-from tests.integration.nodes_harness import (SAVE_EVERY, STEPS, Proc, agent, first_step_after, free_port, job_args, losses,
-                                             rendezvous_server, wait_for)
+from tests.integration.nodes_harness import (
+    SAVE_EVERY,
+    STEPS,
+    Proc,
+    agent,
+    first_step_after,
+    free_port,
+    job_args,
+    losses,
+    rendezvous_server,
+    wait_for,
+)
 
 EVENT_AT = 6
 EXPIRY_S = 5  # RDZV_CONF: keep_alive_interval=1 x keep_alive_max_attempt=5
@@ -54,10 +64,17 @@ def _assert_losses(lines: list[str], expected: dict[int, float]) -> None:
 
 def _assert_resumed(text: str, *, lost_after: int) -> None:
     resumed = EVENT_AT // SAVE_EVERY * SAVE_EVERY
-    assert re.search(rf"^elastic: lost 1 node after step {lost_after}: \S+ \(agent pid \d+, ranks \d-\d\); 2 processes remain on 1 node$",
-                     text, re.M), text
-    assert re.search(r"^elastic: plan dp=2,tp=2 \(4 processes\) -> dp=1,tp=2 \(2 processes\); global batch 8 kept", text, re.M), text
-    assert f"elastic: resumed from the checkpoint of step {resumed}; steps {resumed + 1}-{lost_after} are redone" in text, text
+    assert re.search(
+        rf"^elastic: lost 1 node after step {lost_after}: \S+ \(agent pid \d+, ranks \d-\d\); 2 processes remain on 1 node$",
+        text,
+        re.M,
+    ), text
+    assert re.search(
+        r"^elastic: plan dp=2,tp=2 \(4 processes\) -> dp=1,tp=2 \(2 processes\); global batch 8 kept", text, re.M
+    ), text
+    assert (
+        f"elastic: resumed from the checkpoint of step {resumed}; steps {resumed + 1}-{lost_after} are redone" in text
+    ), text
 
 
 def _assert_checkpoints_intact(directory: Path) -> None:
@@ -90,7 +107,9 @@ def test_losing_the_node_that_started_first_keeps_the_job(tmp_path: Path, expect
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # about 30 s idle; a loaded machine (40 runnable processes) took 111 s
-def test_frozen_node_is_dropped_within_seconds_and_exits_when_thawed(tmp_path: Path, expected: dict[int, float]) -> None:
+def test_frozen_node_is_dropped_within_seconds_and_exits_when_thawed(
+    tmp_path: Path, expected: dict[int, float]
+) -> None:
     directory = tmp_path / "ckpt"
     server, a, b = _nodes(directory, "frozen-node")
     try:

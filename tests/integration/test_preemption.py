@@ -26,8 +26,17 @@ from pathlib import Path
 import pytest
 
 from shardwise.checkpoint import commit as cm
-from tests.integration.preempt_harness import (STEPS, csv_rows, losses_by_step, run, start, tensorboard_scalars, train_args,
-                                               wait_for_rows, wait_gone)
+from tests.integration.preempt_harness import (
+    STEPS,
+    csv_rows,
+    losses_by_step,
+    run,
+    start,
+    tensorboard_scalars,
+    train_args,
+    wait_for_rows,
+    wait_gone,
+)
 
 RUNS = "runs"
 
@@ -71,7 +80,9 @@ def test_sigterm_saves_says_how_to_resume_and_the_resume_is_exact(tmp_path, refe
         job.kill_all()
     out, err = job.stdout, job.stderr
     line = next(line for line in out.splitlines() if line.startswith("pre-empted by SIGTERM"))
-    match = re.fullmatch(r"pre-empted by SIGTERM at step (\d+) of 240: checkpoint saved at (\S+); resume with: (.+)", line)
+    match = re.fullmatch(
+        r"pre-empted by SIGTERM at step (\d+) of 240: checkpoint saved at (\S+); resume with: (.+)", line
+    )
     assert match, line
     step, path, command = int(match.group(1)), match.group(2), match.group(3)
     assert 15 <= step < STEPS and path == str(run_dir / "checkpoints" / cm.step_dirname(step))

@@ -28,8 +28,21 @@ WAVE = 5  # processes alive at once (the machine is shared; start-up dominates)
 
 
 def _start(directory: str, async_save: bool, steps: int = 10_000) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.distributed.test_checkpoint_workload", "--dir", directory, "--steps", str(steps),
-           "--save-every", "1", "--width", str(WIDTH), "--keep", "2"] + (["--async-save"] if async_save else [])
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.distributed.test_checkpoint_workload",
+        "--dir",
+        directory,
+        "--steps",
+        str(steps),
+        "--save-every",
+        "1",
+        "--width",
+        str(WIDTH),
+        "--keep",
+        "2",
+    ] + (["--async-save"] if async_save else [])
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
@@ -60,7 +73,9 @@ class _Trial:
 
     @property
     def last_committed(self) -> int | None:
-        steps = [int(line.split()[1]) for line in self.lines if line.startswith("COMMITTED") and line.split()[1] != "None"]
+        steps = [
+            int(line.split()[1]) for line in self.lines if line.startswith("COMMITTED") and line.split()[1] != "None"
+        ]
         return max(steps) if steps else None
 
 
@@ -68,7 +83,10 @@ def _run_trials(base: str, rng: random.Random) -> list[_Trial]:
     specs = [(f"{mode}-{i}", mode == "async") for i in range(TRIALS_PER_MODE) for mode in ("sync", "async")]
     trials = []
     for start in range(0, len(specs), WAVE):
-        wave = [_Trial(os.path.join(base, name), async_save, rng.uniform(0.3, 3.0)) for name, async_save in specs[start:start + WAVE]]
+        wave = [
+            _Trial(os.path.join(base, name), async_save, rng.uniform(0.3, 3.0))
+            for name, async_save in specs[start : start + WAVE]
+        ]
         killers = [threading.Thread(target=t.kill_later) for t in wave]
         for k in killers:
             k.start()
@@ -96,7 +114,9 @@ def test_sigkill_during_save_leaves_a_complete_checkpoint(tmp_path):
         assert job.manager(trial.directory).load(job.components()).step == newest.step
         assert job.state.step == newest.step
     for mode in (False, True):
-        assert sum(t.last_committed is not None for t in trials if t.async_save == mode) >= 3, "too few trials reached a save"
+        assert sum(t.last_committed is not None for t in trials if t.async_save == mode) >= 3, (
+            "too few trials reached a save"
+        )
     assert interrupted_saves >= 1, "no kill landed inside a save; the test did not exercise the crash path"
 
     # and a killed run (async) resumes from its newest complete checkpoint

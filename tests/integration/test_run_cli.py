@@ -73,13 +73,17 @@ def test_an_error_raised_by_shardwise_in_every_worker_is_one_line_and_exit_2() -
     proc = _run(SHARDWISE + ["run", "--nproc-per-node", "2", str(SCRIPTS / "refuse_on_every_rank.py")])
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert lines == ["shardwise run: error: cp=2: an attention call has a mask or is not causal; drop cp (raised on ranks 0, 1)"], proc.stderr
+    assert lines == [
+        "shardwise run: error: cp=2: an attention call has a mask or is not causal; drop cp (raised on ranks 0, 1)"
+    ], proc.stderr
     # the same through shardwise.launch(fn) (verify's workers), where the check needs the model's forward
     proc = _run(SHARDWISE + ["verify", "--plan", "cp=2", "--steps", "1", "--loss-reduction", "samples",
                              "--script", str(SCRIPTS / "cp_masked_attention.py")], timeout=180)
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("shardwise verify: error: cp=2: an attention call has a mask or is not causal"), lines
+    assert len(lines) == 1 and lines[0].startswith(
+        "shardwise verify: error: cp=2: an attention call has a mask or is not causal"
+    ), lines
     assert lines[0].endswith("(raised on ranks 0, 1)"), lines
 
 
@@ -89,10 +93,45 @@ def test_an_error_raised_by_shardwise_in_every_worker_is_one_line_and_exit_2() -
         (["run", "--bogus", "x.py"], r"unrecognized arguments: --bogus", 2),
         (["run", "missing_script.py"], r"script 'missing_script.py' does not exist", 1),
         (["run", "--nproc-per-node", "0", "SCRIPT"], r"--nproc-per-node 0 must be at least 1", 1),
-        (["run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", "PORT",
-          "--rdzv-timeout", "2", "SCRIPT"], r"node 0 at 127.0.0.1:\d+ did not answer within 2s", 1),
-        (["run", "--nnodes", "2", "--master-addr", "no-such-host.invalid", "--master-port", "PORT", "SCRIPT"], r"does not resolve", 1),
-        (["run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "BUSY", "SCRIPT"], r"already in use", 1),
+        (
+            [
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                "PORT",
+                "--rdzv-timeout",
+                "2",
+                "SCRIPT",
+            ],
+            r"node 0 at 127.0.0.1:\d+ did not answer within 2s",
+            1,
+        ),
+        (
+            ["run", "--nnodes", "2", "--master-addr", "no-such-host.invalid", "--master-port", "PORT", "SCRIPT"],
+            r"does not resolve",
+            1,
+        ),
+        (
+            [
+                "run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "0",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                "BUSY",
+                "SCRIPT",
+            ],
+            r"already in use",
+            1,
+        ),
         (["slurm", "--nodes", "2", "--time", "forever", "--", "t.py"], r"is not a Slurm time", 2),
         (["nonsense"], r"invalid choice: 'nonsense'", 2),
     ],
@@ -114,7 +153,11 @@ def test_bad_input_is_one_line(args: list[str], pattern: str, code: int) -> None
 
 
 def _env_without_launchers() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "OMPI_", "PMI_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))
+    }
 
 
 @pytest.mark.parametrize("launcher", ["openmpi", "mpich", "slurm"])
@@ -131,8 +174,16 @@ def test_init_under_mpi_and_slurm_variables(launcher: str) -> None:
         elif launcher == "mpich":
             env.update(PMI_RANK=str(rank), PMI_SIZE="2", MPI_LOCALRANKID=str(rank), MPI_LOCALNRANKS="2")
         else:
-            env.update(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NNODES="1",
-                       SLURM_STEP_ID="0", SLURM_JOB_ID="5", SLURM_STEP_NODELIST="localhost")
+            env.update(
+                SLURM_PROCID=str(rank),
+                SLURM_NTASKS="2",
+                SLURM_LOCALID=str(rank),
+                SLURM_NODEID="0",
+                SLURM_NNODES="1",
+                SLURM_STEP_ID="0",
+                SLURM_JOB_ID="5",
+                SLURM_STEP_NODELIST="localhost",
+            )
         procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "report_world.py")], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=120) for p in procs]
@@ -145,7 +196,9 @@ def test_init_under_mpi_and_slurm_variables(launcher: str) -> None:
 def test_plain_python_is_a_world_of_one() -> None:
     proc = _run([sys.executable, str(SCRIPTS / "report_world.py")], env=_env_without_launchers())
     assert proc.returncode == 0, proc.stderr
-    assert _worlds(proc.stdout) == [{"rank": "0", "world": "1", "local": "0", "node": "0", "launcher": "none", "sum": "1"}]
+    assert _worlds(proc.stdout) == [
+        {"rank": "0", "world": "1", "local": "0", "node": "0", "launcher": "none", "sum": "1"}
+    ]
 
 
 def _rank_and_sum(offset: int) -> tuple[int, int, float]:
@@ -176,9 +229,17 @@ def test_slurm_writes_an_sbatch_script(tmp_path: Path) -> None:
                              "--", "train.py", "--lr", "3e-4"])
     assert proc.returncode == 0, proc.stderr
     text = out.read_text()
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=8", "#SBATCH --time=24:00:00"):
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=24:00:00",
+    ):
         assert line in text
-    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node 8 --max-restarts 0 train.py --lr 3e-4" in text
+    assert (
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node 8 --max-restarts 0 train.py --lr 3e-4"
+        in text
+    )
 
 
 def test_every_command_has_help_with_examples() -> None:
@@ -211,12 +272,18 @@ def test_every_line_of_every_rank_arrives_whole_with_and_without_a_prefix(tmp_pa
     assert plain.returncode == 0, plain.stderr[-2000:]
     for stream, kind in ((plain.stdout, "LINE"), (plain.stderr, "ERR")):
         lines = [line for line in stream.splitlines() if line.startswith(("LINE", "ERR")) or "rank=" in line]
-        assert all(re.fullmatch(WHOLE, line) for line in lines), [line for line in lines if not re.fullmatch(WHOLE, line)][:3]
+        assert all(re.fullmatch(WHOLE, line) for line in lines), [
+            line for line in lines if not re.fullmatch(WHOLE, line)
+        ][:3]
         got = sorted((int(m[2]), int(m[3])) for m in (re.fullmatch(WHOLE, line) for line in lines))
         assert got == [(r, i) for r in range(4) for i in range(n)] and {line.split()[0] for line in lines} == {kind}
 
     logs = tmp_path / "logs"
-    kept = _run(SHARDWISE + ["run", "--nproc-per-node", "4", "--log-prefix", "[${rank}]: ", "--log-dir", str(logs), script, str(n)], env=env)
+    kept = _run(
+        SHARDWISE
+        + ["run", "--nproc-per-node", "4", "--log-prefix", "[${rank}]: ", "--log-dir", str(logs), script, str(n)],
+        env=env,
+    )
     assert kept.returncode == 0, kept.stderr[-2000:]
     for stream, kind in ((kept.stdout, "LINE"), (kept.stderr, "ERR")):
         lines = [line for line in stream.splitlines() if "rank=" in line]
@@ -226,4 +293,6 @@ def test_every_line_of_every_rank_arrives_whole_with_and_without_a_prefix(tmp_pa
         assert len(lines) == 4 * n
     files = sorted(logs.glob("*/attempt_0/*/stdout.log"))
     assert len(files) == 4 and all(len(f.read_text().splitlines()) == n for f in files)
-    assert all(f"rank={f.parent.name} " in f.read_text().splitlines()[0] for f in files)  # local rank = rank on one node
+    assert all(
+        f"rank={f.parent.name} " in f.read_text().splitlines()[0] for f in files
+    )  # local rank = rank on one node

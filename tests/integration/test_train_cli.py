@@ -29,7 +29,14 @@ TINY = [
 
 def _shardwise(args: list[str], cwd: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "shardwise.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +46,16 @@ def zygote() -> Iterator[Zygote]:
     server.close()
 
 
-@pytest.mark.slow_allowed(seconds=180, why="three whole `shardwise train` runs (dp=2, one process, tp=2) whose losses are "
-                          "compared end to end; 128 s alone on a 2-core VM in December 2026")
+@pytest.mark.slow_allowed(
+    seconds=180,
+    why="three whole `shardwise train` runs (dp=2, one process, tp=2) whose losses are "
+    "compared end to end; 128 s alone on a 2-core VM in December 2026",
+)
 def test_train_two_processes_end_to_end(tmp_path, zygote: Zygote) -> None:
     def forked(args: list[str], cwd: str) -> subprocess.CompletedProcess:
-        return shardwise_command(zygote, args, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, cwd=cwd, timeout=240)
+        return shardwise_command(
+            zygote, args, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, cwd=cwd, timeout=240
+        )
 
     two = forked(["train", "--nproc", "2", "--run.name=two", *TINY], str(tmp_path))
     assert two.returncode == 0, two.stdout + two.stderr

@@ -11,8 +11,21 @@ from tests.integration.test_train_cli import TINY, _shardwise
 
 def test_train_with_the_runtime_options_on_2(tmp_path) -> None:
     # why over 30 s: one real 2-process job (the CLI, the launcher, 4 steps, evaluation, a sample)
-    args = ["train", "--nproc", "2", "--run.name=lean", "--plan", "zero=3,chunked_loss", "--parallel.sharded_accumulation=true",
-            "--parallel.params16=true", "--train.precision=bf16", "--train.grad_accum_steps=2", *TINY, "--max-steps", "4"]
+    args = [
+        "train",
+        "--nproc",
+        "2",
+        "--run.name=lean",
+        "--plan",
+        "zero=3,chunked_loss",
+        "--parallel.sharded_accumulation=true",
+        "--parallel.params16=true",
+        "--train.precision=bf16",
+        "--train.grad_accum_steps=2",
+        *TINY,
+        "--max-steps",
+        "4",
+    ]
     done = _shardwise(args, str(tmp_path))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "16-bit for compute, fp32 sharded masters" in done.stdout and "chunked over tokens" in done.stdout

@@ -28,9 +28,22 @@ import pytest
 from shardwise.config import TrainJobConfig, flatten
 from tests.forkrun import run_phases
 
-TINY = ["--nproc", "1", "--model.layers=1", "--model.hidden=32", "--model.heads=2", "--model.seq_len=16", "--data.max_chars=20000",
-        "--train.global_batch_size=4", "--train.warmup_steps=2", "--train.eval_every=0", "--train.eval_windows=4", "--sample.chars=0",
-        "--train.log_every=1", "--checkpoint.every_n_steps=3"]
+TINY = [
+    "--nproc",
+    "1",
+    "--model.layers=1",
+    "--model.hidden=32",
+    "--model.heads=2",
+    "--model.seq_len=16",
+    "--data.max_chars=20000",
+    "--train.global_batch_size=4",
+    "--train.warmup_steps=2",
+    "--train.eval_every=0",
+    "--train.eval_windows=4",
+    "--sample.chars=0",
+    "--train.log_every=1",
+    "--checkpoint.every_n_steps=3",
+]
 
 
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MLFLOW_ALLOW_FILE_STORE": "true", "WANDB_SILENT": "true"}
@@ -44,8 +57,16 @@ class Done:
 
 
 def _job(cwd: Path, name: str, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    return {"id": name, "kind": "shardwise", "argv": ["train", *TINY, *args], "cwd": str(cwd), "env": {**ENV, **(env or {})},
-            "stdout": str(cwd / f"{name}.out"), "stderr": str(cwd / f"{name}.err"), "timeout_s": 240}
+    return {
+        "id": name,
+        "kind": "shardwise",
+        "argv": ["train", *TINY, *args],
+        "cwd": str(cwd),
+        "env": {**ENV, **(env or {})},
+        "stdout": str(cwd / f"{name}.out"),
+        "stderr": str(cwd / f"{name}.err"),
+        "timeout_s": 240,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +77,42 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     mlflow_dir, wandb_dir = tmp_path_factory.mktemp("mlflow"), tmp_path_factory.mktemp("wandb")
     store = (mlflow_dir / "mlruns").as_uri()
     mlflow = ["--run.name=tracked", "--log.tracker", "mlflow", "--log.tracking_uri", store, "--log.experiment", "cli"]
-    phases = [[_job(mlflow_dir, "first", *mlflow, "--max-steps", "5", "--max-restarts", "1", env={"SHARDWISE_FAULT": "rank=0,step=3,how=raise"}),
-               _job(wandb_dir, "wandb", "--run.name=wb", "--max-steps", "2", "--log.tracker", "wandb", "--log.wandb_mode", "offline",
-                    "--log.experiment", "cli", env={"WANDB_MODE": "online"})],  # the option wins over the environment
-              [_job(mlflow_dir, "second", *mlflow, "--max-steps", "8", "--resume", "auto")]]
+    phases = [
+        [
+            _job(
+                mlflow_dir,
+                "first",
+                *mlflow,
+                "--max-steps",
+                "5",
+                "--max-restarts",
+                "1",
+                env={"SHARDWISE_FAULT": "rank=0,step=3,how=raise"},
+            ),
+            _job(
+                wandb_dir,
+                "wandb",
+                "--run.name=wb",
+                "--max-steps",
+                "2",
+                "--log.tracker",
+                "wandb",
+                "--log.wandb_mode",
+                "offline",
+                "--log.experiment",
+                "cli",
+                env={"WANDB_MODE": "online"},
+            ),
+        ],  # the option wins over the environment
+        [_job(mlflow_dir, "second", *mlflow, "--max-steps", "8", "--resume", "auto")],
+    ]
     results = run_phases(phases, env={"SHARDWISE_FAULT": None}, preload=("mlflow.tracking", "wandb"), timeout_s=600)
     done = {}
     for name, cwd in (("first", mlflow_dir), ("wandb", wandb_dir), ("second", mlflow_dir)):
         rc = results[name]["rc"]
-        done[name] = Done(rc if isinstance(rc, int) else -9, (cwd / f"{name}.out").read_text(), (cwd / f"{name}.err").read_text())
+        done[name] = Done(
+            rc if isinstance(rc, int) else -9, (cwd / f"{name}.out").read_text(), (cwd / f"{name}.err").read_text()
+        )
     return {"store": store, "mlflow_dir": mlflow_dir, "wandb_dir": wandb_dir, **done}
 
 
@@ -98,7 +146,9 @@ def test_mlflow_run_survives_a_restart_and_a_resume(runs: dict[str, Any], monkey
     params = run.data.params
     config = flatten(TrainJobConfig())
     assert set(config) <= set(params)  # the whole resolved configuration
-    assert params["parallel.plan"] == "dp=1" and params["shardwise.plan"] == "dp=1"  # the plan the command resolved, and the run's
+    assert (
+        params["parallel.plan"] == "dp=1" and params["shardwise.plan"] == "dp=1"
+    )  # the plan the command resolved, and the run's
     assert params["log.tracker"] == "mlflow" and params["run.name"] == "tracked" and params["model.hidden"] == "32"
     assert params["train.max_steps"] == "5"  # params are write-once: the resumed run added none it held
 
@@ -140,8 +190,17 @@ def test_wandb_offline_run_holds_the_configuration(runs: dict[str, Any]) -> None
     assert run.project == "cli" and run.display_name == "wb" and run.run_id == state["id"]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert set(flatten(TrainJobConfig())) <= set(config)  # the whole resolved configuration
-    assert config["parallel.plan"] == "dp=1" and config["shardwise.plan"] == "dp=1" and config["log.wandb_mode"] == "offline"
+    assert (
+        config["parallel.plan"] == "dp=1"
+        and config["shardwise.plan"] == "dp=1"
+        and config["log.wandb_mode"] == "offline"
+    )
     assert config["model.hidden"] == 32 and config["train.max_steps"] == 2 and config["run.name"] == "wb"
-    steps = [int(item.value_json) for r in records if r.WhichOneof("record_type") == "history" for item in r.history.item
-             if list(item.nested_key) == ["_step"]]
+    steps = [
+        int(item.value_json)
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+        for item in r.history.item
+        if list(item.nested_key) == ["_step"]
+    ]
     assert steps == [1, 2]

@@ -100,7 +100,9 @@ def test_every_documented_command_names_what_exists(cmd) -> None:
         error = parse_error(cmd.parse_argv())
         if error and not cmd.error:
             # a reference in prose may leave out required arguments; no command may name a flag that does not exist
-            assert cmd.pattern and "unrecognized arguments" not in error and "invalid choice" not in error, f"{where}: `{cmd.text}`: {error}"
+            assert cmd.pattern and "unrecognized arguments" not in error and "invalid choice" not in error, (
+                f"{where}: `{cmd.text}`: {error}"
+            )
     elif cmd.program in ("python", "python3"):
         target = cmd.words[1:]
         if target[:1] == ["-m"]:
@@ -108,7 +110,9 @@ def test_every_documented_command_names_what_exists(cmd) -> None:
 
             assert importlib.util.find_spec(target[1]) is not None, f"{where}: `{cmd.text}`: no module {target[1]}"
         else:
-            assert target[0] in USER_SCRIPTS or (ROOT / target[0]).is_file(), f"{where}: `{cmd.text}`: {target[0]} does not exist"
+            assert target[0] in USER_SCRIPTS or (ROOT / target[0]).is_file(), (
+                f"{where}: `{cmd.text}`: {target[0]} does not exist"
+            )
     elif cmd.program == "make":
         targets = re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), flags=re.M)
         assert cmd.words[1] in targets, f"{where}: `{cmd.text}`: the Makefile has no target {cmd.words[1]!r}"

@@ -46,8 +46,19 @@ def test_stop_of():
 
 
 def _summary(**kw) -> JobSummary:
-    base = dict(run_dir="runs/x", steps=34, world_size=2, plan="dp=2", val_loss=1.5, train_loss=1.4, unigram_entropy=3.1,
-                elapsed_s=1.0, params=10, sample="", total_steps=100)
+    base = dict(
+        run_dir="runs/x",
+        steps=34,
+        world_size=2,
+        plan="dp=2",
+        val_loss=1.5,
+        train_loss=1.4,
+        unigram_entropy=3.1,
+        elapsed_s=1.0,
+        params=10,
+        sample="",
+        total_steps=100,
+    )
     return JobSummary(**{**base, **kw})
 
 
@@ -60,7 +71,9 @@ def test_summary_line_and_exit_status_of_a_cut_short_run():
                                     f"/abs/runs/x/checkpoints/step_00000034; resume with: {resume}")
     assert "validation loss" not in text and exit_status(pre) == 138
     early = _summary(stopped="stopped")
-    assert format_summary(early).startswith("stopped early at step 34 of 100") and "validation loss" in format_summary(early)
+    assert format_summary(early).startswith("stopped early at step 34 of 100") and "validation loss" in format_summary(
+        early
+    )
     assert exit_status(early) == 0 and exit_status(_summary()) == 0
     assert format_summary(_summary()).startswith("validation loss")
 

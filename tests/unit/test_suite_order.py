@@ -43,13 +43,25 @@ def _order(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, worker: b
     return eval(line[len("ORDER "):])  # noqa: S307 - our own list literal
 
 
-def test_each_test_gets_its_files_group_and_a_serial_run_keeps_the_order(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _order(pytester, monkeypatch, worker=False) == ["test_a.py:test_a1", "test_a.py:test_a2", "test_b.py:test_b1", "own:test_b2"]
+def test_each_test_gets_its_files_group_and_a_serial_run_keeps_the_order(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert _order(pytester, monkeypatch, worker=False) == [
+        "test_a.py:test_a1",
+        "test_a.py:test_a2",
+        "test_b.py:test_b1",
+        "own:test_b2",
+    ]
 
 
 def test_under_xdist_the_longest_group_starts_first(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     # test_b.py: 50 s expected; `own`: 20 s; test_a.py: two tests without a mark or a measurement (a guess each)
-    assert _order(pytester, monkeypatch, worker=True) == ["test_b.py:test_b1", "own:test_b2", "test_a.py:test_a1", "test_a.py:test_a2"]
+    assert _order(pytester, monkeypatch, worker=True) == [
+        "test_b.py:test_b1",
+        "own:test_b2",
+        "test_a.py:test_a1",
+        "test_a.py:test_a2",
+    ]
 
 
 def test_the_measured_seconds_are_read_from_the_profile() -> None:
@@ -60,8 +72,13 @@ def test_the_measured_seconds_are_read_from_the_profile() -> None:
 
 
 def test_cpu_of_a_running_child_is_counted() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\n"
-                              "time.sleep(30)"])
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass\ntime.sleep(30)",
+        ]
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and cpu_profile.descendants_cpu().get(child.pid, 0.0) < 0.3:
@@ -74,7 +91,9 @@ def test_cpu_of_a_running_child_is_counted() -> None:
 
 
 def test_the_profile_table_lists_files_by_cpu() -> None:
-    text = cpu_profile.table({"a.py": {"tests": 2, "cpu_s": 1.0, "wall_s": 3.0}, "b.py": {"tests": 1, "cpu_s": 5.0, "wall_s": 4.0}}, 9.0)
+    text = cpu_profile.table(
+        {"a.py": {"tests": 2, "cpu_s": 1.0, "wall_s": 3.0}, "b.py": {"tests": 1, "cpu_s": 5.0, "wall_s": 4.0}}, 9.0
+    )
     lines = text.splitlines()
     assert lines[2].startswith("| b.py | 1 | 5.0 | 4.0 |") and lines[3].startswith("| a.py | 2 | 1.0 | 3.0 |")
     assert "| 3 | 6.0 | 7.0 |" in lines[4] and "9 s" in lines[4]
@@ -88,7 +107,9 @@ def test_a_documented_command_is_resolved_only_on_the_path_of_one_that_runs() ->
     assert resolved, "no documented command shares a code path with another"
     for p in resolved:
         first = planned[p.same_as]
-        assert first.run is not None and first.same_as is None, f"`{p.cmd.text}` stands on `{first.cmd.text}`, which does not run"
+        assert first.run is not None and first.same_as is None, (
+            f"`{p.cmd.text}` stands on `{first.cmd.text}`, which does not run"
+        )
         assert p.cmd.error is None or p.cmd.error == first.cmd.error, f"`{p.cmd.text}` shows a refusal: it runs"
         assert p.why_same
     assert all(why for options in VALUE_ONLY.values() for why in options.values())

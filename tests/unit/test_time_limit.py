@@ -25,7 +25,12 @@ def test_speed_factor_is_one_on_a_machine_as_fast_and_the_ratio_on_a_slower_one(
 
 
 def test_parallel_factor_is_the_number_of_xdist_workers() -> None:
-    assert parallel_factor(None) == 1.0 and parallel_factor("") == 1.0 and parallel_factor("2") == 2.0 and parallel_factor("0") == 1.0
+    assert (
+        parallel_factor(None) == 1.0
+        and parallel_factor("") == 1.0
+        and parallel_factor("2") == 2.0
+        and parallel_factor("0") == 1.0
+    )
 
 
 def test_verdict_names_the_time_the_limit_and_the_way_out() -> None:
@@ -33,7 +38,9 @@ def test_verdict_names_the_time_the_limit_and_the_way_out() -> None:
     message = verdict(91.0, Allowance(90.0, None), 1.0)
     assert message and "91.0 s" in message and "90 s" in message and "slow_allowed(seconds=" in message
     assert verdict(91.0, Allowance(90.0, None), 1.5) is None  # a busy machine: 135 s
-    assert "x1.5 for this machine's load and speed and the tests beside it" in verdict(140.0, Allowance(90.0, None), 1.5)
+    assert "x1.5 for this machine's load and speed and the tests beside it" in verdict(
+        140.0, Allowance(90.0, None), 1.5
+    )
     assert verdict(150.0, Allowance(200.0, "a whole calibration"), 1.0) is None
     assert "allowance of 200 s" in verdict(250.0, Allowance(200.0, "a whole calibration"), 1.0)
 
@@ -41,7 +48,9 @@ def test_verdict_names_the_time_the_limit_and_the_way_out() -> None:
 def test_a_slow_test_fails_unless_it_has_an_allowance_with_a_reason(tmp_path: Path) -> None:
     """A real pytest session (limit 0.3 s): the slow test errors at teardown, the allowed one passes,
     a failed one is reported as failed only, and an allowance without a reason is a usage error."""
-    (tmp_path / "conftest.py").write_text("from tests.time_limit import pytest_configure, pytest_runtest_makereport  # noqa\n")
+    (tmp_path / "conftest.py").write_text(
+        "from tests.time_limit import pytest_configure, pytest_runtest_makereport  # noqa\n"
+    )
     (tmp_path / "test_it.py").write_text(textwrap.dedent("""
         import time
         import pytest
@@ -61,7 +70,19 @@ def test_a_slow_test_fails_unless_it_has_an_allowance_with_a_reason(tmp_path: Pa
             assert False
     """))
     env = {**os.environ, "SHARDWISE_TEST_LIMIT_S": "0.3", "PYTHONPATH": str(REPO)}
-    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tmp_path), str(tmp_path)]
+    args = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--rootdir",
+        str(tmp_path),
+        str(tmp_path),
+    ]
     done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
@@ -69,6 +90,10 @@ def test_a_slow_test_fails_unless_it_has_an_allowance_with_a_reason(tmp_path: Pa
     assert "ERROR test_it.py::test_slow - " in out, out
     assert "over the suite's limit of 0.3 s: make it faster" in out, out
     assert "test_allowed" not in out.split("short test summary")[-1], out
-    (tmp_path / "test_it.py").write_text("import pytest\n\n@pytest.mark.slow_allowed(seconds=5)\ndef test_no_reason():\n    pass\n")
+    (tmp_path / "test_it.py").write_text(
+        "import pytest\n\n@pytest.mark.slow_allowed(seconds=5)\ndef test_no_reason():\n    pass\n"
+    )
     done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "needs seconds=<positive number> and why=" in done.stdout + done.stderr, done.stdout + done.stderr
+    assert done.returncode != 0 and "needs seconds=<positive number> and why=" in done.stdout + done.stderr, (
+        done.stdout + done.stderr
+    )

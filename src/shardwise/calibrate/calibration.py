@@ -49,8 +49,12 @@ from typing import Any
 
 from shardwise.observe.collectives import BandwidthRow, bus_factor
 from shardwise.plan.cluster import ClusterSpec
-from shardwise.calibrate.layer_costs import (measure_block_throughput, measure_optimizer, measure_parallel_layer_overheads,
-                                        measure_pipeline_overlap)
+from shardwise.calibrate.layer_costs import (
+    measure_block_throughput,
+    measure_optimizer,
+    measure_parallel_layer_overheads,
+    measure_pipeline_overlap,
+)
 from shardwise.calibrate.timing import concurrent_seconds, solo_seconds
 
 DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
@@ -132,7 +136,9 @@ GPU_MATMUL_SIZES = (256, 1024, 4096, 8192)
 QUICK_MATMUL_SIZES, QUICK_BLOCK_WIDTHS = 3, 2
 
 
-def calibrate_worker(sizes: list[int], matmul_sizes: list[int] | None, iters: int, *, quick: bool = False) -> Calibration:
+def calibrate_worker(
+    sizes: list[int], matmul_sizes: list[int] | None, iters: int, *, quick: bool = False
+) -> Calibration:
     """Runs on every rank of an initialized group: a group started by :func:`calibrate`, or a
     training job's own world (``Trainer(plan="auto")``). It measures with the intra-op threads the
     process already has (``shardwise run`` gives each local process the cores divided among them),
@@ -147,7 +153,9 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int] | None, iters: in
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if matmul_sizes is None:
-        matmul_sizes = list(GPU_MATMUL_SIZES if device.type == "cuda" else CPU_MATMUL_SIZES)[:QUICK_MATMUL_SIZES if quick else None]
+        matmul_sizes = list(GPU_MATMUL_SIZES if device.type == "cuda" else CPU_MATMUL_SIZES)[
+            : QUICK_MATMUL_SIZES if quick else None
+        ]
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if device.type == "cuda":
         dtypes["fp16"] = torch.float16
@@ -166,8 +174,21 @@ def calibrate_worker(sizes: list[int], matmul_sizes: list[int] | None, iters: in
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / n
-    return Calibration(n, device.type, matmul, memory_bw, overhead, dtensor, layer_overheads, block, optimizer, solo, rows,
-                       memory, threads=torch.get_num_threads())
+    return Calibration(
+        n,
+        device.type,
+        matmul,
+        memory_bw,
+        overhead,
+        dtensor,
+        layer_overheads,
+        block,
+        optimizer,
+        solo,
+        rows,
+        memory,
+        threads=torch.get_num_threads(),
+    )
 
 
 def oversubscription(cal: Calibration) -> float:
@@ -245,7 +266,9 @@ def to_spec(cal: Calibration, *, name: str | None = None) -> ClusterSpec:
     )
 
 
-def _calibrate_with_threads(threads: int, sizes: list[int], matmul_sizes: list[int] | None, iters: int, quick: bool = False) -> Calibration:
+def _calibrate_with_threads(
+    threads: int, sizes: list[int], matmul_sizes: list[int] | None, iters: int, quick: bool = False
+) -> Calibration:
     """A CPU worker of :func:`calibrate` with ``shardwise run``'s thread rule (cores / local processes):
     more threads than cores make OpenMP spin and slow small matmuls ~100x."""
     import torch
@@ -263,5 +286,7 @@ def calibrate(nproc: int, *, sizes: tuple[int, ...] = DEFAULT_SIZES, matmul_size
 
     sizes_arg = list(matmul_sizes) if matmul_sizes is not None else None
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    cal = launch(_calibrate_with_threads, nprocs=nproc, args=(threads, list(sizes), sizes_arg, iters, quick), timeout_s=timeout_s)[0]
+    cal = launch(
+        _calibrate_with_threads, nprocs=nproc, args=(threads, list(sizes), sizes_arg, iters, quick), timeout_s=timeout_s
+    )[0]
     return to_spec(cal, name=name)

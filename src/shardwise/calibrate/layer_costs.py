@@ -139,7 +139,9 @@ CPU_BLOCK_SHAPES = ((64, 512, 128), (128, 512, 128), (256, 512, 128), (512, 256,
 GPU_BLOCK_SHAPES = ((512, 8192, 1024), (1024, 8192, 1024), (2048, 8192, 1024), (4096, 8192, 1024))
 
 
-def measure_block_throughput(device: Any, precisions: tuple[str, ...], *, widths: int | None = None) -> dict[str, dict[str, float]]:
+def measure_block_throughput(
+    device: Any, precisions: tuple[str, ...], *, widths: int | None = None
+) -> dict[str, dict[str, float]]:
     """Achieved FLOP/s of transformer layers (a stack of the built-in GPT's ``Block``: LayerNorms,
     q/k/v/o projections, ``scaled_dot_product_attention``, GELU MLP), forward + backward including
     the gradient of the input, in concurrent windows, by precision (fp32, or autocast) and by the
@@ -167,7 +169,14 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...], *, widths
         last_call_s, last_flops = 0.0, 0.0
         for hidden, tokens, seq in shapes:
             heads = max(1, hidden // 64)
-            flops = STACK * 3 * transformer_stats(TransformerSpec(layers=1, hidden=hidden, heads=heads, vocab_size=8, seq_len=seq)).flops_per_block * (tokens // seq)
+            flops = (
+                STACK
+                * 3
+                * transformer_stats(
+                    TransformerSpec(layers=1, hidden=hidden, heads=heads, vocab_size=8, seq_len=seq)
+                ).flops_per_block
+                * (tokens // seq)
+            )
             dim = f"{(tokens * hidden * hidden) ** (1 / 3):.1f}"
             if table and dim in reference and last_call_s * flops / last_flops > SLOW_CALL_S:
                 # A CPU without bf16 units emulates it ~20x slower than fp32: the larger shapes would
@@ -179,7 +188,9 @@ def measure_block_throughput(device: Any, precisions: tuple[str, ...], *, widths
             cfg = GPTConfig(vocab_size=8, seq_len=seq, layers=1, hidden=hidden, heads=heads)
             # A stack of STACK blocks, not one: a lone block re-run keeps its weights and
             # activations in cache, which a real stack does not (22% faster on this VM's CPU).
-            block = apply_checkpointing(torch.nn.Sequential(*(Block(cfg) for _ in range(STACK))).to(device), mode=recompute)
+            block = apply_checkpointing(
+                torch.nn.Sequential(*(Block(cfg) for _ in range(STACK))).to(device), mode=recompute
+            )
             x = torch.randn(tokens // seq, seq, hidden, device=device, requires_grad=True)
 
             def step() -> None:
@@ -220,7 +231,11 @@ def measure_optimizer(device: Any) -> dict[str, float]:
         from torch.distributed.tensor import Shard, distribute_tensor
 
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        shards = [torch.nn.Parameter(distribute_tensor(torch.zeros(small_size * dist.get_world_size(), device=device), mesh, [Shard(0)]))
-                  for _ in range(small_n)]
+        shards = [
+            torch.nn.Parameter(
+                distribute_tensor(torch.zeros(small_size * dist.get_world_size(), device=device), mesh, [Shard(0)])
+            )
+            for _ in range(small_n)
+        ]
         dtensor_tensor = max(seconds(shards) / small_n - small_size * per_param, 0.0)
     return {"tensor_s": per_tensor, "dtensor_tensor_s": dtensor_tensor, "param_s": per_param}

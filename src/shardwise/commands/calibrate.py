@@ -19,12 +19,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("calibrate", help="measure matmul throughput and collective bandwidth; write a cluster spec",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=None, help="local processes (default: GPUs, else 2)")
-    p.add_argument("--out", default="cluster.json", help="where to write the spec (JSON); it is also cached for plan='auto'")
+    p.add_argument(
+        "--out", default="cluster.json", help="where to write the spec (JSON); it is also cached for plan='auto'"
+    )
     p.add_argument("--max-size-mb", type=float, default=16.0, help="largest collective message")
     p.add_argument("--iters", type=int, default=10, help="timed repetitions per size (median)")
-    p.add_argument("--quick", action="store_true",
-                   help="a first look in a fraction of the time: the same measurements at fewer sizes (the smaller matmuls, "
-                        "the two narrowest transformer layers), so lower peaks and a shorter table for the planner")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first look in a fraction of the time: the same measurements at fewer sizes (the smaller matmuls, "
+        "the two narrowest transformer layers), so lower peaks and a shorter table for the planner",
+    )
     p.add_argument("--name", default=None, help="name stored in the spec")
     p.set_defaults(func=_main)
 
@@ -53,20 +58,35 @@ def _main(args: argparse.Namespace) -> int:
     from shardwise.runtime.settings import read_settings
 
     cuda = torch.cuda.is_available()
-    cached = cache_path(read_settings(os.environ).cache_dir, world_size=nproc, device_type="cuda" if cuda else "cpu", threads=max(1, (os.cpu_count() or 1) // nproc),
-                        device_name=torch.cuda.get_device_name(0) if cuda else "")
+    cached = cache_path(
+        read_settings(os.environ).cache_dir,
+        world_size=nproc,
+        device_type="cuda" if cuda else "cpu",
+        threads=max(1, (os.cpu_count() or 1) // nproc),
+        device_name=torch.cuda.get_device_name(0) if cuda else "",
+    )
     save_cached(spec, cached)
     flops = ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in spec.peak_flops.items())
     print(f"matmul per process: {flops}")
     print(f"memory bandwidth per process: {spec.memory_bw / 1e9:.2f} GB/s")
-    print(f"all-reduce: latency {spec.intra_latency_s * 1e6:.1f} us per step, bus bandwidth {spec.intra_bw / 1e9:.3f} GB/s")
-    print(f"fixed cost per layer forward + backward: tensor parallel {spec.tp_layer_overhead_s * 1e3:.2f} ms, "
-          f"FSDP unit {spec.zero3_unit_overhead_s * 1e3:.2f} ms (ZeRO-3) / {spec.zero2_unit_overhead_s * 1e3:.2f} ms (ZeRO-2)")
-    print(f"pipeline slot {spec.pp_microbatch_overhead_s * 1e3:.2f} ms; Adam {spec.optimizer_tensor_s * 1e6:.0f} us per tensor "
-          f"({spec.optimizer_dtensor_tensor_s * 1e6:.0f} us per DTensor) + {spec.optimizer_param_s * 1e9:.2f} ns per element")
+    print(
+        f"all-reduce: latency {spec.intra_latency_s * 1e6:.1f} us per step, bus bandwidth {spec.intra_bw / 1e9:.3f} GB/s"
+    )
+    print(
+        f"fixed cost per layer forward + backward: tensor parallel {spec.tp_layer_overhead_s * 1e3:.2f} ms, "
+        f"FSDP unit {spec.zero3_unit_overhead_s * 1e3:.2f} ms (ZeRO-3) / {spec.zero2_unit_overhead_s * 1e3:.2f} ms (ZeRO-2)"
+    )
+    print(
+        f"pipeline slot {spec.pp_microbatch_overhead_s * 1e3:.2f} ms; Adam {spec.optimizer_tensor_s * 1e6:.0f} us per tensor "
+        f"({spec.optimizer_dtensor_tensor_s * 1e6:.0f} us per DTensor) + {spec.optimizer_param_s * 1e9:.2f} ns per element"
+    )
     layer = spec.measurements.get("block_flops", {})
     for precision, table in layer.items():
-        print(f"transformer layer ({precision}, fwd + bwd): " + ", ".join(f"{float(v) / 1e9:.1f}" for v in table.values()) + " GFLOP/s by width")
+        print(
+            f"transformer layer ({precision}, fwd + bwd): "
+            + ", ".join(f"{float(v) / 1e9:.1f}" for v in table.values())
+            + " GFLOP/s by width"
+        )
     print(f"oversubscription (a lone process vs all busy): {spec.oversubscription:.2f}")
     print(f"memory per process: {spec.memory_bytes / 2**30:.1f} GiB")
     print(f"wrote {args.out}; use it with: shardwise plan --device-type {args.out} --devices {nproc} ...")

@@ -52,8 +52,13 @@ class Report(Callback):
         time.sleep(self.sleep_s)
         env = trainer.env
         replica, _, step = self.kill.partition(":")
-        if (replica == str(env.replica) and trainer.state.step + 1 >= int(step) and env.rank == 0 and env.settings.restart_count == 0
-                and every_group_live(env)):
+        if (
+            replica == str(env.replica)
+            and trainer.state.step + 1 >= int(step)
+            and env.rank == 0
+            and env.settings.restart_count == 0
+            and every_group_live(env)
+        ):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_step_end(self, trainer, metrics=None) -> None:  # type: ignore[no-untyped-def]
@@ -84,20 +89,41 @@ def main() -> None:
     kill = sys.argv[5] if len(sys.argv) > 5 else ""
     torch.manual_seed(0)
     model = TokenMLP()
-    trainer = shardwise.Trainer(model, loss_fn=loss_fn, global_batch_size=int(os.environ.get("FT_GLOBAL_BATCH", "8")),
-                                plan=plan, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
-                                train=shardwise.TrainOptions(max_steps=steps, seed=0, loss_reduction="tokens",
-                                                             lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)),
-                                logging=shardwise.LoggingOptions(log_every=1, progress_bar=False),
-                                callbacks=[Report(sleep_s, kill)], checkpoint=os.environ.get("FT_CHECKPOINT") or None)
+    trainer = shardwise.Trainer(
+        model,
+        loss_fn=loss_fn,
+        global_batch_size=int(os.environ.get("FT_GLOBAL_BATCH", "8")),
+        plan=plan,
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+        train=shardwise.TrainOptions(
+            max_steps=steps,
+            seed=0,
+            loss_reduction="tokens",
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
+        ),
+        logging=shardwise.LoggingOptions(log_every=1, progress_bar=False),
+        callbacks=[Report(sleep_s, kill)],
+        checkpoint=os.environ.get("FT_CHECKPOINT") or None,
+    )
     result = trainer.fit(data())
-    weights = get_model_state_dict(trainer.model.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    weights = get_model_state_dict(
+        trainer.model.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if trainer.env.rank == 0:
         os.makedirs(out, exist_ok=True)
-        torch.save({"weights": weights, "step": trainer.state.step, "position": trainer.state.sampler.state_dict(),
-                    "lr": trainer.optimizer.param_groups[0]["lr"], "losses": [row["loss"] for row in result.history if "loss" in row],
-                    "optimizer": {k: v for k, v in trainer.optimizer.state_dict()["state"].items()} if plan == "dp" else None},
-                   os.path.join(out, f"replica{trainer.env.replica}.pt"))
+        torch.save(
+            {
+                "weights": weights,
+                "step": trainer.state.step,
+                "position": trainer.state.sampler.state_dict(),
+                "lr": trainer.optimizer.param_groups[0]["lr"],
+                "losses": [row["loss"] for row in result.history if "loss" in row],
+                "optimizer": {k: v for k, v in trainer.optimizer.state_dict()["state"].items()}
+                if plan == "dp"
+                else None,
+            },
+            os.path.join(out, f"replica{trainer.env.replica}.pt"),
+        )
 
 
 if __name__ == "__main__":
