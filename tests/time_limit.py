@@ -94,7 +94,8 @@ def verdict(total_s: float, allowed: Allowance, scale: float) -> str | None:
     load = f" (x{scale:.1f} for this machine's load and speed and the tests beside it)" if scale > 1.0 else ""
     if allowed.why is None:
         return (
-            f"this test took {total_s:.1f} s (setup + call + teardown), over the suite's limit of {allowed.seconds:g} s{load}: "
+            f"this test took {total_s:.1f} s (setup + call + teardown), over the suite's limit of {allowed.seconds:g} "
+            f"s{load}: "
             f"make it faster (smaller model, fewer steps, a shared fixture), or give it "
             f"@pytest.mark.{MARKER}(seconds=..., why=\"...\") saying why it must be slow"
         )

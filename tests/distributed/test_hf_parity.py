@@ -9,7 +9,8 @@ Every family appears under at least two plans and every plan under at least two 
 (``dp=2,ep=2``, ``zero=3,shard=2,ep=2``, ``dp=2,pp=2,ep=2``). Models in a user's own wrapper
 (``examples/hf_wrapped_script.py``): Llama and Mixtral under ``cp=2``, ``dp=2,cp=2`` and
 ``cp=2,tp=2``, Mixtral under ``ep=2`` alone, Phi-3 (eager attention, fused ``qkv_proj`` under
-grouped-query attention and ``gate_up_proj``) under ``tp=2``, ``zero=3`` and ``dp=2,tp=2``. The whole matrix (7 families x 11 plans, 10 steps) is bench/hf_parity_matrix.py.
+grouped-query attention and ``gate_up_proj``) under ``tp=2``, ``zero=3`` and ``dp=2,tp=2``.
+The whole matrix (7 families x 11 plans, 10 steps) is bench/hf_parity_matrix.py.
 One pair also runs through the ``shardwise verify`` command line.
 """
 

@@ -89,7 +89,8 @@ def test_from_pretrained_reads_only_its_slices(dist2, saved: dict[str, str], fam
 
 
 def roundtrip_worker(path: str, ckpt: str) -> tuple[torch.Tensor | None, float, float]:
-    """Load into tp=2,pp=2, train 3 SGD steps, save; return the last stage's logits, the loss and this rank's read fraction."""
+    """Load into tp=2,pp=2, train 3 SGD steps, save; return the last stage's logits, the loss and this
+    rank's read fraction."""
     from shardwise.checkpoint import CheckpointManager
     from shardwise.train.pretrained import from_pretrained
 

@@ -169,7 +169,8 @@ def sshd() -> Iterator[LoopbackSshd]:
                 break
             if server.poll() is not None or time.monotonic() > deadline:
                 pytest.fail(
-                    f"the test sshd does not accept logins: {check.stderr.strip()} / sshd log: {(work / 'sshd.log').read_text()}"
+                    f"the test sshd does not accept logins: {check.stderr.strip()} / sshd log: "
+                    f"{(work / 'sshd.log').read_text()}"
                 )
             time.sleep(0.3)
         yield LoopbackSshd(port=port, user=user, key=work / "user_key", config=config, dir=work)

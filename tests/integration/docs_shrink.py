@@ -68,12 +68,16 @@ def skip_reason(cmd: Command) -> str | None:
         return {
             "test": "is this test suite",
             "setup": "makes the environment this suite runs in",
-            "train": "runs `shardwise train` at full size (400 steps, minutes); the suite runs `shardwise train` shrunk",
+            "train": "runs `shardwise train` at full size (400 steps, minutes); the suite runs `shardwise train` "
+            "shrunk",
         }.get(words[1] if len(words) > 1 else "", "a make target")
     if program in ("python", "python3") and len(words) > 1 and words[1].startswith("bench/"):
         return "a benchmark (minutes of interleaved timing); its results are committed in bench/results/"
     if "--hostfile" in words or "--hosts" in words:
-        return "starts processes on other hosts over ssh (a cluster; tests/integration/test_hostfile.py runs it on a loopback sshd)"
+        return (
+            "starts processes on other hosts over ssh (a cluster; tests/integration/test_hostfile.py runs it on a "
+            "loopback sshd)"
+        )
     if any(h in w for w in words for h in CLUSTER_HOSTS):
         return "needs other nodes (node0, node1: a cluster)"
     lighthouse = _value(words, "--lighthouse")

@@ -370,7 +370,8 @@ TRAIN_CASES_INSTRUCT = [
     case(
         "hf-weights-shape-not-the-config",
         [*FT, "--model.hf", "wide", "--data.format", "chat", "--data.files", "c.jsonl"],
-        r"wide/model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \[\d+, \d+\], but the model that "
+        r"wide/model\.safetensors: tensor 'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape \[\d+, \d+\], but the "
+        r"model that "
         r"config\.json describes needs",
         copy_dir("chatmodel", "wide"),
         edit_json("wide/config.json", intermediate_size=512),
@@ -1125,7 +1126,10 @@ def outcomes(request: pytest.FixtureRequest, scratch: Path) -> Iterator[Callable
 @pytest.mark.parametrize("case", [c for _, c in ALL], ids=[f"{command}-{c.name}" for command, c in ALL])
 def test_bad_input_is_one_line_and_touches_nothing(case: Case, outcomes: Callable[[Case], Outcome]) -> None:
     result = outcomes(case)
-    shown = f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-3000:]}\n--- stderr ---\n{result.stderr[-3000:]}"
+    shown = (
+        f"exit code {result.returncode}\n--- stdout ---\n{result.stdout[-3000:]}\n"
+        f"--- stderr ---\n{result.stderr[-3000:]}"
+    )
     assert result.returncode is not None, f"no answer within {case.timeout_s} s\n{shown}"
     assert result.returncode != 0, shown
     assert "Traceback" not in result.stdout + result.stderr, shown

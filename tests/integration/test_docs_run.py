@@ -9,12 +9,14 @@ Face model with its tokenizer under the names the docs give it (``my-hf-model/``
 docs' paths (``runs/gpt-stdlib-x``, ``runs/hf-x``, ``runs/ckpt``, ``runs/<name>``, and a LoRA run's
 ``runs/x``, ``runs/lora``), made by ``shardwise train`` itself first; chat and prompt/completion
 records under ``sft/*.jsonl``, ``data/*.jsonl`` and ``qa.parquet``. A command that serves until
-stopped (``shardwise rendezvous``) passes when it still serves after SERVE_S seconds. A ``file:///abs/...`` path lands in that directory.
+stopped (``shardwise rendezvous``) passes when it still serves after SERVE_S seconds. A ``file:///abs/...``
+path lands in that directory.
 
 Shrunk, with the same flags (:mod:`tests.integration.docs_shrink`): the values of the flags that set
 sizes (steps, layers, width, data, message sizes, processes: at most this machine's two cores) are
 replaced, or added when the command leaves them at a larger default; ``--plan auto`` plans for the
-``cpu`` preset instead of measuring the machine (SHARDWISE_CLUSTER, as the docs describe). A command passes when it exits
+``cpu`` preset instead of measuring the machine (SHARDWISE_CLUSTER, as the docs describe). A command passes
+when it exits
 0, or, where its page shows it refused, exits non-zero with the line the page shows.
 
 Skipped, with the reason: what needs a cluster (Slurm, MPI, other hosts over ssh, several nodes),

@@ -39,7 +39,8 @@ from tests.forkrun import Zygote, ZygoteDir, shardwise_command  # noqa: E402
 SEQ = 128
 GEN_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
-    "{{ m['content'] }}{{ eos_token }}\n{% endgeneration %}{% else %}{{ m['content'] }}{{ eos_token }}\n{% endif %}{% endfor %}"
+    "{{ m['content'] }}{{ eos_token }}\n{% endgeneration %}{% else %}{{ m['content'] }}{{ eos_token }}\n{% endif %}{% "
+    "endfor %}"
 )
 
 

@@ -65,7 +65,8 @@ def _assert_losses(lines: list[str], expected: dict[int, float]) -> None:
 def _assert_resumed(text: str, *, lost_after: int) -> None:
     resumed = EVENT_AT // SAVE_EVERY * SAVE_EVERY
     assert re.search(
-        rf"^elastic: lost 1 node after step {lost_after}: \S+ \(agent pid \d+, ranks \d-\d\); 2 processes remain on 1 node$",
+        rf"^elastic: lost 1 node after step {lost_after}: \S+ \(agent pid \d+, ranks \d-\d\); 2 processes remain on 1 "
+        r"node$",
         text,
         re.M,
     ), text

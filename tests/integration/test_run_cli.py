@@ -237,7 +237,8 @@ def test_slurm_writes_an_sbatch_script(tmp_path: Path) -> None:
     ):
         assert line in text
     assert (
-        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node 8 --max-restarts 0 train.py --lr 3e-4"
+        "srun --ntasks-per-node=1 --kill-on-bad-exit=1 shardwise run --nproc-per-node 8 --max-restarts 0 train.py "
+        "--lr 3e-4"
         in text
     )
 

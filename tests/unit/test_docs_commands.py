@@ -129,7 +129,10 @@ def test_the_published_runs_table_is_the_committed_result() -> None:
     table = page.split(begin, 1)[1].split(end, 1)[0].strip()
     assert table == markdown(results)
     overall = results["overall"]
-    quoted = f"median absolute error **{100 * overall['median_abs_error']:.1f}%**, **{100 * overall['within_15']:.0f}%** of the"
+    quoted = (
+        f"median absolute error **{100 * overall['median_abs_error']:.1f}%**, "
+        f"**{100 * overall['within_15']:.0f}%** of the"
+    )
     assert quoted in page, quoted
 
 

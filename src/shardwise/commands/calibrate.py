@@ -70,15 +70,19 @@ def _main(args: argparse.Namespace) -> int:
     print(f"matmul per process: {flops}")
     print(f"memory bandwidth per process: {spec.memory_bw / 1e9:.2f} GB/s")
     print(
-        f"all-reduce: latency {spec.intra_latency_s * 1e6:.1f} us per step, bus bandwidth {spec.intra_bw / 1e9:.3f} GB/s"
+        f"all-reduce: latency {spec.intra_latency_s * 1e6:.1f} us per step, bus bandwidth {spec.intra_bw / 1e9:.3f} "
+        "GB/s"
     )
     print(
         f"fixed cost per layer forward + backward: tensor parallel {spec.tp_layer_overhead_s * 1e3:.2f} ms, "
-        f"FSDP unit {spec.zero3_unit_overhead_s * 1e3:.2f} ms (ZeRO-3) / {spec.zero2_unit_overhead_s * 1e3:.2f} ms (ZeRO-2)"
+        f"FSDP unit {spec.zero3_unit_overhead_s * 1e3:.2f} ms (ZeRO-3) / {spec.zero2_unit_overhead_s * 1e3:.2f} ms "
+        "(ZeRO-2)"
     )
     print(
-        f"pipeline slot {spec.pp_microbatch_overhead_s * 1e3:.2f} ms; Adam {spec.optimizer_tensor_s * 1e6:.0f} us per tensor "
-        f"({spec.optimizer_dtensor_tensor_s * 1e6:.0f} us per DTensor) + {spec.optimizer_param_s * 1e9:.2f} ns per element"
+        f"pipeline slot {spec.pp_microbatch_overhead_s * 1e3:.2f} ms; Adam {spec.optimizer_tensor_s * 1e6:.0f} us per "
+        "tensor "
+        f"({spec.optimizer_dtensor_tensor_s * 1e6:.0f} us per DTensor) + {spec.optimizer_param_s * 1e9:.2f} ns per "
+        "element"
     )
     layer = spec.measurements.get("block_flops", {})
     for precision, table in layer.items():

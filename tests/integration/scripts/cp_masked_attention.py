@@ -1,4 +1,5 @@
-"""A verify script whose attention passes a mask: context parallel refuses it inside the workers (each rank, at its first forward)."""
+"""A verify script whose attention passes a mask: context parallel refuses it inside the workers (each rank,
+at its first forward)."""
 
 import torch
 import torch.nn.functional as F

@@ -30,7 +30,8 @@ class PrintLoss(Callback):
     def on_step_end(self, trainer, metrics) -> None:
         if trainer.env.is_main:
             print(
-                f"LOSS step={metrics['step']} world={trainer.env.world_size} plan={trainer.plan} loss={metrics['loss']:.9e}",
+                f"LOSS step={metrics['step']} world={trainer.env.world_size} plan={trainer.plan} "
+                f"loss={metrics['loss']:.9e}",
                 flush=True,
             )
         time.sleep(self.step_sleep_s)  # a longer job, for trials that strike at random moments
