@@ -114,9 +114,9 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(result, fh, indent=2)
     print(
-        f"compiled step: {result['median_speedup_eager_over_compiled']:.2f}x eager (median of {args.reps} interleaved pairs), "
-        f"first compiled step {first_compiled:.1f} s, {final.graphs} graphs, {final.graph_breaks} graph breaks, "
-        f"{result['recompiles_after_first_step']} recompiles; {args.out}"
+        f"compiled step: {result['median_speedup_eager_over_compiled']:.2f}x eager (median of {args.reps} interleaved "
+        f"pairs), first compiled step {first_compiled:.1f} s, {final.graphs} graphs, {final.graph_breaks} graph "
+        f"breaks, {result['recompiles_after_first_step']} recompiles; {args.out}"
     )
 
 

@@ -106,8 +106,9 @@ def main() -> None:
         json.dump(result, fh, indent=2)
     for row in rows:
         print(
-            f"{row['plan']:<10} cp={row['cp']}: measured {row['measured_bytes'] / 2**20:8.1f} MiB ({row['measured_vs_cp1']:.2f} x cp=1), "
-            f"predicted {row['predicted_bytes'] / 2**20:8.1f} MiB ({row['predicted_over_measured']:.2f} x measured)"
+            f"{row['plan']:<10} cp={row['cp']}: measured {row['measured_bytes'] / 2**20:8.1f} MiB "
+            f"({row['measured_vs_cp1']:.2f} x cp=1), predicted {row['predicted_bytes'] / 2**20:8.1f} MiB "
+            f"({row['predicted_over_measured']:.2f} x measured)"
         )
     try:
         import matplotlib

@@ -307,8 +307,8 @@ def main() -> None:
     with open(args.out, "w") as fh:
         json.dump(report, fh, indent=2)
     print(
-        f"{result['world_size']} process(es) on {result['device_name']}, {spec.precision}, GPT {result['params']:,} params, "
-        f"global batch {spec.global_batch} x {spec.seq_len} tokens, {args.reps} interleaved repetitions of "
+        f"{result['world_size']} process(es) on {result['device_name']}, {spec.precision}, GPT {result['params']:,} "
+        f"params, global batch {spec.global_batch} x {spec.seq_len} tokens, {args.reps} interleaved repetitions of "
         f"{spec.steps - spec.warmup} timed steps"
     )
     for kind in KINDS:
@@ -319,9 +319,9 @@ def main() -> None:
         c, q, r = (report["cpu_per_step_ratio_to_plain"][kind], report["cpu_sched_per_step_ratio_to_plain"][kind],
                    report["ratio_to_plain"][kind])
         print(
-            f"{kind} / plain DDP, CPU per step: {c['median']:.4f} (median of {args.reps} interleaved ratios, 95% interval "
-            f"{c['median_ci95'][0]:.4f}-{c['median_ci95'][1]:.4f}; quartiles {c['q1']:.4f}-{c['q3']:.4f}, range "
-            f"{c['min']:.4f}-{c['max']:.4f}; goal <= 1.01), schedstat {q['median']:.4f} "
+            f"{kind} / plain DDP, CPU per step: {c['median']:.4f} (median of {args.reps} interleaved ratios, 95% "
+            f"interval {c['median_ci95'][0]:.4f}-{c['median_ci95'][1]:.4f}; quartiles {c['q1']:.4f}-{c['q3']:.4f}, "
+            f"range {c['min']:.4f}-{c['max']:.4f}; goal <= 1.01), schedstat {q['median']:.4f} "
             f"({q['q1']:.4f}-{q['q3']:.4f}); samples per wall second {r['median']:.3f} ({r['q1']:.3f}-{r['q3']:.3f})"
         )
     print(f"wrote {args.out}")

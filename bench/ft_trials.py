@@ -192,7 +192,8 @@ def main() -> None:
     print(json.dumps(summary, indent=1))
     for row in elastic:
         print(
-            f"elastic restart ({row['event']}): first step after {row['median_to_first_step_s']} s, steps redone {row['steps_redone']}"
+            f"elastic restart ({row['event']}): first step after {row['median_to_first_step_s']} s, steps redone "
+            f"{row['steps_redone']}"
         )
 
 

@@ -44,8 +44,9 @@ def main() -> int:
         out[attempt] = {"plan": str(trainer.plan), "planning_s": planned_s, "measured_step_s": statistics.median(times),
                         "predicted_step_s": choice.estimate.step_time_s if choice else None}
         print(
-            f"{attempt}: plan {trainer.plan}, planning {planned_s:.1f} s, step {1e3 * out[attempt]['measured_step_s']:.1f} ms "
-            f"(predicted {1e3 * (out[attempt]['predicted_step_s'] or 0):.1f} ms)",
+            f"{attempt}: plan {trainer.plan}, planning {planned_s:.1f} s, step "
+            f"{1e3 * out[attempt]['measured_step_s']:.1f} ms (predicted "
+            f"{1e3 * (out[attempt]['predicted_step_s'] or 0):.1f} ms)",
             flush=True,
         )
     print("cache:", os.listdir(os.environ.get("SHARDWISE_CACHE_DIR", ".")))

@@ -266,7 +266,8 @@ def main() -> None:
         mfu = f"{run['mfu_bf16_peak']:.1%}" if run["mfu_bf16_peak"] else "-"
         mem = f"{run['peak_memory_gib']:.1f} GiB" if run["peak_memory_gib"] else "-"
         print(
-            f"{name:26s} {run['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>6s}  peak {mem:>9s}  loss {run['final_loss']:.4f}"
+            f"{name:26s} {run['tokens_per_s']:12,.0f} tokens/s  MFU {mfu:>6s}  peak {mem:>9s}  loss "
+            f"{run['final_loss']:.4f}"
         )
     for name, value in result["ratios"].items():
         print(f"{name:45s} {value:.3f}")

@@ -73,8 +73,8 @@ def main() -> int:
                         }
                         rows.append(row)
                         print(
-                            f"{family:8s} {plan:58s} loss {row['loss']:.1e}  grad norm {row['grad_norm']:.1e}  weights {wdiff:.1e}  "
-                            f"{'PASS' if row['passed'] else 'FAIL'}",
+                            f"{family:8s} {plan:58s} loss {row['loss']:.1e}  grad norm {row['grad_norm']:.1e}  weights "
+                            f"{wdiff:.1e}  {'PASS' if row['passed'] else 'FAIL'}",
                             flush=True,
                         )
                     print(f"  ({family} on {world} processes: {time.perf_counter() - start:.0f} s)", flush=True)

@@ -14,7 +14,8 @@ that refusal is the expected behaviour, not a failure.
 Prints one line per pair and writes bench/results/hf_wrapped_matrix.json (pairs of earlier runs
 not run now are kept).
 
-Run:  .venv/bin/python bench/hf_wrapped_matrix.py [--steps 4] [--families llama,phi3] [--attention sdpa,eager] [--worlds 2,4]
+Run:  .venv/bin/python bench/hf_wrapped_matrix.py [--steps 4] [--families llama,phi3] [--attention sdpa,eager]
+      [--worlds 2,4]
 
 ``--auto`` instead trains each wrapped family with ``Trainer(plan="auto")`` on 2 processes (the
 ``cpu`` preset, certification on) and writes bench/results/hf_wrapped_auto.json: the plan chosen,
@@ -176,8 +177,9 @@ def main() -> int:
                                 }
                                 rows.append(row)
                                 print(
-                                    f"{family:8s} {attention:5s} {plan:34s} loss {row['loss']:.1e}  grad norm {row['grad_norm']:.1e}  "
-                                    f"weights {wdiff:.1e}  {'PASS' if row['passed'] else 'FAIL'}",
+                                    f"{family:8s} {attention:5s} {plan:34s} loss {row['loss']:.1e}  grad norm "
+                                    f"{row['grad_norm']:.1e}  weights {wdiff:.1e}  "
+                                    f"{'PASS' if row['passed'] else 'FAIL'}",
                                     flush=True,
                                 )
                         print(

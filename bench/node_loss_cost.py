@@ -91,7 +91,8 @@ def trial(work: Path, *, plan: str, nproc: int, event: str, conf: str, expected:
             p.stop()
     text = "\n".join(survivor.lines)
     m = re.search(
-        r"^elastic: resumed from the checkpoint of step (\d+); (no steps are redone|step \d+ is redone|steps (\d+)-(\d+) are redone)",
+        r"^elastic: resumed from the checkpoint of step (\d+); (no steps are redone|step \d+ is redone|steps "
+        r"(\d+)-(\d+) are redone)",
         text,
         re.M,
     )
@@ -149,8 +150,8 @@ def main() -> None:
                             "orphans": sum(x["orphans"] for x in rows)})
     for s in summary:
         print(
-            f"{s['plan']:10s} {s['processes']} procs  {s['event']:12s}  named after {s['median_named_after_s']} s, world "
-            f"re-formed after {s['median_reformed_after_s']} s, first step of the new world after "
+            f"{s['plan']:10s} {s['processes']} procs  {s['event']:12s}  named after {s['median_named_after_s']} s, "
+            f"world re-formed after {s['median_reformed_after_s']} s, first step of the new world after "
             f"{s['median_to_first_step_s']} s (median of {s['trials']}), "
             f"steps redone {s['steps_redone']}, losses match: {s['all_losses_match']}, orphans {s['orphans']}"
         )

@@ -161,8 +161,8 @@ def main() -> None:
                 f"{n}: exit {r[n + '_rc']}" + (f" {r[n + '_line'][:90]!r}" if r[n + "_line"] else "") for n in "AB"
             )
             print(
-                f"trial {i:2d} {r['kind']:6s} {r['victim']:18s} {r['when']:28s} (step {r['steps_done_at_event']:2d} done): "
-                f"{lines}; losses match {r['losses_match']}, orphans {len(r['orphans'])}, hang {r['hang']}"
+                f"trial {i:2d} {r['kind']:6s} {r['victim']:18s} {r['when']:28s} (step {r['steps_done_at_event']:2d} "
+                f"done): {lines}; losses match {r['losses_match']}, orphans {len(r['orphans'])}, hang {r['hang']}"
                 f"{'' if r['as_expected'] else '  <-- UNEXPECTED'}",
                 flush=True,
             )

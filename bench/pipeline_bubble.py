@@ -208,7 +208,8 @@ def main() -> None:
                 runs.append(entry)
                 print(
                     f"p={p} {schedule:17s} m={m} v={v}: idle per stage {', '.join(f'{i:.3f}' for i in idle)}"
-                    f"  mean {entry['mean_idle']:.3f}  theory {entry['theory']:.3f}  span {entry['span_ms']:.0f} ms (ideal {entry['ideal_span_ms']:.0f})",
+                    f"  mean {entry['mean_idle']:.3f}  theory {entry['theory']:.3f}  span {entry['span_ms']:.0f} ms "
+                    f"(ideal {entry['ideal_span_ms']:.0f})",
                     flush=True,
                 )
         finally:

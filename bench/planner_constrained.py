@@ -72,9 +72,9 @@ def main() -> int:
     best = min(fitting, key=lambda r: r["measured_s"])
     overall = min(rows, key=lambda r: r["measured_s"])
     print(
-        f"budget {args.memory_mb:g} MiB ({0.9 * args.memory_mb:.1f} usable): {len(fitting)} of {len(rows)} measured plans fit and "
-        f"run in the Trainer; fastest of them {best['plan']} ({1e3 * best['measured_s']:.1f} ms in the sweep); "
-        f"unconstrained fastest {overall['plan']} ({overall['memory_mb']:.1f} MiB predicted: "
+        f"budget {args.memory_mb:g} MiB ({0.9 * args.memory_mb:.1f} usable): {len(fitting)} of {len(rows)} measured "
+        f"plans fit and run in the Trainer; fastest of them {best['plan']} ({1e3 * best['measured_s']:.1f} ms in the "
+        f"sweep); unconstrained fastest {overall['plan']} ({overall['memory_mb']:.1f} MiB predicted: "
         f"{'fits' if overall['fits'] else 'does not fit'})",
         flush=True,
     )

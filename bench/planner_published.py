@@ -196,21 +196,24 @@ def markdown(out: dict[str, Any]) -> str:
     for name, s in cv.get("by_source", {}).items():
         free = cv.get("free", {}).get(name, {})
         lines.append(
-            f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | {s['median_ratio']:.2f} | "
-            f"{100 * cv['coverage'].get(name, float('nan')):.0f}% | {free.get('median', float('nan')):.2f}, {free.get('max', float('nan')):.2f} | "
-            f"{100 * free.get('within', float('nan')):.0f}% | {100 * cv['framework_by_source'][name]['median_abs_error']:.1f}% |"
+            f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | "
+            f"{s['median_ratio']:.2f} | {100 * cv['coverage'].get(name, float('nan')):.0f}% | "
+            f"{free.get('median', float('nan')):.2f}, {free.get('max', float('nan')):.2f} | "
+            f"{100 * free.get('within', float('nan')):.0f}% | "
+            f"{100 * cv['framework_by_source'][name]['median_abs_error']:.1f}% |"
         )
     lines += [
         "",
-        "| source | runs | **in-sample**: median abs. error | within 15% | within 25% | predicted not to fit (whole memory / 90%) "
-        "| printed interval covers | framework policy: median error, not fit |",
+        "| source | runs | **in-sample**: median abs. error | within 15% | within 25% | predicted not to fit (whole "
+        "memory / 90%) | printed interval covers | framework policy: median error, not fit |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, s in [*out["by_source"].items(), ("all", out["overall"])]:
         lines.append(
             f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | "
-            f"{100 * s['within_25']:.0f}% | {s['fit_misses']} / {s['fit_misses_usable']} | {100 * s['interval_coverage']:.0f}% | "
-            f"{100 * s['framework_median_abs_error']:.1f}%, {s['framework_fit_misses']} |"
+            f"{100 * s['within_25']:.0f}% | {s['fit_misses']} / {s['fit_misses_usable']} | "
+            f"{100 * s['interval_coverage']:.0f}% | {100 * s['framework_median_abs_error']:.1f}%, "
+            f"{s['framework_fit_misses']} |"
         )
     return "\n".join(lines)
 
@@ -259,7 +262,8 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_xlabel("published tokens/s per GPU")
     ax.set_ylabel("predicted tokens/s per GPU (published layout)")
     ax.set_title(
-        "shardwise plan --fixed vs published runs (filled: CLI defaults;\nhollow: the framework's policy; dotted: +-15%)",
+        "shardwise plan --fixed vs published runs (filled: CLI defaults;\nhollow: the framework's policy; dotted: "
+        "+-15%)",
         fontsize=9,
     )
     ax.legend(fontsize=7, loc="upper left")
@@ -270,12 +274,12 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
 def _print_cv(cv: dict[str, Any]) -> None:
     print(
-        "leave-one-source-out cross-validation (the per-chip numbers refitted without each source, that source predicted; "
-        "headline = shardwise plan --fixed <published layout>):"
+        "leave-one-source-out cross-validation (the per-chip numbers refitted without each source, that source "
+        "predicted; headline = shardwise plan --fixed <published layout>):"
     )
     print(
-        f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'ratio':>6} {'in int.':>7} {'free med':>8} {'max':>5} {'<=1.3x':>6} "
-        f"{'framework':>9}  numbers used"
+        f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'ratio':>6} {'in int.':>7} {'free med':>8} "
+        f"{'max':>5} {'<=1.3x':>6} {'framework':>9}  numbers used"
     )
     for name, s in cv["by_source"].items():
         free = cv.get("free", {}).get(name, {})
@@ -284,23 +288,26 @@ def _print_cv(cv: dict[str, Any]) -> None:
             for chip, p in cv["params"].get(name, {}).items()
         )
         print(
-            f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% {s['median_ratio']:>6.2f} "
-            f"{100 * cv['coverage'].get(name, float('nan')):>6.0f}% {free.get('median', float('nan')):>8.2f} {free.get('max', float('nan')):>5.2f} "
-            f"{100 * free.get('within', float('nan')):>5.0f}% {100 * cv['framework_by_source'][name]['median_abs_error']:>8.1f}%  {params}"
+            f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% "
+            f"{s['median_ratio']:>6.2f} {100 * cv['coverage'].get(name, float('nan')):>6.0f}% "
+            f"{free.get('median', float('nan')):>8.2f} {free.get('max', float('nan')):>5.2f} "
+            f"{100 * free.get('within', float('nan')):>5.0f}% "
+            f"{100 * cv['framework_by_source'][name]['median_abs_error']:>8.1f}%  {params}"
         )
     print("intervals (published / predicted, 5%-95% of the held-out residuals per kind): "
           + "; ".join(f"{k} {v['low']:.2f}-{v['high']:.2f} ({v['runs']})" for k, v in cv["intervals"].items()))
     if cv.get("carried"):
         print(
-            "carried over, not cross-validated (one source measured the chip; its intervals widened both ways by the largest "
-            "factor a held-out prediction of it was off by): "
+            "carried over, not cross-validated (one source measured the chip; its intervals widened both ways by the "
+            "largest factor a held-out prediction of it was off by): "
             + "; ".join(f"{k} {v['factor']:.2f}x ({v['runs']} runs)" for k, v in cv["carried"].items())
         )
     for key, ab in cv.get("ablation", {}).items():
         how = "fitted instead of held at" if ab.get("fitted") else "held instead of fitted, at"
         print(
             f"ablation: {key} {how} {ab['prior']}: cross-validated median |err| {100 * ab['median_abs_error']:.1f}% "
-            f"(framework policy {100 * ab['framework_median_abs_error']:.1f}%) vs {100 * cv['by_source']['all']['median_abs_error']:.1f}% "
+            f"(framework policy {100 * ab['framework_median_abs_error']:.1f}%) vs "
+            f"{100 * cv['by_source']['all']['median_abs_error']:.1f}% "
             f"({100 * cv['framework_by_source']['all']['median_abs_error']:.1f}%) fitted"
         )
 
@@ -381,8 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     if "cv" in out:
         out["cv"]["free"] = free_summary(rows)
     print(
-        f"{len(rows)} runs ({len(skipped)} skipped) from {args.runs if args.runs != DATA else 'bench/data/published_throughput.json'}, "
-        f"{elapsed:.1f} s"
+        f"{len(rows)} runs ({len(skipped)} skipped) from "
+        f"{args.runs if args.runs != DATA else 'bench/data/published_throughput.json'}, {elapsed:.1f} s"
     )
     if "cv" in out:
         _print_cv(out["cv"])
@@ -391,15 +398,20 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             free = f" free {r['free_over_best_published']:.2f}x" if "free_over_best_published" in r else ""
             print(
-                f"{r['index']:>3} {r['ratio']:6.2f} {'fit ' if r['fits'] else 'OOM '} {r['memory_gb']:6.1f}/{r['gpu_memory_gb']:.0f} GB"
-                f" (framework {r['framework_ratio']:.2f}) {'in ' if r['in_interval'] else 'OUT'} {r['interval_kind']}{free}  {r['label']}  | {r['plan']}"
+                f"{r['index']:>3} {r['ratio']:6.2f} {'fit ' if r['fits'] else 'OOM '} "
+                f"{r['memory_gb']:6.1f}/{r['gpu_memory_gb']:.0f} GB (framework {r['framework_ratio']:.2f}) "
+                f"{'in ' if r['in_interval'] else 'OUT'} {r['interval_kind']}{free}  {r['label']}  | {r['plan']}"
             )
-    head = f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'<=25%':>6} {'no fit':>6} {'>90%':>5} {'in int.':>7} {'framework':>9}"
+    head = (
+        f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'<=25%':>6} {'no fit':>6} {'>90%':>5} "
+        f"{'in int.':>7} {'framework':>9}"
+    )
     print(head)
     for name, s in [*by_source.items(), ("all", total)]:
         print(
-            f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% {100 * s['within_25']:>5.0f}% "
-            f"{s['fit_misses']:>6} {s['fit_misses_usable']:>5} {100 * s['interval_coverage']:>6.0f}% {100 * s['framework_median_abs_error']:>8.1f}%"
+            f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% "
+            f"{100 * s['within_25']:>5.0f}% {s['fit_misses']:>6} {s['fit_misses_usable']:>5} "
+            f"{100 * s['interval_coverage']:>6.0f}% {100 * s['framework_median_abs_error']:>8.1f}%"
         )
     gaps = [r for r in rows if "why" in r]
     if gaps:

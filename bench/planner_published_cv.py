@@ -105,7 +105,8 @@ def _shortlist(case: Case, options: SearchOptions) -> tuple[Estimate, ...]:
     every = candidates(case.stats, case.cluster, global_batch=case.global_batch, options=options)
     if not every:
         raise ValueError(
-            f"no plan matches {case.cli_fixed or case.fixed} on {case.cluster.devices} GPUs with global batch {case.global_batch}"
+            f"no plan matches {case.cli_fixed or case.fixed} on {case.cluster.devices} GPUs with global batch "
+            f"{case.global_batch}"
         )
     fitting = [e for e in every if e.fits]
     return tuple(fitting[:SHORTLIST]) if fitting else (min(every, key=lambda e: e.memory_total),)

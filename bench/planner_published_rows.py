@@ -14,9 +14,9 @@ same layout under the way that row's framework ran it (the second column). A pub
 recomputation is another framework's policy (torchtitan's per-op or per-layer checkpointing,
 Megatron-LM's attention-core recomputation), which keeps less or more than shardwise's
 ``recompute=selective`` (every matmul output), so the headline lets the planner choose shardwise's
-selective or full recomputation there (``cli_recompute``), whichever fits. Context parallelism (``cp > 1``) is ``cp`` data-parallel ranks of
-sequence slices (:class:`~shardwise.plan.policy.RunPolicy` ``context_parallel``). A row that the
-cost model cannot represent (an unknown GPU, an unknown metric) maps to a ``Skip`` with the reason.
+selective or full recomputation there (``cli_recompute``), whichever fits. Context parallelism (``cp > 1``) is
+``cp`` data-parallel ranks of sequence slices (:class:`~shardwise.plan.policy.RunPolicy` ``context_parallel``). A row
+that the cost model cannot represent (an unknown GPU, an unknown metric) maps to a ``Skip`` with the reason.
 """
 
 from __future__ import annotations
@@ -252,7 +252,10 @@ def published_tokens_per_gpu(row: dict[str, Any], stats: ModelStats, peak: float
 
 def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
     source = source_of(row)
-    label = f"{row.get('model')} {row.get('gpus')}x{row.get('gpu', '?')[:9]} dp{row.get('dp')} tp{row.get('tp')} pp{row.get('pp')}"
+    label = (
+        f"{row.get('model')} {row.get('gpus')}x{row.get('gpu', '?')[:9]} dp{row.get('dp')} tp{row.get('tp')} "
+        f"pp{row.get('pp')}"
+    )
     cp = int(row.get("cp") or 1)
     cluster = cluster_of(row)
     if isinstance(cluster, str):

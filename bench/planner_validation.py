@@ -174,7 +174,8 @@ def main() -> int:
         "--trainer-rounds",
         type=int,
         default=None,
-        help="interleaved rounds of Trainer(plan='auto') vs the best plan (default 5; with --reuse: keep the stored ones unless given)",
+        help="interleaved rounds of Trainer(plan='auto') vs the best plan (default 5; with --reuse: keep the stored "
+        "ones unless given)",
     )
     ap.add_argument("--trainer-steps", type=int, default=6, help="timed Trainer steps per run (after 2 warm-up steps)")
     ap.add_argument(
@@ -289,9 +290,9 @@ def main() -> int:
         if name in trainer:
             t = trainer[name]
             print(
-                f"Trainer(plan='auto') with {what} chose {t['plan']}: median {1e3 * t['median_s']:.1f} ms in the Trainer's loop, "
-                f"{t['ratio_to_best']:.3f} x the best plan in the same loop ({1e3 * trainer['best_median_s']:.1f} ms) "
-                f"-> within 10%: {t['ratio_to_best'] <= 1.10}"
+                f"Trainer(plan='auto') with {what} chose {t['plan']}: median {1e3 * t['median_s']:.1f} ms in the "
+                f"Trainer's loop, {t['ratio_to_best']:.3f} x the best plan in the same loop "
+                f"({1e3 * trainer['best_median_s']:.1f} ms) -> within 10%: {t['ratio_to_best'] <= 1.10}"
             )
     print(f"memory: largest |error| {100 * (summary['memory_max_abs_error'] or 0):.1f}% over "
           f"{sum('rel_error' in r for r in memory_rows)} measured plans")
@@ -334,7 +335,8 @@ def plot(out: dict, path: str) -> None:
         ax1.legend()
     s = out["summary"]
     ax1.set_title(
-        f"step time, 4 Gloo processes: Spearman {s['spearman']:.2f}, predicted best within 10%: {s['predicted_best_within_10pct']}",
+        f"step time, 4 Gloo processes: Spearman {s['spearman']:.2f}, predicted best within 10%: "
+        f"{s['predicted_best_within_10pct']}",
         fontsize=9,
     )
     ax1.set_xlabel("predicted (ms)")

@@ -120,9 +120,9 @@ def main() -> None:
     for r in results:
         print(
             f"{r['model']}: median step without profiler {r['median_step_ms_without']:.3f} ms, with "
-            f"{r['median_step_ms_with']:.3f} ms: overhead {r['overhead_percent']:+.2f}% ({r['overhead_us_per_step']:+.0f} us/step), "
-            f"median over ABBA rounds {r['round_overhead_percent']:+.2f}%; the profiler's own bookkeeping "
-            f"{r['instrumentation_us_per_step']:.1f} us/step (target < 3%)"
+            f"{r['median_step_ms_with']:.3f} ms: overhead {r['overhead_percent']:+.2f}% "
+            f"({r['overhead_us_per_step']:+.0f} us/step), median over ABBA rounds {r['round_overhead_percent']:+.2f}%; "
+            f"the profiler's own bookkeeping {r['instrumentation_us_per_step']:.1f} us/step (target < 3%)"
         )
     print(f"-> {args.out}")
     shardwise.shutdown()

@@ -272,7 +272,8 @@ def main() -> int:
                         if max(got["rounds"][-1]) >= max(max(x) for x in got["rounds"]):  # the busiest round so far
                             got["peak"] = ranks[0]["peak"]
                         print(
-                            f"{model} {layout} {label}: {times[label][-1] * 1e3:.0f} ms/step, peak {max(got['rounds'][-1]) / 2**20:.1f} MiB",
+                            f"{model} {layout} {label}: {times[label][-1] * 1e3:.0f} ms/step, peak "
+                            f"{max(got['rounds'][-1]) / 2**20:.1f} MiB",
                             flush=True,
                         )
                 for label, suffix in runs:
@@ -298,7 +299,10 @@ def main() -> int:
                     )
     finally:
         pool.close()
-    command = f"bench/runtime_options.py --vocab {args.vocab} --repeats {args.repeats} --steps {args.steps} --models {args.models}"
+    command = (
+        f"bench/runtime_options.py --vocab {args.vocab} --repeats {args.repeats} --steps {args.steps} --models "
+        f"{args.models}"
+    )
     if set(layouts) != set(LAYOUTS):  # a partial run: the other layouts' rows as last measured
         with open(path) as fh:
             old = json.load(fh)
@@ -345,14 +349,15 @@ def finish(rows: list[dict[str, Any]], *, command: str, vocab: int, path: str) -
     with open(path, "w") as fh:
         json.dump(out, fh, indent=2)
     print(
-        f"\n{'model':6s} {'layout':7s} {'option':27s} {'peak MiB':>9s} {'pred MiB':>9s} {'pred/meas':>9s} {'ms/step':>8s} "
-        f"{'time x':>7s} {'pred x':>7s} {'mem x':>6s} {'pred x':>6s}"
+        f"\n{'model':6s} {'layout':7s} {'option':27s} {'peak MiB':>9s} {'pred MiB':>9s} {'pred/meas':>9s} "
+        f"{'ms/step':>8s} {'time x':>7s} {'pred x':>7s} {'mem x':>6s} {'pred x':>6s}"
     )
     for r in rows:
         print(
-            f"{r['model']:6s} {r['layout']:7s} {r['option']:27s} {r['measured_peak_bytes'] / 2**20:9.1f} {r['predicted']['total'] / 2**20:9.1f} "
-            f"{r['predicted_over_measured']:9.2f} {r['step_time_s'] * 1e3:8.0f} {r['measured_time_ratio']:7.2f} {r['predicted_time_ratio']:7.2f} "
-            f"{r['measured_memory_ratio']:6.2f} {r['predicted_memory_ratio']:6.2f}"
+            f"{r['model']:6s} {r['layout']:7s} {r['option']:27s} {r['measured_peak_bytes'] / 2**20:9.1f} "
+            f"{r['predicted']['total'] / 2**20:9.1f} {r['predicted_over_measured']:9.2f} {r['step_time_s'] * 1e3:8.0f} "
+            f"{r['measured_time_ratio']:7.2f} {r['predicted_time_ratio']:7.2f} {r['measured_memory_ratio']:6.2f} "
+            f"{r['predicted_memory_ratio']:6.2f}"
         )
     print(f"memory within 10% of the prediction: {out['within_10_percent']} of {len(rows)}")
     _plot(rows)

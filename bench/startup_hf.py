@@ -109,7 +109,8 @@ def main() -> None:
             argv = [*argv, "--run.name", f"r{i}"] if name.startswith("shardwise") else argv
             figures[name].append(_first_step(argv, marker, work))
     print(
-        f"time to the first step, 2 processes, best of {args.repeats} (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores):"
+        f"time to the first step, 2 processes, best of {args.repeats} (load {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores):"
     )
     for name, got in figures.items():
         print(f"  {name:28s} {min(s for s, _ in got):6.1f} s   {min(c for _, c in got):6.1f} CPU-s")

@@ -21,8 +21,8 @@ def measure_trainer_worker(plan_text: str, config: dict[str, Any], *, global_bat
     planner call of ``plan="auto"`` (rank 0 plans, then broadcasts), the Trainer's data loader,
     its micro-step loop, its loss all-reduce each logging step (``log_every=1``, which also
     synchronizes the ranks so a logged step time is the slowest rank's) and Adam. ``cluster`` is a
-    preset name or spec file for the planner (``Trainer(parallel=ParallelOptions(cluster=...))``); None: this machine, measured. Returns the
-    chosen plan, the median of the timed steps (slowest rank) and all of them.
+    preset name or spec file for the planner (``Trainer(parallel=ParallelOptions(cluster=...))``); None: this
+    machine, measured. Returns the chosen plan, the median of the timed steps (slowest rank) and all of them.
     """
     import torch
     import torch.distributed as dist

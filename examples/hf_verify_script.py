@@ -1,7 +1,8 @@
-"""A ``shardwise verify --script`` file for a Hugging Face model built from a small config (nothing is downloaded).
+r"""A ``shardwise verify --script`` file for a Hugging Face model built from a small config (nothing is downloaded).
 
     shardwise verify --script examples/hf_verify_script.py --plan tp=2,pp=2,microbatches=2 --steps 10
-    SHARDWISE_HF_FAMILY=gpt2 shardwise verify --script examples/hf_verify_script.py --plan pp=2,microbatches=2,schedule=1f1b
+    SHARDWISE_HF_FAMILY=gpt2 shardwise verify --script examples/hf_verify_script.py \
+        --plan pp=2,microbatches=2,schedule=1f1b
 
 The family is one of llama, qwen2, mistral, gemma, phi, gpt2, mixtral (4 layers, hidden 32, 4 heads,
 2 key/value heads, vocabulary 64; dropout and the KV cache off). verify trains it under the plan and

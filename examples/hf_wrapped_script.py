@@ -1,7 +1,8 @@
-"""A ``shardwise verify --script`` file for a Hugging Face model in a user's own two-line wrapper.
+r"""A ``shardwise verify --script`` file for a Hugging Face model in a user's own two-line wrapper.
 
     shardwise verify --script examples/hf_wrapped_script.py --plan cp=2 --steps 4
-    SHARDWISE_HF_FAMILY=phi3 SHARDWISE_HF_ATTENTION=eager shardwise verify --script examples/hf_wrapped_script.py --plan tp=2
+    SHARDWISE_HF_FAMILY=phi3 SHARDWISE_HF_ATTENTION=eager \
+        shardwise verify --script examples/hf_wrapped_script.py --plan tp=2
 
 The model is what a new user writes: an ``nn.Module`` whose ``forward(ids)`` returns the logits of
 the Hugging Face model it holds, with the attention implementation it picked

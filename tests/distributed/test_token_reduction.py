@@ -1,5 +1,5 @@
-"""``Trainer(..., train=TrainOptions(loss_reduction="tokens"))``: the update of every plan equals one process running the
-user's own mean loss, ``F.cross_entropy(..., ignore_index=-100)``, over the whole global batch.
+"""``Trainer(..., train=TrainOptions(loss_reduction="tokens"))``: the update of every plan equals one process running
+the user's own mean loss, ``F.cross_entropy(..., ignore_index=-100)``, over the whole global batch.
 
 The targets carry ragged masks (each sample keeps one random span of its targets, from none to all
 of them, the rest ``-100``), so micro-batches, data-parallel shards, context-parallel chunks and

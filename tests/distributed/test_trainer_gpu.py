@@ -27,7 +27,8 @@ for precision in ("bf16", "fp16"):
                     logging=LoggingOptions(log_every=1, flops_per_sample=1e6, progress_bar=False), callbacks=[rec])
     result = t.fit(make_data())
     out[precision] = {"losses": rec.losses, "device": str(t.env.device), "mfu": t.history[-1].get("mfu"),
-                      "scale": t.scaler.scale if t.scaler else None, "cpu_warning": any("CPU" in str(w.message) for w in caught)}
+                      "scale": t.scaler.scale if t.scaler else None,
+                      "cpu_warning": any("CPU" in str(w.message) for w in caught)}
 out["name"] = torch.cuda.get_device_name(0)
 print("RESULT" + json.dumps(out))
 """

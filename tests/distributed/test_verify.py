@@ -34,8 +34,8 @@ from shardwise.layout import Plan
         (
             "zero=1,shard=2,pp=2,microbatches=2",
             "shardwise verify: error: plan dp=1,shard=2,pp=2,zero=1: zero=1 "
-            "(ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages; use zero=2 or zero=3 with pp "
-            "(FSDP composes with pipeline stages), e.g. dp=1,shard=2,pp=2,zero=2, or plain data parallelism: "
+            "(ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages; use zero=2 or zero=3 with "
+            "pp (FSDP composes with pipeline stages), e.g. dp=1,shard=2,pp=2,zero=2, or plain data parallelism: "
             "dp=2,pp=2\n",
         ),
     ],

@@ -97,7 +97,8 @@ def test_the_log_says_who_was_lost_the_plans_and_the_steps_redone() -> None:
     now = _record(0, "dp=1,tp=2", (a,), dp=1)
     assert describe_change(before, now, requested_plan="dp=2,tp=2", resumed_step=10, global_batch=8) == [
         "elastic: lost 1 node after step 14: gpu-b (ranks 2-3); 2 processes remain on 1 node",
-        "elastic: plan dp=2,tp=2 (4 processes) -> dp=1,tp=2 (2 processes); global batch 8 kept (4 -> 8 samples per data-parallel rank)",
+        "elastic: plan dp=2,tp=2 (4 processes) -> dp=1,tp=2 (2 processes); global batch 8 kept (4 -> 8 samples per "
+        "data-parallel rank)",
         "elastic: resumed from the checkpoint of step 10; steps 11-14 are redone",
     ]
     back = _record(0, "dp=2,tp=2", (a, Node("gpu-b", 300, (2, 3))), dp=2)

@@ -100,7 +100,8 @@ def test_a_prompt_that_fills_the_context_is_dropped_and_counted(tok) -> None:
         (
             '{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}',
             CHAT,
-            r"data\.jsonl:2: message 0 has role 'wizard', which the tokenizer's chat template does not know; use one of assistant, system, tool, user",
+            r"data\.jsonl:2: message 0 has role 'wizard', which the tokenizer's chat template does not know; use one "
+            r"of assistant, system, tool, user",
         ),
     ],
 )

@@ -143,7 +143,8 @@ def test_judge_names_every_problem_by_host() -> None:
     assert problems == [
         "host node2: torch 2.12.0 differs from torch 2.13.0 on node1; install the same versions on every host",
         "host node2: script train.py does not exist in /work; copy it there (or use a shared file system)",
-        "host node2: the master address 'node1' does not resolve there; pass --master-addr with an address every host can reach",
+        "host node2: the master address 'node1' does not resolve there; pass --master-addr with an address every host "
+        "can reach",
         "host node3: not reachable by ssh (Connection refused); check ...",
         "host node4: shardwise is not installed for /venv/bin/python; install it (or pass --python PATH)",
         "host node4: directory /work does not exist there; use the same path on every host, or pass --chdir DIR",
@@ -265,8 +266,8 @@ def test_stdin_lifeline_stops_the_node_and_its_children(tmp_path) -> None:
     code = (
         "import os, signal, subprocess, sys, time\n"
         "from shardwise.launch.lifeline import stop_with_stdin\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'],"
-        " start_new_session=True)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, "
+        "signal.SIG_IGN); time.sleep(60)'], start_new_session=True)\n"
         "print(child.pid, flush=True)\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a stubborn node: only the SIGKILL stage ends it\n"
         "stop_with_stdin(grace_s=1.0)\n"

@@ -237,7 +237,10 @@ def test_runtime_options_for_memory_only_are_on_only_where_the_plan_does_not_fit
             assert main(["plan", *argv]) == 0
         return buf.getvalue()
 
-    spec = '{"layers": 16, "hidden": 2048, "heads": 16, "vocab": 256000, "seq": 8192, "bias": false, "learned_positions": false}'
+    spec = (
+        '{"layers": 16, "hidden": 2048, "heads": 16, "vocab": 256000, "seq": 8192, "bias": false, '
+        '"learned_positions": false}'
+    )
     base = [
         "--model-spec",
         spec,

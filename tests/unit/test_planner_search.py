@@ -225,8 +225,9 @@ def test_plan_for_trainer_only_returns_plans_the_parallel_layer_accepts(tmp_path
 
 
 def test_trainer_cluster_is_the_argument_else_the_setting_else_this_machine() -> None:
-    """Trainer(plan="auto", parallel=ParallelOptions(cluster=...)) plans with that spec; without one, with SHARDWISE_CLUSTER
-    (read once into the runtime's settings); the machine's own measurement only when neither is set."""
+    """Trainer(plan="auto", parallel=ParallelOptions(cluster=...)) plans with that spec; without one, with
+    SHARDWISE_CLUSTER (read once into the runtime's settings); the machine's own measurement only when neither is
+    set."""
     from dataclasses import replace
 
     from shardwise.runtime.detect import detect_process
