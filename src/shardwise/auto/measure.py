@@ -143,8 +143,8 @@ def sample_stats(model: nn.Module, inputs: Any, *, tokens_per_sample: int | None
     if small is None:
         stats = parameter_stats(model, seq=seq, name=name)
         log.info(
-            "plan=auto: sized %s from its parameter count (%d blocks of %s parameters, "
-            "activations 34 h bytes per token and block, h=%d); its meta forward failed (%s) and its values are on meta",
+            "plan=auto: sized %s from its parameter count (%d blocks of %s parameters, activations 34 h bytes per "
+            "token and block, h=%d); its meta forward failed (%s) and its values are on meta",
             name,
             stats.blocks,
             f"{stats.params_per_block:,}",

@@ -1,6 +1,6 @@
-"""What ``shardwise plan`` prints: ``--params``' model states per ZeRO stage, the ranked plans as a table (:func:`format_table`) or one JSON
-object, with ``--explain``'s terms, the runtime options' notes and the free search, and ``--optimizer
-muon``'s cost lines."""
+"""What ``shardwise plan`` prints: ``--params``' model states per ZeRO stage, the ranked plans as a table
+(:func:`format_table`) or one JSON object, with ``--explain``'s terms, the runtime options' notes and the free search,
+and ``--optimizer muon``'s cost lines."""
 
 from __future__ import annotations
 
