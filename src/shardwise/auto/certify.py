@@ -7,8 +7,8 @@ parity engine of ``shardwise verify`` (:mod:`shardwise.verify.parity`), on
 - a **shrunken copy of the user's model** (:func:`shrink`): the same layer types, with its
   repeated blocks (those FSDP wraps and the planner prices, :mod:`shardwise.models.blocks`; they
   must share their parameter shapes to be dropped) cut to as few as the plans need (2, or the
-  pipeline's stages); a Hugging Face model is rebuilt from its config with fewer ``num_hidden_layers``. The copy runs in ``eval()`` mode, so
-  dropout is off and BatchNorm uses its running statistics: under data parallelism batch
+  pipeline's stages); a Hugging Face model is rebuilt from its config with fewer ``num_hidden_layers``. The copy runs in
+  ``eval()`` mode, so dropout is off and BatchNorm uses its running statistics: under data parallelism batch
   statistics are per replica by design, which is not what the certificate is about;
 - **the first global batches of the real training data** (:class:`DataWorkload`), collated with
   the Trainer's own collate function, with the Trainer's loss function;
@@ -56,8 +56,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class CertifyOptions:
-    """``ParallelOptions(certify=...)`` of the Trainer. ``enabled``: True, False, or None (the default): on when the run has
-    at least ``long_run`` optimizer steps. ``after_backward(pm, plan)`` runs in each candidate's
+    """``ParallelOptions(certify=...)`` of the Trainer. ``enabled``: True, False, or None (the default): on when the run
+    has at least ``long_run`` optimizer steps. ``after_backward(pm, plan)`` runs in each candidate's
     parallel run after every backward (tests break a plan with it on purpose)."""
 
     enabled: bool | None = None

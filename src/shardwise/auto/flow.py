@@ -46,8 +46,8 @@ def plan_for(model: Any, env: RuntimeEnv, *, global_batch_size: int, precision: 
         raise ConfigError(
             f"plan='auto' found no plan: {exc.message}",
             hint=exc.hint
-            or "pass LoggingOptions(tokens_per_sample=...) (the input length of one sample; 1 for non-sequence inputs), "
-            "or an explicit plan, e.g. plan='dp'",
+            or "pass LoggingOptions(tokens_per_sample=...) (the input length of one sample; 1 for non-sequence "
+            "inputs), or an explicit plan, e.g. plan='dp'",
         ) from None
     source = model
     if isinstance(model, Pretrained):

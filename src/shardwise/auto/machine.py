@@ -1,4 +1,5 @@
-"""Which cluster spec ``Trainer(plan="auto")`` plans with: the one given, else this machine's, measured once, then cached.
+"""Which cluster spec ``Trainer(plan="auto")`` plans with: the one given, else this machine's, measured once, then
+cached.
 
 :func:`cluster_spec`: ``cluster=`` (a spec, a preset name or a spec file), else ``SHARDWISE_CLUSTER``
 (read once into the runtime's settings), else this machine (:func:`machine_spec`). Before anything
@@ -116,7 +117,8 @@ def machine_spec(env: RuntimeEnv) -> ClusterSpec:
         return found[0]
     if env.is_main:
         log.info(
-            "plan=auto: measuring this machine once (%d processes, about a minute on a small CPU host); it is cached in %s",
+            "plan=auto: measuring this machine once (%d processes, about a minute on a small CPU host); it is cached "
+            "in %s",
             env.world_size,
             path,
         )

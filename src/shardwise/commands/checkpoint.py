@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import argparse
 
-EXAMPLES = """examples:
+EXAMPLES = (
+    """examples:
   shardwise checkpoint inspect runs/ckpt                           steps, complete or not, plan, tensors
   shardwise checkpoint inspect runs/ckpt --step 400 --no-tensors
   shardwise checkpoint consolidate runs/ckpt model.safetensors     full weights of the newest step
   shardwise checkpoint export --format hf runs/ckpt out/           config.json + safetensors shards for transformers
   shardwise checkpoint export --format peft runs/lora adapter/     a LoRA run's adapters for PeftModel.from_pretrained
-  shardwise checkpoint export --format hf --merge runs/lora out/   a LoRA run merged into its base, for plain transformers
+  shardwise checkpoint export --format hf --merge runs/lora out/"""
+    """   a LoRA run merged into its base, for plain transformers
 """
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--format",
         choices=["hf", "peft"],
         default="hf",
-        help="hf: config.json and safetensors shards (default); peft: a LoRA run's adapter_config.json and adapter_model.safetensors",
+        help="hf: config.json and safetensors shards (default); peft: a LoRA run's adapter_config.json and "
+        "adapter_model.safetensors",
     )
     exp.add_argument(
         "--merge",
@@ -88,7 +92,8 @@ def _export(args: argparse.Namespace) -> int:
         if args.format == "peft":
             shapes = export_peft(args.dir, args.out, step=args.step)
             print(
-                f"wrote {len(shapes)} adapter tensors and adapter_config.json to {args.out} (load it with PeftModel.from_pretrained)"
+                f"wrote {len(shapes)} adapter tensors and adapter_config.json to {args.out} (load it with "
+                "PeftModel.from_pretrained)"
             )
             return 0
         base = export_merged(args.dir, args.out, step=args.step, model_dir=args.model)

@@ -82,7 +82,8 @@ def _main(args: argparse.Namespace) -> int:
     if result.versions and not mismatches:
         v = result.versions[0]
         print(
-            f"  {'versions':<15} ok: torch {v.torch}, shardwise {v.shardwise}, python {v.python} on all {len(result.versions)} ranks"
+            f"  {'versions':<15} ok: torch {v.torch}, shardwise {v.shardwise}, python {v.python} on all "
+            f"{len(result.versions)} ranks"
         )
     for line in mismatches:
         print(f"  {'versions':<15} MISMATCH: {line}")
@@ -98,7 +99,8 @@ def _main(args: argparse.Namespace) -> int:
         from shardwise.observe.plots import plot_bandwidth
 
         print(
-            f"bandwidth plot: {plot_bandwidth(result.bandwidth, args.plot, title=f'{result.backend}, {result.world_size} processes')}"
+            "bandwidth plot: "
+            f"{plot_bandwidth(result.bandwidth, args.plot, title=f'{result.backend}, {result.world_size} processes')}"
         )
     if mismatches:
         raise ShardwiseError(

@@ -20,13 +20,17 @@ import os
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 
-EXAMPLES = """examples:
-  shardwise generate --checkpoint runs/gpt-stdlib-x/checkpoints --prompt "def "          the built-in GPT job's checkpoint
+EXAMPLES = (
+    """examples:
+  shardwise generate --checkpoint runs/gpt-stdlib-x/checkpoints """
+    """--prompt "def "          the built-in GPT job's checkpoint
   shardwise generate --checkpoint runs/hf-x/checkpoints --prompt "def main():"            greedy, one process
-  shardwise generate --checkpoint my-hf-model/ --prompt "import os" --plan tp=2            the model split over 2 processes
+  shardwise generate --checkpoint my-hf-model/ --prompt "import os" --plan tp=2"""
+    """            the model split over 2 processes
   shardwise generate --checkpoint my-hf-model/ --prompt "x =" --temperature 0.8 --top-k 40 --seed 1
   shardwise generate --checkpoint runs/ckpt --model my-hf-model/ --prompt-ids 1,5,9 --ids
 """
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -4,38 +4,51 @@
 dp=24,tp=8,pp=8`` chooses the ZeRO layout, microbatches, schedule, recomputation and shardwise's
 runtime options: 16-bit parameters, the chunked loss, sharded accumulation); ``--explain`` names
 the dominant terms of each plan's step, the runtime option that made the difference and, with
-``--fixed``, how the free search compares; ``--precision fp8`` plans torchao's FP8 linears; ``--params N`` with ``--memory-convention zero-paper`` prints the model-state
-memory of every ZeRO stage as the ZeRO paper counts it (its table 1).
+``--fixed``, how the free search compares; ``--precision fp8`` plans torchao's FP8 linears; ``--params N`` with
+``--memory-convention zero-paper`` prints the model-state memory of every ZeRO stage as the ZeRO paper counts it
+(its table 1).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
+from shardwise.commands.plan_output import print_json, print_text, states_table
 from shardwise.config import check_input_file
 from shardwise.errors import ConfigError
 
-EXAMPLES = """examples:
+EXAMPLES = (
+    """examples:
   shardwise plan --model gpt --devices 4 --device-type cpu
   shardwise plan --model-spec '{"layers": 96, "hidden": 12288, "heads": 96, "vocab": 51200, "seq": 2048}' \\
                  --devices 1024 --devices-per-node 8 --device-type h100 --global-batch 1536
   shardwise plan --model gpt3-13b --devices 64 --device-type a100-80gb --fixed dp=8,tp=8 --json
-  shardwise plan --model gpt3-175b --devices 1536 --device-type a100-80gb --global-batch 2304 --fixed dp=24,tp=8,pp=8 --explain
+  shardwise plan --model gpt3-175b --devices 1536 --device-type a100-80gb --global-batch 2304 """
+    """--fixed dp=24,tp=8,pp=8 --explain
   shardwise plan --params 7.5e9 --devices 64 --memory-convention zero-paper
   shardwise plan --script my_model.py --devices 8 --device-type calibrated.json
   shardwise plan --model-script examples/hf_verify_script.py --devices 8 --device-type h100
   shardwise plan --model.hf examples/configs/llama-7b.json --devices 64 --device-type h100 --global-batch 512
 """
-GAP = 1.3  # a free-search gain above this over a --fixed layout is explained term by term
+)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="choose DP/ZeRO/TP/PP degrees, microbatches and recomputation for a model",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_arguments(p)
+    _cluster_arguments(p)
+    _precision_arguments(p)
+    _search_arguments(p)
+    p.set_defaults(func=_main)
+
+
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """The model, given one way of six (a preset, a shape, a script, a Hugging Face config, a
+    parameter count)."""
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="built-in model: gpt (shardwise's GPT), gpt2, gpt3-1.3b, gpt3-13b, gpt3-175b")
     src.add_argument(
@@ -53,13 +66,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--model.hf",
         dest="model_hf",
         metavar="DIR",
-        help="a Hugging Face model directory (or its config.json): the shape its config says, as Trainer(plan='auto') reads it",
+        help="a Hugging Face model directory (or its config.json): the shape its config says, "
+        "as Trainer(plan='auto') reads it",
     )
     src.add_argument(
         "--params",
         type=float,
         help="a model given by its parameter count alone: print the model-state memory of each ZeRO stage",
     )
+
+
+def _cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """The devices, their type and the batch and sequence they run."""
     p.add_argument("--devices", type=int, required=True, help="number of devices (processes)")
     p.add_argument(
         "--devices-per-node", type=int, default=None, help="devices per node (default: the preset's, at most --devices)"
@@ -71,6 +89,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: 4 x devices)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+
+
+def _precision_arguments(p: argparse.ArgumentParser) -> None:
+    """Precision, its policy, recomputation's kept tensors and the bytes of the model states."""
     p.add_argument(
         "--precision",
         choices=("fp32", "bf16", "fp16", "fp8"),
@@ -96,6 +118,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="bytes per parameter of the model states: torch (fp32 master = parameter, 4+4+8 with Adam; the default), "
         "zero-paper (2+2+12, the ZeRO paper's table 1), megatron (2+4+12)",
     )
+
+
+def _search_arguments(p: argparse.ArgumentParser) -> None:
+    """The optimizer and adapters the plans carry, the search's options and the output."""
     p.add_argument("--optimizer", default="adam", choices=("adam", "adamw", "muon", "sgd", "sgd_nomomentum"),
                    help="the optimizer whose states (and, for muon, Newton-Schulz and its all-to-alls) the plans carry")
     p.add_argument("--lora.r", dest="lora_r", type=int, default=0, metavar="R",
@@ -123,7 +149,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="name the dominant terms of each plan's step (with --fixed: compare with the free search)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.set_defaults(func=_main)
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -141,42 +166,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--headroom {args.headroom} must lie in [0, 1)", hint="e.g. --headroom 0.1")
 
 
-def _states_table(args: argparse.Namespace) -> int:
-    """``--params N``: model states per device for each ZeRO stage (Rajbhandari et al. 2020, table 1)."""
-    from shardwise.plan.memory import StatePolicy, model_state_bytes
-    from shardwise.plan.stats import human_count
-
-    if args.params <= 0:
-        raise ConfigError(f"--params {args.params:g} must be positive", hint="e.g. --params 7.5e9")
-    policy = StatePolicy.named(args.memory_convention, precision=args.precision or "bf16", optimizer=args.optimizer)
-    n = args.devices
-    rows = [("baseline (DDP)", 0), ("P_os (zero=1)", 1), ("P_os+g (zero=2)", 2), ("P_os+g+p (zero=3)", 3)]
-    states = {z: sum(model_state_bytes(args.params, policy, zero=z, shard=n).values()) for _, z in rows}
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "params": args.params,
-                    "devices": n,
-                    "memory_convention": args.memory_convention,
-                    "bytes_per_param": {"param": policy.param, "grad": policy.grad, "optimizer": policy.optimizer},
-                    "model_states_gb": {f"zero={z}": states[z] / 1e9 for _, z in rows},
-                },
-                indent=2,
-            )
-        )
-        return 0
-    print(f"{human_count(args.params)} parameters on {n} data-parallel devices, model states per device "
-          f"({args.memory_convention}: {policy.param:g} + {policy.grad:g} + {policy.optimizer:g} bytes per parameter):")
-    for name, z in rows:
-        print(f"  {name:<18} {states[z] / 1e9:>10.4g} GB")
-    return 0
-
-
 def _main(args: argparse.Namespace) -> int:
     _check(args)
     if args.params is not None:
-        return _states_table(args)
+        return states_table(args)
     from shardwise.plan.planner import cluster_of
 
     if _is_spec_file(args.device_type):
@@ -193,8 +186,8 @@ def _main(args: argparse.Namespace) -> int:
     options = _search_options(args, stats, precision)
     found = _ranked(args, stats, cluster, global_batch, options)
     if args.json:
-        return _print_json(args, found)
-    return _print_text(args, found)
+        return print_json(args, found)
+    return print_text(args, found)
 
 
 def _model_stats(args: argparse.Namespace) -> Any:
@@ -313,14 +306,16 @@ def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: in
         every = candidates(stats, cluster, global_batch=global_batch, options=constrained)
         if not every:
             raise ConfigError(
-                f"--fixed {args.fixed} names no valid plan for {cluster.devices} devices and global batch {global_batch}",
+                f"--fixed {args.fixed} names no valid plan for {cluster.devices} devices "
+                f"and global batch {global_batch}",
                 hint="the named degrees must multiply to a divisor of --devices, and dp must divide the global batch",
             )
         estimates = every[:options.top]
         best = min(every, key=lambda e: e.memory_total)
         explanation = (
-            f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them needs is "
-            f"{best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); the fastest is shown"
+            f"--fixed {args.fixed}: no such plan fits (does NOT fit in memory: the least memory any of them "
+            f"needs is {best.memory_total / 1e9:.2f} GB, above the {best.memory_limit / 1e9:.2f} GB usable); "
+            "the fastest is shown"
         )
     if args.precision_policy == "autocast":  # the same layout as another framework runs it, beside shardwise's
         explanation += "\n" + framework_line(stats, cluster, global_batch, constrained, estimates[0])
@@ -333,79 +328,6 @@ def _ranked(args: argparse.Namespace, stats: Any, cluster: Any, global_batch: in
         free = found.plans[0] if found.plans else None
     return _Ranked(stats, cluster, global_batch, options, estimates, explanation, free)
 
-
-def _print_json(args: argparse.Namespace, found: _Ranked) -> int:
-    from shardwise.commands.plan_lines import interval_json
-    from shardwise.plan.explain import dominant_terms, explain_gap
-
-    stats, cluster, estimates = found.stats, found.cluster, found.estimates
-    out = {
-        "model": stats.name,
-        "params": stats.params_total,
-        "devices": cluster.devices,
-        "device_type": cluster.name,
-        "global_batch": found.global_batch,
-        "seq": stats.seq,
-        "precision_policy": found.options.run.precision,
-        "memory_convention": args.memory_convention,
-        "plans": [{**e.to_json(), **interval_json(e, cluster)} for e in estimates],
-        "explanation": found.explanation,
-    }
-    if args.explain:
-        out["terms"] = [dominant_terms(e, k=4) for e in estimates]
-        out["runtime_options"] = [found.notes(e, args.headroom) for e in estimates]
-        if found.free is not None:
-            out["free_search"] = {
-                "plan": str(found.free.plan),
-                "speedup": estimates[0].step_time_s / found.free.step_time_s,
-                "why": explain_gap(found.free, estimates[0]),
-            }
-    if args.optimizer == "muon":
-        out["muon"] = [_muon(stats, cluster, e.plan).to_json() for e in estimates]
-    print(json.dumps(out, indent=2))
-    return 0
-
-
-def _print_text(args: argparse.Namespace, found: _Ranked) -> int:
-    from shardwise.commands.plan_lines import interval_lines
-    from shardwise.plan.explain import dominant_terms, explain_gap
-
-    stats, cluster, estimates, options = found.stats, found.cluster, found.estimates, found.options
-    print(
-        f"{stats.name}: {stats.params_total / 1e9:.3g}B parameters, seq {stats.seq}, global batch {found.global_batch}, "
-        f"{cluster.devices} x {cluster.name} ({cluster.devices_per_node} per node, {cluster.memory_bytes / 1e9:.0f} GB, "
-        f"{100 * (1 - args.headroom):.0f}% usable), {options.precision} ({options.run.precision}"
-        + (
-            (
-                "; runtime options only where needed to fit)"
-                if options.options_for_memory
-                else "; runtime options searched)"
-            )
-            if options.runtime_options
-            else ")"
-        )
-    )
-    print(format_table(estimates))
-    print(interval_lines(estimates, cluster))
-    print(found.explanation)
-    if args.optimizer == "muon":
-        for i, e in enumerate(estimates, 1):
-            print(f"#{i} {_muon(stats, cluster, e.plan).line()}")
-    if not args.explain:
-        return 0
-    for i, e in enumerate(estimates, 1):
-        print(f"#{i} {dominant_terms(e, k=4)}")
-        said = found.notes(e, args.headroom)
-        if said:
-            print(f"#{i} runtime options: " + "; ".join(said))
-    if found.free is not None:
-        gain = estimates[0].step_time_s / found.free.step_time_s
-        if gain > 1.0 + 1e-9:
-            flag = f" (more than {GAP}x: judge the terms)" if gain > GAP else ""
-            print(f"free search{flag}: {explain_gap(found.free, estimates[0])}")
-        else:
-            print(f"free search: no plan is predicted faster than {estimates[0].plan}")
-    return 0
 
 
 def _policy(args: argparse.Namespace, stats: Any, precision: str) -> Any:
@@ -423,12 +345,6 @@ def _policy(args: argparse.Namespace, stats: Any, precision: str) -> Any:
     return replace(policy, optimizer=state_bytes_per_param(stats))
 
 
-def _muon(stats: Any, cluster: Any, plan: Any) -> Any:
-    from shardwise.plan.muon import muon_cost
-
-    return muon_cost(stats, plan, cluster)
-
-
 def _is_spec_file(device_type: str) -> bool:
     """Whether ``--device-type`` names a file (a preset name wins, as in the planner's resolve)."""
     from shardwise.plan.cluster import ALIASES, PRESETS
@@ -444,7 +360,8 @@ def _model_spec_text(value: str) -> str:
     if not os.path.exists(value):
         raise ConfigError(
             f"--model-spec {value!r} is neither a JSON object nor an existing file",
-            hint='give inline JSON, e.g. \'{"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq": 32}\', or a JSON file',
+            hint='give inline JSON, e.g. \'{"layers": 2, "hidden": 64, "heads": 4, "vocab": 100, "seq": 32}\', '
+            "or a JSON file",
         )
     check_input_file(value, option="--model-spec")
     try:
@@ -452,38 +369,3 @@ def _model_spec_text(value: str) -> str:
             return fh.read()
     except UnicodeDecodeError:
         raise ConfigError(f"--model-spec {value!r} is not a text file", hint="give a JSON file") from None
-
-
-def options_text(plan: object) -> str:
-    """The runtime options of a plan, short: ``16`` params16, ``C`` chunked loss, ``S`` sharded
-    accumulation, ``8t``/``8r`` FP8 linears (tensorwise / rowwise); ``-`` none."""
-    marks = [m for m, on in (("16", getattr(plan, "params16", False)), ("C", getattr(plan, "chunked_loss", False)),
-                             ("S", getattr(plan, "sharded_accumulation", False))) if on]
-    if getattr(plan, "precision", "") == "fp8":
-        marks.append("8" + str(getattr(plan, "fp8_recipe", "tensorwise"))[0])
-    return ",".join(marks) or "-"
-
-
-def format_table(estimates: list) -> str:
-    """The ranked plans; ``cp`` and ``ep`` columns appear when a plan uses them; ``options``: the
-    runtime options (:func:`options_text`)."""
-    extra = [k for k in ("cp", "ep") if any(getattr(e.plan, k) > 1 for e in estimates)]
-    head = (
-        f"{'#':>2} {'dp':>5} {'zero':>4} {'tp':>3} {'pp':>3} "
-        + "".join(f"{k:>3} " for k in extra)
-        + f"{'mbs':>4} {'m':>4} {'schedule':<12} {'recompute':<9} {'options':<9} "
-        f"{'mem GB':>8} {'step s':>9} {'compute':>9} {'comm':>9} {'bubble':>9} {'tok/s':>10} {'TFLOP/s':>8} {'MFU':>6}"
-    )
-    lines = [head]
-    for i, e in enumerate(estimates, 1):
-        p = e.plan
-        dp = f"{p.dp}x{p.shard}" if p.dp > 1 and p.shard > 1 else str(p.dp_size)
-        sched = (p.schedule + (f"/v{p.virtual_stages}" if p.virtual_stages > 1 else "")) if p.pp > 1 else "-"
-        degrees = "".join(f"{getattr(p, k):>3} " for k in extra)
-        lines.append(
-            f"{i:>2} {dp:>5} {p.zero:>4} {p.tp:>3} {p.pp:>3} {degrees}{e.micro_batch_size:>4} {p.microbatches:>4} {sched:<12} "
-            f"{p.recompute:<9} {options_text(p):<9} {e.memory_total / 1e9:>8.2f} {e.step_time_s:>9.4g} {e.time['compute']:>9.3g} "
-            f"{e.time['communication']:>9.3g} {e.time['bubble']:>9.3g} {e.tokens_per_s:>10.4g} "
-            f"{e.tflops_per_device:>8.3g} {100 * e.mfu:>5.1f}%"
-        )
-    return "\n".join(lines)

@@ -25,8 +25,9 @@ def framework_line(stats: object, cluster: object, global_batch: int, options: o
     theirs = fitting[0] if fitting else min(every, key=lambda e: e.memory_total)
     fit = "" if fitting else ", does NOT fit"
     return (
-        f"as Megatron-LM / torchtitan / llm-foundry run these keys (--precision-policy 16bit): {theirs.tokens_per_s:.4g} tok/s, "
-        f"step {theirs.step_time_s:.4g} s, {ours.step_time_s / theirs.step_time_s:.2f} x the speed predicted for shardwise{fit}"
+        "as Megatron-LM / torchtitan / llm-foundry run these keys (--precision-policy 16bit): "
+        f"{theirs.tokens_per_s:.4g} tok/s, step {theirs.step_time_s:.4g} s, "
+        f"{ours.step_time_s / theirs.step_time_s:.2f} x the speed predicted for shardwise{fit}"
     )
 
 

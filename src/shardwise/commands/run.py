@@ -1,4 +1,5 @@
-"""``shardwise run``: start N processes of a script on this node, or on every node of a hostfile over ssh (torchrun-compatible)."""
+"""``shardwise run``: start N processes of a script on this node, or on every node of a hostfile over ssh
+(torchrun-compatible)."""
 
 from __future__ import annotations
 

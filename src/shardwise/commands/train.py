@@ -25,29 +25,34 @@ from shardwise.config import TrainJobConfig, load_config, section_fields, to_tom
 from shardwise.errors import ConfigError, ShardwiseError, StoppedBySignal
 from shardwise.layout import Plan
 
-EXAMPLES = """examples:
+EXAMPLES = (
+    """examples:
   shardwise train                                   defaults: GPT on the stdlib source, all local cores
   shardwise train --nproc 1 --max-steps 100         one process, a short run
   shardwise train --model.layers=6 --model.hidden=192 --train.lr=2e-3
   shardwise train --config run.toml --train.precision=bf16
   shardwise train --plan auto                       the planner picks the layout
   shardwise train --model.hf DIR --data.files 'data/**/*.txt'   fine-tune a Hugging Face model on local text
-  shardwise train --model.hf DIR --data.files 'd/*.txt' --lora.r 16 [--lora.base nf4]   LoRA (QLoRA) adapters on a frozen base
+  shardwise train --model.hf DIR --data.files 'd/*.txt' --lora.r 16 [--lora.base nf4]"""
+    """   LoRA (QLoRA) adapters on a frozen base
   shardwise train --print-config > run.toml         write the resolved configuration, start nothing
   shardwise train --max-restarts 2                  restart after a crash, resuming from the newest checkpoint
   shardwise train --log.tracker mlflow                also log to MLflow (its default store: ./mlflow.db)
-  shardwise train --log.tracker mlflow --log.tracking_uri file:///abs/mlruns   a file store (MLflow 3's opt-in is set for the run)
+  shardwise train --log.tracker mlflow --log.tracking_uri file:///abs/mlruns"""
+    """   a file store (MLflow 3's opt-in is set for the run)
   shardwise train --log.tracker wandb --log.wandb_mode offline   W&B without an account: files under <run dir>/wandb
 
 precedence: defaults < the --config TOML file < the command line (the shortcut flags --nproc,
 --max-steps, --plan and --resume are the same as parallel.nproc, train.max_steps, parallel.plan and
 checkpoint.resume and are applied last). In TOML each section is a table:  [train]  lr = 2e-3
 logs: <run.runs_dir>/<run.name>/ holds metrics.csv, curves.png, config.toml, summary.json, sample.txt;
---log.tracker mlflow|wandb also sends the metrics, this configuration and the plan to a tracker (a resume continues its run)
+--log.tracker mlflow|wandb also sends the metrics, this configuration and the plan to a tracker (a resume continues """
+    """its run)
 pre-emption: SIGTERM or SIGUSR1 saves a checkpoint at the next step and exits 128 + signal (143, 138),
 printing the command that resumes the run
 multi-node: shardwise run --nnodes 2 ... -m shardwise.jobs.train --config run.toml
 """
+)
 
 _SHORTCUTS = {
     "nproc": "parallel.nproc",
@@ -60,7 +65,8 @@ _SHORTCUTS = {
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        usage="shardwise train [-h] [--config FILE.toml] [--nproc N] [--max-steps N] [--plan PLAN] [--resume auto] [--print-config]\n"
+        usage="shardwise train [-h] [--config FILE.toml] [--nproc N] [--max-steps N] [--plan PLAN] [--resume auto] "
+        "[--print-config]\n"
         "                       [--section.key=VALUE ...]",
         help="train the built-in GPT on the standard library's source (the main job)",
         description="Train a character-level GPT on the Python standard library's own source text, "
@@ -93,7 +99,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="restart the processes up to N times after a failure; a restart resumes from the newest complete checkpoint",
+        help="restart the processes up to N times after a failure; a restart resumes from the newest complete "
+        "checkpoint",
     )
     p.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     _add_config_keys(p)
@@ -156,8 +163,8 @@ def job_plan(config: TrainJobConfig, nproc: int) -> Plan | None:
         plan.tp_enabled and config.model.hf and config.lora.r and config.lora.base == "nf4"
     ):  # the workers would refuse it
         raise ConfigError(
-            f"plan {plan}: tp cannot split QLoRA's 4-bit NF4 base (lora.base=nf4: torchao splits NF4 tensors along rows "
-            "only, and a row-wise layer needs its columns split)",
+            f"plan {plan}: tp cannot split QLoRA's 4-bit NF4 base (lora.base=nf4: torchao splits NF4 tensors along "
+            "rows only, and a row-wise layer needs its columns split)",
             hint="use zero=3 (or dp) for QLoRA, or lora.base=fp32 with tp",
         )
     if config.train.global_batch_size % (plan.dp_size * config.train.grad_accum_steps):
@@ -239,7 +246,8 @@ def _announce(plan: Plan | None, nproc: int, run_dir: str) -> None:
     """The plan (or that the planner chooses) and the run directory, before any process starts."""
     if plan is None:
         print(
-            f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed below)",
+            f"plan: auto (the planner chooses for the model on {nproc} process{'es' if nproc > 1 else ''}; printed "
+            "below)",
             flush=True,
         )
     else:

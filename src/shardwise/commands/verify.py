@@ -62,8 +62,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--optimizer",
         choices=["sgd", "adamw"],
         default=None,
-        help="sgd (with momentum; rounding differences stay float32-sized) or adamw (amplifies them for near-zero gradients); "
-        "default: the --script's make_optimizer(params) if it has one, else sgd",
+        help="sgd (with momentum; rounding differences stay float32-sized) or adamw (amplifies them for near-zero "
+        "gradients); default: the --script's make_optimizer(params) if it has one, else sgd",
     )
     p.add_argument("--lr", type=float, default=None, help="learning rate (default 0.1 for sgd, 1e-3 for adamw)")
     p.add_argument(
@@ -74,8 +74,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--loss-reduction",
         choices=["tokens", "samples"],
         default="tokens",
-        help="weigh each micro-step's loss by its valid targets (tokens; the built-in workload's targets are ragged-masked) "
-        "or equally (samples; for per-sample losses, targets unmasked) (default %(default)s)",
+        help="weigh each micro-step's loss by its valid targets (tokens; the built-in workload's targets are "
+        "ragged-masked) or equally (samples; for per-sample losses, targets unmasked) (default %(default)s)",
     )
     p.add_argument("--rtol", type=float, default=1e-5, help="pass if every relative divergence is at most this")
     p.add_argument("--seed", type=int, default=0)

@@ -169,7 +169,8 @@ class HFDatasetSource:
         if shuffle and not self.indexed:
             raise ConfigError(
                 "shuffle=True needs a map-style dataset (an IterableDataset has no row order to permute)",
-                hint="shuffle it yourself with dataset.shuffle(seed, buffer_size=...), or load it without streaming=True",
+                hint="shuffle it yourself with dataset.shuffle(seed, buffer_size=...), or load it without "
+                "streaming=True",
             )
         if self.indexed and columns is not None and len(columns) > 1:
             dataset = dataset.select_columns([text_key])  # read only the text

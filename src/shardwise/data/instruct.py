@@ -12,7 +12,8 @@ Formats (``--data.format``):
   turns are found by rendering the conversation a turn at a time: turn ``j`` is the text between
   ``render(messages[:j], add_generation_prompt=True)`` and ``render(messages[:j + 1])`` (its
   content and the template's end-of-turn marker), and the tokens of the whole rendering that lie
-  in it (by the fast tokenizer's character offsets) are the assistant's. A template that does not render a conversation prefix by prefix is refused.
+  in it (by the fast tokenizer's character offsets) are the assistant's. A template that does not render a conversation
+  prefix by prefix is refused.
 
 **Loss mask** (``train_on``): ``"completion"`` (the default) learns only the completion, or the
 assistant turns; ``"prompt"`` learns every token. A sample of ``n`` tokens gives
@@ -96,7 +97,8 @@ def messages_of(record: Record, key: str, roles: frozenset[str] | None = None) -
                               hint="each message needs a role and a text content")
         if roles is not None and m["role"] not in roles:
             raise ConfigError(
-                f"{record.where}: message {i} has role {m['role']!r}, which the tokenizer's chat template does not know",
+                f"{record.where}: message {i} has role {m['role']!r}, which the tokenizer's chat template does not "
+                "know",
                 hint=f"use one of {', '.join(sorted(roles))}, or name the role in the chat template "
                 "(docs/finetuning.md, 'Chat roles')",
             )
@@ -111,7 +113,8 @@ def check_chat_tokenizer(tokenizer: Any) -> None:
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(
             "the tokenizer has no chat template, which --data.format chat renders conversations with",
-            hint="save one with the tokenizer (tokenizer.chat_template = '...'; save_pretrained), or use prompt_completion",
+            hint="save one with the tokenizer (tokenizer.chat_template = '...'; save_pretrained), or use "
+            "prompt_completion",
         )
 
 
@@ -190,8 +193,8 @@ class Examples:
         if not self.dropped:
             return kept
         return (
-            f"{kept}; dropped {self.dropped:,} of {self.records:,} whose prompt alone fills the {seq_len}-token context "
-            f"(the first: {self.first_dropped})"
+            f"{kept}; dropped {self.dropped:,} of {self.records:,} whose prompt alone fills the {seq_len}-token "
+            f"context (the first: {self.first_dropped})"
         )
 
 

@@ -130,7 +130,8 @@ class ShardedSampler(Sampler[int]):
         consumed = int(state["consumed"])
         if consumed % self.num_replicas:
             raise ShardwiseError(
-                f"the saved data position ({consumed} samples into the epoch) does not split over {self.num_replicas} ranks",
+                f"the saved data position ({consumed} samples into the epoch) does not split over {self.num_replicas} "
+                "ranks",
                 hint="resume with a data-parallel size that divides the saved position",
             )
         self.epoch, self.consumed = int(state["epoch"]), consumed

@@ -67,7 +67,8 @@ def require_torchdata() -> Any:
 
 class PackedStream(IterableDataset):
     """``PackedStream(files_dataset_or_callable, seq_len=128, tokenize=None, eos_id=None, text_key="text",
-    shuffle=False, seed=0, bin_dtype="uint16", shuffle_windows=0)``: see the module doc. The Trainer sets the sharding with :meth:`shard`."""
+    shuffle=False, seed=0, bin_dtype="uint16", shuffle_windows=0)``: see the module doc. The Trainer sets the sharding
+    with :meth:`shard`."""
 
     def __init__(self, source: Source, *, seq_len: int, tokenize: Callable[[str], Sequence[int]] | None = None,
                  eos_id: int | None = None, text_key: str = "text", shuffle: bool = False, seed: int = 0,
@@ -76,7 +77,8 @@ class PackedStream(IterableDataset):
             raise ConfigError(f"seq_len={seq_len} must be at least 1")
         if shuffle_windows < 0:
             raise ConfigError(
-                f"shuffle_windows={shuffle_windows} must be 0 (windows in order) or a number of windows to shuffle within"
+                f"shuffle_windows={shuffle_windows} must be 0 (windows in order) or a number of windows to shuffle "
+                "within"
             )
         self.seed, self.shuffle_windows = seed, shuffle_windows
         self.documents: DocumentSource = document_source(source, text_key=text_key, has_tokenizer=tokenize is not None,

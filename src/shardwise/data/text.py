@@ -52,7 +52,8 @@ def find_files(patterns: str) -> list[str]:
 
 
 def read_documents(paths: Sequence[str], *, text_key: str = "text") -> list[str]:
-    """One document per file, per line of a ``.jsonl`` file or per row of a ``.parquet`` one (its ``text_key`` field)."""
+    """One document per file, per line of a ``.jsonl`` file or per row of a ``.parquet`` one (its ``text_key``
+    field)."""
     docs: list[str] = []
     for path in paths:
         if path.endswith(".parquet"):

@@ -138,7 +138,8 @@ def model_files(source: str, model_dir: str | None = None) -> str:
         if os.path.isfile(os.path.join(candidate, "config.json")):
             return candidate
     raise ConfigError(
-        f"checkpoint {source} keeps no model config (neither the built-in GPT's gpt/model.json nor {HF_DIR}/config.json)",
+        f"checkpoint {source} keeps no model config (neither the built-in GPT's gpt/model.json nor "
+        f"{HF_DIR}/config.json)",
         hint="pass --model DIR, the Hugging Face directory the run started from",
     )
 

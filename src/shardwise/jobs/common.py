@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 
 def adamw(params: Iterable[nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
-    """AdamW (betas 0.9, 0.95) with weight decay on matrices (linear weights, embeddings), not on biases or LayerNorm gains."""
+    """AdamW (betas 0.9, 0.95) with weight decay on matrices (linear weights, embeddings), not on biases or LayerNorm
+    gains."""
     params = [p for p in params if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]

@@ -85,10 +85,8 @@ def check_hf_job(config: TrainJobConfig) -> None:
     if config.data.format != "text":  # options, tokenizer, packing, and the records themselves
         from shardwise.jobs.instruct_data import check_instruct_job
 
-        print(
-            f"data: {check_instruct_job(config, window=window_length(config.model.seq_len, read_config(config.model.hf)))}",
-            flush=True,
-        )
+        window = window_length(config.model.seq_len, read_config(config.model.hf))
+        print(f"data: {check_instruct_job(config, window=window)}", flush=True)
         if config.data.streaming:
             from shardwise.data.streaming import require_torchdata
 
@@ -197,6 +195,35 @@ def job_data(config: TrainJobConfig, tokenizer: Any, *, vocab_size: int, seq: in
     )
 
 
+def _print_setup(
+    trainer: Any, config: TrainJobConfig, data: Any, *, seq: int, model_config: dict, shape: Any, source: Any
+) -> None:
+    """Rank 0's lines before the first step: the plan ``plan="auto"`` chose, the data, the loss
+    reduction, the model and what rank 0 read of it, and the LoRA adapters."""
+    from shardwise.parallel.reduction import LossReduction
+
+    if trainer.auto_choice is not None:
+        print(f"plan=auto chose {trainer.plan}:\n  " + trainer.plan.describe().replace("\n", "\n  "), flush=True)
+    load = trainer.model.load
+    print(
+        f"data: {data.description}" + (f", windows of {seq} tokens" if config.data.format == "text" else ""),
+        flush=True,
+    )
+    print(LossReduction(config.train.loss_reduction).describe(), flush=True)
+    print(
+        f"model: {model_config.get('model_type')} from {config.model.hf}, {shape.layers} layers x {shape.hidden} "
+        f"hidden, {load.elements_total:,} parameters; rank 0 read {load.elements_read:,} of them",
+        flush=True,
+    )
+    if source.lora is not None:
+        trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+        print(
+            f"lora: r={source.lora.r}, alpha={source.lora.alpha:g}, base {source.lora.base}; rank 0 trains "
+            f"{trainable:,} adapter elements, the base is frozen (checkpoints hold the adapters only)",
+            flush=True,
+        )
+
+
 def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     """Fine-tune ``config.model.hf`` on ``config.data.files`` (module doc) in the joined group
     ``env`` (:func:`shardwise.jobs.train.run_job` holds the pre-emption handlers); the summary on
@@ -205,7 +232,6 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     from shardwise.jobs.common import _agree_on_name, _with_name, job_resume, job_trainer
     from shardwise.jobs.summary import JobSummary, check_run_dir, default_run_name, stop_fields
     from shardwise.models.hf import lm_loss, load_tokenizer, read_config, shape_of
-    from shardwise.parallel.reduction import LossReduction
 
     if not config.data.files:
         raise ConfigError(
@@ -241,26 +267,7 @@ def run_hf_job(config: TrainJobConfig, env: Any) -> Any:
     )
     trainer.setup(train_set)  # plan="auto": chosen from the training data (a no-op for other plans)
     if env.is_main:
-        if trainer.auto_choice is not None:
-            print(f"plan=auto chose {trainer.plan}:\n  " + trainer.plan.describe().replace("\n", "\n  "), flush=True)
-        load = trainer.model.load
-        print(
-            f"data: {data.description}" + (f", windows of {seq} tokens" if config.data.format == "text" else ""),
-            flush=True,
-        )
-        print(LossReduction(config.train.loss_reduction).describe(), flush=True)
-        print(
-            f"model: {model_config.get('model_type')} from {config.model.hf}, {shape.layers} layers x {shape.hidden} hidden, "
-            f"{load.elements_total:,} parameters; rank 0 read {load.elements_read:,} of them",
-            flush=True,
-        )
-        if source.lora is not None:
-            trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-            print(
-                f"lora: r={source.lora.r}, alpha={source.lora.alpha:g}, base {source.lora.base}; rank 0 trains {trainable:,} "
-                "adapter elements, the base is frozen (checkpoints hold the adapters only)",
-                flush=True,
-            )
+        _print_setup(trainer, config, data, seq=seq, model_config=model_config, shape=shape, source=source)
     result = trainer.fit(train_set, val_set, resume=resume)  # no validation split: val_set is None
     if not env.is_main:
         return None

@@ -79,7 +79,8 @@ def check_instruct_options(config: TrainJobConfig) -> None:
         and Plan.parse(config.parallel.plan).cp > 1
     ):
         raise ConfigError(
-            f"data.packing under {config.parallel.plan}: context parallel's split attention cannot keep packed samples apart",
+            f"data.packing under {config.parallel.plan}: context parallel's split attention cannot keep packed samples "
+            "apart",
             hint="use padded batches (--data.packing false) with cp, or a plan without cp",
         )
 

@@ -114,8 +114,8 @@ def format_summary(summary: JobSummary, resume_command: str = "shardwise train -
     if summary.val_loss is not None and summary.unigram_entropy and summary.stopped != "preempted":
         ratio = summary.val_loss / summary.unigram_entropy
         lines.append(
-            f"validation loss {summary.val_loss:.4f} nats/{unit} ({summary.val_loss / math.log(2):.3f} bits/{unit}) after "
-            f"{summary.steps} steps in {summary.elapsed_s:.0f} s; the corpus's unigram entropy is "
+            f"validation loss {summary.val_loss:.4f} nats/{unit} ({summary.val_loss / math.log(2):.3f} bits/{unit}) "
+            f"after {summary.steps} steps in {summary.elapsed_s:.0f} s; the corpus's unigram entropy is "
             f"{summary.unigram_entropy:.4f} nats/{unit} (the loss is {ratio:.0%} of it)"
         )
     if summary.sample:

@@ -183,10 +183,10 @@ class ShardwiseAgent(LocalElasticAgent):
             self._kill_workers()
             me = self._watch.me if self._watch is not None else None
             raise NodeDropped(
-                f"this node ({getattr(me, 'addr', '?')}, agent pid {os.getpid()}) was dropped from the job while it ran: "
-                f"the other nodes saw no heartbeat from it for over {self._watch.expiry_s if self._watch else 0:.0f} s (it was "
-                "frozen, suspended or cut off) and re-formed the world without it; its workers were killed before "
-                "writing anything",
+                f"this node ({getattr(me, 'addr', '?')}, agent pid {os.getpid()}) was dropped from the job while it "
+                "ran: the other nodes saw no heartbeat from it for over "
+                f"{self._watch.expiry_s if self._watch else 0:.0f} s (it was frozen, suspended or cut off) and "
+                "re-formed the world without it; its workers were killed before writing anything",
                 hint="nothing was corrupted; start this node's shardwise run again to add it back to the job",
             )
 

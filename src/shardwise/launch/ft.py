@@ -131,8 +131,8 @@ def run_groups(options: FtOptions, child_args: Sequence[str], *, log_dir: str | 
     os.makedirs(ft_dir, exist_ok=True)
     server, lighthouse = (None, options.lighthouse) if options.lighthouse else start_lighthouse(0, options)
     print(
-        f"[shardwise] ft: {options.replicas} replica group(s), lighthouse {lighthouse}, min_replicas={options.min_replicas}, "
-        f"events in {ft_dir}",
+        f"[shardwise] ft: {options.replicas} replica group(s), lighthouse {lighthouse}, "
+        f"min_replicas={options.min_replicas}, events in {ft_dir}",
         file=sys.stderr,
         flush=True,
     )

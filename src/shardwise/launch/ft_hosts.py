@@ -62,7 +62,8 @@ def check_ft_hosts(options: RunOptions, ft: FtOptions, rdzv_store: str | None) -
     if ft.replica_id is not None:
         raise LaunchError(
             "--ft-replica-id cannot be combined with --hostfile/--hosts",
-            hint="the launcher starts every group; drop --ft-replica-id (or start each group by hand without --hostfile)",
+            hint="the launcher starts every group; drop --ft-replica-id (or start each group by hand without "
+            "--hostfile)",
         )
     for flag, value in (
         ("--nnodes", options.nnodes),
@@ -79,7 +80,8 @@ def check_ft_hosts(options: RunOptions, ft: FtOptions, rdzv_store: str | None) -
     if rdzv_store == "node0":
         raise LaunchError(
             "--rdzv-store node0 cannot be combined with --ft-replicas",
-            hint="leave --rdzv-store out (the store lives on this launcher) or give HOST:PORT of 'shardwise rendezvous'",
+            hint="leave --rdzv-store out (the store lives on this launcher) or give HOST:PORT of 'shardwise "
+            "rendezvous'",
         )
     if rdzv_store and not ft.lighthouse and not rdzv_store.startswith("launcher"):
         raise LaunchError(
@@ -122,7 +124,8 @@ def write_summary(ft_dir: str, replicas: int) -> None:
         json.dump(summary, fh, indent=2)
     print(
         f"shardwise run: ft: {summary['committed_steps']} step(s) committed, {summary['discarded_steps']} discarded, "
-        f"{summary['healed_replicas']} heal(s), {summary['seconds_lost']:.1f} s lost ({os.path.join(ft_dir, 'summary.json')})",
+        f"{summary['healed_replicas']} heal(s), {summary['seconds_lost']:.1f} s lost "
+        f"({os.path.join(ft_dir, 'summary.json')})",
         file=sys.stderr,
         flush=True,
     )
@@ -152,8 +155,9 @@ def launch_groups_on_hosts(options: RunOptions, launch: HostLaunch, ft: FtOption
                         run_id=options.rdzv_id or uuid.uuid4().hex[:12], hang_timeout_s=launch.hang_timeout_s)
     size = len(launch.hosts) // ft.replicas
     print(
-        f"shardwise run: pre-flight ok on {len(launch.hosts)} host(s) ({pre.versions()}); {ft.replicas} replica group(s) of "
-        f"{size} host(s), lighthouse {'at ' + ft.lighthouse if ft.lighthouse else 'on this machine, ' + lighthouses[0]}, "
+        f"shardwise run: pre-flight ok on {len(launch.hosts)} host(s) ({pre.versions()}); {ft.replicas} replica "
+        f"group(s) of {size} host(s), lighthouse "
+        f"{'at ' + ft.lighthouse if ft.lighthouse else 'on this machine, ' + lighthouses[0]}, "
         f"min_replicas={ft.min_replicas}",
         file=sys.stderr,
         flush=True,

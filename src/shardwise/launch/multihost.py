@@ -118,7 +118,8 @@ def check_topology(options: RunOptions, hosts: Sequence[Host]) -> tuple[str, boo
     if options.rdzv_endpoint:
         raise LaunchError(
             "--rdzv-endpoint cannot be combined with --hostfile/--hosts",
-            hint="use --rdzv-store HOST:PORT for a running 'shardwise rendezvous' (by default this launcher hosts the store)",
+            hint="use --rdzv-store HOST:PORT for a running 'shardwise rendezvous' (by default this launcher hosts the "
+            "store)",
         )
     low, high = parse_nnodes(options.nnodes or str(len(hosts)))
     if low == high and low != len(hosts):

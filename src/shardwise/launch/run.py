@@ -135,9 +135,10 @@ def wait_for_endpoint(endpoint: str, timeout_s: float, *, store_off_nodes: bool 
             if time.monotonic() >= deadline:
                 if store_off_nodes:
                     raise LaunchError(
-                        f"the rendezvous store at {endpoint} did not answer within {timeout_s:.0f}s ({exc.strerror or exc})",
-                        hint="start what hosts it first ('shardwise rendezvous', or the node with is_host=1), and check "
-                        "--rdzv-endpoint and firewalls",
+                        f"the rendezvous store at {endpoint} did not answer within {timeout_s:.0f}s "
+                        f"({exc.strerror or exc})",
+                        hint="start what hosts it first ('shardwise rendezvous', or the node with is_host=1), and "
+                        "check --rdzv-endpoint and firewalls",
                     ) from None
                 raise LaunchError(
                     f"node 0 at {endpoint} did not answer within {timeout_s:.0f}s ({exc.strerror or exc})",
@@ -157,7 +158,8 @@ def run_launch(launch: ResolvedLaunch, *, forwarded: Forwarded | None = None) ->
     if (config.rdzv_backend == "static" and config.rdzv_configs.get("rank", 0) != 0) or (
         config.rdzv_backend == "c10d" and client_only
     ):
-        # a node that does not host the store (or a store off the nodes, 'shardwise rendezvous'): one line if nobody answers
+        # a node that does not host the store (or a store off the nodes, 'shardwise rendezvous'): one line if nobody
+        # answers
         wait_for_endpoint(
             config.rdzv_endpoint, float(config.rdzv_configs.get("timeout", 300)), store_off_nodes=client_only
         )

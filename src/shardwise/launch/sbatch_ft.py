@@ -64,16 +64,17 @@ def ft_step_lines(run_args: str, target: str, *, nodes: int, replicas: int, min_
         "warned=0",
         "# SIGUSR1 (the time-limit warning) and SIGTERM go on to every group's srun, which relays them.",
         "pass_on() { for s in \"${steps[@]}\"; do kill -\"$1\" \"$s\" 2>/dev/null; done; return 0; }",
-        "trap 'warned=1; echo \"shardwise: SIGUSR1 (time-limit warning): the workers checkpoint and stop\" >&2; pass_on USR1' USR1",
+        "trap 'warned=1; echo \"shardwise: SIGUSR1 (time-limit warning): the workers checkpoint and stop\" >&2; "
+        "pass_on USR1' USR1",
         "trap 'echo \"shardwise: SIGTERM: passing it on to every group\" >&2; pass_on TERM' TERM",
     ]
     for r in range(replicas):
         lines += [
             f"# replica group {r}: nodes {r * size}..{(r + 1) * size - 1}, its own rendezvous",
             f"srun --nodes={size} --ntasks={size} --ntasks-per-node=1 --relative={r * size} --kill-on-bad-exit=1 "
-            f"shardwise run {run_args} --ft-replicas {replicas} --ft-replica-id {r} --lighthouse \"$lighthouse_host:{lighthouse_port}\" "
-            f"--ft-min-replicas {min_replicas} --rdzv-backend c10d --rdzv-endpoint \"${{nodes[{r * size}]}}:{rdzv_port + r}\" "
-            f"--rdzv-id \"$SLURM_JOB_ID-ft{r}\" {target} &",
+            f"shardwise run {run_args} --ft-replicas {replicas} --ft-replica-id {r} --lighthouse "
+            f"\"$lighthouse_host:{lighthouse_port}\" --ft-min-replicas {min_replicas} --rdzv-backend c10d "
+            f"--rdzv-endpoint \"${{nodes[{r * size}]}}:{rdzv_port + r}\" --rdzv-id \"$SLURM_JOB_ID-ft{r}\" {target} &",
             "steps+=($!)",
         ]
     lines += [

@@ -12,9 +12,9 @@ workers never learn. Here the shell traps it and passes it on:
 3. a TERM (``scancel``, the time limit itself) is passed on the same way (Slurm signals the step
    too; a pre-emption request is a flag, so twice is harmless);
 4. ``wait`` returns early when a trapped signal arrives, so the shell waits again until the step
-   has really ended (a last ``wait`` gives its own exit status, which bash keeps), then, if the step stopped on the warning (exit 138, or any non-zero exit after
-   a warning), requeues the job with ``scontrol requeue``: it starts again later and resumes from
-   the checkpoint (the training command must resume, e.g. ``--checkpoint.resume=auto``).
+   has really ended (a last ``wait`` gives its own exit status, which bash keeps), then, if the step stopped on the
+   warning (exit 138, or any non-zero exit after a warning), requeues the job with ``scontrol requeue``: it starts again
+   later and resumes from the checkpoint (the training command must resume, e.g. ``--checkpoint.resume=auto``).
 
 ``#SBATCH --requeue`` also lets Slurm itself requeue the job after a pre-emption or a node failure.
 A job step signalled directly (``--signal=USR1@N`` without ``B:``) works too: the step exits 138
@@ -45,7 +45,8 @@ def step_lines(command: str, *, requeue: bool) -> list[str]:
         "warned=0",
         "# SIGUSR1 (the time-limit warning) and SIGTERM go on to every task of the step: srun relays them.",
         "pass_on() { [ -n \"$step\" ] && kill -\"$1\" \"$step\" 2>/dev/null; return 0; }",
-        "trap 'warned=1; echo \"shardwise: SIGUSR1 (time-limit warning): the workers checkpoint and stop\" >&2; pass_on USR1' USR1",
+        "trap 'warned=1; echo \"shardwise: SIGUSR1 (time-limit warning): the workers checkpoint and stop\" >&2; "
+        "pass_on USR1' USR1",
         "trap 'echo \"shardwise: SIGTERM: passing it on to the job step\" >&2; pass_on TERM' TERM",
         "# shardwise run reads node count, node rank and the master host from Slurm.",
         f"{command} &",

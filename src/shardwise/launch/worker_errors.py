@@ -5,8 +5,8 @@ Each worker of a launch (``shardwise run``/``train``'s :mod:`~shardwise.launch.w
 record, ``<dir>/rank<R>.json``, into a directory the launcher made for this launch (its path in
 ``SHARDWISE_ERROR_DIR``) instead of its traceback: with N ranks failing the same way the user would
 otherwise read N copies of it, interleaved (a crash also prints its one line in the rank's own output,
-so a restart that recovers from it, or the rank's ``--log-dir`` file, still says what happened). The launcher reads the records when the agent reports
-the failure (:func:`worker_failure`):
+so a restart that recovers from it, or the rank's ``--log-dir`` file, still says what happened). The launcher reads the
+records when the agent reports the failure (:func:`worker_failure`):
 
 - **bad input** — a :class:`~shardwise.errors.ShardwiseError`, or a ``ValueError``/``TypeError``
   raised by shardwise's own code (the innermost frame of its traceback is in the ``shardwise``
@@ -16,8 +16,8 @@ the failure (:func:`worker_failure`):
   printed once, then the agent's one-line summary of the failure (exit code 1).
 
 A worker that records bad input waits up to 3 s for its node's other ranks to record theirs
-(the agent stops the group when the first worker exits), then exits with code 2. The hang watchdog's verdict (``os._exit`` after
-its own report, :mod:`shardwise.runtime.watchdog`) raises nothing and keeps its own format. Only the
+(the agent stops the group when the first worker exits), then exits with code 2. The hang watchdog's verdict
+(``os._exit`` after its own report, :mod:`shardwise.runtime.watchdog`) raises nothing and keeps its own format. Only the
 standard library and :mod:`shardwise.errors` are imported: a worker starts as fast as before.
 """
 

@@ -101,7 +101,8 @@ def collect(environ: Mapping[str, str]) -> Report:
             )
     if "RANK" in environ and "TORCHELASTIC_RUN_ID" not in environ:
         warnings.append(
-            "RANK is exported in this shell: a plain 'python train.py' will think it is one rank of a larger job; unset RANK and WORLD_SIZE"
+            "RANK is exported in this shell: a plain 'python train.py' will think it is one rank of a larger job; "
+            "unset RANK and WORLD_SIZE"
         )
     if environ.get("NCCL_P2P_DISABLE") == "1":
         warnings.append("NCCL_P2P_DISABLE=1 forces GPU traffic through host memory and slows intra-node collectives")
@@ -149,9 +150,9 @@ def torchao_kernels(*, cuda: bool) -> tuple[list[tuple[str, str]], list[str]]:
     )
     warned = (
         [
-            f"torchao's {name} does not load ({why}): its fast FP8/MX kernels are missing (torchao's MX formats and CUTLASS "
-            "GEMMs need them; precision=fp8's float8 linears run on torch's own _scaled_mm); install the torchao build that "
-            "matches this torch, Python and CUDA"
+            f"torchao's {name} does not load ({why}): its fast FP8/MX kernels are missing (torchao's MX formats and "
+            "CUTLASS GEMMs need them; precision=fp8's float8 linears run on torch's own _scaled_mm); install the "
+            "torchao build that matches this torch, Python and CUDA"
             for name, why in failed
         ]
         if cuda

@@ -55,7 +55,10 @@ class Finding:
         where = f"module '{self.module}'" if self.module else "the root module"
         if self.stage == "loss":
             return f"rank {self.rank}: the loss is not finite ({self.detail})"
-        return f"rank {self.rank}: first non-finite {'output' if self.stage == 'forward' else 'gradient'} in {where} ({self.detail})"
+        return (
+            f"rank {self.rank}: first non-finite {'output' if self.stage == 'forward' else 'gradient'} in {where} "
+            f"({self.detail})"
+        )
 
 
 def format_findings(step: int, findings: list[Finding]) -> str:

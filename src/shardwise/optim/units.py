@@ -139,7 +139,8 @@ def route(model: nn.Module, *, muon: tuple[str, ...] = (), adamw: tuple[str, ...
             elif any(fnmatch.fnmatchcase(full, pat) for pat in muon):
                 if p.dim() not in (2, 3):
                     raise ConfigError(
-                        f"muon={list(muon)} names {full} of shape {tuple(p.shape)}: Muon takes 2-D or 3-D (batched) parameters",
+                        f"muon={list(muon)} names {full} of shape {tuple(p.shape)}: Muon takes 2-D or 3-D (batched) "
+                        "parameters",
                         hint="leave it to AdamW",
                     )
                 units = Units(logical=tuple(int(s) for s in p.shape), split_dim=p.dim() - 2, fan_out_dim=p.dim() - 2)

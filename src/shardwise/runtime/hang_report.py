@@ -136,49 +136,61 @@ def diagnose(
             )
             continue
         if stall.kind == "finish":
-            mine = beats.get(stall.rank)
-            waiting = next((f for f in beat.in_flight if mine is not None and f.seq > mine.issued.get(f.pg, 0)), None)
-            if waiting is not None and mine is not None:
-                # The peer waits in a collective this rank never issued: this rank is the one missing.
-                if not any(c.rank == stall.rank for c in culprits):
-                    culprits.insert(
-                        0,
-                        Culprit(
-                            stall.rank,
-                            "finished",
-                            f"{mine.where()} has finished after issuing "
-                            f"{mine.issued.get(waiting.pg, 0)} collectives on group {waiting.pg}, "
-                            f"but other ranks wait in {waiting.describe()}: it skipped a collective",
-                        ),
-                    )
-                continue
-            culprits.append(Culprit(r, "behind", f"{beat.where()} is still running{at}{_doing(beat)}"))
+            _add_finish_culprit(stall, beats, r, beat, at, culprits)
             continue
-        if stall.kind != "collective" or stall.collective is None:
-            continue
-        want = stall.collective
-        issued = beat.issued.get(want.pg, 0)
-        if issued < want.seq:
-            culprits.append(
-                Culprit(
-                    r,
-                    "behind",
-                    f"{beat.where()} did not arrive at {want.op} #{want.seq}: it has issued only "
-                    f"{issued} collectives on group {want.pg}{at}{_doing(beat)}",
-                )
-            )
-            continue
-        twin = next((f for f in beat.in_flight if f.pg == want.pg and f.seq == want.seq), None)
-        if twin is not None and (twin.op != want.op or tuple(twin.sizes) != tuple(want.sizes)):
-            culprits.append(
-                Culprit(
-                    r,
-                    "mismatch",
-                    f"{beat.where()} is in {twin.describe()} while rank {stall.rank} is in "
-                    f"{want.describe()}: the ranks issued different collectives",
-                )
-            )
+        culprit = _collective_culprit(stall, r, beat, at)
+        if culprit is not None:
+            culprits.append(culprit)
     return culprits
+
+
+def _add_finish_culprit(
+    stall: Stall, beats: dict[int, Heartbeat | None], r: int, beat: Heartbeat, at: str, culprits: list[Culprit]
+) -> None:
+    """A ``finish`` stall, seen from the running rank ``r``: if ``r`` waits in a collective the
+    finished rank never issued, that rank skipped it (put first, once); else ``r`` is behind."""
+    mine = beats.get(stall.rank)
+    waiting = next((f for f in beat.in_flight if mine is not None and f.seq > mine.issued.get(f.pg, 0)), None)
+    if waiting is not None and mine is not None:
+        # The peer waits in a collective this rank never issued: this rank is the one missing.
+        if not any(c.rank == stall.rank for c in culprits):
+            culprits.insert(
+                0,
+                Culprit(
+                    stall.rank,
+                    "finished",
+                    f"{mine.where()} has finished after issuing "
+                    f"{mine.issued.get(waiting.pg, 0)} collectives on group {waiting.pg}, "
+                    f"but other ranks wait in {waiting.describe()}: it skipped a collective",
+                ),
+            )
+        return
+    culprits.append(Culprit(r, "behind", f"{beat.where()} is still running{at}{_doing(beat)}"))
+
+
+def _collective_culprit(stall: Stall, r: int, beat: Heartbeat, at: str) -> Culprit | None:
+    """A ``collective`` stall, seen from rank ``r``: behind when it has not issued that collective
+    yet, a mismatch when it is in a different one at the same place; else None."""
+    if stall.kind != "collective" or stall.collective is None:
+        return None
+    want = stall.collective
+    issued = beat.issued.get(want.pg, 0)
+    if issued < want.seq:
+        return Culprit(
+            r,
+            "behind",
+            f"{beat.where()} did not arrive at {want.op} #{want.seq}: it has issued only "
+            f"{issued} collectives on group {want.pg}{at}{_doing(beat)}",
+        )
+    twin = next((f for f in beat.in_flight if f.pg == want.pg and f.seq == want.seq), None)
+    if twin is not None and (twin.op != want.op or tuple(twin.sizes) != tuple(want.sizes)):
+        return Culprit(
+            r,
+            "mismatch",
+            f"{beat.where()} is in {twin.describe()} while rank {stall.rank} is in "
+            f"{want.describe()}: the ranks issued different collectives",
+        )
+    return None
 
 
 def _doing(beat: Heartbeat) -> str:

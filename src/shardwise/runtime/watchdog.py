@@ -17,8 +17,8 @@ How it works (one daemon thread per rank, started by :func:`shardwise.init`):
    ``step_timeout_s``) when a marked step has not advanced for that long outside any collective.
    The step check is off by default: a rank stuck outside collectives (a dead data loader, a
    deadlock) is named by its peers, who wait for it in the next collective, while a legitimately
-   long stretch without steps (a big evaluation) would otherwise be mistaken for a hang. It then diagnoses who did not arrive
-   (:func:`~shardwise.runtime.hang_report.diagnose`), publishes the verdict under ``abort``
+   long stretch without steps (a big evaluation) would otherwise be mistaken for a hang. It then diagnoses who did not
+   arrive (:func:`~shardwise.runtime.hang_report.diagnose`), publishes the verdict under ``abort``
    (first writer wins), prints it with its Python stack and in-flight collectives, and exits with
    :data:`HANG_EXIT_CODE`. Every other rank sees ``abort`` within one interval and does the same,
    so every rank dumps its stack and the whole job ends instead of waiting for a 30-minute timeout.
@@ -335,7 +335,8 @@ def start_watchdog(
     *, rank: int, world_size: int, timeout_s: float, namespace: str = "local/0", **kwargs
 ) -> Watchdog | None:
     """Start this process's watchdog on the default group's store (``timeout_s <= 0``: none), under
-    ``namespace`` (the launch attempt's, :attr:`Settings.attempt_namespace <shardwise.runtime.settings.Settings.attempt_namespace>`)."""
+    ``namespace`` (the launch attempt's, :attr:`Settings.attempt_namespace
+    <shardwise.runtime.settings.Settings.attempt_namespace>`)."""
     if timeout_s <= 0 or not dist.is_initialized() or current() is not None:
         return current()
     store = side_store(dist.distributed_c10d._get_default_store(), namespace)

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -50,6 +51,11 @@ from shardwise.parallel.tp import TPOptions
 from shardwise.plan.planner import AutoChoice
 from shardwise.runtime.detect import RuntimeEnv
 from shardwise.runtime.logging import get_logger
+from shardwise.train.checks import check_batch_split
+from shardwise.train.precision import check_precision
+
+if TYPE_CHECKING:
+    from shardwise.train.options import LoggingOptions, ParallelOptions, PrecisionOptions, TrainOptions
 
 log = get_logger("train")
 
@@ -145,6 +151,51 @@ def build(
         pm = parallelize(model.to(env.device), resolved, meshes, **options)
     opt = build_optimizer(pm, optimizer)
     return Built(env=env, plan=resolved, auto_choice=choice, meshes=meshes, model=pm, optimizer=opt)
+
+
+def bind_build(
+    model: nn.Module | Pretrained,
+    optimizer: OptimizerFactory,
+    *,
+    plan: Plan | str,
+    global_batch_size: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    precision: PrecisionOptions,
+    train: TrainOptions,
+    parallel: ParallelOptions,
+    logging: LoggingOptions,
+    replicas: Callable[[], int],
+) -> Callable[..., Built]:
+    """:func:`build` with a Trainer's arguments and option sections bound (``data=`` is left for
+    ``plan="auto"``); ``replicas()`` is the number of replica groups once the environment is known."""
+
+    def check(plan: Plan, device_type: str) -> None:  # before any mesh or wrapping
+        check_batch_split(global_batch_size, plan.dp_size * replicas(), train.grad_accum_steps)  # replicas: train/ft.py
+        check_precision(plan.precision, device_type)
+
+    # Pipelines split each micro-batch again, so an automatic choice considers them only without
+    # gradient accumulation.
+    return partial(
+        build,
+        model,
+        optimizer,
+        plan=plan,
+        global_batch_size=global_batch_size,
+        seed=train.seed,
+        precision=precision.compute,
+        pipelines_allowed=train.grad_accum_steps == 1,
+        cluster=parallel.cluster,
+        tokens_per_sample=logging.tokens_per_sample,
+        ddp=parallel.ddp,
+        tp=parallel.tp,
+        fsdp=parallel.fsdp,
+        pipeline=parallel.pipeline,
+        loss_fn=loss_fn,
+        check=check,
+        loss_reduction=train.loss_reduction,
+        ignore_index=train.ignore_index,
+        fp8=precision.fp8,
+    )
 
 
 def seed_everything(seed: int) -> None:

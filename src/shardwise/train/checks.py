@@ -39,7 +39,8 @@ def check_batch_split(global_batch_size: int, dp_size: int, grad_accum_steps: in
     parts = dp_size * grad_accum_steps
     if global_batch_size % parts:
         raise ConfigError(
-            f"global_batch_size={global_batch_size} does not split into {dp_size} data-parallel ranks x {grad_accum_steps} accumulation steps",
+            f"global_batch_size={global_batch_size} does not split into {dp_size} data-parallel ranks x "
+            f"{grad_accum_steps} accumulation steps",
             hint=f"use a multiple of {parts}, e.g. {parts * max(1, global_batch_size // parts)}",
         )
 

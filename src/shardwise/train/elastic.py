@@ -10,7 +10,8 @@ resumes the newest complete checkpoint, resharded, with the exact data position.
 only explains it:
 
     elastic: lost 1 node after step 14: host-b (ranks 2-3); 2 processes remain on 1 node
-    elastic: plan dp=2,tp=2 (4 processes) -> dp=1,tp=2 (2 processes); global batch 8 kept (2 -> 4 samples per data-parallel rank)
+    elastic: plan dp=2,tp=2 (4 processes) -> dp=1,tp=2 (2 processes); global batch 8 kept
+        (2 -> 4 samples per data-parallel rank)
     elastic: resumed from the checkpoint of step 10; steps 11-14 are redone
 
 To know the world before, rank 0 keeps a small record, ``elastic.json`` in the checkpoint
@@ -111,7 +112,8 @@ def describe_change(before: WorldRecord | None, now: WorldRecord, *, requested_p
             f" (re-planned from {requested_plan})" if _replanned(requested_plan, now.plan, now.world_size) else ""
         )
         return [
-            f"elastic: {_count(now.world_size, 'process')} on {_count(len(now.nodes), 'node')} [{hosts}], plan {now.plan}{replanned}"
+            f"elastic: {_count(now.world_size, 'process')} on {_count(len(now.nodes), 'node')} [{hosts}], plan "
+            f"{now.plan}{replanned}"
         ]
     old = {n.key for n in before.nodes}
     new = {n.key for n in now.nodes}
@@ -131,7 +133,8 @@ def describe_change(before: WorldRecord | None, now: WorldRecord, *, requested_p
         lines.append(f"elastic: restarted on the same {_count(len(now.nodes), 'node')} after step {before.step}")
     if before.plan != now.plan or before.world_size != now.world_size:
         per_rank = (
-            f" ({global_batch // max(before.dp_size, 1)} -> {global_batch // max(now.dp_size, 1)} samples per data-parallel rank)"
+            f" ({global_batch // max(before.dp_size, 1)} -> {global_batch // max(now.dp_size, 1)} samples per "
+            "data-parallel rank)"
             if before.dp_size != now.dp_size
             else ""
         )

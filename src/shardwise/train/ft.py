@@ -208,8 +208,8 @@ class ReplicaSync:
         cause = (f"the lighthouse at {s.lighthouse} does not answer" if not _reachable(s.lighthouse)
                  else f"fewer than {s.min_replicas} replica group(s) (--ft-min-replicas) are alive")
         return (
-            f"replica group {s.replica}: no quorum for step {self.trainer.state.step + 1} within {s.quorum_timeout_s:g} s: "
-            f"{cause} ({type(err).__name__}: {first})"
+            f"replica group {s.replica}: no quorum for step {self.trainer.state.step + 1} within "
+            f"{s.quorum_timeout_s:g} s: {cause} ({type(err).__name__}: {first})"
         )
 
     def _report_quorum(self, seconds: float) -> None:

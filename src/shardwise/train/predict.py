@@ -58,7 +58,8 @@ def output_tensor(output: Any) -> torch.Tensor:
         logits = getattr(output, "logits", None)
         if not isinstance(logits, torch.Tensor):
             raise ConfigError(
-                f"predict needs the model to return a tensor (or a ModelOutput with .logits), got {type(output).__name__}"
+                "predict needs the model to return a tensor (or a ModelOutput with .logits), got "
+                f"{type(output).__name__}"
             )
         output = logits
     if isinstance(output, DTensor):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import pathlib
 import time
-from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -43,12 +42,12 @@ from shardwise.parallel.reduction import LossReduction, check_loss_reduction
 from shardwise.runtime import env as runtime
 from shardwise.runtime.logging import get_logger
 from shardwise.train import evaluate as _evaluate
+from shardwise.train import fit_loop
 from shardwise.train import predict as _predict
-from shardwise.data.batch import chunks
 from shardwise.auto.sample import AutoData
-from shardwise.train.build import Built, OptimizerFactory, build, default_optimizer
-from shardwise.train.attachments import default_loggers, open_run_files, ordered_callbacks, run_info
-from shardwise.train.checks import check_batch_split, check_counts, scalar_loss, scale_learning_rates, wants_total_steps
+from shardwise.train.build import Built, OptimizerFactory, bind_build, default_optimizer
+from shardwise.train.attachments import default_loggers, ordered_callbacks, run_info
+from shardwise.train.checks import check_counts, scalar_loss, scale_learning_rates, wants_total_steps
 from shardwise.train.loggers import Logger
 from shardwise.train.metrics import peak_flops, resolve_metrics
 from shardwise.train.options import (
@@ -60,13 +59,11 @@ from shardwise.train.options import (
     accepts_old_keywords,
     check_section,
 )
-from shardwise.train.precision import LossScaler, autocast_precision, check_precision
-from shardwise.train.result import FitResult, stop_of
-from shardwise.train.step import OptimizerStep
+from shardwise.train.precision import LossScaler, autocast_precision
+from shardwise.train.result import FitResult
 from shardwise.train.ft import fault_tolerant
 from shardwise.train.state import TrainState, checkpointed_parts
-from shardwise.train.train_data import batches_per_epoch, open_train_data
-from shardwise.train.window import LogWindow
+from shardwise.train.train_data import batches_per_epoch
 from shardwise.auto.certify import CertifyOptions
 
 log = get_logger("train")
@@ -160,37 +157,42 @@ class Trainer:
         self.loss_fn = scalar_loss(loss_fn)
         self.loss_reduction, self.ignore_index = check_loss_reduction(train.loss_reduction), train.ignore_index
         self.global_batch_size, self.grad_accum_steps = global_batch_size, train.grad_accum_steps
-
-        def check(plan: Plan, device_type: str) -> None:  # before any mesh or wrapping
-            check_batch_split(
-                global_batch_size, plan.dp_size * self.env.replicas, train.grad_accum_steps
-            )  # replicas: train/ft.py
-            check_precision(plan.precision, device_type)
-
         # The shared build step (train/build.py): init, plan (rank 0 plans "auto"), mesh, seeds,
-        # parallelize, optimizer. Pipelines split each micro-batch again, so an automatic choice
-        # considers them only without gradient accumulation.
-        self._build = partial(
-            build,
+        # parallelize, optimizer.
+        self._build = bind_build(
             model,
             optimizer,
             plan=plan,
             global_batch_size=global_batch_size,
-            seed=train.seed,
-            precision=precision.compute,
-            pipelines_allowed=train.grad_accum_steps == 1,
-            cluster=parallel.cluster,
-            tokens_per_sample=logging.tokens_per_sample,
-            ddp=parallel.ddp,
-            tp=parallel.tp,
-            fsdp=parallel.fsdp,
-            pipeline=parallel.pipeline,
             loss_fn=self.loss_fn,
-            check=check,
-            loss_reduction=train.loss_reduction,
-            ignore_index=train.ignore_index,
-            fp8=precision.fp8,
+            precision=precision,
+            train=train,
+            parallel=parallel,
+            logging=logging,
+            replicas=lambda: self.env.replicas,
         )
+        self._keep_options(precision, train, data, parallel, logging)
+        # plan="auto" is chosen from the training data (its sample shape, certification), so it is
+        # built when fit (or setup) sees the data; every other plan is built now.
+        self._pending = isinstance(plan, str) and plan.strip().lower() == "auto"
+        self._lora = lora_of(model)  # (base directory, peft config) of a LoRA run, else None
+        self.env = runtime.init()
+        if not self._pending:
+            self._apply(self._build())
+        self.state = TrainState(rank=self.env.rank)
+        self.should_stop, self.total_steps = False, train.max_steps
+        self.history: list[dict[str, Any]] = []  # every logged row
+        self._attach(callbacks, checkpoint, logging, requested_plan=str(plan))
+
+    def _keep_options(
+        self,
+        precision: PrecisionOptions,
+        train: TrainOptions,
+        data: DataOptions,
+        parallel: ParallelOptions,
+        logging: LoggingOptions,
+    ) -> None:
+        """The option values the Trainer reads after construction, as its attributes."""
         self._fp8 = precision.fp8
         self.certify = CertifyOptions.of(parallel.certify)
         self.clip_grad_norm, self.seed = train.clip_grad_norm, train.seed
@@ -205,18 +207,12 @@ class Trainer:
         # A one-argument factory builds the scheduler with the optimizer; a two-argument one
         # (optimizer, total_steps) when fit knows the number of steps (see total_steps_for).
         self._scheduler_factory = train.lr_scheduler
-        # plan="auto" is chosen from the training data (its sample shape, certification), so it is
-        # built when fit (or setup) sees the data; every other plan is built now.
-        self._pending = isinstance(plan, str) and plan.strip().lower() == "auto"
-        self._lora = lora_of(model)  # (base directory, peft config) of a LoRA run, else None
-        self.env = runtime.init()
-        if not self._pending:
-            self._apply(self._build())
-        self.state = TrainState(rank=self.env.rank)
-        self.should_stop, self.total_steps = False, train.max_steps
-        self.history: list[dict[str, Any]] = []  # every logged row
 
-        # checkpoint: a directory, a CheckpointManager or a CheckpointCallback (shardwise.checkpoint)
+    def _attach(
+        self, callbacks: Sequence[Callback], checkpoint: Any, logging: LoggingOptions, *, requested_plan: str
+    ) -> None:
+        """The checkpoint (a directory, a CheckpointManager or a CheckpointCallback, see
+        shardwise.checkpoint), the callbacks in their order and the loggers."""
         self.checkpoint = checkpoint_callback(checkpoint)
         self.callbacks: list[Callback] = ordered_callbacks(
             callbacks,
@@ -224,7 +220,7 @@ class Trainer:
             is_main=self.env.is_main,
             checkpoint=self.checkpoint,
             elastic=self.env.settings.elastic is not None,
-            requested_plan=str(plan),
+            requested_plan=requested_plan,
         )
         self.loggers: list[Logger] = default_loggers(logging.loggers, run_dir=self.run_dir, is_main=self.env.is_main)
 
@@ -262,14 +258,21 @@ class Trainer:
             return
         self._check_data(train_data)  # too little data fails here, before any measuring
         total = self.total_steps_for(train_data)
-        data = AutoData(train_data, self.loader_options.collate_fn, certify=self.certify, total_steps=total,
-                        grad_accum_steps=self.grad_accum_steps)
+        data = AutoData(
+            train_data,
+            self.loader_options.collate_fn,
+            certify=self.certify,
+            total_steps=total,
+            grad_accum_steps=self.grad_accum_steps,
+        )
         self._apply(self._build(data=data))
 
     def __getattr__(self, name: str) -> Any:
         if name in _DEFERRED and self.__dict__.get("_pending"):
-            raise ConfigError(f"trainer.{name} is not known yet: plan='auto' is chosen from the training data",
-                              hint="call trainer.setup(train_data) first (fit does)")
+            raise ConfigError(
+                f"trainer.{name} is not known yet: plan='auto' is chosen from the training data",
+                hint="call trainer.setup(train_data) first (fit does)",
+            )
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     # -- public state ---------------------------------------------------------------------
@@ -294,134 +297,25 @@ class Trainer:
         return batches_per_epoch(train_data, global_batch_size=self.global_batch_size, max_steps=self.max_steps)
 
     # -- fit ------------------------------------------------------------------------------
-    def _optimizer_step(self, reduction: LossReduction) -> OptimizerStep:
-        """The step ``fit`` calls once per global batch (:mod:`shardwise.train.step`)."""
-        return OptimizerStep(
-            model=self.model,
-            optimizer=self.optimizer,
-            loss_fn=self.model.loss_for(self.loss_fn),
-            precision=self._autocast,
-            device=self.env.device,
-            non_blocking=self.loader_options.pin_memory,
-            clip_grad_norm=self.clip_grad_norm,
-            pp_group=self.meshes.pp.get_group() if self.plan.pp_enabled else None,
-            scaler=self.scaler,
-            lr_scheduler=self.lr_scheduler,
-            window=self._window,
-            after_backward=partial(self._call, "on_after_backward"),
-            reduction=reduction,
-        )
-
     def fit(
         self, train_data: Dataset, val_data: Dataset | None = None, *, resume: str | int | None = None
     ) -> FitResult:
         """Train until ``max_steps`` / ``max_epochs`` (default: one epoch) or a callback stops it.
 
         ``resume="auto"`` restores the newest complete checkpoint of ``Trainer(checkpoint=...)`` if
-        there is one (a step number: that checkpoint), before the first step.
+        there is one (a step number: that checkpoint), before the first step. The parts are in
+        :mod:`shardwise.train.fit_loop`.
         """
-        if resume is not None:
-            if self.checkpoint is None:
-                raise ConfigError(
-                    f"fit(resume={resume!r}) needs a checkpoint location",
-                    hint="pass Trainer(checkpoint='runs/x/checkpoints')",
-                )
-            self.checkpoint.resume = resume
-        self.setup(train_data)  # plan="auto": chosen (and certified) for this data
-        loader, sampler = open_train_data(
-            train_data,
-            options=self.loader_options,
-            dp_rank=self.env.replica * self.dp_size + self.dp_rank,
-            dp_size=self.env.replicas * self.dp_size,
-            micro_batch_size=self.micro_batch_size,
-            global_batch_size=self.global_batch_size,
-            seed=self.seed,
-            shuffle=self.shuffle,
-        )
-        self.state.sampler = sampler  # the data position, saved with the train state
-        if self.max_steps is None and self.max_epochs is None:
-            self.max_epochs = 1
-        self.total_steps = self.total_steps_for(train_data)
-        if self.lr_scheduler is None and self._scheduler_factory is not None:
-            self.lr_scheduler = self._scheduler_factory(self.optimizer, self.total_steps)  # type: ignore[call-arg]
-        # Restore first, before any other callback sees the state; a refused resume raises here,
-        # before any file of the run directory is opened.
-        first = [self.checkpoint] if self.checkpoint is not None else []
-        for cb in first + [cb for cb in self.callbacks if cb is not self.checkpoint]:
-            cb.on_fit_start(self)
-        open_run_files(self.loggers, run_dir=self.run_dir, is_main=self.env.is_main, auto_choice=self.auto_choice,
-                       info=self.run_info(), step=self.state.step)
-        self.model.module.train()  # evaluation restores the mode it found
-        start = time.perf_counter()
-        # The loss is averaged over every rank that holds different tokens (dp x cp).
-        tokens = self.meshes.tokens
-        self._window = LogWindow(
-            tokens.get_group() if tokens.size() > 1 else None,
-            tokens.size(),
-            self.global_batch_size,
-            self.tokens_per_sample,
-            self.flops_per_sample,
-            self.peak_flops_total,
-        )
-        last_eval_step, val_metrics, train_loss = -1, {}, None
+        loader, sampler = fit_loop.open_fit(self, train_data, resume)
+        progress = fit_loop.FitProgress(start=time.perf_counter())
+        self._window = fit_loop.log_window(self)
         reduction = LossReduction.over(self.meshes.tokens, self.loss_reduction, self.ignore_index)
         if self.env.is_main:
             log.info(reduction.describe())
-        train_step = fault_tolerant(self._optimizer_step(reduction), self, loader)  # --ft-replicas groups (train/ft.py)
-
-        while not self._finished():
-            sampler.set_epoch(self.state.epoch)  # keeps a restored mid-epoch position
-            for micro_batches in chunks(loader, self.grad_accum_steps):
-                metrics = train_step(micro_batches)
-                sampler.advance(self.global_batch_size)
-                self.state.step += 1
-                self.state.samples_seen += self.global_batch_size
-                metrics.update(step=self.state.step, epoch=self.state.epoch, lr=self.optimizer.param_groups[0]["lr"])
-                if self.state.step % self.log_every == 0 or self._finished() or sampler.epoch_finished:
-                    metrics.update(self._window.flush())
-                    metrics = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-                    train_loss = metrics["loss"]
-                else:  # reading the norm would wait for the device: only on logging steps
-                    metrics.pop("grad_norm", None)
-                self._call("on_step_end", metrics)
-                if "loss" in metrics:
-                    self._log(metrics)
-                if val_data is not None and self.eval_every and self.state.step % self.eval_every == 0:
-                    val_metrics, last_eval_step = self._eval_during_fit(val_data), self.state.step
-                if self._finished() or getattr(
-                    train_step, "reload_data", False
-                ):  # healed: read on from the peer's position
-                    break
-            if sampler.epoch_finished:
-                self.state.epoch += 1
-                self._call("on_epoch_end")
-                if val_data is not None and self.eval_every is None and last_eval_step != self.state.step:
-                    val_metrics, last_eval_step = self._eval_during_fit(val_data), self.state.step
-        if self._window.steps:  # stopped by a callback between logging steps
-            train_loss = self._window.flush()["loss"]
-        preemption = self.checkpoint.preemption if self.checkpoint is not None else None
-        # After a pre-emption the scheduler's grace period is for leaving, not for a final evaluation.
-        if val_data is not None and last_eval_step != self.state.step and preemption is None:
-            val_metrics = self._eval_during_fit(val_data)
-        self._call("on_fit_end")
-        for logger in self.loggers:
-            logger.close()
-        val_only = {k: v for k, v in val_metrics.items() if k.startswith("val_")}
-        stop = stop_of(
-            should_stop=self.should_stop,
-            limit_reached=self._limit_reached(),
-            step=self.state.step,
-            preemption=preemption,
-        )
-        return FitResult(
-            self.state.step,
-            self.state.epoch,
-            train_loss,
-            val_only,
-            time.perf_counter() - start,
-            list(self.history),
-            stop,
-        )
+        # --ft-replicas groups (train/ft.py)
+        train_step = fault_tolerant(fit_loop.optimizer_step(self, reduction), self, loader)
+        fit_loop.run_epochs(self, train_step, loader, sampler, val_data, progress)
+        return fit_loop.close_fit(self, val_data, progress)
 
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self, data: Dataset) -> dict[str, float]:
@@ -472,14 +366,6 @@ class Trainer:
             non_blocking=self.loader_options.pin_memory,
         )
 
-    def _eval_during_fit(self, data: Dataset) -> dict[str, float]:
-        metrics = {f"val_{k}": v for k, v in self.evaluate(data).items()}
-        metrics.update(step=self.state.step, epoch=self.state.epoch)
-        self._call("on_eval_end", metrics)
-        self._log(metrics)
-        self._window.restart_clock()  # evaluation time is not training throughput
-        return metrics
-
     # -- helpers --------------------------------------------------------------------------
     def run_info(self) -> dict[str, Any]:
         """The run's layout for experiment trackers (:func:`shardwise.train.attachments.run_info`)."""
@@ -490,7 +376,8 @@ class Trainer:
 
     def _limit_reached(self) -> bool:
         return (self.max_steps is not None and self.state.step >= self.max_steps) or (
-            self.max_epochs is not None and self.state.epoch >= self.max_epochs)
+            self.max_epochs is not None and self.state.epoch >= self.max_epochs
+        )
 
     def _call(self, hook: str, *args: Any) -> None:
         for cb in self.callbacks:
