@@ -291,12 +291,13 @@ class Plan:
 
     def describe(self) -> str:
         """A readable table: degrees, mesh, and what each technique does here."""
+        dp_mode = "HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP" if self.dp_enabled else "off"
         rows = [
             ("world size", str(self.world_size)),
             ("mesh (pp, dp_replicate, dp_shard, cp, tp)", str(self.mesh_shape)),
             (
                 "data parallel",
-                f"{self.dp_size} ({'HSDP' if self.hsdp_enabled else 'FSDP' if self.fsdp_enabled else 'DDP' if self.dp_enabled else 'off'})",
+                f"{self.dp_size} ({dp_mode})",
             ),
             (
                 "ZeRO stage",
@@ -402,7 +403,8 @@ def _fill_degrees(values: dict[str, Any], world_size: int) -> dict[str, Any]:
             shard = out["shard"]
             if not isinstance(shard, int) or shard < 1 or rest % shard:
                 raise ConfigError(
-                    f"plan {given}: shard={shard} does not divide the {rest} data-parallel ranks of {world_size} processes",
+                    f"plan {given}: shard={shard} does not divide the {rest} data-parallel ranks of "
+                    f"{world_size} processes",
                     hint=f"use a shard degree that divides {rest}, or leave shard out (shard={rest})",
                 )
             out["dp"] = rest // shard

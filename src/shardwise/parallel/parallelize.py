@@ -306,7 +306,8 @@ def validate(
     if plan.sequence_parallel and not {"sequence_parallel", "attention_input"} <= styles:
         # Rowwise outputs would be left sequence-sharded with nothing to gather them back.
         raise ConfigError(
-            f"plan {plan}: sequence parallel needs norm ('sequence_parallel') and 'attention_input' entries in the TP styles",
+            f"plan {plan}: sequence parallel needs norm ('sequence_parallel') and 'attention_input' entries "
+            "in the TP styles",
             hint="use the derived plan (no annotations), add those entries, or drop sp",
         )
     return tp_styles

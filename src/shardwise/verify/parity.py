@@ -22,7 +22,8 @@ It compares per-step loss (the parallel micro-batches' weighted losses summed an
 the ranks that see different tokens: the global-batch mean), per-step global gradient norm (computed
 over DTensor shards by :func:`shardwise.verify.grad_norm.reference_grad_norm`, and summed over the
 pipeline stages) and the final weights (gathered with ``full_tensor()``; with pipelining each stage
-compares its own parameters by their original names and the results are gathered over ``pp``). Loss and grad norm are compared relatively; a weight tensor's
+compares its own parameters by their original names and the results are gathered over ``pp``). Loss and grad norm
+are compared relatively; a weight tensor's
 divergence is ``max|w - w_ref| / max(max|w_ref|, weight_floor)``: relative to the tensor's scale,
 but never to a scale below ``weight_floor`` (0.01), because some parameters carry no signal at all:
 the key projection's bias has an exactly-zero true gradient (softmax is shift-invariant), so its
@@ -143,8 +144,10 @@ class ParityReport:
         name, wdiff = self.weight_diff
         rows = [
             f"plan {self.plan}: {len(self.losses)} steps against 1 process (same seed, same global batch)",
-            f"  loss       max rel diff {self.loss_diff:.2e}   (final {self.losses[-1]:.6f} vs {self.ref_losses[-1]:.6f})",
-            f"  grad norm  max rel diff {self.grad_norm_diff:.2e}   (final {self.grad_norms[-1]:.6f} vs {self.ref_grad_norms[-1]:.6f})",
+            f"  loss       max rel diff {self.loss_diff:.2e}   "
+            f"(final {self.losses[-1]:.6f} vs {self.ref_losses[-1]:.6f})",
+            f"  grad norm  max rel diff {self.grad_norm_diff:.2e}   "
+            f"(final {self.grad_norms[-1]:.6f} vs {self.ref_grad_norms[-1]:.6f})",
             f"  weights    max rel diff {wdiff:.2e}   ({name})"
             + (
                 f" [tolerance {self.weight_tolerance(rtol):g}: an adaptive optimizer]"
@@ -266,7 +269,8 @@ def _fp8_recipe(runs: Sequence[Run | str]) -> str | None:
     recipes = {p.fp8_recipe if p.precision == "fp8" else None for p in plans}
     if len(recipes) > 1:
         raise ConfigError(
-            f"parity runs mix FP8 recipes and precisions ({', '.join(sorted(str(r) for r in recipes))}): they share one reference",
+            f"parity runs mix FP8 recipes and precisions ({', '.join(sorted(str(r) for r in recipes))}): "
+            "they share one reference",
             hint="check plans of one FP8 recipe (or none) per call",
         )
     return next(iter(recipes), None)
@@ -343,7 +347,8 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
     if training.global_batch % (dp_size * run.accumulation):
         raise ConfigError(
-            f"global batch {training.global_batch} does not split into {dp_size} ranks x {run.accumulation} micro-steps",
+            f"global batch {training.global_batch} does not split into {dp_size} ranks x "
+            f"{run.accumulation} micro-steps",
             hint=f"use a multiple of {dp_size * run.accumulation}",
         )
     options: dict[str, Any] = {"tp": TPOptions(loss_parallel=run.loss_parallel), "fp8": training.fp8}
