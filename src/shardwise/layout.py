@@ -1,5 +1,6 @@
 """The parallel layout as one validated value: :class:`Plan` (a leaf: it imports nothing of shardwise
-but its errors, so every layer may import it, like torchtitan's ``ParallelDims``).
+but its errors and the fill-in rules of its degrees (:mod:`shardwise.degrees`), so every layer may import
+it, like torchtitan's ``ParallelDims``).
 
 A plan names five degrees whose product is the world size, laid out on a named device mesh from
 the outermost to the innermost dimension (innermost = fastest links, so TP stays inside a node)::
@@ -33,6 +34,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from shardwise.degrees import default_microbatches, fill_degrees, fill_expert_ranks, suggest_degrees
 from shardwise.errors import ConfigError
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
@@ -62,19 +64,6 @@ _ALIASES = {
     "sharded_accum": "sharded_accumulation",
     "fused_loss": "chunked_loss",
 }
-
-
-def _suggest(world_size: int) -> str:
-    """A few valid degree combinations for a world size, for error messages."""
-    options = [f"dp={world_size}"]
-    for tp in (2, 4, 8):
-        if world_size % tp == 0 and world_size > tp:
-            options.append(f"dp={world_size // tp},tp={tp}")
-        elif world_size == tp:
-            options.append(f"tp={tp}")
-    if world_size % 2 == 0 and world_size > 1:
-        options.append(f"zero=3,shard={world_size}")
-    return " or ".join(options[:3])
 
 
 @dataclass(frozen=True)
@@ -212,7 +201,7 @@ class Plan:
         if self.world_size != world_size:
             raise ConfigError(
                 f"plan {self} uses {self.world_size} processes (dp*shard*cp*tp*pp) but the world has {world_size}",
-                hint=f"try {_suggest(world_size)}",
+                hint=f"try {suggest_degrees(world_size)}",
             )
         return self
 
@@ -243,9 +232,9 @@ class Plan:
         """
         out = _normalized(values)
         if world_size is not None:
-            out = _fill_degrees(out, world_size)
+            out = fill_degrees(out, world_size)
         else:
-            out = _fill_expert_ranks(out)
+            out = fill_expert_ranks(out)
         return cls(**out)
 
     def to_dict(self) -> dict[str, Any]:
@@ -291,12 +280,13 @@ class Plan:
 
     def describe(self) -> str:
         """A readable table: degrees, mesh, and what each technique does here."""
+        dp_mode = "HSDP" if self.hsdp_enabled else "FSDP" if self.fsdp_enabled else "DDP" if self.dp_enabled else "off"
         rows = [
             ("world size", str(self.world_size)),
             ("mesh (pp, dp_replicate, dp_shard, cp, tp)", str(self.mesh_shape)),
             (
                 "data parallel",
-                f"{self.dp_size} ({'HSDP' if self.hsdp_enabled else 'FSDP' if self.fsdp_enabled else 'DDP' if self.dp_enabled else 'off'})",
+                f"{self.dp_size} ({dp_mode})",
             ),
             (
                 "ZeRO stage",
@@ -373,52 +363,6 @@ def _normalized(values: dict[str, Any]) -> dict[str, Any]:
     # "zero=3,dp=4" means: shard over the data-parallel ranks (the common case).
     if isinstance(out.get("zero", 0), int) and out.get("zero", 0) > 0 and "shard" not in out and "dp" in out:
         out["shard"], out["dp"] = out["dp"], 1
-    return out
-
-
-def default_microbatches(pp: int, virtual_stages: int = 1) -> int:
-    """Microbatches when a plan names none: one per stage and virtual stage (the fewest that keep
-    every stage of a 1F1B or interleaved schedule busy); 1 without a pipeline."""
-    return pp * virtual_stages if pp > 1 else 1
-
-
-def _fill_degrees(values: dict[str, Any], world_size: int) -> dict[str, Any]:
-    """The degrees :meth:`Plan.from_dict` fills in for ``world_size`` (named keys are kept)."""
-    out = dict(values)
-    fixed = 1
-    for key in ("tp", "pp", "cp"):
-        value = out.get(key, 1)
-        fixed *= value if isinstance(value, int) and value > 0 else 1
-    given = ",".join(f"{k}={v}" for k, v in values.items())
-    named = "tp*pp*cp" if "cp" in out else "tp*pp"
-    if world_size % fixed:
-        raise ConfigError(f"plan {given}: {named}={fixed} does not divide the world of {world_size} processes",
-                          hint=f"use degrees whose product divides {world_size}, e.g. {_suggest(world_size)}")
-    rest = world_size // fixed
-    if out.get("zero", 0) > 0:
-        if "shard" not in out and "dp" not in out:
-            out["shard"], out["dp"] = rest, 1
-        elif "dp" not in out:
-            shard = out["shard"]
-            if not isinstance(shard, int) or shard < 1 or rest % shard:
-                raise ConfigError(
-                    f"plan {given}: shard={shard} does not divide the {rest} data-parallel ranks of {world_size} processes",
-                    hint=f"use a shard degree that divides {rest}, or leave shard out (shard={rest})",
-                )
-            out["dp"] = rest // shard
-    elif "dp" not in out:
-        out["dp"] = rest
-    return out
-
-
-def _fill_expert_ranks(values: dict[str, Any]) -> dict[str, Any]:
-    """Without a world size: ``ep=N`` alone asks for the N data-parallel ranks its experts are
-    split over (``dp=N``, or ``shard=N`` under ZeRO), the smallest world that runs it."""
-    out = dict(values)
-    ep = out.get("ep", 1)
-    if not isinstance(ep, int) or ep <= 1 or "dp" in out or "shard" in out:
-        return out
-    out["shard" if isinstance(out.get("zero", 0), int) and out.get("zero", 0) > 0 else "dp"] = ep
     return out
 
 

@@ -25,6 +25,7 @@ MAX_UPWARD = 0
 # (shardwise/__init__.py, the public API) is "" and sits above everything it re-exports.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "version", "callback", "exports"),  # leaves: import nothing of ours
+    ("degrees",),  # the fill-in rules of a plan's degrees (errors only), below the Plan that applies them
     ("layout", "shape"),  # the value objects every layer passes around
     ("resolve",),  # a plan for a world (fills in and re-plans Plans)
     ("config", "runtime"),

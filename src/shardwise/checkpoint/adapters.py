@@ -129,7 +129,8 @@ class BaseReference:
             if saved.get("sha256") != now.get("sha256"):
                 raise ConfigError(
                     f"checkpoint {where} holds adapters trained on the base {saved.get('path')} "
-                    f"(sha256 {str(saved.get('sha256'))[:12]}), not on {now.get('path')} (sha256 {str(now.get('sha256'))[:12]})",
+                    f"(sha256 {str(saved.get('sha256'))[:12]}), not on {now.get('path')} "
+                    f"(sha256 {str(now.get('sha256'))[:12]})",
                     hint="resume with the base model the adapters were trained on",
                 )
             return

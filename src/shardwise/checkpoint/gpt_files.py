@@ -44,7 +44,8 @@ class GPTFiles:
     def __post_init__(self) -> None:
         if not len(self.vocab) or len(self.vocab) > self.shape.vocab_size:
             raise ConfigError(
-                f"a vocabulary of {len(self.vocab)} characters does not fit the model's vocab_size={self.shape.vocab_size}"
+                f"a vocabulary of {len(self.vocab)} characters does not fit the model's "
+                f"vocab_size={self.shape.vocab_size}"
             )
 
 

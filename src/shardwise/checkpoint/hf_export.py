@@ -11,7 +11,8 @@ memory is one output shard (default at most 2 GiB), never the model; no process 
 Names are the model's own (``model.layers.0.self_attn.q_proj.weight``: DCP's ``model.`` prefix is
 removed), in the layout the module holds them (transformers 5 loads its fused expert tensors as
 they are); a weight that tensor parallelism held in a split view (a fused q|k|v as (in, 3, H)) is
-written in the model's own shape, read off the config's model built on meta. A weight held under two names (a tied head a pipeline stage kept as ``lm_head.weight``)
+written in the model's own shape, read off the config's model built on meta. A weight held under two names (a tied
+head a pipeline stage kept as ``lm_head.weight``)
 is written once, under the name ``transformers`` ties the other to.
 
 Where the config comes from: ``--model DIR`` (the directory the run started from), or the copy

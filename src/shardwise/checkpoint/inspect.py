@@ -76,7 +76,10 @@ def report(
             size = sum(f["size"] for f in m.files.values())
             metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(m.metrics.items()))
             lines.append(
-                f"{c.step:>10}  {'complete':<10} {m.world_size:>5} {m.dp_size:>3}  {_size(size):>10}  {m.plan or '-'} {metrics}".rstrip()
+                (
+                    f"{c.step:>10}  {'complete':<10} {m.world_size:>5} {m.dp_size:>3}  "
+                    f"{_size(size):>10}  {m.plan or '-'} {metrics}"
+                ).rstrip()
             )
         else:
             lines.append(f"{c.step:>10}  {'INCOMPLETE':<10} {'':>5} {'':>3}  {'':>10}  {c.reason}")

@@ -33,7 +33,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -44,7 +43,9 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from shardwise.checkpoint import commit as cm
 from shardwise.checkpoint.adapters import state_options
+from shardwise.checkpoint.components import merge_param_groups, split_components
 from shardwise.checkpoint.faults import Fault
+from shardwise.checkpoint.options import CheckpointOptions, Loaded
 from shardwise.checkpoint.stage_names import StageNames
 from shardwise.checkpoint.safe_io import (
     SafeFileSystemReader,
@@ -56,75 +57,6 @@ from shardwise.checkpoint.safe_io import (
 from shardwise.errors import ConfigError
 
 RANK_DIR = "ranks"
-
-
-@dataclass(frozen=True)
-class CheckpointOptions:
-    """When to save and what to keep (see :class:`CheckpointManager`)."""
-
-    keep_last_n: int | None = 3
-    keep_best: tuple[str, str] | None = None  # (metric, "min" | "max")
-    every_n_steps: int | None = None
-    every_n_minutes: float | None = None
-    on_epoch_end: bool = False
-    async_save: bool = False
-    verify: cm.Verify = "checksum"
-
-    def __post_init__(self) -> None:
-        if self.keep_best is not None and (len(self.keep_best) != 2 or self.keep_best[1] not in ("min", "max")):
-            raise ConfigError(
-                f"keep_best={self.keep_best!r} is not (metric, 'min'|'max')", hint="e.g. keep_best=('val_loss', 'min')"
-            )
-        for name in ("keep_last_n", "every_n_steps"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ConfigError(f"{name}={value} must be at least 1")
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """What :meth:`CheckpointManager.load` restored."""
-
-    step: int
-    path: str
-    marker: cm.Marker
-    resharded: bool  # saved under another world size or data-parallel size
-
-
-def _split(components: Mapping[str, Any]) -> tuple[nn.Module | None, list[torch.optim.Optimizer], dict[str, Any]]:
-    """Model and optimizers go through DCP; every other Stateful goes to the per-rank file.
-
-    Accepted forms: an ``nn.Module``, a ``ParallelModel`` or any wrapper with a ``.module`` (the
-    Trainer's ``ModelState``); a ``torch.optim.Optimizer`` or a wrapper with an ``.optimizer``
-    (the Trainer's ``OptimizerState``). They are unwrapped so ``get_state_dict`` sees the real ones.
-    """
-    model, optims, others = None, [], {}
-    for name, obj in components.items():
-        module = obj if isinstance(obj, nn.Module) else getattr(obj, "module", None)
-        # an LR scheduler also has an .optimizer; only a wrapper that also holds the module counts
-        optim = (
-            obj
-            if isinstance(obj, torch.optim.Optimizer)
-            else (getattr(obj, "optimizer", None) if module is not None else None)
-        )
-        if isinstance(optim, torch.optim.Optimizer):
-            optims.append(optim)
-        elif isinstance(module, nn.Module):
-            if model is not None and module is not model:
-                raise ConfigError(f"two models among the checkpointed components ({name!r} and another)",
-                                  hint="checkpoint one (possibly wrapped) model per manager")
-            model = module
-        else:
-            others[name] = obj
-    return model, optims, others
-
-
-def _merge_groups(current: list[dict[str, Any]], saved: list[dict[str, Any]] | None, path: str) -> list[dict[str, Any]]:
-    """Saved hyper-parameters (lr, momentum, ...) with this rank's current parameter names."""
-    if saved is None or len(saved) != len(current):
-        raise ConfigError(f"checkpoint {path} has {0 if saved is None else len(saved)} optimizer param groups, "
-                          f"the optimizer has {len(current)}", hint="build the optimizer the same way as the saved run")
-    return [{**s, "params": c["params"]} for c, s in zip(current, saved)]
 
 
 class CheckpointManager:
@@ -266,7 +198,7 @@ class CheckpointManager:
         if decision == "skip":
             self.blocked_s += time.perf_counter() - started
             return False
-        model, optims, others = _split(components)
+        model, optims, others = split_components(components)
         os.makedirs(os.path.join(path, RANK_DIR), exist_ok=True)
         state, param_groups = self._tensor_state(model, optims)
         self._write_rank_file(path, others, param_groups)
@@ -395,7 +327,7 @@ class CheckpointManager:
                 f"checkpoint {info.path} is not complete: {info.reason}", hint="load another step or omit step="
             )
         marker = info.marker
-        model, optims, others = _split(components)
+        model, optims, others = split_components(components)
         reader = SafeFileSystemReader(info.path)
         rank_payload = load_rank_file(os.path.join(info.path, RANK_DIR), rank=self.rank, saved_world=marker.world_size)
         for name, obj in others.items():  # a LoRA run's base reference: refused before anything is read
@@ -418,7 +350,7 @@ class CheckpointManager:
             if groups_now is not None:
                 osd = {
                     "state": state["optim"]["state"],
-                    "param_groups": _merge_groups(groups_now, rank_payload["param_groups"], info.path),
+                    "param_groups": merge_param_groups(groups_now, rank_payload["param_groups"], info.path),
                 }
             names = StageNames(model, get_model_state_dict(model, options=state_options(model)))
             set_state_dict(

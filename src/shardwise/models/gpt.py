@@ -142,7 +142,8 @@ class GPT(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
         """GPT-2 initialization from ``seed``: N(0, 0.02) weights, zero biases, unit LayerNorms, and
-        the residual output projections (``o_proj``, ``fc_out``, the experts' ``down_proj``) scaled by ``1/sqrt(2 * layers)``.
+        the residual output projections (``o_proj``, ``fc_out``, the experts' ``down_proj``) scaled by
+        ``1/sqrt(2 * layers)``.
 
         Values are drawn on the CPU in a fixed order of parameter names, so they are the same on
         every device and every rank; a DTensor parameter receives its shard of the same values.

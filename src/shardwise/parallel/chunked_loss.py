@@ -87,7 +87,8 @@ def find_lm_head(model: nn.Module) -> tuple[str, nn.Linear]:
         named = [(n, m) for n, m in linears if m.out_features in rows]
     if not named:
         raise ConfigError(
-            f"plan chunked_loss cannot apply: {type(model).__name__} has no LM head (an nn.Linear named lm_head, head or "
+            f"plan chunked_loss cannot apply: {type(model).__name__} has no LM head "
+            "(an nn.Linear named lm_head, head or "
             "output, or whose outputs match an embedding's rows)",
             hint="drop chunked_loss, or name the model's head lm_head",
         )
@@ -138,7 +139,10 @@ def loss_reduction(loss_fn: Callable[[Any, Any], torch.Tensor], vocab: int) -> s
     logits = torch.randn(2, 3, vocab, generator=gen)
     targets = torch.randint(0, vocab, (2, 3), generator=gen)
     targets[0, 1] = IGNORE_INDEX
-    hint = "pass the token cross-entropy (F.cross_entropy over the flattened logits, or shardwise.models.hf.lm_loss), or drop chunked_loss"
+    hint = (
+        "pass the token cross-entropy (F.cross_entropy over the flattened logits, or shardwise.models.hf.lm_loss), "
+        "or drop chunked_loss"
+    )
     try:
         with torch.no_grad():
             got = loss_fn(logits, targets)

@@ -142,7 +142,8 @@ class _SplitAttention(TorchFunctionMode):
         bound = {**dict(zip(names, args)), **kwargs}
         if bound.get("attn_mask") is not None or not bound.get("is_causal", False):
             raise ConfigError(
-                f"cp={self.cp.size}: an attention call has a mask or is not causal, which context parallel cannot split",
+                f"cp={self.cp.size}: an attention call has a mask or is not causal, "
+                "which context parallel cannot split",
                 hint="use causal scaled_dot_product_attention(is_causal=True) without a mask, or drop cp",
             )
         self.cp.attention_calls += 1

@@ -138,7 +138,8 @@ class _Dispatch:
 @contextlib.contextmanager
 def _local_weights(module: nn.Module, names: list[str], grad_scale: float) -> Iterator[None]:
     """The module's expert weights as this rank's local slices, and ``num_experts`` as their count,
-    while its own forward runs (``to_local`` keeps the autograd link to the sharded parameters); their gradient is scaled by
+    while its own forward runs (``to_local`` keeps the autograd link to the sharded parameters); their gradient is
+    scaled by
     ``grad_scale`` on the way back (see "Gradients" in the module doc)."""
     saved = {n: module._parameters[n] for n in names}
     experts = module.num_experts

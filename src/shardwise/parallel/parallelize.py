@@ -30,25 +30,23 @@ import torch
 from torch import nn
 
 from shardwise.errors import ConfigError
-from shardwise.parallel.annotate import annotated_styles
-from shardwise.parallel.chunked_loss import ChunkedLoss, find_lm_head, install_chunked_head
+from shardwise.parallel.chunked_loss import ChunkedLoss, install_chunked_head
 from shardwise.parallel.checkpointing import apply_checkpointing
 from shardwise.parallel.compile import apply_compile
-from shardwise.parallel.cp import ContextParallel, check_context_parallel, takes_attention_mask, takes_position_ids
+from shardwise.parallel.cp import ContextParallel, takes_attention_mask, takes_position_ids
 from shardwise.parallel.ddp import DDPOptions, apply_ddp
-from shardwise.parallel.ep import ExpertMeshes, apply_ep, build_expert_meshes, check_expert_parallel
+from shardwise.parallel.ep import ExpertMeshes, apply_ep, build_expert_meshes
 from shardwise.parallel.fp8 import Fp8Options, apply_fp8, compute_precision, precompute_scales_before_forward
 from shardwise.parallel.fsdp import FSDPOptions, apply_expert_units, apply_fsdp, apply_replicate, build_optimizer
 from shardwise.parallel.mesh import Meshes
-from shardwise.parallel.pipeline.schedule import PipelineOptions, build_pipeline, check_pipeline
+from shardwise.parallel.pipeline.schedule import PipelineOptions, build_pipeline
 from shardwise.parallel import micro_step
 from shardwise.parallel.micro_step import MicroBatch, StepLoss
 from shardwise.parallel.reduction import LossReduction, TokenShare
-from shardwise.parallel.tp.adapters import adapter_styles
 from shardwise.parallel.tp.apply import apply_tp
-from shardwise.parallel.tp.styles import TPOptions, TPStyles, derive_tp_styles, validate_tp
+from shardwise.parallel.tp.styles import TPOptions, TPStyles
+from shardwise.parallel.validation import validate
 from shardwise.layout import Plan
-from shardwise.plan.support import runtime_conflict
 
 if TYPE_CHECKING:
     from shardwise.checkpoint.hf_load import LoadStats  # set by the loader, a layer above
@@ -264,52 +262,6 @@ def training_loss(
     if plan.params16:
         loss_fn = _AutocastLoss(loss_fn, torch.float16 if plan.precision == "fp16" else torch.bfloat16)
     return loss_fn
-
-
-def validate(
-    model: nn.Module, plan: Plan, *, tp: TPOptions | None = None, pipeline: PipelineOptions | None = None
-) -> TPStyles | None:
-    """Check ``plan`` against ``model`` without any communication; return the TP styles to apply.
-
-    Call it before building meshes so bad input fails before any process-group work
-    (:func:`parallelize` calls it again first thing).
-    """
-    conflict = runtime_conflict(plan)  # e.g. zero=1 with tp or pp
-    if conflict is not None:
-        raise conflict
-    check_pipeline(model, plan, options=pipeline)  # too many stages, tied weights across stages, ...
-    check_context_parallel(model, plan.cp)  # attention inside torch modules, no position_ids
-    check_expert_parallel(model, plan.ep)  # no MoE layers, ep not dividing the experts
-    if plan.chunked_loss:
-        find_lm_head(model)  # a model without an LM head says so before any process-group work
-    if not plan.tp_enabled:
-        return None
-    quantized = next((n for n, p in model.named_parameters() if type(p.data).__name__ == "NF4Tensor"), None)
-    if quantized is not None:
-        raise ConfigError(
-            f"plan {plan}: tp cannot split the 4-bit NF4 weight {quantized} (torchao splits NF4 tensors along rows "
-            "only, and a row-wise layer needs its columns split)",
-            hint="use zero=3 (or dp) for QLoRA, or lora.base=fp32 with tp",
-        )
-    options = tp or TPOptions()
-    if options.styles is not None:
-        tp_styles = TPStyles.of(options.styles)
-    else:
-        tp_styles = annotated_styles(model, tp=plan.tp) or derive_tp_styles(model, tp=plan.tp)
-    if plan.ep_enabled:
-        # Expert parallel owns the experts' tensors (split by expert over ep): TP leaves them whole,
-        # so the tp ranks of one expert-parallel rank hold, and compute, the same experts.
-        tp_styles = TPStyles(tuple((pattern, style) for pattern, style in tp_styles.entries if style != "experts"))
-    tp_styles = adapter_styles(model, tp_styles)  # LoRA layers: base_layer, lora_A, lora_B follow the base's style
-    validate_tp(model, tp_styles, tp=plan.tp)
-    styles = set(tp_styles.as_dict().values())
-    if plan.sequence_parallel and not {"sequence_parallel", "attention_input"} <= styles:
-        # Rowwise outputs would be left sequence-sharded with nothing to gather them back.
-        raise ConfigError(
-            f"plan {plan}: sequence parallel needs norm ('sequence_parallel') and 'attention_input' entries in the TP styles",
-            hint="use the derived plan (no annotations), add those entries, or drop sp",
-        )
-    return tp_styles
 
 
 def parallelize(

@@ -60,7 +60,8 @@ def check_loss_reduction(value: Any) -> str:
     if value not in LOSS_REDUCTIONS:
         raise ConfigError(
             f"loss_reduction={value!r} is unknown",
-            hint="use 'tokens' (a mean over the valid targets, e.g. masked cross-entropy) or 'samples' (per-sample losses)",
+            hint="use 'tokens' (a mean over the valid targets, e.g. masked cross-entropy) "
+            "or 'samples' (per-sample losses)",
         )
     return value
 
@@ -156,5 +157,8 @@ class LossReduction:
     def describe(self) -> str:
         """One line for the log: which mean the logged loss is."""
         if self.tokens:
-            return f"loss: the mean over the valid targets of each global batch (loss_reduction='tokens', ignore_index={self.ignore_index})"
+            return (
+                "loss: the mean over the valid targets of each global batch "
+                f"(loss_reduction='tokens', ignore_index={self.ignore_index})"
+            )
         return "loss: the mean over the micro-batches of their mean losses (loss_reduction='samples')"

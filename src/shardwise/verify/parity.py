@@ -22,7 +22,8 @@ It compares per-step loss (the parallel micro-batches' weighted losses summed an
 the ranks that see different tokens: the global-batch mean), per-step global gradient norm (computed
 over DTensor shards by :func:`shardwise.verify.grad_norm.reference_grad_norm`, and summed over the
 pipeline stages) and the final weights (gathered with ``full_tensor()``; with pipelining each stage
-compares its own parameters by their original names and the results are gathered over ``pp``). Loss and grad norm are compared relatively; a weight tensor's
+compares its own parameters by their original names and the results are gathered over ``pp``). Loss and grad norm
+are compared relatively; a weight tensor's
 divergence is ``max|w - w_ref| / max(max|w_ref|, weight_floor)``: relative to the tensor's scale,
 but never to a scale below ``weight_floor`` (0.01), because some parameters carry no signal at all:
 the key projection's bias has an exactly-zero true gradient (softmax is shift-invariant), so its
@@ -58,8 +59,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,8 @@ from shardwise.parallel.reduction import IGNORE_INDEX, LossReduction, check_loss
 from shardwise.parallel.tp.styles import TPOptions
 from shardwise.layout import Plan
 from shardwise.verify.grad_norm import reference_grad_norm
+from shardwise.verify.report import ParityReport
+from shardwise.verify.report import _rel  # noqa: F401 - the parity tests compare with it from here
 from shardwise.verify.state_bytes import memory_bytes
 from shardwise.verify.workloads import SMALL_GPT, GPTWorkload, ScriptWorkload, ragged_mask
 
@@ -94,84 +97,7 @@ __all__ = [
 ]
 
 
-# -- report ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ParityReport:
-    plan: str
-    losses: tuple[float, ...]
-    ref_losses: tuple[float, ...]
-    grad_norms: tuple[float, ...]
-    ref_grad_norms: tuple[float, ...]
-    weight_diffs: dict[str, float]  # name -> max|w - w_ref| / max|w_ref|
-    memory: dict[str, int] = field(default_factory=dict)  # param/grad/optim bytes, local and ref_*
-    seconds: float = 0.0  # wall time of the parallel run (set-up included)
-    ref_moved: float = 0.0  # how far the reference's weights moved: max over tensors of max|w_T - w_0| / max|w_0|
-    weight_rtol: float | None = None  # the weights' own tolerance (an adaptive optimizer's, module doc); None: rtol
-
-    @property
-    def loss_diff(self) -> float:
-        return _worst(_rel(a, b) for a, b in zip(self.losses, self.ref_losses))
-
-    @property
-    def grad_norm_diff(self) -> float:
-        return _worst(_rel(a, b) for a, b in zip(self.grad_norms, self.ref_grad_norms))
-
-    @property
-    def weight_diff(self) -> tuple[str, float]:
-        # a NaN is the worst of all (max alone would keep whichever comes first)
-        name = max(
-            self.weight_diffs, key=lambda n: (self.weight_diffs[n] != self.weight_diffs[n], self.weight_diffs[n])
-        )
-        return name, self.weight_diffs[name]
-
-    @property
-    def reference_moved(self) -> bool:
-        """Whether the reference trained at all: a gradient that is not zero and weights that
-        changed. A layout whose gradients vanish, on both sides, compares nothing and cannot pass."""
-        return self.ref_moved > 0 and any(n > 0 for n in self.ref_grad_norms)
-
-    def weight_tolerance(self, rtol: float) -> float:
-        return max(rtol, self.weight_rtol) if self.weight_rtol is not None else rtol
-
-    def passed(self, rtol: float) -> bool:
-        """Loss and grad norm within ``rtol``, the weights within :meth:`weight_tolerance` (a NaN
-        fails), and the reference moved."""
-        return (self.reference_moved and self.loss_diff <= rtol and self.grad_norm_diff <= rtol
-                and self.weight_diff[1] <= self.weight_tolerance(rtol))
-
-    def format(self, rtol: float) -> str:
-        name, wdiff = self.weight_diff
-        rows = [
-            f"plan {self.plan}: {len(self.losses)} steps against 1 process (same seed, same global batch)",
-            f"  loss       max rel diff {self.loss_diff:.2e}   (final {self.losses[-1]:.6f} vs {self.ref_losses[-1]:.6f})",
-            f"  grad norm  max rel diff {self.grad_norm_diff:.2e}   (final {self.grad_norms[-1]:.6f} vs {self.ref_grad_norms[-1]:.6f})",
-            f"  weights    max rel diff {wdiff:.2e}   ({name})"
-            + (
-                f" [tolerance {self.weight_tolerance(rtol):g}: an adaptive optimizer]"
-                if self.weight_rtol is not None
-                else ""
-            ),
-            f"  verdict    {'PASS' if self.passed(rtol) else 'FAIL'} at rtol {rtol:g}"
-            + ("" if self.reference_moved else " (the reference did not train: zero gradients or unchanged weights)"),
-        ]
-        return "\n".join(rows)
-
-
 ADAPTIVE_WEIGHT_RTOL = 1e-2  # the weights' tolerance under an optimizer other than SGD (module doc)
-
-
-def _worst(values: Iterable[float]) -> float:
-    """The largest of ``values``, NaN if any is (``max`` keeps whichever comes first)."""
-    values = list(values)
-    return float("nan") if any(v != v for v in values) else max(values)
-
-
-def _rel(a: float, b: float) -> float:
-    """``|a - b| / |b|``; two zeros compare as far apart as it gets (inf), since a vanished loss or
-    gradient on both sides proves nothing, and a NaN stays NaN (it fails every comparison)."""
-    if a == 0 and b == 0:
-        return float("inf")
-    return abs(a - b) / max(abs(b), 1e-12)
 
 
 # -- the worker --------------------------------------------------------------------------------
@@ -266,7 +192,8 @@ def _fp8_recipe(runs: Sequence[Run | str]) -> str | None:
     recipes = {p.fp8_recipe if p.precision == "fp8" else None for p in plans}
     if len(recipes) > 1:
         raise ConfigError(
-            f"parity runs mix FP8 recipes and precisions ({', '.join(sorted(str(r) for r in recipes))}): they share one reference",
+            f"parity runs mix FP8 recipes and precisions ({', '.join(sorted(str(r) for r in recipes))}): "
+            "they share one reference",
             hint="check plans of one FP8 recipe (or none) per call",
         )
     return next(iter(recipes), None)
@@ -343,7 +270,8 @@ def _parallel(workload: Any, run: Run, batches: list[Any], ref: _Reference, trai
     dp_rank, dp_size = meshes.dp.get_local_rank(), meshes.dp.size()
     if training.global_batch % (dp_size * run.accumulation):
         raise ConfigError(
-            f"global batch {training.global_batch} does not split into {dp_size} ranks x {run.accumulation} micro-steps",
+            f"global batch {training.global_batch} does not split into {dp_size} ranks x "
+            f"{run.accumulation} micro-steps",
             hint=f"use a multiple of {dp_size * run.accumulation}",
         )
     options: dict[str, Any] = {"tp": TPOptions(loss_parallel=run.loss_parallel), "fp8": training.fp8}

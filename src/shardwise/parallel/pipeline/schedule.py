@@ -83,8 +83,10 @@ def check_microbatches(batch_size: int, microbatches: int) -> None:
     if batch_size % microbatches != 0 or batch_size < microbatches:
         lower = max(microbatches, batch_size - batch_size % microbatches)
         raise ConfigError(
-            f"batch of {batch_size} samples per data-parallel rank does not split into {microbatches} equal microbatches",
-            hint=f"use a batch size that is a multiple of {microbatches} (e.g. {lower} or {lower + microbatches}), or microbatches that divide {batch_size}",
+            f"batch of {batch_size} samples per data-parallel rank does not split into "
+            f"{microbatches} equal microbatches",
+            hint=f"use a batch size that is a multiple of {microbatches} (e.g. {lower} or {lower + microbatches}), "
+            f"or microbatches that divide {batch_size}",
         )
 
 

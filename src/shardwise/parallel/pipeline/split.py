@@ -75,7 +75,8 @@ def find_trunk(model: nn.Module) -> Trunk:
     found = find_blocks(model)  # the blocks FSDP wraps and the planner prices (one rule)
     if found is None or not found.name:
         raise ConfigError(
-            f"cannot find a sequential trunk in {type(model).__name__} (no nn.Sequential, and no ModuleList of repeated blocks inside it)",
+            f"cannot find a sequential trunk in {type(model).__name__} "
+            "(no nn.Sequential, and no ModuleList of repeated blocks inside it)",
             hint="wrap the stages in shardwise.PipelineStages(stage1, stage2, ...) or use pp=1",
         )
     name = found.name
@@ -209,7 +210,8 @@ def check_ties(ties: Sequence[Tie], *, pp: int) -> None:
         if len(set(ranks)) < len(ranks):
             (a, name_a), (b, name_b) = tie.holders[0], tie.holders[1]
             raise ConfigError(
-                f"parameter {name_a!r} (stage {a}) is tied to {name_b!r} (stage {b}), and both stages run on pipeline rank {a % pp}",
+                f"parameter {name_a!r} (stage {a}) is tied to {name_b!r} (stage {b}), "
+                f"and both stages run on pipeline rank {a % pp}",
                 hint="use virtual_stages=1, untie the weights, or another pp",
             )
 

@@ -72,7 +72,8 @@ class _StageInit:
         if model is None:
             raise ConfigError(
                 "this pipeline stage was cut from an initialized model; there is nothing to re-initialize",
-                hint="build the model on the meta device (shardwise.parallel.init.parallelize_on_meta) to initialize stages",
+                hint="build the model on the meta device (shardwise.parallel.init.parallelize_on_meta) "
+                "to initialize stages",
             )
         if callable(getattr(model, "init_weights", None)):
             model.init_weights(seed)
@@ -305,7 +306,8 @@ class TrunkStage(_StageInit, nn.Module):
             return done.hidden
         if not self.is_last:
             raise ConfigError(
-                f"{type(root).__name__}.forward returned before its block {self._trunk_name}.{self._unit_names[self._range[1] - 1]}",
+                f"{type(root).__name__}.forward returned before its block "
+                f"{self._trunk_name}.{self._unit_names[self._range[1] - 1]}",
                 hint="pass explicit stages with shardwise.PipelineStages(...)",
             )
         return output_tensor(out)

@@ -240,7 +240,8 @@ def _retie(model: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
                     isinstance(keep, DTensor) and tuple(keep.placements) != tuple(other.placements)):
                 where = lambda m, n: f"{m}.{n}" if m else n  # noqa: E731
                 raise ConfigError(
-                    f"tied weight {where(first_module, first_name)} and {where(module_name, pname)} get different TP layouts "
+                    f"tied weight {where(first_module, first_name)} and {where(module_name, pname)} "
+                    "get different TP layouts "
                     f"({getattr(keep, 'placements', 'replicated')} vs {getattr(other, 'placements', 'replicated')})",
                     hint="give both the vocabulary split ('vocab_embedding' and 'lm_head'), or untie them",
                 )

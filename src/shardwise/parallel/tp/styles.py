@@ -1,6 +1,7 @@
 """The data side of tensor parallelism: :class:`TPStyles` (module-name patterns -> style names,
 what torch calls a ``parallelize_plan``), their automatic derivation for common transformer shapes,
-their validation, and how much of a model they shard. The styles themselves are applied by :mod:`shardwise.parallel.tp` (see its doc for the
+their validation, and how much of a model they shard. The styles themselves are applied by
+:mod:`shardwise.parallel.tp` (see its doc for the
 table of styles and their communication).
 
 :func:`derive_tp_styles` finds q/k/v (or fused q|k|v) + output projections and MLP up/gate/down pairs
@@ -158,7 +159,8 @@ def derive_tp_styles(model: nn.Module, *, tp: int) -> TPStyles:
             raise ConfigError(
                 f"tp={tp} cannot shard {name or 'the model'} ({type(module).__module__}.{type(module).__name__}: "
                 "its projections are fused inside one module)",
-                hint="build the layer from separate nn.Linear projections (as shardwise's GPT does), or use dp/zero/pp instead of tp",
+                hint="build the layer from separate nn.Linear projections (as shardwise's GPT does), "
+                "or use dp/zero/pp instead of tp",
             )
     styles: dict[str, str] = {}
     paired: set[str] = set()
@@ -192,7 +194,8 @@ def derive_tp_styles(model: nn.Module, *, tp: int) -> TPStyles:
     if not paired:
         raise ConfigError(
             f"tp={tp} found no colwise/rowwise Linear pair in {type(model).__name__}",
-            hint="annotate layers with shardwise.shard(layer, 'colwise'/'rowwise') or pass TP styles (TPOptions(styles=...)); or use dp/zero instead of tp",
+            hint="annotate layers with shardwise.shard(layer, 'colwise'/'rowwise') or pass TP styles "
+            "(TPOptions(styles=...)); or use dp/zero instead of tp",
         )
     head = _find_head(model, paired)
     vocab = head[1].out_features if head else None
@@ -313,7 +316,8 @@ def validate_tp(model: nn.Module, styles: TPStyles, *, tp: int) -> None:
             )
         if style == "experts" and expert_weights(module) is None:
             raise ConfigError(
-                f"TP style 'experts' on {name} needs 3-D expert tensors (gate_up/down, applied with F.linear per expert)",
+                f"TP style 'experts' on {name} needs 3-D expert tensors "
+                "(gate_up/down, applied with F.linear per expert)",
                 hint="mark this module 'replicate'",
             )
         if style in ("vocab_embedding", "embedding_colwise", "pos_embedding") and not isinstance(module, nn.Embedding):

@@ -1,0 +1,57 @@
+"""Which of a checkpoint's components goes where (:class:`~shardwise.checkpoint.manager.CheckpointManager`):
+the model and optimizers through DCP, every other Stateful to the per-rank file; and the saved optimizer
+hyper-parameters merged with this rank's current parameter groups on load."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from shardwise.errors import ConfigError
+
+
+def split_components(
+    components: Mapping[str, Any],
+) -> tuple[nn.Module | None, list[torch.optim.Optimizer], dict[str, Any]]:
+    """Model and optimizers go through DCP; every other Stateful goes to the per-rank file.
+
+    Accepted forms: an ``nn.Module``, a ``ParallelModel`` or any wrapper with a ``.module`` (the
+    Trainer's ``ModelState``); a ``torch.optim.Optimizer`` or a wrapper with an ``.optimizer``
+    (the Trainer's ``OptimizerState``). They are unwrapped so ``get_state_dict`` sees the real ones.
+    """
+    model, optims, others = None, [], {}
+    for name, obj in components.items():
+        module = obj if isinstance(obj, nn.Module) else getattr(obj, "module", None)
+        # an LR scheduler also has an .optimizer; only a wrapper that also holds the module counts
+        optim = (
+            obj
+            if isinstance(obj, torch.optim.Optimizer)
+            else (getattr(obj, "optimizer", None) if module is not None else None)
+        )
+        if isinstance(optim, torch.optim.Optimizer):
+            optims.append(optim)
+        elif isinstance(module, nn.Module):
+            if model is not None and module is not model:
+                raise ConfigError(
+                    f"two models among the checkpointed components ({name!r} and another)",
+                    hint="checkpoint one (possibly wrapped) model per manager",
+                )
+            model = module
+        else:
+            others[name] = obj
+    return model, optims, others
+
+
+def merge_param_groups(
+    current: list[dict[str, Any]], saved: list[dict[str, Any]] | None, path: str
+) -> list[dict[str, Any]]:
+    """Saved hyper-parameters (lr, momentum, ...) with this rank's current parameter names."""
+    if saved is None or len(saved) != len(current):
+        raise ConfigError(
+            f"checkpoint {path} has {0 if saved is None else len(saved)} optimizer param groups, "
+            f"the optimizer has {len(current)}",
+            hint="build the optimizer the same way as the saved run",
+        )
+    return [{**s, "params": c["params"]} for c, s in zip(current, saved)]
