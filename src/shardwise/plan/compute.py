@@ -38,8 +38,9 @@ selective policies (``matmuls``, ``op``) are not measured and are priced like fu
 
 Recomputation replays, per mode (:mod:`shardwise.plan.memory`): ``full`` one forward of every
 layer; ``layer`` half of that; ``op`` every other matmul and all pointwise work; ``matmuls`` the
-pointwise work (with eager attention: its softmax and dropout over the scores); ``attention`` the attention core (eager: its matmuls and ``s^2`` traffic; fused:
-nothing, FlashAttention recomputes internally anyway).
+pointwise work (with eager attention: its softmax and dropout over the scores); ``attention`` the
+attention core (eager: its matmuls and ``s^2`` traffic; fused: nothing, FlashAttention recomputes
+internally anyway).
 
 **FP8 linears** (``Plan.precision="fp8"``, torchao float8 training): each block projection whose
 per-rank ``K`` and ``N`` are multiples of 16 runs its three GEMMs (forward, data and weight
@@ -51,8 +52,9 @@ column-major copies: 2 + 2 + 2 bytes per element) and a weight four times (2 + (
 rowwise scaling 8 bytes per element of an input or output gradient and 10 of a weight (a transpose
 between the two casts). Compiled (``Plan.compile``), the amax pass fuses into the op before it
 (2 bytes less per element) and separate q/k/v projections share one cast of their input; under
-FSDP's FP8 all-gather each rank casts only its weight shard, once per step. The LM head and the attention core stay bf16 (torchao's and torchtitan's
-filter), as does any layer whose shape the FP8 kernels cannot take.
+FSDP's FP8 all-gather each rank casts only its weight shard, once per step. The LM head and the
+attention core stay bf16 (torchao's and torchtitan's filter), as does any layer whose shape the FP8
+kernels cannot take.
 
 **Chunked loss** (``Plan.chunked_loss``, :mod:`shardwise.parallel.linear_ce`): the same three head
 GEMMs and the loss traffic of a fused loss, no recomputation, plus a launch cost per chunk
@@ -199,8 +201,17 @@ def _generic(
     )
 
 
-def gemm_time(cluster: ClusterSpec, m: float, n: float, k: float, *, peak: float, elem: float,
-              efficiency: float | None = None, out_elem: float | None = None) -> float:
+def gemm_time(
+    cluster: ClusterSpec,
+    m: float,
+    n: float,
+    k: float,
+    *,
+    peak: float,
+    elem: float,
+    efficiency: float | None = None,
+    out_elem: float | None = None,
+) -> float:
     """Roofline time of one ``(m x k) @ (k x n)`` GEMM with ``elem``-byte operands (and
     ``out_elem``-byte output, default ``elem``)."""
     if m <= 0 or n <= 0 or k <= 0:
@@ -251,8 +262,16 @@ def _physical(
 
     fwd_layer = layer(gemm_fwd + casts_fwd + attn_fwd + pointwise_fwd, launch)
     bwd_layer = layer(gemm_bwd + casts_bwd + attn_bwd + pointwise_bwd, 2 * launch)
-    replay = _replay(stats, plan, run, fwd_layer=fwd_layer, gemms=gemms, pointwise_fwd=pointwise_fwd, attn_fwd=attn_fwd,
-                     attn_fwd_traffic=attn_fwd_traffic)
+    replay = _replay(
+        stats,
+        plan,
+        run,
+        fwd_layer=fwd_layer,
+        gemms=gemms,
+        pointwise_fwd=pointwise_fwd,
+        attn_fwd=attn_fwd,
+        attn_fwd_traffic=attn_fwd_traffic,
+    )
     head_fwd, loss = _head(stats, cluster, plan, run, mbs=mbs, tokens=tokens, peak=peak, c=c, bw=bw, layer=layer)
     fwd = layers * fwd_layer + head_fwd + loss / 2
     bwd = layers * (bwd_layer + replay) + 2 * head_fwd + loss / 2
