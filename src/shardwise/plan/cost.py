@@ -12,7 +12,7 @@ weights, momentum and variance), :meth:`StatePolicy.megatron` Megatron-LM's (16-
 fp32 gradients, ``K = 12``), :meth:`StatePolicy.torch` shardwise's and FSDP's (the fp32 parameter
 *is* the master copy, 16-bit compute copies are transient: ``P = G = 4``, Adam ``K = 8``).
 
-**Activations** per stage (:mod:`shardwise.plan.memory`): what one layer keeps under the
+**Activations** per stage (:mod:`shardwise.plan.activations`): what one layer keeps under the
 recompute mode and precision policy (:mod:`shardwise.plan.policy`), times the stage's layers and
 the microbatches in flight — on the first stage GPipe ``m``, 1F1B ``min(m, p)``, interleaved 1F1B
 ``min(m, p) + (p - 1)/v`` (Narayanan et al. 2021), without pipelining 1 (accumulation is
@@ -30,14 +30,13 @@ oversubscribed host ``max(m t, (m + (p-1)/v) t / o)``); communication is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.comm import Comm, cp_time, dp_time, ep_time, pp_time, tp_time
 from shardwise.plan.compute import MicrobatchTime, accumulate_time, microbatch_time, optimizer_time
+from shardwise.plan.estimate import Estimate
 from shardwise.plan.memory import (
     StatePolicy,
     buffer_bytes,
@@ -72,73 +71,6 @@ def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
     if pp <= 1:
         return 0.0
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Predicted memory (bytes, the busiest rank) and time (seconds) of one plan and step."""
-
-    plan: Plan
-    global_batch: int
-    micro_batch_size: int
-    memory: dict[str, float]  # params, grads, optimizer, activations, buffers
-    time: dict[str, float]  # compute, communication, bubble
-    detail: dict[str, float] = field(default_factory=dict)  # tp, pp, dp communication, optimizer step, compute parts
-    step_time_s: float = 0.0
-    memory_limit: float = 0.0
-    tokens_per_s: float = 0.0
-    tflops_per_device: float = 0.0
-    mfu: float = 0.0
-    run: RunPolicy = field(default_factory=RunPolicy)
-
-    @property
-    def memory_total(self) -> float:
-        return sum(self.memory.values())
-
-    @property
-    def model_state_bytes(self) -> float:
-        return self.memory["params"] + self.memory["grads"] + self.memory["optimizer"]
-
-    @property
-    def fits(self) -> bool:
-        return self.memory_total <= self.memory_limit
-
-    def to_json(self) -> dict[str, Any]:
-        """The shape ``shardwise plan --json`` prints for one plan."""
-        p = self.plan
-        return {
-            "dp": p.dp_size,
-            "dp_replicate": p.dp,
-            "dp_shard": p.shard,
-            "tp": p.tp,
-            "pp": p.pp,
-            "cp": p.cp,
-            "ep": p.ep,
-            "zero_stage": p.zero,
-            "micro_batch_size": self.micro_batch_size,
-            "num_microbatches": p.microbatches,
-            "schedule": p.schedule if p.pp > 1 else "none",
-            "virtual_stages": p.virtual_stages,
-            "sequence_parallel": p.sequence_parallel,
-            "recompute": p.recompute,
-            "precision": p.precision,
-            "plan": str(p),
-            "params16": p.params16,
-            "chunked_loss": p.chunked_loss,
-            "sharded_accumulation": p.sharded_accumulation,
-            **({"fp8_recipe": p.fp8_recipe} if p.precision == "fp8" else {}),
-            "precision_policy": self.run.precision,
-            "selective_mode": self.run.selective,
-            "memory_per_device_bytes": int(self.memory_total),
-            "memory_breakdown": {k: int(v) for k, v in self.memory.items()},
-            "step_time_s": self.step_time_s,
-            "time_breakdown": dict(self.time),
-            "time_detail": dict(self.detail),
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_device": self.tflops_per_device,
-            "mfu": self.mfu,
-            "fits": self.fits,
-        }
 
 
 def micro_batch_size(plan: Plan, global_batch: int) -> int:
