@@ -72,8 +72,16 @@ class Comm:
     dp_fixed: float = 0.0  # calibrated per-unit CPU cost (part of dp_exposed)
 
 
-def tp_time(cluster: ClusterSpec, plan: Plan, run: RunPolicy, *, boundary: float, layers: int, compute: float,
-            logits: float = 0.0) -> float:
+def tp_time(
+    cluster: ClusterSpec,
+    plan: Plan,
+    run: RunPolicy,
+    *,
+    boundary: float,
+    layers: int,
+    compute: float,
+    logits: float = 0.0,
+) -> float:
     """Exposed tensor-parallel communication of one step (see the module doc); ``boundary``: one
     microbatch's layer activation in bytes, ``compute``: the step's compute it could overlap,
     ``logits``: one microbatch's whole logits in bytes, all-gathered on the last stage when the
@@ -150,8 +158,9 @@ def pp_time(cluster: ClusterSpec, plan: Plan, *, hop_bytes: float) -> float:
     if cluster.pp_microbatch_overhead_s > 0:
         # Calibrated: a fixed cost per slot of the critical path (v m + p - 1 of them: the
         # schedule's runtime work and the send/receive latency), plus the bytes of each hop.
-        return ((v * m + p - 1) * cluster.pp_microbatch_overhead_s
-                + 2 * v * (m + p - 1) * (cluster.p2p_time(hop_bytes, intra=intra) - cluster.p2p_time(0.0, intra=intra)))
+        return (v * m + p - 1) * cluster.pp_microbatch_overhead_s + 2 * v * (m + p - 1) * (
+            cluster.p2p_time(hop_bytes, intra=intra) - cluster.p2p_time(0.0, intra=intra)
+        )
     return 2 * v * (m + p - 1) * cluster.p2p_time(hop_bytes, intra=intra)
 
 
@@ -179,7 +188,6 @@ def dp_time(
     grads = stage_params * policy.reduce_bytes
     params = stage_params * (policy.compute_bytes if gather_bytes is None else gather_bytes)
     stride = plan.tp
-    m = plan.microbatches
     overlap_bwd = t_bwd if run.grad_reduce_overlap else 0.0
     if plan.zero == 0:
         total = cluster.collective_time("all_reduce", grads, plan.dp, stride=stride)
@@ -187,26 +195,87 @@ def dp_time(
             dp_total=total,
             dp_exposed=exposed(cluster, total, overlap_bwd, share=cluster.link_share(plan.dp, stride=stride)),
         )
-    shard, rep = plan.shard, plan.dp
     if plan.zero == 1:
-        if not run.autocast:
-            # Megatron's distributed optimizer / DeepSpeed's stage 1: reduce-scatter the gradients
-            # (overlapping backward when the runtime does), all-gather the updated 16-bit parameters.
-            rs = cluster.collective_time("reduce_scatter", grads, plan.dp_size, stride=stride)
-            ag = cluster.collective_time("all_gather", params, plan.dp_size, stride=stride)
-            share = cluster.link_share(plan.dp_size, stride=stride)
-            return Comm(dp_total=rs + ag, dp_exposed=exposed(cluster, rs, overlap_bwd, share=share) + ag)
-        # ZeroRedundancyOptimizer over DDP: the gradient all-reduce overlaps backward; each rank
-        # then broadcasts its updated fp32 partition (an all-gather's volume) with nothing to hide
-        # behind, one broadcast per parameter tensor (torch's default, parameters_as_bucket_view=False),
-        # so every tensor of the stage pays a broadcast latency.
-        ar = cluster.collective_time("all_reduce", grads, plan.dp_size, stride=stride)
-        gather = cluster.collective_time(
-            "all_gather", stage_params * policy.param, plan.shard, stride=stride, latency=False
+        return _zero1_time(
+            cluster,
+            plan,
+            policy,
+            run,
+            grads=grads,
+            params=params,
+            stage_params=stage_params,
+            stage_tensors=stage_tensors,
+            overlap_bwd=overlap_bwd,
         )
-        gather += stage_tensors * cluster.collective_latency("broadcast", plan.shard, stride=stride)
+    return _fsdp_time(
+        cluster,
+        plan,
+        policy,
+        run,
+        grads=grads,
+        params=params,
+        layers=layers,
+        t_fwd=t_fwd,
+        t_bwd=t_bwd,
+        overlap_bwd=overlap_bwd,
+        units_per_block=units_per_block,
+    )
+
+
+def _zero1_time(
+    cluster: ClusterSpec,
+    plan: Plan,
+    policy: StatePolicy,
+    run: RunPolicy,
+    *,
+    grads: float,
+    params: float,
+    stage_params: float,
+    stage_tensors: int,
+    overlap_bwd: float,
+) -> Comm:
+    """ZeRO-1's data-parallel communication: a reduce-scatter and an all-gather (Megatron's
+    distributed optimizer), or ZeroRedundancyOptimizer's all-reduce and per-tensor broadcasts."""
+    stride = plan.tp
+    if not run.autocast:
+        # Megatron's distributed optimizer / DeepSpeed's stage 1: reduce-scatter the gradients
+        # (overlapping backward when the runtime does), all-gather the updated 16-bit parameters.
+        rs = cluster.collective_time("reduce_scatter", grads, plan.dp_size, stride=stride)
+        ag = cluster.collective_time("all_gather", params, plan.dp_size, stride=stride)
         share = cluster.link_share(plan.dp_size, stride=stride)
-        return Comm(dp_total=ar + gather, dp_exposed=exposed(cluster, ar, overlap_bwd, share=share) + gather)
+        return Comm(dp_total=rs + ag, dp_exposed=exposed(cluster, rs, overlap_bwd, share=share) + ag)
+    # ZeroRedundancyOptimizer over DDP: the gradient all-reduce overlaps backward; each rank
+    # then broadcasts its updated fp32 partition (an all-gather's volume) with nothing to hide
+    # behind, one broadcast per parameter tensor (torch's default, parameters_as_bucket_view=False),
+    # so every tensor of the stage pays a broadcast latency.
+    ar = cluster.collective_time("all_reduce", grads, plan.dp_size, stride=stride)
+    gather = cluster.collective_time(
+        "all_gather", stage_params * policy.param, plan.shard, stride=stride, latency=False
+    )
+    gather += stage_tensors * cluster.collective_latency("broadcast", plan.shard, stride=stride)
+    share = cluster.link_share(plan.dp_size, stride=stride)
+    return Comm(dp_total=ar + gather, dp_exposed=exposed(cluster, ar, overlap_bwd, share=share) + gather)
+
+
+def _fsdp_time(
+    cluster: ClusterSpec,
+    plan: Plan,
+    policy: StatePolicy,
+    run: RunPolicy,
+    *,
+    grads: float,
+    params: float,
+    layers: int,
+    t_fwd: float,
+    t_bwd: float,
+    overlap_bwd: float,
+    units_per_block: int,
+) -> Comm:
+    """ZeRO-2 and ZeRO-3 (FSDP, HSDP): per-unit gathers and reduce-scatters, the replicas'
+    all-reduce of the shard, and the fixed cost per unit and microbatch."""
+    stride = plan.tp
+    m = plan.microbatches
+    shard, rep = plan.shard, plan.dp
     # FSDP communicates per unit (each block, plus the root's remaining parameters): a collective
     # latency and FSDP's hook work per unit, the bytes split over the units. A calibrated spec has
     # measured that fixed cost per unit and microbatch (hooks + latency of the gathers and the

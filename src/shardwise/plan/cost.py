@@ -12,7 +12,7 @@ weights, momentum and variance), :meth:`StatePolicy.megatron` Megatron-LM's (16-
 fp32 gradients, ``K = 12``), :meth:`StatePolicy.torch` shardwise's and FSDP's (the fp32 parameter
 *is* the master copy, 16-bit compute copies are transient: ``P = G = 4``, Adam ``K = 8``).
 
-**Activations** per stage (:mod:`shardwise.plan.memory`): what one layer keeps under the
+**Activations** per stage (:mod:`shardwise.plan.activations`): what one layer keeps under the
 recompute mode and precision policy (:mod:`shardwise.plan.policy`), times the stage's layers and
 the microbatches in flight — on the first stage GPipe ``m``, 1F1B ``min(m, p)``, interleaved 1F1B
 ``min(m, p) + (p - 1)/v`` (Narayanan et al. 2021), without pipelining 1 (accumulation is
@@ -30,14 +30,13 @@ oversubscribed host ``max(m t, (m + (p-1)/v) t / o)``); communication is
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan
 from shardwise.plan.cluster import ClusterSpec
-from shardwise.plan.comm import cp_time, dp_time, ep_time, pp_time, tp_time
-from shardwise.plan.compute import accumulate_time, microbatch_time, optimizer_time
+from shardwise.plan.comm import Comm, cp_time, dp_time, ep_time, pp_time, tp_time
+from shardwise.plan.compute import MicrobatchTime, accumulate_time, microbatch_time, optimizer_time
+from shardwise.plan.estimate import Estimate
 from shardwise.plan.memory import (
     StatePolicy,
     buffer_bytes,
@@ -74,82 +73,19 @@ def bubble_fraction(pp: int, microbatches: int, virtual_stages: int = 1) -> floa
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
 
 
-@dataclass(frozen=True)
-class Estimate:
-    """Predicted memory (bytes, the busiest rank) and time (seconds) of one plan and step."""
-
-    plan: Plan
-    global_batch: int
-    micro_batch_size: int
-    memory: dict[str, float]  # params, grads, optimizer, activations, buffers
-    time: dict[str, float]  # compute, communication, bubble
-    detail: dict[str, float] = field(default_factory=dict)  # tp, pp, dp communication, optimizer step, compute parts
-    step_time_s: float = 0.0
-    memory_limit: float = 0.0
-    tokens_per_s: float = 0.0
-    tflops_per_device: float = 0.0
-    mfu: float = 0.0
-    run: RunPolicy = field(default_factory=RunPolicy)
-
-    @property
-    def memory_total(self) -> float:
-        return sum(self.memory.values())
-
-    @property
-    def model_state_bytes(self) -> float:
-        return self.memory["params"] + self.memory["grads"] + self.memory["optimizer"]
-
-    @property
-    def fits(self) -> bool:
-        return self.memory_total <= self.memory_limit
-
-    def to_json(self) -> dict[str, Any]:
-        """The shape ``shardwise plan --json`` prints for one plan."""
-        p = self.plan
-        return {
-            "dp": p.dp_size,
-            "dp_replicate": p.dp,
-            "dp_shard": p.shard,
-            "tp": p.tp,
-            "pp": p.pp,
-            "cp": p.cp,
-            "ep": p.ep,
-            "zero_stage": p.zero,
-            "micro_batch_size": self.micro_batch_size,
-            "num_microbatches": p.microbatches,
-            "schedule": p.schedule if p.pp > 1 else "none",
-            "virtual_stages": p.virtual_stages,
-            "sequence_parallel": p.sequence_parallel,
-            "recompute": p.recompute,
-            "precision": p.precision,
-            "plan": str(p),
-            "params16": p.params16,
-            "chunked_loss": p.chunked_loss,
-            "sharded_accumulation": p.sharded_accumulation,
-            **({"fp8_recipe": p.fp8_recipe} if p.precision == "fp8" else {}),
-            "precision_policy": self.run.precision,
-            "selective_mode": self.run.selective,
-            "memory_per_device_bytes": int(self.memory_total),
-            "memory_breakdown": {k: int(v) for k, v in self.memory.items()},
-            "step_time_s": self.step_time_s,
-            "time_breakdown": dict(self.time),
-            "time_detail": dict(self.detail),
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_device": self.tflops_per_device,
-            "mfu": self.mfu,
-            "fits": self.fits,
-        }
-
-
 def micro_batch_size(plan: Plan, global_batch: int) -> int:
     per_replica, rem = divmod(global_batch, plan.dp_size)
     if rem or per_replica == 0:
-        raise ConfigError(f"global batch {global_batch} does not split over dp={plan.dp_size} data-parallel ranks",
-                          hint=f"use a multiple of {plan.dp_size}")
+        raise ConfigError(
+            f"global batch {global_batch} does not split over dp={plan.dp_size} data-parallel ranks",
+            hint=f"use a multiple of {plan.dp_size}",
+        )
     mbs, rem = divmod(per_replica, plan.microbatches)
     if rem or mbs == 0:
-        raise ConfigError(f"per-replica batch {per_replica} does not split into microbatches={plan.microbatches}",
-                          hint=f"use a divisor of {per_replica}")
+        raise ConfigError(
+            f"per-replica batch {per_replica} does not split into microbatches={plan.microbatches}",
+            hint=f"use a divisor of {per_replica}",
+        )
     return mbs
 
 
@@ -183,12 +119,10 @@ def estimate(
     run = (run or RunPolicy()).applied(plan)  # the plan's runtime options (params16, chunked_loss, ...) on
     policy = policy or StatePolicy.torch(plan.precision)
     mbs = micro_batch_size(plan, global_batch)
-    t, p, m, v = plan.tp, plan.pp, plan.microbatches, plan.virtual_stages
+    t, p, m = plan.tp, plan.pp, plan.microbatches
     if p > stats.blocks:
         raise ConfigError(f"plan pp={p} exceeds the model's {stats.blocks} blocks", hint=f"use pp <= {stats.blocks}")
-    fp32 = plan.precision == "fp32"
-    act_scale = 2.0 if fp32 else 1.0  # stats are 16-bit
-    resid_scale = 2.0 if (fp32 or run.autocast) else 1.0  # autocast keeps the residual stream in fp32
+    resid_scale = 2.0 if (plan.precision == "fp32" or run.autocast) else 1.0  # autocast keeps the residual in fp32
     layers = math.ceil(stats.blocks / p)  # the busiest stage
     stage_params = stage_param_count(stats, tp=t, pp=p, ep=plan.ep)
 
@@ -199,6 +133,56 @@ def estimate(
     mb = microbatch_time(stats, cluster, plan, run, mbs=mbs, layers=layers)
     if stats.lora is not None:  # no weight gradients for the base, the adapters' GEMMs, NF4 dequantization
         mb = lora_microbatch(stats, mb, cluster, stage_params=stage_params, compute_bytes=policy.compute_bytes)
+    accumulate, slot, compute, bubble = _compute_time(cluster, plan, run, policy, mb=mb, stage_params=stage_params)
+    stage_tensors = layers * stats.tensors_per_block + stats.tensors_outer
+    comm, dp = _communication(
+        stats,
+        cluster,
+        plan,
+        run,
+        policy,
+        mbs=mbs,
+        layers=layers,
+        compute=compute,
+        boundary=boundary,
+        mb=mb,
+        stage_params=stage_params,
+        stage_tensors=stage_tensors,
+    )
+    t_opt = optimizer_time(stats, cluster, plan, stage_params=stage_params, stage_tensors=stage_tensors)
+
+    communication = comm["tp_comm"] + comm["pp_comm"] + comm["cp_comm"] + comm["ep_comm"] + dp.dp_exposed
+    step = compute + bubble + communication + t_opt
+    tokens = global_batch * stats.seq
+    model_flops = 3 * stats.flops_per_sample * global_batch
+    achieved = model_flops / step / plan.world_size
+    detail = {**comm, "dp_comm": dp.dp_total, "dp_comm_exposed": dp.dp_exposed, "optimizer": t_opt, "microbatch": slot}
+    detail.update({f"compute_{k}": m * v_ for k, v_ in mb.parts.items()})
+    if accumulate:
+        detail["compute_accumulate"] = accumulate
+    return Estimate(
+        plan=plan,
+        global_batch=global_batch,
+        micro_batch_size=mbs,
+        memory=memory,
+        time={"compute": compute + t_opt, "communication": communication, "bubble": bubble},
+        detail=detail,
+        step_time_s=step,
+        memory_limit=cluster.memory_bytes * (1 - headroom),
+        tokens_per_s=tokens / step,
+        tflops_per_device=achieved / 1e12,
+        mfu=achieved / cluster.peak(compute_precision(plan.precision)),
+        run=run,
+    )
+
+
+def _compute_time(
+    cluster: ClusterSpec, plan: Plan, run: RunPolicy, policy: StatePolicy, *, mb: MicrobatchTime, stage_params: float
+) -> tuple[float, float, float, float]:
+    """(accumulate, slot, compute, bubble) seconds of the busiest stage: the gradient accumulation
+    of the microbatches after the first, one microbatch's slot with its share of it, the ``m``
+    slots, and the pipeline bubble."""
+    p, m, v = plan.pp, plan.microbatches, plan.virtual_stages
     # Every microbatch after the first adds its weight gradients into the accumulated ones
     # (autograd's AccumulateGrad, FSDP2's unsharded accumulation): read both, write one.
     grad_elems = stage_params / (plan.shard if run.sharded_grad_accumulation and plan.zero >= 2 else 1)
@@ -218,6 +202,29 @@ def estimate(
         # the textbook (m + (p-1)/v) t_mb.
         o = max(1.0, cluster.oversubscription)
         bubble = max(0.0, (m + (p - 1) / v) * slot / o - compute)
+    return accumulate, slot, compute, bubble
+
+
+def _communication(
+    stats: ModelStats,
+    cluster: ClusterSpec,
+    plan: Plan,
+    run: RunPolicy,
+    policy: StatePolicy,
+    *,
+    mbs: int,
+    layers: int,
+    compute: float,
+    boundary: float,
+    mb: MicrobatchTime,
+    stage_params: float,
+    stage_tensors: int,
+) -> tuple[dict[str, float], Comm]:
+    """The exposed tensor-, pipeline-, context- and expert-parallel communication of one step (by
+    ``time_detail`` key, in that order) and the data-parallel :class:`~shardwise.plan.comm.Comm`."""
+    t, m = plan.tp, plan.microbatches
+    fp32 = plan.precision == "fp32"
+    act_scale = 2.0 if fp32 else 1.0  # stats are 16-bit
     tp_comm = tp_time(
         cluster,
         plan,
@@ -235,29 +242,20 @@ def estimate(
     ep_comm = ep_time(
         cluster, plan, rows_bytes=mbs * stats.seq * stats.top_k * stats.hidden * (4.0 if fp32 else 2.0), layers=layers
     )
-    stage_tensors = layers * stats.tensors_per_block + stats.tensors_outer
-    dp = dp_time(cluster, plan, policy, run, stage_params=stage_params, layers=layers, t_fwd=mb.fwd, t_bwd=mb.bwd,
-                 stage_tensors=stage_tensors, gather_bytes=gathered_bytes(stats, run, policy),
-                 units_per_block=modules_per_block(stats) if run.zero3_unit == "linear" else 1)
-    t_opt = optimizer_time(stats, cluster, plan, stage_params=stage_params, stage_tensors=stage_tensors)
-
-    communication = tp_comm + pp_comm + cp_comm + ep_comm + dp.dp_exposed
-    step = compute + bubble + communication + t_opt
-    tokens = global_batch * stats.seq
-    model_flops = 3 * stats.flops_per_sample * global_batch
-    achieved = model_flops / step / plan.world_size
-    detail = {"tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm, "dp_comm": dp.dp_total,
-              "dp_comm_exposed": dp.dp_exposed,
-              "optimizer": t_opt, "microbatch": slot}
-    detail.update({f"compute_{k}": m * v_ for k, v_ in mb.parts.items()})
-    if accumulate:
-        detail["compute_accumulate"] = accumulate
-    return Estimate(
-        plan=plan, global_batch=global_batch, micro_batch_size=mbs, memory=memory,
-        time={"compute": compute + t_opt, "communication": communication, "bubble": bubble},
-        detail=detail, step_time_s=step, memory_limit=cluster.memory_bytes * (1 - headroom), tokens_per_s=tokens / step,
-        tflops_per_device=achieved / 1e12, mfu=achieved / cluster.peak(compute_precision(plan.precision)), run=run,
+    dp = dp_time(
+        cluster,
+        plan,
+        policy,
+        run,
+        stage_params=stage_params,
+        layers=layers,
+        t_fwd=mb.fwd,
+        t_bwd=mb.bwd,
+        stage_tensors=stage_tensors,
+        gather_bytes=gathered_bytes(stats, run, policy),
+        units_per_block=modules_per_block(stats) if run.zero3_unit == "linear" else 1,
     )
+    return {"tp_comm": tp_comm, "pp_comm": pp_comm, "cp_comm": cp_comm, "ep_comm": ep_comm}, dp
 
 
 def _memory(
@@ -294,8 +292,13 @@ def _memory(
     last = last_in_flight * layers * per_layer + transient + boundary + logits_kept * last_in_flight
     activations = max(first, last)
     buffers = buffer_bytes(stats, plan, policy, run, layers=layers, boundary=boundary, stage_params=stage_params)
-    memory = {"params": states["params"], "grads": states["grads"], "optimizer": states["optimizer"],
-              "activations": activations, "buffers": buffers}
+    memory = {
+        "params": states["params"],
+        "grads": states["grads"],
+        "optimizer": states["optimizer"],
+        "activations": activations,
+        "buffers": buffers,
+    }
     if p == 1 or last >= first:  # the loss runs on the busiest stage
         if run.chunked_loss:
             return _chunked_peak(stats, plan, run, memory, mbs=mbs, boundary=boundary)
@@ -303,8 +306,9 @@ def _memory(
     return memory
 
 
-def _chunked_peak(stats: ModelStats, plan: Plan, run: RunPolicy, memory: dict[str, float], *, mbs: int,
-                  boundary: float) -> dict[str, float]:
+def _chunked_peak(
+    stats: ModelStats, plan: Plan, run: RunPolicy, memory: dict[str, float], *, mbs: int, boundary: float
+) -> dict[str, float]:
     """The busiest moment of a stage that runs the chunked loss (:func:`chunked_loss_bytes`): its
     forward or its backward, with every activation and the gradients that exist before this
     microbatch's backward (those of earlier microbatches, or DDP's persistent buckets; none for
@@ -342,6 +346,13 @@ def _context_parallel(
         replace(plan, cp=1, shard=plan.shard * plan.cp) if plan.zero > 0 else replace(plan, cp=1, dp=plan.dp * plan.cp)
     )
     run = replace(run or RunPolicy(), context_parallel=plan.cp)
-    est = estimate(slice_stats(stats, plan.cp), cluster, folded, global_batch=global_batch * plan.cp, policy=policy,
-                   headroom=headroom, run=run)
+    est = estimate(
+        slice_stats(stats, plan.cp),
+        cluster,
+        folded,
+        global_batch=global_batch * plan.cp,
+        policy=policy,
+        headroom=headroom,
+        run=run,
+    )
     return replace(est, plan=plan, global_batch=global_batch)

@@ -33,7 +33,7 @@ TERM_NAMES = {
 
 def terms(est: Estimate) -> dict[str, float]:
     """Seconds of each term of the step (they add up to ``step_time_s``)."""
-    out = {k[len("compute_"):]: v for k, v in est.detail.items() if k.startswith("compute_")}
+    out = {k[len("compute_") :]: v for k, v in est.detail.items() if k.startswith("compute_")}
     covered = sum(out.values())
     rest = est.time["compute"] - est.detail.get("optimizer", 0.0) - covered
     if abs(rest) > 1e-12 * max(1.0, est.step_time_s):
@@ -63,7 +63,8 @@ def dominant_terms(est: Estimate, k: int = 3) -> str:
     mem = est.memory
     return (
         f"{est.plan}: step {_s(step)} = {parts}; memory {est.memory_total / 1e9:.3g} GB = states "
-        f"{est.model_state_bytes / 1e9:.3g} + activations {mem['activations'] / 1e9:.3g} + buffers {mem['buffers'] / 1e9:.3g}"
+        f"{est.model_state_bytes / 1e9:.3g} + activations {mem['activations'] / 1e9:.3g} "
+        f"+ buffers {mem['buffers'] / 1e9:.3g}"
     )
 
 
@@ -109,9 +110,11 @@ def explain(best: Estimate, runner: Estimate) -> str:
         sub = max(parts, key=lambda k: runner.detail[k] - best.detail[k])
         why = f"less {parts[sub]} ({runner.detail[sub] - best.detail[sub]:.3g} s)"
     if key == "bubble":
-        why = (f"a smaller pipeline bubble ({best.time['bubble']:.3g} s vs {runner.time['bubble']:.3g} s: "
-               f"pp={best.plan.pp}, m={best.plan.microbatches}, v={best.plan.virtual_stages} vs pp={runner.plan.pp}, "
-               f"m={runner.plan.microbatches}, v={runner.plan.virtual_stages})")
+        why = (
+            f"a smaller pipeline bubble ({best.time['bubble']:.3g} s vs {runner.time['bubble']:.3g} s: "
+            f"pp={best.plan.pp}, m={best.plan.microbatches}, v={best.plan.virtual_stages} vs pp={runner.plan.pp}, "
+            f"m={runner.plan.microbatches}, v={runner.plan.virtual_stages})"
+        )
     tail = ""
     worse = [k for k, d in diffs.items() if d < 0]
     if worse:
@@ -119,7 +122,8 @@ def explain(best: Estimate, runner: Estimate) -> str:
     if gap <= 0:
         return f"{best.plan} and {runner.plan} are predicted equally fast; the first needs less memory."
     return (
-        f"{best.plan} beats {runner.plan} by {pct:.1f}% ({best.step_time_s:.4g} s vs {runner.step_time_s:.4g} s per step) "
+        f"{best.plan} beats {runner.plan} by {pct:.1f}% "
+        f"({best.step_time_s:.4g} s vs {runner.step_time_s:.4g} s per step) "
         f"mainly through {why}{tail}."
     )
 

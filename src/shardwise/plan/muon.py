@@ -48,7 +48,8 @@ class MuonCost:
     def line(self) -> str:
         return (
             f"Muon ({self.path}): state {self.state_bytes / 1e9:.3g} GB, Newton-Schulz {self.ns_flops / 1e9:.3g} GFLOP "
-            f"({self.ns_seconds * 1e3:.3g} ms), {self.comm_bytes / 1e6:.3g} MB sent, buffers {self.buffer_bytes / 1e6:.3g} MB per rank and step"
+            f"({self.ns_seconds * 1e3:.3g} ms), {self.comm_bytes / 1e6:.3g} MB sent, "
+            f"buffers {self.buffer_bytes / 1e6:.3g} MB per rank and step"
         )
 
 
@@ -56,8 +57,10 @@ def block_matrices(stats: ModelStats) -> list[tuple[int, int]]:
     """The Muon matrices of one block, ``(m, n)`` with ``m <= n`` (module doc)."""
     h = stats.hidden
     if h <= 0 or stats.heads <= 0:
-        raise ConfigError(f"the planner cannot price Muon for {stats.name}: its hidden size is unknown",
-                          hint="give the model as --model-spec or --model.hf, or plan with --optimizer adamw")
+        raise ConfigError(
+            f"the planner cannot price Muon for {stats.name}: its hidden size is unknown",
+            hint="give the model as --model-spec or --model.hf, or plan with --optimizer adamw",
+        )
     kv = stats.kv_hidden or h
     attn = [(h, h), (kv, h), (kv, h), (h, h)]
     rest = stats.params_per_block - stats.replicated_per_block - 2 * h * h - 2 * kv * h
@@ -89,11 +92,11 @@ def muon_cost(
     per_block = sum(m * n for m, n in mats)
     stage_blocks = -(-stats.blocks // plan.pp)
     values = stage_blocks * per_block
-    flops = stage_blocks * sum(steps * (4 * m * m * n + 2 * m ** 3) for m, n in mats)
+    flops = stage_blocks * sum(steps * (4 * m * m * n + 2 * m**3) for m, n in mats)
     path, n = _path(plan)
     shards = (plan.shard if plan.zero >= 2 else 1) * plan.tp
     b = values * ns_bytes
-    comm = 2 * (n - 1) / n ** 2 * b if path == "owner" else (n - 1) / n * b if path == "gather" else 0.0
+    comm = 2 * (n - 1) / n**2 * b if path == "owner" else (n - 1) / n * b if path == "gather" else 0.0
     m, k = max(mats, key=lambda mn: mn[0] * mn[1])
     buffers = (3 * b / n if path == "owner" else b / shards if path == "gather" else 0.0) + (
         m * k + 3 * m * m

@@ -30,8 +30,18 @@ from shardwise.layout import Plan
 RUNTIME_OPTIONS = ("params16", "chunked_loss", "sharded_accumulation")
 
 
-def option_sets(*, precision: str, zero: int, shard: int, microbatches: int, has_logits: bool, device_type: str,
-                allowed: tuple[str, ...], fixed: dict[str, Any], for_memory: bool = False) -> list[dict[str, bool]]:
+def option_sets(
+    *,
+    precision: str,
+    zero: int,
+    shard: int,
+    microbatches: int,
+    has_logits: bool,
+    device_type: str,
+    allowed: tuple[str, ...],
+    fixed: dict[str, Any],
+    for_memory: bool = False,
+) -> list[dict[str, bool]]:
     """The option combinations worth pricing for one layout, in the order the search tries them
     (see the module doc); a key in ``fixed`` takes only its value, one not in ``allowed`` stays off.
     ``for_memory`` (``shardwise plan --runtime-options memory``): every option is tried off first,
@@ -74,7 +84,8 @@ def option_notes(est: Any, price: Callable[[Plan], Any]) -> list[str]:
             continue
         if est.fits and not without.fits:
             notes.append(
-                f"{name} makes it fit ({without.memory_total / 1e9:.3g} GB without it, {est.memory_limit / 1e9:.3g} GB usable)"
+                f"{name} makes it fit ({without.memory_total / 1e9:.3g} GB without it, "
+                f"{est.memory_limit / 1e9:.3g} GB usable)"
             )
             continue
         saved = without.step_time_s - est.step_time_s
@@ -84,7 +95,8 @@ def option_notes(est: Any, price: Callable[[Plan], Any]) -> list[str]:
         said = []
         if abs(saved) >= 1e-3 * without.step_time_s:
             said.append(
-                f"{'saves' if saved >= 0 else 'costs'} {_s(abs(saved))} per step ({100 * abs(saved) / without.step_time_s:.1f}%)"
+                f"{'saves' if saved >= 0 else 'costs'} {_s(abs(saved))} per step "
+                f"({100 * abs(saved) / without.step_time_s:.1f}%)"
             )
         if abs(mem) >= 0.01:
             said.append(f"{'saves' if mem >= 0 else 'needs'} {abs(mem):.3g} GB")

@@ -47,45 +47,28 @@ chunked loss or sharded accumulation to make that layout fit).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 from shardwise.errors import ConfigError
 from shardwise.layout import Plan, named_keys
 from shardwise.plan.cluster import ClusterSpec
 from shardwise.plan.cost import Estimate, StatePolicy, estimate, model_state_bytes, stage_param_count
 from shardwise.plan.explain import explain
-from shardwise.plan.options import RUNTIME_OPTIONS, costs_time, option_notes, option_sets
-from shardwise.plan.policy import RunPolicy
+from shardwise.plan.options import costs_time, option_notes, option_sets
+from shardwise.plan.search_space import (
+    SearchOptions,
+    _cp_choices,
+    _layouts,
+    _matches,
+    _schedules,
+    _with_experts,
+    divisors,
+)
 from shardwise.plan.stats import ModelStats
 from shardwise.plan.support import runtime_conflict
 from shardwise.plan.uncertainty import bounded
 
-SEARCH_SCHEDULES = ("1f1b", "gpipe", "interleaved_1f1b")
 PASSED_THROUGH = ("compile", "cpu_offload", "fp8_recipe")  # plan keys the search never varies: a --fixed value is kept
-VIRTUAL_STAGES = (2, 3, 4)
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    """What to search over. ``supported`` filters plans the runtime can apply (None: all)."""
-
-    precision: str = "bf16"
-    headroom: float = 0.1
-    top: int = 5
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    schedules: tuple[str, ...] = SEARCH_SCHEDULES
-    recompute: tuple[str, ...] = ("none", "selective", "full")
-    sequence_parallel: bool = True
-    hsdp: bool = True
-    max_microbatches: int | None = None  # None: every divisor of the per-replica batch
-    policy: StatePolicy | None = None
-    supported: Callable[[Plan], bool] | None = None
-    run: RunPolicy | None = None  # how the step runs (precision policy, selective mode); None: shardwise's Trainer
-    fixed: dict[str, Any] = field(default_factory=dict)  # keys a user fixed (layout.named_keys); the rest is searched
-    context_parallel: bool = False  # also search cp > 1 (search() does when nothing fits without it)
-    runtime_options: tuple[str, ...] = RUNTIME_OPTIONS  # the runtime options the search may turn on
-    options_for_memory: bool = False  # turn a runtime option on only where the plan does not fit without it
-    precisions: tuple[str, ...] = ()  # search each of these compute precisions (empty: just ``precision``)
 
 
 @dataclass(frozen=True)
@@ -112,19 +95,17 @@ class SearchResult:
             )
         need = self.smallest.memory_total if self.smallest else float("nan")
         limit = self.smallest.memory_limit if self.smallest else float("nan")
-        where = (f"the smallest device count that fits is {self.min_devices}" if self.min_devices
-                 else "no device count up to 2^20 fits this batch")
+        where = (
+            f"the smallest device count that fits is {self.min_devices}"
+            if self.min_devices
+            else "no device count up to 2^20 fits this batch"
+        )
         layout = f" ({self.smallest.plan})" if self.smallest else ""
         return ConfigError(
             f"no plan fits: the least memory any layout needs is {need / 1e9:.2f} GB per device{layout}, "
             f"above the {limit / 1e9:.2f} GB usable",
             hint=f"{where}; or use devices with more memory, a smaller global batch or a smaller model",
         )
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 def search(
@@ -164,8 +145,12 @@ def search(
             text += " Runtime options: " + "; ".join(notes) + "."
         return SearchResult(plans=top, evaluated=evaluated, explanation=text, notes=notes)
     smallest = _least_memory(stats, cluster, global_batch, options)
-    return SearchResult(plans=[], evaluated=evaluated, smallest=smallest,
-                        min_devices=_min_devices(stats, cluster, global_batch, options))
+    return SearchResult(
+        plans=[],
+        evaluated=evaluated,
+        smallest=smallest,
+        min_devices=_min_devices(stats, cluster, global_batch, options),
+    )
 
 
 __all__ = ["SearchOptions", "SearchResult", "candidates", "divisors", "evaluate", "explain", "fixed_options", "search"]
@@ -180,8 +165,10 @@ def evaluate(
     if plan.tp > 1:
         bad = [d for d in stats.tp_divides if d % plan.tp]
         if bad or not stats.tp_divides:
-            raise ConfigError(f"plan tp={plan.tp} does not divide the model's heads/hidden sizes {stats.tp_divides}",
-                              hint="use a tp that divides the number of heads")
+            raise ConfigError(
+                f"plan tp={plan.tp} does not divide the model's heads/hidden sizes {stats.tp_divides}",
+                hint="use a tp that divides the number of heads",
+            )
     return estimate(
         stats,
         cluster,
@@ -217,17 +204,6 @@ def fixed_options(text: str, options: SearchOptions) -> SearchOptions:
     if "precision" in keys:
         extra["precisions"] = ()
     return replace(options, **extra)
-
-
-def _matches(plan: Plan, fixed: dict[str, Any]) -> bool:
-    for key, value in fixed.items():
-        if key == "dp":
-            got = plan.dp if ("zero" in fixed or "shard" in fixed) else plan.dp_size
-        else:
-            got = getattr(plan, key)
-        if got != value:
-            return False
-    return True
 
 
 def _price_options(
@@ -303,8 +279,15 @@ def _price_options(
     return [], count[0], False
 
 
-def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, options: SearchOptions,
-               *, keep_all: bool = False, lean: bool = False) -> tuple[list[Estimate], int]:
+def _enumerate(
+    stats: ModelStats,
+    cluster: ClusterSpec,
+    global_batch: int,
+    options: SearchOptions,
+    *,
+    keep_all: bool = False,
+    lean: bool = False,
+) -> tuple[list[Estimate], int]:
     world, per_node = cluster.devices, cluster.devices_per_node
     limit = cluster.memory_bytes * (1 - options.headroom)
     policy = options.policy or StatePolicy.torch(options.precision)
@@ -374,70 +357,6 @@ def _enumerate(stats: ModelStats, cluster: ClusterSpec, global_batch: int, optio
                             if done:
                                 break  # more recomputation is only slower
     return out, evaluated
-
-
-def _cp_choices(stats: ModelStats, ranks: int) -> list[int]:
-    """Context-parallel degrees worth trying: powers of two up to ``ranks`` whose ``2 cp`` zig-zag
-    chunks divide the sequence."""
-    out, cp = [], 2
-    while cp <= ranks:
-        if stats.seq % (2 * cp) == 0:
-            out.append(cp)
-        cp *= 2
-    return out
-
-
-def _with_experts(
-    stats: ModelStats, layouts: list[tuple[int, int, int]], fixed: dict[str, Any]
-) -> list[tuple[int, int, int, int]]:
-    """Each (zero, dp, shard) layout with every expert-parallel degree an MoE model allows: ep
-    divides the experts and the innermost data-parallel degree (``shard`` with ZeRO, else ``dp``)."""
-    out = []
-    for zero, dp, shard in layouts:
-        inner = shard if zero > 0 else dp
-        eps = [1] + ([e for e in divisors(inner) if e > 1 and stats.experts % e == 0] if stats.experts else [])
-        out += [(zero, dp, shard, ep) for ep in eps if "ep" not in fixed or ep == fixed["ep"]]
-    return out
-
-
-def _layouts(dp_total: int, tp: int, pp: int, per_node: int, options: SearchOptions) -> list[tuple[int, int, int]]:
-    """(zero, dp_replicate, dp_shard) choices for ``dp_total`` data-parallel ranks (a fixed
-    ``shard`` or ``dp`` adds its own HSDP split; a fixed plan may name layouts the runtime refuses,
-    which the cost model still prices)."""
-    out = []
-    fixed = options.fixed
-    if 0 in options.zero_stages:
-        out.append((0, dp_total, 1))
-    if dp_total == 1:
-        return out or [(options.zero_stages[0] if fixed.get("zero") else 0, 1, 1)]
-    node_shard = max(1, per_node // tp)
-    shards = {dp_total}
-    if options.hsdp and 1 < node_shard < dp_total and dp_total % node_shard == 0:
-        shards.add(node_shard)
-    if "shard" in fixed and isinstance(fixed["shard"], int) and dp_total % fixed["shard"] == 0:
-        shards.add(fixed["shard"])
-    for zero in options.zero_stages:
-        if zero == 0 or (
-            zero == 1 and (tp > 1 or pp > 1) and "zero" not in fixed
-        ):  # runtime_conflict: ZeRO-1 is DDP-only
-            continue
-        out += [(zero, dp_total // shard, shard) for shard in sorted(shards, reverse=True)]
-    return out
-
-
-def _schedules(stats: ModelStats, pp: int, m: int, options: SearchOptions) -> list[tuple[str, int]]:
-    if pp == 1:
-        return [("1f1b", 1)]
-    out = []
-    fixed_v = options.fixed.get("virtual_stages")
-    for schedule in options.schedules:
-        if schedule == "interleaved_1f1b":
-            for v in (fixed_v,) if fixed_v else VIRTUAL_STAGES:
-                if stats.blocks % (v * pp) == 0 and m % pp == 0:
-                    out.append((schedule, v))
-        elif schedule in ("1f1b", "gpipe") and (schedule == "gpipe" or m >= pp) and not (fixed_v and fixed_v > 1):
-            out.append((schedule, 1))
-    return out
 
 
 def _least_memory(

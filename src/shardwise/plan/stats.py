@@ -117,8 +117,9 @@ class ModelStats:
 TransformerSpec = TransformerShape  # the planner's name for the same value
 
 
-def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_mlp: bool | None = None,
-                      context: int | None = None) -> ModelStats:
+def transformer_stats(
+    shape: TransformerShape, *, seq: int | None = None, gated_mlp: bool | None = None, context: int | None = None
+) -> ModelStats:
     """Closed-form statistics of ``shape`` at ``seq`` tokens per sample (default: its ``seq_len``;
     see the module doc for the sources). ``gated_mlp``: a SwiGLU MLP (Llama: gate, up and down
     projections, ``3 h f`` weights; the MLP keeps gate, up, ``silu(gate)`` and their product,
@@ -131,12 +132,8 @@ def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_
     gated = bool(getattr(shape, "gated_mlp", False)) if gated_mlp is None else gated_mlp
     kv = h // a * shape.kv_heads_
     b = 1 if shape.bias else 0
-    attn = h * h + 2 * h * kv + h * h + b * (h + 2 * kv + h)
     e, k, fe = shape.experts, shape.top_k if shape.experts else 0, shape.expert_ffn_
-    expert_params = e * (3 if gated else 2) * h * fe  # bias-free expert weights, as 3-D tensors
-    mlp = (
-        (3 if gated else 2) * h * f + b * ((2 if gated else 1) * f + h) if not e else expert_params + h * e
-    )  # + router
+    attn, mlp, expert_params = _block_params(shape, kv=kv, gated=gated)
     per_block = attn + mlp + 4 * h  # two LayerNorms (weight + bias)
     embed = v * h + (shape.seq_len * h if shape.learned_positions else 0)
     head = 2 * h + (0 if shape.tied_embeddings else v * h + b * v)
@@ -149,15 +146,8 @@ def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_
     attn_flops = 2 * 2 * s * ctx * h
     block_flops = 2 * s * matmul_params + attn_flops
     head_flops = 2 * s * h * v
-    # Korthikanti et al. 2022, eq. 1, term by term (16-bit activations, 1-byte dropout masks).
+    act, scores = _activation_bytes(shape, s=s, ctx=ctx, kv=kv, gated=gated, top_k=k)
     drop = 1 if shape.dropout > 0 else 0
-    attn_act = s * h * (2 + 2 * (1 + 2 * kv / h) + 2 + drop)  # input, q k v, out-proj input, mask
-    mlp_act = s * h * (2 + drop) + (4 if gated else 2) * 2 * s * f  # input, mask; both sides of the activation
-    if e:  # the routed rows (sent, received and returned: 3 k h) and k experts' activations
-        mlp_act = s * h * (2 + drop) + 3 * 2 * s * k * h + (4 if gated else 2) * 2 * s * k * fe
-    norm_act = 4 * s * h
-    scores = (2 + 3 * drop) * a * s * ctx if shape.attention == "eager" else 0  # softmax (+ mask, dropped)
-    act = attn_act + mlp_act + norm_act + scores
     return ModelStats(
         name=shape.name or "transformer",
         blocks=shape.layers,
@@ -200,6 +190,37 @@ def transformer_stats(shape: TransformerShape, *, seq: int | None = None, gated_
         expert_ffn=fe if e else 0,
         expert_params_per_block=expert_params,
     )
+
+
+def _block_params(shape: TransformerShape, *, kv: int, gated: bool) -> tuple[int, int, int]:
+    """(attention, MLP, experts) parameters of one block: q, k, v and the output projection (with
+    biases when ``shape.bias``); the MLP (or the experts and the router of an MoE layer); the
+    experts' bias-free 3-D weights (0 without experts)."""
+    h, f = shape.hidden, shape.ffn_
+    b = 1 if shape.bias else 0
+    attn = h * h + 2 * h * kv + h * h + b * (h + 2 * kv + h)
+    e, fe = shape.experts, shape.expert_ffn_
+    expert_params = e * (3 if gated else 2) * h * fe  # bias-free expert weights, as 3-D tensors
+    mlp = (
+        (3 if gated else 2) * h * f + b * ((2 if gated else 1) * f + h) if not e else expert_params + h * e
+    )  # + router
+    return attn, mlp, expert_params
+
+
+def _activation_bytes(
+    shape: TransformerShape, *, s: int, ctx: int, kv: int, gated: bool, top_k: int
+) -> tuple[float, float]:
+    """(all, eager attention's ``s^2`` part) bytes one block keeps for backward per sample at
+    16 bits: Korthikanti et al. 2022, eq. 1, term by term (1-byte dropout masks)."""
+    h, a, f, k, fe = shape.hidden, shape.heads, shape.ffn_, top_k, shape.expert_ffn_
+    drop = 1 if shape.dropout > 0 else 0
+    attn_act = s * h * (2 + 2 * (1 + 2 * kv / h) + 2 + drop)  # input, q k v, out-proj input, mask
+    mlp_act = s * h * (2 + drop) + (4 if gated else 2) * 2 * s * f  # input, mask; both sides of the activation
+    if shape.experts:  # the routed rows (sent, received and returned: 3 k h) and k experts' activations
+        mlp_act = s * h * (2 + drop) + 3 * 2 * s * k * h + (4 if gated else 2) * 2 * s * k * fe
+    norm_act = 4 * s * h
+    scores = (2 + 3 * drop) * a * s * ctx if shape.attention == "eager" else 0  # softmax (+ mask, dropped)
+    return attn_act + mlp_act + norm_act + scores, scores
 
 
 def slice_stats(stats: ModelStats, cp: int) -> ModelStats:

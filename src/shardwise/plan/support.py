@@ -35,13 +35,15 @@ def runtime_conflict(plan: Plan) -> ConfigError | None:
         )
     if plan.zero == 1 and plan.params16:
         return ConfigError(
-            f"plan {plan}: zero=1 (ZeroRedundancyOptimizer) cannot take params16's 16-bit compute copies (FSDP2's replicate)",
+            f"plan {plan}: zero=1 (ZeroRedundancyOptimizer) cannot take params16's 16-bit compute copies "
+            "(FSDP2's replicate)",
             hint=f"use zero=2 or zero=3 with params16, e.g. {dataclasses.replace(plan, zero=2)}, or drop params16",
         )
     if plan.zero == 1 and plan.pp_enabled and plan.shard > 1:
         return ConfigError(
             f"plan {plan}: zero=1 (ZeroRedundancyOptimizer) cannot shard the optimizer state of pipeline stages",
-            hint=f"use zero=2 or zero=3 with pp (FSDP composes with pipeline stages), e.g. {dataclasses.replace(plan, zero=2)}, "
+            hint="use zero=2 or zero=3 with pp (FSDP composes with pipeline stages), "
+            f"e.g. {dataclasses.replace(plan, zero=2)}, "
             f"or plain data parallelism: {dataclasses.replace(plan, zero=0, dp=plan.dp_size, shard=1)}",
         )
     return None

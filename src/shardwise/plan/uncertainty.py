@@ -138,7 +138,8 @@ def interval_text(est: Any, cluster: Any) -> str:
     else:
         carried = f"; widened {widen:.2f}x both ways, as for the least validated chip measured"
     return (
-        f"{low:.4g}-{high:.4g} tok/s ({low / est.tokens_per_s:.2f}-{high / est.tokens_per_s:.2f} x the prediction: the 90% interval "
+        f"{low:.4g}-{high:.4g} tok/s ({low / est.tokens_per_s:.2f}-{high / est.tokens_per_s:.2f} x the prediction: "
+        "the 90% interval "
         f"of {runs:g} published runs of kind {key}, each predicted without its source{unmeasured}{carried})"
     )
 
