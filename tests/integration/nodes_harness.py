@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from tests.checkout import checkout_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "elastic_train.py"
 REPO = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ LOSS = re.compile(r"LOSS step=(\d+) world=(\d+) plan=(\S+) loss=(\S+)")
 
 
 def env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1", **extra)
+    return checkout_env(**extra)
 
 
 def job_args(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardwise.launch.forward import child_pids
+from tests.checkout import checkout_env
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 240
@@ -22,7 +23,7 @@ TINY = ["--model.layers=1", "--model.hidden=32", "--model.heads=2", "--model.seq
 
 
 def env(**extra: str) -> dict[str, str]:
-    out = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    out = checkout_env(PYTHONUNBUFFERED="1")
     out.pop("SHARDWISE_FAULT", None)
     out.update(extra)
     return out

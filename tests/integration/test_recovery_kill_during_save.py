@@ -20,6 +20,7 @@ import pytest
 
 from shardwise.checkpoint import commit as cm
 from tests.distributed.test_checkpoint_workload import Job
+from tests.checkout import checkout_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDTH = 40_000
@@ -43,7 +44,7 @@ def _start(directory: str, async_save: bool, steps: int = 10_000) -> subprocess.
         "--keep",
         "2",
     ] + (["--async-save"] if async_save else [])
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = checkout_env()
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 

@@ -14,12 +14,13 @@ import sys
 
 import pytest
 import torch
+from tests.checkout import checkout_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _shardwise_run(tmp: str, name: str, *, fault: str | None, max_restarts: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = checkout_env()
     env.pop("SHARDWISE_FAULT", None)
     if fault:
         env["SHARDWISE_FAULT"] = fault

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from shardwise.checkpoint import commit as cm
+from tests.checkout import checkout_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--nproc", "1", "--run.name=resumable", "--model.layers=1", "--model.hidden=32", "--model.heads=2",
@@ -17,7 +18,7 @@ SMALL = ["--nproc", "1", "--run.name=resumable", "--model.layers=1", "--model.hi
 
 
 def _train(runs: str, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = checkout_env()
     return subprocess.run([sys.executable, "-m", "shardwise", "train", f"--run.runs_dir={runs}", *SMALL, *extra],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
