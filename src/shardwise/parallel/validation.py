@@ -59,7 +59,7 @@ def validate(
         # Rowwise outputs would be left sequence-sharded with nothing to gather them back.
         raise ConfigError(
             f"plan {plan}: sequence parallel needs norm ('sequence_parallel') and 'attention_input' entries "
-            "in the TP styles",
+            "in the TP plan",
             hint="use the derived plan (no annotations), add those entries, or drop sp",
         )
     return tp_styles

@@ -128,7 +128,7 @@ class TPStyles:
         for pattern, style in mapping.items():
             if style not in STYLES:
                 raise ConfigError(
-                    f"TP style {style!r} for {pattern!r} is unknown", hint=f"use one of {', '.join(STYLES)}"
+                    f"TP plan style {style!r} for {pattern!r} is unknown", hint=f"use one of {', '.join(STYLES)}"
                 )
         return cls(tuple(mapping.items()))
 
