@@ -131,15 +131,7 @@ def search(
         text = explain(top[0], top[1]) if len(top) > 1 else f"{top[0].plan} is the only plan that fits."
         notes = option_notes(
             top[0],
-            lambda plan: estimate(
-                stats,
-                cluster,
-                plan,
-                global_batch=global_batch,
-                policy=options.policy,
-                headroom=options.headroom,
-                run=options.run,
-            ),
+            lambda plan: evaluate(stats, cluster, plan, global_batch=global_batch, options=options),
         )
         if notes:
             text += " Runtime options: " + "; ".join(notes) + "."
