@@ -33,17 +33,8 @@ from shardwise.layout import Plan
 from shardwise.plan.cluster import FP8_RELATIVE_EFFICIENCY, ClusterSpec
 from shardwise.plan.cost import Estimate, estimate
 from shardwise.plan.search import SearchOptions, candidates, fixed_options
-from shardwise.plan.uncertainty import QUANTILES, band, bounded, kind_keys
+from shardwise.plan.uncertainty import CHIPS, QUANTILES, band, bounded, kind_keys
 
-CHIPS = {
-    "a100-40gb": "A100",
-    "a100-80gb": "A100",
-    "a800": "A100",
-    "h100": "H100",
-    "h200": "H100",
-    "h800": "H100",
-    "v100": "V100",
-}
 GRID = {"gemm": [0.55 + 0.025 * i for i in range(17)], "attention": [0.15 + 0.025 * i for i in range(23)],
         "overlap": [0.0 + 0.1 * i for i in range(11)]}
 # What each number is without fitting: a large GEMM's measured fraction of the A100's peak,
