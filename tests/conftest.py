@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import pytest
 
 from shardwise.testing import WorkerPool
-from tests import cpu_profile, suite_order, time_limit
+from tests import cpu_profile, suite_order, time_limit, worker_forkserver
 from tests.time_limit import pytest_runtest_makereport  # noqa: F401 - the slow-test guard (its doc)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,6 +25,32 @@ if REPO not in sys.path:
 # plan="auto" caches this machine's calibration; tests measure into a directory of their own
 # (inherited by the worker processes), never into the user's ~/.cache.
 os.environ.setdefault("SHARDWISE_CACHE_DIR", tempfile.mkdtemp(prefix="shardwise-test-cache-"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def worker_server(request: pytest.FixtureRequest) -> Iterator[str | None]:
+    """The fork server the workers of the suite's ``shardwise run`` jobs come from
+    (tests/worker_forkserver.py); a session of unit tests alone starts no worker and no server."""
+    if all("unit" in item.path.parts for item in request.session.items):
+        yield None
+    else:
+        yield from worker_forkserver.start()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fresh_workers_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """``pytestmark = pytest.mark.fresh_workers``: the file's workers (its module fixtures' too) are fresh."""
+    with pytest.MonkeyPatch.context() as patch:
+        if request.node.get_closest_marker(worker_forkserver.MARKER):
+            patch.delenv(worker_forkserver.FORKSERVER_VAR, raising=False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``@pytest.mark.fresh_workers`` on a test: its workers are new interpreters."""
+    if request.node.get_closest_marker(worker_forkserver.MARKER):
+        monkeypatch.delenv(worker_forkserver.FORKSERVER_VAR, raising=False)
 
 
 POOL_FIXTURES = frozenset({"pools", "dist2", "dist4"})

@@ -19,6 +19,8 @@ pytest.importorskip("torchft", reason="needs shardwise[ft] (torchft)")
 
 from tests.integration import ft_harness as h  # noqa: E402
 
+pytestmark = pytest.mark.fresh_workers  # worker processes are killed and their identity (PIDs, restarts) is checked
+
 SHARDWISE = [sys.executable, "-m", "shardwise"]
 
 

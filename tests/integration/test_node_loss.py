@@ -30,6 +30,8 @@ import pytest
 
 from tests.integration.nodes_harness import SAVE_EVERY, STEPS, agent, free_port, job_args, losses, wait_for
 
+pytestmark = pytest.mark.fresh_workers  # nodes are killed as process trees: their workers must be their own
+
 KILL_AT, HOLD_AT = 6, 10
 
 

@@ -36,6 +36,8 @@ from tests.integration.nodes_harness import (
     wait_for,
 )
 
+pytestmark = pytest.mark.fresh_workers  # nodes are frozen (SIGSTOP) as process trees
+
 EVENT_AT = 6
 EXPIRY_S = 5  # RDZV_CONF: keep_alive_interval=1 x keep_alive_max_attempt=5
 

@@ -6,38 +6,25 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...), calls :func:`shardwise.init`, runs ``
 leaves cleanly. Results come back as a list ordered by rank.
 
 ``fn`` must be importable by a fresh interpreter (defined at module level in a file, not in
-``__main__`` of a notebook cell), which is the ``spawn`` start method's rule.
+``__main__`` of a notebook cell), which is the ``spawn`` start method's rule: each worker is a
+``python -m shardwise.launch.call_worker`` command that prepares itself as a ``spawn`` child does
+and returns its result through a file (:mod:`shardwise.launch.call_worker`), so it starts as the
+workers of ``shardwise run`` do, forked from a fork server when ``SHARDWISE_FORKSERVER`` names one.
 """
 
 from __future__ import annotations
 
+import multiprocessing.spawn
+import os
+import pickle
+import shutil
+import sys
+import tempfile
 import uuid
 from typing import Any, Callable, Sequence
 
 from shardwise.errors import LaunchError
 from shardwise.launch.options import free_port
-
-
-def _worker(fn: Callable[..., Any], backend: str | None, timeout_s: float, *args: Any) -> Any:
-    import os
-
-    from shardwise.launch.worker_main import line_buffered_output
-    from shardwise.runtime.env import init, shutdown
-    from shardwise.runtime.quiet import quiet_dependencies
-
-    line_buffered_output()  # each printed line whole, as in shardwise run's workers
-    quiet_dependencies(os.environ)  # as in shardwise run's workers (shardwise.runtime.quiet)
-    try:
-        init(backend=backend, timeout_s=timeout_s)
-        try:
-            return fn(*args)
-        finally:
-            shutdown()
-    except Exception as exc:  # noqa: BLE001 - reported once by the launcher (shardwise.launch.worker_errors)
-        from shardwise.launch.worker_errors import exit_for_launcher
-
-        exit_for_launcher(exc)
-        raise
 
 
 def launch(
@@ -55,6 +42,8 @@ def launch(
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig
 
+    from shardwise.launch.call_worker import result_path  # run with -m: not imported with the package
+    from shardwise.launch.forkserver import FORKSERVER_VAR, client_command
     from shardwise.launch.run import run_elastic
 
     if nprocs < 1:
@@ -73,5 +62,33 @@ def launch(
         local_addr="127.0.0.1",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
-    results = run_elastic(config, _worker, (fn, backend, timeout_s, *args))
-    return [results[rank] for rank in sorted(results)]
+    folder = tempfile.mkdtemp(prefix="shardwise-call-")
+    try:
+        _write_call(folder, fn, backend, timeout_s, tuple(args))
+        command = ["-m", "shardwise.launch.call_worker", folder]
+        if os.environ.get(FORKSERVER_VAR):
+            command = client_command(os.environ[FORKSERVER_VAR], command)
+        run_elastic(config, sys.executable, tuple(command))
+        results = []
+        for rank in range(nprocs):
+            with open(result_path(folder, rank), "rb") as fh:
+                results.append(pickle.load(fh))
+        return results
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _write_call(folder: str, fn: Callable[..., Any], backend: str | None, timeout_s: float, args: tuple) -> None:
+    """``prepare.pkl`` (what a ``spawn`` child needs to unpickle ``fn``) and ``call.pkl``."""
+    with open(os.path.join(folder, "prepare.pkl"), "wb") as fh:
+        preparation = multiprocessing.spawn.get_preparation_data("shardwise-worker")
+        preparation.pop("authkey", None)  # this process's multiprocessing secret: the workers need none
+        pickle.dump(preparation, fh)
+    try:
+        with open(os.path.join(folder, "call.pkl"), "wb") as fh:
+            pickle.dump((fn, backend, timeout_s, args), fh)
+    except (pickle.PicklingError, AttributeError, TypeError) as err:
+        raise LaunchError(
+            f"launch() cannot send {getattr(fn, '__qualname__', fn)!r} and its arguments to the workers: {err}",
+            hint="define the function at module level in a file (not a lambda, a nested function or a notebook cell)",
+        ) from None
