@@ -19,8 +19,6 @@ pytest.importorskip("torchft", reason="needs shardwise[ft] (torchft)")
 
 from tests.integration import ft_harness as h  # noqa: E402
 
-pytestmark = pytest.mark.fresh_workers  # worker processes are killed and their identity (PIDs, restarts) is checked
-
 SHARDWISE = [sys.executable, "-m", "shardwise"]
 
 
@@ -77,6 +75,7 @@ def test_zero3_inside_groups_equals_hsdp(tmp_path: Path) -> None:
 @pytest.mark.slow_allowed(
     seconds=180, why="a group is killed mid-step, restarts (a new Python process) and heals while the other trains on"
 )
+@pytest.mark.fresh_workers  # a worker is killed, and the survivors' process identity (PIDs) is checked
 def test_group_killed_mid_step_restarts_and_heals(tmp_path: Path) -> None:
     """Group 1's worker SIGKILLs itself after its backward of step 6 (or the first after it that
     both groups are in: the first to start trains alone until the other joins), while group 0 waits in the
