@@ -32,6 +32,7 @@ from planner_published_rows import Case
 from shardwise.layout import Plan
 from shardwise.plan.cluster import FP8_RELATIVE_EFFICIENCY, ClusterSpec
 from shardwise.plan.cost import Estimate, estimate
+from shardwise.plan.policy import RunPolicy
 from shardwise.plan.search import SearchOptions, candidates, fixed_options
 from shardwise.plan.uncertainty import CHIPS, QUANTILES, band, bounded, kind_keys
 
@@ -69,8 +70,9 @@ def preset_params(cluster: ClusterSpec) -> dict[str, float]:
 
 def cli_options(case: Case) -> SearchOptions:
     """``shardwise plan --fixed <published layout>`` with nothing else set (the whole memory counts)."""
+    run = RunPolicy(selective=case.cli_selective) if case.cli_selective else None  # --selective <the published one>
     options = fixed_options(
-        case.cli_fixed or case.fixed, SearchOptions(precision=case.precision, headroom=0.0, top=1, hsdp=True)
+        case.cli_fixed or case.fixed, SearchOptions(precision=case.precision, headroom=0.0, top=1, hsdp=True, run=run)
     )
     return replace(options, recompute=case.cli_recompute) if case.cli_recompute else options
 
