@@ -42,7 +42,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-from planner_published_cv import CHIPS, cli_options, cross_validate, fit_chips, item_of, preset_params, with_params  # noqa: E402
+from planner_published_cv import (  # noqa: E402
+    CHIPS,
+    cli_options,
+    cross_validate,
+    envelope_of,
+    fit_chips,
+    item_of,
+    preset_params,
+    with_params,
+)
 from planner_published_rows import Case, Skip, cases  # noqa: E402
 
 from shardwise.plan.cluster import ClusterSpec  # noqa: E402
@@ -90,12 +99,14 @@ def fixed_estimate(case: Case, params: dict[str, float] | None = None) -> tuple[
     return est, fits
 
 
-def free_estimate(case: Case, params: dict[str, float] | None = None) -> Estimate | None:
+def free_estimate(case: Case, params: dict[str, float] | None = None,
+                  envelope: dict[str, float] | None = None) -> Estimate | None:
     """The free search with the CLI's defaults (in the row's precision: fp8 rows search fp8), with
-    the per-chip numbers ``params`` (the cross-validation's: fitted without the row's source)."""
+    the per-chip numbers ``params`` and the ``envelope`` (the cross-validation's: made without the
+    row's source)."""
     precision = "fp8" if "precision=fp8" in case.cli_fixed else case.precision
     found = search(case.stats, with_params(case.cluster, params), global_batch=case.global_batch,
-                   options=SearchOptions(precision=precision, top=1))
+                   options=SearchOptions(precision=precision, top=1, envelope=envelope))
     return found.plans[0] if found.plans else None
 
 
@@ -104,11 +115,13 @@ def tps(est: Estimate, case: Case) -> float:
 
 
 def evaluate(
-    all_cases: list[Case], *, free: bool = True, free_params: dict[int, dict[str, float]] | None = None
+    all_cases: list[Case], *, free: bool = True, free_params: dict[int, dict[str, float]] | None = None,
+    free_envelopes: dict[int, dict[str, float]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every row: the headline (``--fixed``, CLI defaults) with the interval the CLI prints, the
-    framework's policy and, with ``free``, the free search (with ``free_params[row index]``, the
-    cross-validated numbers, when given; else the presets)."""
+    framework's policy and, with ``free``, the free search (with ``free_params[row index]`` and
+    ``free_envelopes[row index]``, the cross-validated numbers and envelope, when given; else the
+    presets and the published envelope)."""
     best_published: dict[tuple[Any, ...], float] = {}
     for c in all_cases:
         best_published[c.setup] = max(best_published.get(c.setup, 0.0), c.published_tps)
@@ -149,7 +162,7 @@ def evaluate(
         row.update({"interval_tps": [low / case.cluster.devices, high / case.cluster.devices], "interval_kind": kind,
                     "in_interval": low / case.cluster.devices <= case.published_tps <= high / case.cluster.devices})
         if free:
-            best = free_estimate(case, (free_params or {}).get(case.index))
+            best = free_estimate(case, (free_params or {}).get(case.index), (free_envelopes or {}).get(case.index))
             if best is not None:
                 row.update({"free_plan": str(best.plan), "free_tps": tps(best, case),
                             "free_over_best_published": tps(best, case) / best_published[case.setup],
@@ -294,6 +307,9 @@ def _print_cv(cv: dict[str, Any]) -> None:
             f"{100 * free.get('within', float('nan')):>5.0f}% "
             f"{100 * cv['framework_by_source'][name]['median_abs_error']:>8.1f}%  {params}"
         )
+    print("envelope per held-out source (best measured MFU of the other sources' runs, per chip; fp8_gain): "
+          + "; ".join(f"{s}: " + ", ".join(f"{k} {v:.3f}" for k, v in e.items())
+                      for s, e in cv.get("envelopes", {}).items()))
     print("intervals (published / predicted, 5%-95% of the held-out residuals per kind): "
           + "; ".join(f"{k} {v['low']:.2f}-{v['high']:.2f} ({v['runs']})" for k, v in cv["intervals"].items()))
     if cv.get("carried"):
@@ -363,14 +379,17 @@ def main(argv: list[str] | None = None) -> int:
         else args.runs
     }
     free_params: dict[int, dict[str, float]] = {}
+    free_envelopes: dict[int, dict[str, float]] = {}
     if not args.no_cv and items:
         cv = cross_validate(items, ablate=not args.no_ablation)
         for it in items:
             free_params[it.case.index] = cv["params"][it.case.source].get(
                 CHIPS.get(it.case.cluster.name, it.case.cluster.name), {}
             )
+            free_envelopes[it.case.index] = cv["envelopes"][it.case.source]
         out["cv"] = cv
-    evaluated = evaluate(usable, free=not args.no_free, free_params=free_params)
+    out["envelope"] = envelope_of(items) if items else {}
+    evaluated = evaluate(usable, free=not args.no_free, free_params=free_params, free_envelopes=free_envelopes)
     elapsed = time.perf_counter() - start
     rows = [r for r in evaluated if "ratio" in r]
     skipped += [Skip(r["index"], r["source"], r["label"], r["error"]) for r in evaluated if "error" in r]
@@ -393,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if "cv" in out:
         _print_cv(out["cv"])
-    print("in-sample (the presets' numbers, fitted on all these runs):")
+    print("in-sample (the presets' numbers, fitted on all these runs); envelope of all the runs: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in out["envelope"].items()))
     if args.rows:
         for r in rows:
             free = f" free {r['free_over_best_published']:.2f}x" if "free_over_best_published" in r else ""

@@ -248,6 +248,7 @@ def _price_options(
                 run=options.run,
             ),
             cluster,
+            options.envelope,
         )
 
     if lean:  # the leanest combination the runtime accepts (``supported`` may refuse an option)
