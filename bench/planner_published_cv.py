@@ -180,7 +180,8 @@ def loss(items: list[Item], params: dict[str, float], envelope: dict[str, float]
     counts once, however many rows it has."""
     per_source: dict[str, list[float]] = {}
     for it in items:
-        per_source.setdefault(it.case.source, []).append(abs(math.log(ratio(it, params, framework=True, envelope=envelope))))
+        err = abs(math.log(ratio(it, params, framework=True, envelope=envelope)))
+        per_source.setdefault(it.case.source, []).append(err)
     return statistics.fmean(statistics.median(e) + 0.25 * statistics.fmean(e) for e in per_source.values())
 
 

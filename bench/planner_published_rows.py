@@ -36,11 +36,9 @@ from shardwise.plan.stats import ModelStats, transformer_stats
 from shardwise.shape import TransformerShape
 
 GB = 1e9
-# Published selective policies that replay more than shardwise's own selective recomputation (which keeps
-# every matmul output and replays the pointwise work): torchtitan's per-op (every other matmul replayed) and
-# per-layer (every second block replayed whole). Priced as they ran. Korthikanti et al.'s attention-core
-# recomputation replays about what shardwise's does (the attention core's softmax and dropout, against the
-# norms and activations), so shardwise's own selective stands for it where that one fits.
+# Published selective policies that replay more than shardwise's own (every matmul output kept): torchtitan's
+# per-op (every other matmul replayed) and per-layer (every second block), priced as they ran. Korthikanti et
+# al.'s attention core replays about what shardwise's does (softmax and dropout against norms and activations).
 REPLAYS_MORE = ("op", "layer")
 H100_NVL_BF16 = 835e12  # NVIDIA H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity, half of it dense
 

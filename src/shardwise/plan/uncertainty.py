@@ -43,16 +43,16 @@ CHIPS = {
 INTERVALS: dict[str, dict[str, float]] = {
     "A100/pp": {"low": 0.836, "high": 1.301, "runs": 15},
     "A100/pp/large": {"low": 0.841, "high": 1.311, "runs": 13},
-    "A100/sharded": {"low": 0.794, "high": 1.292, "runs": 86},
+    "A100/sharded": {"low": 0.796, "high": 1.292, "runs": 86},
     "A100/sharded/large": {"low": 0.81, "high": 1.233, "runs": 9},
-    "A100/sharded/small": {"low": 0.792, "high": 1.301, "runs": 77},
-    "all": {"low": 0.791, "high": 1.288, "runs": 110},
+    "A100/sharded/small": {"low": 0.799, "high": 1.301, "runs": 77},
+    "all": {"low": 0.794, "high": 1.288, "runs": 110},
     "pp": {"low": 0.836, "high": 1.301, "runs": 15},
     "pp/large": {"low": 0.841, "high": 1.311, "runs": 13},
-    "sharded": {"low": 0.794, "high": 1.292, "runs": 86},
+    "sharded": {"low": 0.796, "high": 1.292, "runs": 86},
     "sharded/large": {"low": 0.81, "high": 1.233, "runs": 9},
-    "sharded/small": {"low": 0.792, "high": 1.301, "runs": 77},
-    "tp": {"low": 0.756, "high": 1.183, "runs": 8},
+    "sharded/small": {"low": 0.799, "high": 1.301, "runs": 77},
+    "tp": {"low": 0.746, "high": 1.17, "runs": 8},
 }
 
 
