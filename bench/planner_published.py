@@ -42,7 +42,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-from planner_published_cv import CHIPS, cli_options, cross_validate, fit_chips, item_of, preset_params, with_params  # noqa: E402
+from planner_published_cv import (  # noqa: E402
+    CHIPS,
+    cli_options,
+    cross_validate,
+    envelope_of,
+    fit_chips,
+    item_of,
+    preset_params,
+    with_params,
+)
+from planner_published_report import GAP, markdown, plot, print_cv  # noqa: E402,F401 (markdown: the docs test's)
 from planner_published_rows import Case, Skip, cases  # noqa: E402
 
 from shardwise.plan.cluster import ClusterSpec  # noqa: E402
@@ -53,7 +63,6 @@ from shardwise.plan.uncertainty import interval  # noqa: E402
 
 DATA = os.path.join(HERE, "data", "published_throughput.json")
 RESULTS = os.path.join(HERE, "results")
-GAP = 1.3  # a free-search claim above this over the published layout is explained
 
 
 def _pick(every: list[Estimate], cluster: ClusterSpec) -> tuple[Estimate, bool, bool]:
@@ -90,12 +99,14 @@ def fixed_estimate(case: Case, params: dict[str, float] | None = None) -> tuple[
     return est, fits
 
 
-def free_estimate(case: Case, params: dict[str, float] | None = None) -> Estimate | None:
+def free_estimate(case: Case, params: dict[str, float] | None = None,
+                  envelope: dict[str, float] | None = None) -> Estimate | None:
     """The free search with the CLI's defaults (in the row's precision: fp8 rows search fp8), with
-    the per-chip numbers ``params`` (the cross-validation's: fitted without the row's source)."""
+    the per-chip numbers ``params`` and the ``envelope`` (the cross-validation's: made without the
+    row's source)."""
     precision = "fp8" if "precision=fp8" in case.cli_fixed else case.precision
     found = search(case.stats, with_params(case.cluster, params), global_batch=case.global_batch,
-                   options=SearchOptions(precision=precision, top=1))
+                   options=SearchOptions(precision=precision, top=1, envelope=envelope))
     return found.plans[0] if found.plans else None
 
 
@@ -104,11 +115,13 @@ def tps(est: Estimate, case: Case) -> float:
 
 
 def evaluate(
-    all_cases: list[Case], *, free: bool = True, free_params: dict[int, dict[str, float]] | None = None
+    all_cases: list[Case], *, free: bool = True, free_params: dict[int, dict[str, float]] | None = None,
+    free_envelopes: dict[int, dict[str, float]] | None = None,
 ) -> list[dict[str, Any]]:
     """Every row: the headline (``--fixed``, CLI defaults) with the interval the CLI prints, the
-    framework's policy and, with ``free``, the free search (with ``free_params[row index]``, the
-    cross-validated numbers, when given; else the presets)."""
+    framework's policy and, with ``free``, the free search (with ``free_params[row index]`` and
+    ``free_envelopes[row index]``, the cross-validated numbers and envelope, when given; else the
+    presets and the published envelope)."""
     best_published: dict[tuple[Any, ...], float] = {}
     for c in all_cases:
         best_published[c.setup] = max(best_published.get(c.setup, 0.0), c.published_tps)
@@ -149,7 +162,7 @@ def evaluate(
         row.update({"interval_tps": [low / case.cluster.devices, high / case.cluster.devices], "interval_kind": kind,
                     "in_interval": low / case.cluster.devices <= case.published_tps <= high / case.cluster.devices})
         if free:
-            best = free_estimate(case, (free_params or {}).get(case.index))
+            best = free_estimate(case, (free_params or {}).get(case.index), (free_envelopes or {}).get(case.index))
             if best is not None:
                 row.update({"free_plan": str(best.plan), "free_tps": tps(best, case),
                             "free_over_best_published": tps(best, case) / best_published[case.setup],
@@ -186,38 +199,6 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def markdown(out: dict[str, Any]) -> str:
-    """The summary tables docs/planner.md quotes (tests/unit/test_docs_commands.py regenerates them
-    from the committed JSON and compares): cross-validated first, in-sample second."""
-    cv = out.get("cv", {})
-    lines = ["| source | runs | **cross-validated**: median abs. error | within 15% | median ratio | interval coverage "
-             "| free search / best published: median, max | free within 1.3x | framework policy: median error |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for name, s in cv.get("by_source", {}).items():
-        free = cv.get("free", {}).get(name, {})
-        lines.append(
-            f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | "
-            f"{s['median_ratio']:.2f} | {100 * cv['coverage'].get(name, float('nan')):.0f}% | "
-            f"{free.get('median', float('nan')):.2f}, {free.get('max', float('nan')):.2f} | "
-            f"{100 * free.get('within', float('nan')):.0f}% | "
-            f"{100 * cv['framework_by_source'][name]['median_abs_error']:.1f}% |"
-        )
-    lines += [
-        "",
-        "| source | runs | **in-sample**: median abs. error | within 15% | within 25% | predicted not to fit (whole "
-        "memory / 90%) | printed interval covers | framework policy: median error, not fit |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, s in [*out["by_source"].items(), ("all", out["overall"])]:
-        lines.append(
-            f"| {name} | {s['runs']} | {100 * s['median_abs_error']:.1f}% | {100 * s['within_15']:.0f}% | "
-            f"{100 * s['within_25']:.0f}% | {s['fit_misses']} / {s['fit_misses_usable']} | "
-            f"{100 * s['interval_coverage']:.0f}% | {100 * s['framework_median_abs_error']:.1f}%, "
-            f"{s['framework_fit_misses']} |"
-        )
-    return "\n".join(lines)
-
-
 def free_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in [*sorted({r["source"] for r in rows}), "all"]:
@@ -233,83 +214,6 @@ def free_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 "within": sum(f <= GAP for f in frees) / len(frees),
             }
     return out
-
-
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 6))
-    for source in sorted({r["source"] for r in rows}):
-        sel = [r for r in rows if r["source"] == source]
-        dots = ax.scatter(
-            [r["published_tps"] for r in sel],
-            [r["predicted_tps"] for r in sel],
-            s=18,
-            label=f"{source} ({len(sel)})",
-            marker="o" if all(r["fits"] for r in sel) else "x",
-        )
-        ax.scatter([r["published_tps"] for r in sel], [r["framework_tps"] for r in sel], s=10, facecolors="none",
-                   edgecolors=dots.get_facecolor(), linewidths=0.6)
-    lo = min(min(r["published_tps"], r["predicted_tps"]) for r in rows) / 1.5
-    hi = max(max(r["published_tps"], r["predicted_tps"]) for r in rows) * 1.5
-    for k, style in ((1.0, "-"), (1.15, ":"), (1 / 1.15, ":")):
-        ax.plot([lo, hi], [lo * k, hi * k], "k" + style, lw=0.8)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("published tokens/s per GPU")
-    ax.set_ylabel("predicted tokens/s per GPU (published layout)")
-    ax.set_title(
-        "shardwise plan --fixed vs published runs (filled: CLI defaults;\nhollow: the framework's policy; dotted: "
-        "+-15%)",
-        fontsize=9,
-    )
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _print_cv(cv: dict[str, Any]) -> None:
-    print(
-        "leave-one-source-out cross-validation (the per-chip numbers refitted without each source, that source "
-        "predicted; headline = shardwise plan --fixed <published layout>):"
-    )
-    print(
-        f"{'source':<45} {'runs':>4} {'med|err|':>8} {'<=15%':>6} {'ratio':>6} {'in int.':>7} {'free med':>8} "
-        f"{'max':>5} {'<=1.3x':>6} {'framework':>9}  numbers used"
-    )
-    for name, s in cv["by_source"].items():
-        free = cv.get("free", {}).get(name, {})
-        params = "; ".join(
-            f"{chip}: " + ", ".join(f"{k} {v:.3f}" for k, v in p.items())
-            for chip, p in cv["params"].get(name, {}).items()
-        )
-        print(
-            f"{name[:45]:<45} {s['runs']:>4} {100 * s['median_abs_error']:>7.1f}% {100 * s['within_15']:>5.0f}% "
-            f"{s['median_ratio']:>6.2f} {100 * cv['coverage'].get(name, float('nan')):>6.0f}% "
-            f"{free.get('median', float('nan')):>8.2f} {free.get('max', float('nan')):>5.2f} "
-            f"{100 * free.get('within', float('nan')):>5.0f}% "
-            f"{100 * cv['framework_by_source'][name]['median_abs_error']:>8.1f}%  {params}"
-        )
-    print("intervals (published / predicted, 5%-95% of the held-out residuals per kind): "
-          + "; ".join(f"{k} {v['low']:.2f}-{v['high']:.2f} ({v['runs']})" for k, v in cv["intervals"].items()))
-    if cv.get("carried"):
-        print(
-            "carried over, not cross-validated (one source measured the chip; its intervals widened both ways by the "
-            "largest factor a held-out prediction of it was off by): "
-            + "; ".join(f"{k} {v['factor']:.2f}x ({v['runs']} runs)" for k, v in cv["carried"].items())
-        )
-    for key, ab in cv.get("ablation", {}).items():
-        how = "fitted instead of held at" if ab.get("fitted") else "held instead of fitted, at"
-        print(
-            f"ablation: {key} {how} {ab['prior']}: cross-validated median |err| {100 * ab['median_abs_error']:.1f}% "
-            f"(framework policy {100 * ab['framework_median_abs_error']:.1f}%) vs "
-            f"{100 * cv['by_source']['all']['median_abs_error']:.1f}% "
-            f"({100 * cv['framework_by_source']['all']['median_abs_error']:.1f}%) fitted"
-        )
 
 
 def _fit_all(items: list[Any]) -> dict[str, Any]:
@@ -363,14 +267,17 @@ def main(argv: list[str] | None = None) -> int:
         else args.runs
     }
     free_params: dict[int, dict[str, float]] = {}
+    free_envelopes: dict[int, dict[str, float]] = {}
     if not args.no_cv and items:
         cv = cross_validate(items, ablate=not args.no_ablation)
         for it in items:
             free_params[it.case.index] = cv["params"][it.case.source].get(
                 CHIPS.get(it.case.cluster.name, it.case.cluster.name), {}
             )
+            free_envelopes[it.case.index] = cv["envelopes"][it.case.source]
         out["cv"] = cv
-    evaluated = evaluate(usable, free=not args.no_free, free_params=free_params)
+    out["envelope"] = envelope_of(items) if items else {}
+    evaluated = evaluate(usable, free=not args.no_free, free_params=free_params, free_envelopes=free_envelopes)
     elapsed = time.perf_counter() - start
     rows = [r for r in evaluated if "ratio" in r]
     skipped += [Skip(r["index"], r["source"], r["label"], r["error"]) for r in evaluated if "error" in r]
@@ -392,8 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.runs if args.runs != DATA else 'bench/data/published_throughput.json'}, {elapsed:.1f} s"
     )
     if "cv" in out:
-        _print_cv(out["cv"])
-    print("in-sample (the presets' numbers, fitted on all these runs):")
+        print_cv(out["cv"])
+    print("in-sample (the presets' numbers, fitted on all these runs); envelope of all the runs: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in out["envelope"].items()))
     if args.rows:
         for r in rows:
             free = f" free {r['free_over_best_published']:.2f}x" if "free_over_best_published" in r else ""

@@ -30,8 +30,9 @@ from typing import Any
 from planner_published_rows import Case
 
 from shardwise.layout import Plan
-from shardwise.plan.cluster import FP8_RELATIVE_EFFICIENCY, ClusterSpec
+from shardwise.plan.cluster import FP8_RELATIVE_EFFICIENCY, PRESETS, ClusterSpec
 from shardwise.plan.cost import Estimate, estimate
+from shardwise.plan.policy import RunPolicy
 from shardwise.plan.search import SearchOptions, candidates, fixed_options
 from shardwise.plan.uncertainty import CHIPS, QUANTILES, band, bounded, kind_keys
 
@@ -69,8 +70,9 @@ def preset_params(cluster: ClusterSpec) -> dict[str, float]:
 
 def cli_options(case: Case) -> SearchOptions:
     """``shardwise plan --fixed <published layout>`` with nothing else set (the whole memory counts)."""
+    run = RunPolicy(selective=case.cli_selective) if case.cli_selective else None  # --selective <the published one>
     options = fixed_options(
-        case.cli_fixed or case.fixed, SearchOptions(precision=case.precision, headroom=0.0, top=1, hsdp=True)
+        case.cli_fixed or case.fixed, SearchOptions(precision=case.precision, headroom=0.0, top=1, hsdp=True, run=run)
     )
     return replace(options, recompute=case.cli_recompute) if case.cli_recompute else options
 
@@ -107,8 +109,41 @@ def item_of(case: Case) -> Item:
     return Item(case, _shortlist(case, cli_options(case)), _shortlist(case, framework_options(case)))
 
 
-def predict(item: Item, params: dict[str, float] | None, *, framework: bool = False) -> Estimate:
-    """The row's prediction with these numbers: the fastest of its shortlisted plans, re-priced."""
+def measured_mfu(item: Item) -> float:
+    """The MFU the row's published run measured, in the cost model's FLOP count and peak (the
+    model's MFU scaled by published / predicted throughput of the same plan)."""
+    est = item.cli[0]
+    return est.mfu * item.case.published_tps * item.case.cluster.devices / est.tokens_per_s
+
+
+def envelope_of(items: list[Item]) -> dict[str, float]:
+    """The validated envelope these runs give (:data:`~shardwise.plan.uncertainty.ENVELOPE_MFU`):
+    per chip the best MFU a bf16 run measured (an H100 at least the A100's times the chips' GEMM
+    efficiency ratio, as its numbers are carried over; a V100 the A100's), and ``fp8_gain``, the
+    largest FP8 over bf16 gain of a run against the best bf16 run of its setup (absent: no FP8 pair)."""
+    best: dict[str, float] = {}
+    bf16: dict[tuple[Any, ...], float] = {}
+    for it in items:
+        if "precision=fp8" not in it.case.cli_fixed:
+            chip, mfu = chip_of(it.case), measured_mfu(it)
+            best[chip] = max(best.get(chip, 0.0), mfu)
+            bf16[it.case.setup] = max(bf16.get(it.case.setup, 0.0), mfu)
+    out = {chip: round(v, 3) for chip, v in sorted(best.items())}
+    if "A100" in out:
+        ratio_h = PRESETS["h100"].gemm_efficiency_ / PRESETS["a100-80gb"].gemm_efficiency_
+        out["H100"] = max(out.get("H100", 0.0), round(out["A100"] * ratio_h, 3))
+        out["V100"] = max(out.get("V100", 0.0), out["A100"])
+    gains = [measured_mfu(it) / bf16[it.case.setup] for it in items
+             if "precision=fp8" in it.case.cli_fixed and bf16.get(it.case.setup)]
+    if gains:
+        out["fp8_gain"] = round(max(gains), 3)
+    return out
+
+
+def predict(item: Item, params: dict[str, float] | None, *, framework: bool = False,
+            envelope: dict[str, float] | None = None) -> Estimate:
+    """The row's prediction with these numbers: the fastest of its shortlisted plans, re-priced
+    and bounded by ``envelope`` (default: the published runs' one)."""
     case = item.case
     cluster = with_params(case.cluster, params)
     options = framework_options(case) if framework else cli_options(case)
@@ -125,32 +160,37 @@ def predict(item: Item, params: dict[str, float] | None, *, framework: bool = Fa
                 run=options.run,
             ),
             cluster,
+            envelope,
         )
         for p in plans
     ]
     return min(ests, key=lambda e: e.step_time_s)
 
 
-def ratio(item: Item, params: dict[str, float] | None, *, framework: bool = False) -> float:
+def ratio(item: Item, params: dict[str, float] | None, *, framework: bool = False,
+          envelope: dict[str, float] | None = None) -> float:
     """predicted / published tokens/s per GPU."""
-    est = predict(item, params, framework=framework)
+    est = predict(item, params, framework=framework, envelope=envelope)
     return est.tokens_per_s / item.case.cluster.devices / item.case.published_tps
 
 
-def loss(items: list[Item], params: dict[str, float]) -> float:
+def loss(items: list[Item], params: dict[str, float], envelope: dict[str, float] | None = None) -> float:
     """Per source, the median plus a quarter of the mean absolute log error of the predictions
     under each framework's policy (what ran), averaged over the sources so that each publication
     counts once, however many rows it has."""
     per_source: dict[str, list[float]] = {}
     for it in items:
-        per_source.setdefault(it.case.source, []).append(abs(math.log(ratio(it, params, framework=True))))
+        err = abs(math.log(ratio(it, params, framework=True, envelope=envelope)))
+        per_source.setdefault(it.case.source, []).append(err)
     return statistics.fmean(statistics.median(e) + 0.25 * statistics.fmean(e) for e in per_source.values())
 
 
 def fit(items: list[Item], start: dict[str, float], *, hold: dict[str, float] | None = None) -> dict[str, float]:
-    """Coordinate descent over the grid from ``start``; the keys of ``hold`` stay at their values."""
+    """Coordinate descent over the grid from ``start``; the keys of ``hold`` stay at their values.
+    The plans are bounded by the envelope of ``items`` alone (nothing of a held-out source)."""
+    envelope = envelope_of(items)
     best = {**start, **(hold or {})}
-    best_loss = loss(items, best)
+    best_loss = loss(items, best, envelope)
     for _ in range(3):
         improved = False
         for key, values in GRID.items():
@@ -158,7 +198,7 @@ def fit(items: list[Item], start: dict[str, float], *, hold: dict[str, float] | 
                 continue
             for value in values:
                 trial = {**best, key: value}
-                got = loss(items, trial)
+                got = loss(items, trial, envelope)
                 if got < best_loss - 1e-9:
                     best, best_loss, improved = trial, got, True
         if not improved:
@@ -180,30 +220,32 @@ def fit_chips(items: list[Item], *, hold: dict[str, float] | None = None) -> dic
 
 def loso(items: list[Item], *, hold: dict[str, float] | None = None) -> dict[str, Any]:
     """Refit without each source, predict it: per row the held-out ratios (headline and framework)
-    and the numbers used."""
+    and the numbers used, the fitted ones and the envelope of the other sources' runs."""
     rows: list[dict[str, Any]] = []
     params_by_source: dict[str, dict[str, dict[str, float]]] = {}
+    envelopes: dict[str, dict[str, float]] = {}
     for source in sorted({it.case.source for it in items}):
         train = [it for it in items if it.case.source != source]
         held = [it for it in items if it.case.source == source]
         fitted = fit_chips(train, hold=hold)
+        envelope = envelopes[source] = envelope_of(train)
         used: dict[str, dict[str, float]] = {}
         for it in held:
             chip = chip_of(it.case)
             params = fitted.get(chip) or {**preset_params(it.case.cluster), **(HELD if hold is None else hold)}
             used[chip] = params
-            est = predict(it, params)
+            est = predict(it, params, envelope=envelope)
             rows.append(
                 {
                     "index": it.case.index,
                     "source": source,
                     "ratio": est.tokens_per_s / it.case.cluster.devices / it.case.published_tps,
-                    "framework_ratio": ratio(it, params, framework=True),
+                    "framework_ratio": ratio(it, params, framework=True, envelope=envelope),
                     "kinds": kind_keys(est.plan, it.case.cluster),
                 }
             )
         params_by_source[source] = used
-    return {"rows": rows, "params": params_by_source}
+    return {"rows": rows, "params": params_by_source, "envelopes": envelopes}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -291,7 +333,8 @@ def cross_validate(items: list[Item], *, ablate: bool = True) -> dict[str, Any]:
     with ``ablate``, each fitted number's ablation."""
     got = loso(items, hold=HELD)
     rows = got["rows"]
-    out: dict[str, Any] = {"rows": rows, "params": got["params"], "by_source": summarize(rows),
+    out: dict[str, Any] = {"rows": rows, "params": got["params"], "envelopes": got["envelopes"],
+                           "by_source": summarize(rows),
                            "framework_by_source": summarize(rows, "framework_ratio"), "intervals": intervals(rows),
                            "carried": carried(rows), "coverage": coverage(rows)}
     if ablate:  # each fitted number held at its prior, each held one fitted
@@ -316,12 +359,14 @@ __all__ = [
     "cli_options",
     "coverage",
     "cross_validate",
+    "envelope_of",
     "fit",
     "fit_chips",
     "framework_options",
     "intervals",
     "item_of",
     "loso",
+    "measured_mfu",
     "predict",
     "preset_params",
     "ratio",

@@ -14,7 +14,10 @@ same layout under the way that row's framework ran it (the second column). A pub
 recomputation is another framework's policy (torchtitan's per-op or per-layer checkpointing,
 Megatron-LM's attention-core recomputation), which keeps less or more than shardwise's
 ``recompute=selective`` (every matmul output), so the headline lets the planner choose shardwise's
-selective or full recomputation there (``cli_recompute``), whichever fits. Context parallelism (``cp > 1``) is
+selective or full recomputation there (``cli_recompute``), whichever fits; where the published policy
+replays more than shardwise's selective (torchtitan's per-op and per-layer: :data:`REPLAYS_MORE`), the headline
+prices that policy (``cli_selective``: ``shardwise plan --selective op|layer``), not a cheaper one the run did
+not have. Context parallelism (``cp > 1``) is
 ``cp`` data-parallel ranks of sequence slices (:class:`~shardwise.plan.policy.RunPolicy` ``context_parallel``). A row
 that the cost model cannot represent (an unknown GPU, an unknown metric) maps to a ``Skip`` with the reason.
 """
@@ -33,6 +36,10 @@ from shardwise.plan.stats import ModelStats, transformer_stats
 from shardwise.shape import TransformerShape
 
 GB = 1e9
+# Published selective policies that replay more than shardwise's own (every matmul output kept): torchtitan's
+# per-op (every other matmul replayed) and per-layer (every second block), priced as they ran. Korthikanti et
+# al.'s attention core replays about what shardwise's does (softmax and dropout against norms and activations).
+REPLAYS_MORE = ("op", "layer")
 H100_NVL_BF16 = 835e12  # NVIDIA H100 NVL datasheet: 1,671 TFLOP/s bf16 with sparsity, half of it dense
 
 
@@ -53,6 +60,7 @@ class Case:
     setup: tuple[Any, ...]  # rows with the same model, GPUs and batch: the free search's comparison set
     cli_fixed: str = ""  # the layout as `shardwise plan --fixed` keys for shardwise's runtime (the headline)
     cli_recompute: tuple[str, ...] = ()  # recomputation levels the headline may choose ((): the one in cli_fixed)
+    cli_selective: str = ""  # what the published selective recomputation kept (`shardwise plan --selective`), if any
 
 
 @dataclass(frozen=True)
@@ -364,6 +372,7 @@ def case_of(index: int, row: dict[str, Any]) -> Case | Skip:
         setup=setup,
         cli_fixed=cli_fixed,
         cli_recompute=cli_recompute,
+        cli_selective=selective if recompute == "selective" and selective in REPLAYS_MORE else "",
     )
 
 

@@ -163,3 +163,42 @@ def test_a_chip_of_one_source_is_carried_not_cross_validated() -> None:
         {"source": "c", "ratio": 0.8, "kinds": ["H100/sharded/large"]},
     ]
     assert carried(rows) == {"H100": {"factor": 1.25, "runs": 2}}
+
+
+def test_a_published_selective_that_replays_more_is_priced_as_it_ran() -> None:
+    """torchtitan's per-op (every other matmul replayed) and per-layer selective recomputation replay more
+    than shardwise's own selective: the headline prices them as they ran (`shardwise plan --selective op`),
+    not as the cheaper policy the run did not have. Korthikanti et al.'s attention-core recomputation
+    replays about what shardwise's does: shardwise's own stands for it."""
+    from dataclasses import replace
+
+    from planner_published import cli_estimate
+    from planner_published_cv import cli_options
+
+    op = case_of(0, _find(model="Llama 2 13B", recompute="per-op"))
+    layer = case_of(0, _find(model="Llama 2 13B", recompute="per-layer"))
+    korthikanti = case_of(0, _find(model="GPT 22B", recompute="selective"))
+    assert isinstance(op, Case) and isinstance(layer, Case) and isinstance(korthikanti, Case)
+    assert op.cli_selective == "op" and cli_options(op).run.selective == "op"
+    assert layer.cli_selective == "layer" and cli_options(layer).run.selective == "layer"
+    assert korthikanti.cli_selective == "" and cli_options(korthikanti).run is None
+    as_ran, cheaper = cli_estimate(op)[0], cli_estimate(replace(op, cli_selective=""))[0]
+    assert as_ran.plan.recompute == "selective" and as_ran.step_time_s > cheaper.step_time_s
+
+
+def test_the_cross_validated_envelope_is_made_without_the_held_out_source() -> None:
+    """The envelope is the best MFU a bf16 run of the chip measured (the H100's at least the A100's
+    carried over by the GEMM-efficiency ratio) and the largest FP8 gain over a bf16 run of the same
+    setup; a fold that holds torchtitan out has neither torchtitan's 60.4% nor its FP8 gain."""
+    from planner_published_cv import envelope_of, item_of, loso, measured_mfu
+
+    picked = [c for c in cases(RUNS) if isinstance(c, Case)
+              and (c.source.startswith("torchtitan") or c.label.startswith("MPT-3b s2048 64x"))]
+    items = [item_of(c) for c in picked]
+    every = envelope_of(items)
+    best = max(measured_mfu(it) for it in items if it.case.cluster.name.startswith("a100"))
+    assert every["A100"] == pytest.approx(best, abs=5e-4) == pytest.approx(0.604, abs=5e-4)
+    assert every["fp8_gain"] == pytest.approx(185 / 109, abs=2e-3) and every["H100"] >= 0.604 * 0.631 / 0.75 - 1e-3
+    folds = loso(items)["envelopes"]
+    held_titan = next(e for s, e in folds.items() if s.startswith("torchtitan"))
+    assert held_titan["A100"] < every["A100"] and "fp8_gain" not in held_titan

@@ -290,3 +290,25 @@ def test_no_hidden_microbatch_cap() -> None:
     capped = search(transformer_stats(spec), resolve("a100-80gb", devices=2520, devices_per_node=8), global_batch=2520,
                     options=replace(options, max_microbatches=128))
     assert capped.best.plan.microbatches <= 128 and capped.best.step_time_s > 1.05 * result.best.step_time_s
+
+
+def test_interleaved_chunks_may_be_uneven() -> None:
+    """The runtime cuts the blocks into pp x virtual_stages balanced chunks, uneven when they do not
+    divide (torchtitan's Llama 3.1 405B: 126 blocks on 8 stages of 2 chunks): the search offers such a
+    schedule and prices the busiest stage, v chunks of ceil(L / (p v)) blocks; more chunks than blocks
+    is refused."""
+    from shardwise.plan.cluster import PRESETS
+    from shardwise.plan.cost import estimate
+    from shardwise.plan.search import fixed_options
+
+    stats = transformer_stats(TransformerSpec(layers=6, hidden=1024, heads=8, vocab_size=32000, seq_len=1024))
+    cluster = PRESETS["a100-80gb"].with_devices(8, 8)
+    options = fixed_options("tp=4,pp=2,schedule=interleaved_1f1b,virtual_stages=2,microbatches=4", SearchOptions())
+    found = search(stats, cluster, global_batch=8, options=options).plans
+    assert found and found[0].plan.virtual_stages == 2 and found[0].plan.schedule == "interleaved_1f1b"
+    even = transformer_stats(TransformerSpec(layers=8, hidden=1024, heads=8, vocab_size=32000, seq_len=1024))
+    # 6 blocks in 4 chunks: the busiest stage holds 2 chunks of 2 blocks, as many as 8 blocks split evenly
+    evenly = estimate(even, cluster, found[0].plan, global_batch=8)
+    assert found[0].time["compute"] == pytest.approx(evenly.time["compute"], rel=0.02)
+    with pytest.raises(ConfigError, match="virtual_stages"):
+        estimate(stats, cluster, replace(found[0].plan, virtual_stages=4, microbatches=8), global_batch=8)

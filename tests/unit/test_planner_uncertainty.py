@@ -109,3 +109,21 @@ def test_fixed_shows_the_framework_s_figure_beside_shardwise_s() -> None:
     framework = _plan("--model", "gpt3-13b", "--devices", "64", "--device-type", "a100-80gb", "--fixed", "tp=8,pp=2",
                       "--precision-policy", "16bit")
     assert "as Megatron-LM" not in framework  # already the framework's policy
+
+
+def test_the_envelope_is_the_benchmark_s_and_a_search_takes_another() -> None:
+    """ENVELOPE_MFU is what bench/planner_published.py read off the published runs; a search given
+    another table (the cross-validation's, made without a source) is bounded by that one; an FP8
+    plan with no measured FP8 gain gets the FP8 peak's prior."""
+    from shardwise.plan.uncertainty import ENVELOPE_MARGIN, ENVELOPE_MFU, FP8_PRIOR
+
+    results = json.loads((ROOT / "bench" / "results" / "planner_published.json").read_text())
+    assert ENVELOPE_MFU == results["envelope"]
+    stats = transformer_stats(GPT13B)
+    cluster = PRESETS["a100-80gb"].with_devices(64, 8)
+    tight = {"A100": 0.3}
+    found = search(stats, cluster, global_batch=256, options=SearchOptions(top=3, envelope=tight)).plans
+    assert all(e.mfu <= 0.3 * (1 + ENVELOPE_MARGIN) + 1e-12 for e in found) and found[0].detail["envelope_s"] > 0
+    h100 = PRESETS["h100"].with_devices(64, 8)
+    assert envelope_mfu(h100, "fp8", {"H100": 0.5}) == pytest.approx(0.5 * (1 + ENVELOPE_MARGIN) * FP8_PRIOR)
+    assert envelope_mfu(h100, "bf16", {"A100": 0.5}) is None  # a table without the chip bounds nothing

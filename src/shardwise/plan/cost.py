@@ -123,7 +123,13 @@ def estimate(
     if p > stats.blocks:
         raise ConfigError(f"plan pp={p} exceeds the model's {stats.blocks} blocks", hint=f"use pp <= {stats.blocks}")
     resid_scale = 2.0 if (plan.precision == "fp32" or run.autocast) else 1.0  # autocast keeps the residual in fp32
-    layers = math.ceil(stats.blocks / p)  # the busiest stage
+    # The busiest stage: its v chunks of at most ceil(L / (p v)) blocks each (the runtime cuts the blocks
+    # into p v balanced chunks, uneven when p v does not divide L).
+    v = plan.virtual_stages if plan.schedule == "interleaved_1f1b" else 1
+    if p * v > stats.blocks:
+        raise ConfigError(f"plan pp={p} x virtual_stages={v} exceeds the model's {stats.blocks} blocks",
+                          hint=f"use pp x virtual_stages <= {stats.blocks}")
+    layers = max(math.ceil(stats.blocks / p), v * math.ceil(stats.blocks / (p * v)))
     stage_params = stage_param_count(stats, tp=t, pp=p, ep=plan.ep)
 
     boundary = mbs * stats.boundary_bytes * resid_scale  # one block input of one microbatch

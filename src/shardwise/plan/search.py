@@ -14,7 +14,8 @@ Enumeration, outermost first, with the pruning that keeps a 1,024-device search 
    overflow the device is dropped before any microbatch or schedule is tried;
 5. microbatch count ``m`` (every divisor of the per-replica batch, without a cap unless
    ``SearchOptions.max_microbatches`` sets one; ``m >= pp`` except for GPipe), schedule (GPipe,
-   1F1B, interleaved 1F1B with 2, 3 or 4 virtual stages where the blocks split evenly and
+   1F1B, interleaved 1F1B with 2, 3 or 4 virtual stages where ``pp v`` chunks of at least one
+   block exist (the runtime's balanced cuts, uneven where ``pp v`` does not divide the blocks) and
    ``m`` is a multiple of ``pp``, as Megatron-LM requires);
 6. recomputation ``none`` -> ``selective`` -> ``full``: the first that fits wins, because more
    recomputation is never faster;
@@ -27,7 +28,8 @@ Enumeration, outermost first, with the pruning that keeps a 1,024-device search 
 
 Every plan's predicted speed is bounded by the cost model's validated envelope
 (:func:`shardwise.plan.uncertainty.bounded`: no faster than the best MFU a published run of its
-chip measured, plus 5%).
+chip measured, plus 5%; ``SearchOptions.envelope`` gives another table, e.g. the cross-validation's,
+made without the source it predicts).
 
 ``SearchOptions.precisions`` searches several compute precisions (``plan="auto"`` on a device
 with FP8 tensor cores: bf16 and fp8), each plan with its own.
@@ -248,6 +250,7 @@ def _price_options(
                 run=options.run,
             ),
             cluster,
+            options.envelope,
         )
 
     if lean:  # the leanest combination the runtime accepts (``supported`` may refuse an option)

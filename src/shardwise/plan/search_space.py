@@ -39,6 +39,7 @@ class SearchOptions:
     runtime_options: tuple[str, ...] = RUNTIME_OPTIONS  # the runtime options the search may turn on
     options_for_memory: bool = False  # turn a runtime option on only where the plan does not fit without it
     precisions: tuple[str, ...] = ()  # search each of these compute precisions (empty: just ``precision``)
+    envelope: dict[str, float] | None = None  # chip -> best measured MFU bounding the plans (None: the published one)
 
 
 def divisors(n: int) -> list[int]:
@@ -114,7 +115,7 @@ def _schedules(stats: ModelStats, pp: int, m: int, options: SearchOptions) -> li
     for schedule in options.schedules:
         if schedule == "interleaved_1f1b":
             for v in (fixed_v,) if fixed_v else VIRTUAL_STAGES:
-                if stats.blocks % (v * pp) == 0 and m % pp == 0:
+                if v * pp <= stats.blocks and m % pp == 0:  # uneven chunks: the runtime's balanced cuts
                     out.append((schedule, v))
         elif schedule in ("1f1b", "gpipe") and (schedule == "gpipe" or m >= pp) and not (fixed_v and fixed_v > 1):
             out.append((schedule, 1))
