@@ -12,8 +12,8 @@ from shardwise.plan.stats import TransformerSpec, transformer_stats
 
 @pytest.mark.timeout(480)
 def test_calibration_yields_a_usable_spec(dist2, tmp_path) -> None:
-    # Every measurement of a calibration, at the sizes of `shardwise calibrate --quick` (the narrower
-    # transformer layers; the whole table is measured by `shardwise train --plan auto` in test_train_cli).
+    # Every measurement of a calibration, at the sizes of `shardwise calibrate --quick`: the same code
+    # path as the default sizes (calibrate_worker), with the two narrower transformer layers only.
     cals = dist2.run(calibrate_worker, [4 * 2**10, 64 * 2**10, 2**20], [64, 128], 2, timeout_s=420, quick=True)
     cal = cals[0]
     assert cal.world_size == 2 and cal.device_type == "cpu"
