@@ -47,9 +47,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("fs")
     (folder / "preloaded_marker.py").write_text("MARK = 1\n")
     path = str(folder / "s.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "shardwise.launch.forkserver", "--socket", path,
-                             "--preload", "json,preloaded_marker"], env=checkout_env(PYTHONPATH=f"{folder}:"
-                                                                                    + checkout_env()["PYTHONPATH"]))
+    env = checkout_env(PYTHONPATH=f"{folder}:" + checkout_env()["PYTHONPATH"])
+    env.pop("PYTHONWARNINGS")  # read at start-up: the forked workers have the server's warning filters
+    preload = "json,shardwise.launch.worker_main,preloaded_marker"  # the module the client runs, preloaded too
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardwise.launch.forkserver", "--socket", path, "--preload", preload], env=env
+    )
     deadline = time.monotonic() + 60
     while not os.path.exists(path) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -63,6 +66,7 @@ def _run(cwd: Path, mode: str, server: str | None, **popen: object) -> subproces
     (cwd / "job.py").write_text(SCRIPT)
     env = checkout_env()
     env.pop(FORKSERVER_VAR, None)
+    env.pop("PYTHONWARNINGS", None)  # a warning a forked worker prints (runpy's about a preloaded module) shows
     if server:
         env[FORKSERVER_VAR] = server
     return subprocess.Popen([sys.executable, "-m", "shardwise", "run", "--nproc-per-node", "2", "job.py", mode, "x y"],
@@ -81,6 +85,7 @@ def test_a_forked_worker_is_the_worker_python_starts(server: str, tmp_path: Path
         out, err = _run(cwd, "ok", path).communicate(timeout=120)
         rows = _lines(out)
         assert [r["rank"] for r in rows] == [0, 1], (out, err)
+        assert "Warning" not in err, err
         assert all(r["forked"] == (name == "forked") for r in rows), rows
         assert all(r["cwd"] == str(cwd) and r["path0"] == str(cwd) for r in rows), rows
         outs[name] = [{k: v for k, v in r.items() if k not in ("forked", "cwd", "path0")} for r in rows]

@@ -132,6 +132,8 @@ def serve(path: str, preload: tuple[str, ...]) -> WorkerRequest:
     signal.signal(signal.SIGCHLD, _reap)  # waited for, so their CPU time adds to this process's (children)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    if os.path.exists(path + ".tmp"):  # left by a server that was killed while binding
+        os.unlink(path + ".tmp")
     listener.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # clients connect only once the imports are done
     listener.listen(128)
@@ -186,6 +188,9 @@ def run_worker(request: WorkerRequest) -> None:
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()
+        # `python -m M` runs M as __main__ without importing it as M: a preloaded M is dropped (its
+        # imports stay), so runpy neither warns that M was imported first nor runs two copies
+        sys.modules.pop(argv[1], None)
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(argv)
