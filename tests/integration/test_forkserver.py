@@ -46,10 +46,14 @@ if mode == "wait":
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     folder = tmp_path_factory.mktemp("fs")
     (folder / "preloaded_marker.py").write_text("MARK = 1\n")
+    (folder / "markerpkg").mkdir()
+    (folder / "markerpkg" / "__init__.py").write_text("")
+    (folder / "markerpkg" / "job.py").write_text("if __name__ == '__main__':\n    print('marker ran')\n")
     path = str(folder / "s.sock")
     env = checkout_env(PYTHONPATH=f"{folder}:" + checkout_env()["PYTHONPATH"])
     env.pop("PYTHONWARNINGS")  # read at start-up: the forked workers have the server's warning filters
-    preload = "json,shardwise.launch.worker_main,preloaded_marker"  # the module the client runs, preloaded too
+    # what the client runs (worker_main) and a job module (markerpkg.job), preloaded too
+    preload = "json,shardwise.launch.worker_main,preloaded_marker,markerpkg.job"
     proc = subprocess.Popen(
         [sys.executable, "-m", "shardwise.launch.forkserver", "--socket", path, "--preload", preload], env=env
     )
@@ -112,3 +116,15 @@ def test_a_forked_worker_fails_and_stops_as_a_fresh_one(server: str, tmp_path: P
     assert ends["forked"] == ends["fresh"], ends
     assert ends["fresh"][0] != 0 and "exit code 3" in ends["fresh"][1][0], ends
     assert ends["fresh"][2] == 128 + signal.SIGTERM and ends["fresh"][3] == ["rank 0 got SIGTERM", "rank 1 got SIGTERM"]
+
+
+def test_a_preloaded_module_runs_as_main_without_a_warning(server: str, tmp_path: Path) -> None:
+    """``shardwise run -m P.M`` where the server imported P.M (as the suite's server imports
+    ``shardwise.jobs.train``): P.M runs once, as ``__main__``, and runpy prints no warning."""
+    env = checkout_env(PYTHONPATH=f"{os.path.dirname(server)}:" + checkout_env()["PYTHONPATH"])
+    env.pop("PYTHONWARNINGS", None)
+    env[FORKSERVER_VAR] = server
+    done = subprocess.run([sys.executable, "-m", "shardwise", "run", "--nproc-per-node", "1", "-m", "markerpkg.job"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.count("marker ran") == 1, (done.stdout, done.stderr)
+    assert "Warning" not in done.stderr, done.stderr

@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = [target, *argv[1:]]
     try:
         if module:  # like python -m: the current directory stays first on sys.path (it is already)
+            # and the target runs as __main__ only, even where a fork server imported it already
+            # (shardwise.launch.forkserver): runpy would warn of that copy on stderr
+            sys.modules.pop(target, None)
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:  # like python FILE: the file's directory first on sys.path, not the current directory
             sys.path[0] = os.path.dirname(os.path.abspath(target))
