@@ -27,6 +27,7 @@ The server exits when its parent does (checked once a second) and removes its so
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -75,12 +76,13 @@ def _receive(conn: socket.socket) -> tuple[WorkerRequest, list[int]]:
 def _pass_signals(conn: socket.socket, pid: int, done: threading.Event) -> None:
     """Keeper: each line from the client is a signal for the worker; the end of the connection
     (the client killed) kills the worker."""
-    with conn.makefile("rb") as lines:
-        for line in lines:
-            if not done.is_set():
-                os.kill(pid, int(line))
-    if not done.is_set():
-        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # the worker ended (and was reaped) meanwhile
+        with conn.makefile("rb") as lines:
+            for line in lines:
+                if not done.is_set():
+                    os.kill(pid, int(line))
+        if not done.is_set():
+            os.kill(pid, signal.SIGKILL)
 
 
 def _keep(conn: socket.socket) -> WorkerRequest:
