@@ -19,7 +19,7 @@ import tempfile
 from typing import Iterator
 
 from shardwise.launch.forkserver import FORKSERVER_VAR, PRELOAD
-from tests.checkout import checkout_env
+from tests.checkout import checkout_env, stop
 
 # what the suite's workers import beyond a `shardwise train` worker's (the HF, LoRA and QLoRA jobs)
 SUITE_PRELOAD = (
@@ -49,10 +49,5 @@ def start() -> Iterator[str | None]:
         yield path
     finally:
         os.environ.pop(FORKSERVER_VAR, None)
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server)
         shutil.rmtree(folder, ignore_errors=True)

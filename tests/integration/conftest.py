@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Iterator
 
 import pytest
 
+from tests.checkout import stop
+
 if TYPE_CHECKING:
     from tests.forkrun import Zygote
 
@@ -175,11 +177,7 @@ def sshd() -> Iterator[LoopbackSshd]:
             time.sleep(0.3)
         yield LoopbackSshd(port=port, user=user, key=work / "user_key", config=config, dir=work)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
         log.close()
         shutil.rmtree(work, ignore_errors=True)
 

@@ -31,12 +31,12 @@ import contextlib
 import importlib
 import json
 import os
-import runpy
 import signal
 import socket
 import sys
 import threading
 from dataclasses import dataclass
+from typing import Mapping
 
 FORKSERVER_VAR = "SHARDWISE_FORKSERVER"
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fork_client.py")
@@ -46,9 +46,11 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.dist
            "shardwise.checkpoint.manager", "shardwise.jobs.train")
 
 
-def client_command(path: str, args: list[str]) -> list[str]:
-    """The arguments of ``python`` that start ``python ARGS`` through the server at ``path``."""
-    return ["-I", "-S", CLIENT, path, *args]
+def worker_command(args: list[str], environ: Mapping[str, str]) -> list[str]:
+    """The arguments of ``python`` that start the worker ``python ARGS``: through the fork client
+    when ``environ`` names a server (``SHARDWISE_FORKSERVER``), else ``ARGS`` themselves."""
+    path = environ.get(FORKSERVER_VAR)
+    return ["-I", "-S", CLIENT, path, *args] if path else list(args)
 
 
 @dataclass(frozen=True)
@@ -186,18 +188,13 @@ def run_worker(request: WorkerRequest) -> None:
     threads = request.env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(int(threads))
-    argv = request.argv
-    if argv[0] == "-m":
-        sys.argv = [argv[1], *argv[2:]]
-        sys.path[0] = os.getcwd()
-        # `python -m M` runs M as __main__ without importing it as M: a preloaded M is dropped (its
-        # imports stay), so runpy neither warns that M was imported first nor runs two copies
-        sys.modules.pop(argv[1], None)
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
+    from shardwise.launch.worker_main import run_as_main
+
+    module = request.argv[0] == "-m"
+    target, *rest = request.argv[1:] if module else request.argv
+    sys.argv = [target, *rest]
+    sys.path[0] = os.getcwd()  # python -m's first entry (run_as_main puts a file's directory there)
+    run_as_main(target, module=module)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -43,7 +43,7 @@ def launch(
     from torch.distributed.launcher.api import LaunchConfig
 
     from shardwise.launch.call_worker import result_path  # run with -m: not imported with the package
-    from shardwise.launch.forkserver import FORKSERVER_VAR, client_command
+    from shardwise.launch.forkserver import worker_command
     from shardwise.launch.run import run_elastic
 
     if nprocs < 1:
@@ -65,9 +65,7 @@ def launch(
     folder = tempfile.mkdtemp(prefix="shardwise-call-")
     try:
         _write_call(folder, fn, backend, timeout_s, tuple(args))
-        command = ["-m", "shardwise.launch.call_worker", folder]
-        if os.environ.get(FORKSERVER_VAR):
-            command = client_command(os.environ[FORKSERVER_VAR], command)
+        command = worker_command(["-m", "shardwise.launch.call_worker", folder], os.environ)
         run_elastic(config, sys.executable, tuple(command))
         results = []
         for rank in range(nprocs):

@@ -257,10 +257,9 @@ def resolve(options: RunOptions, environ: Mapping[str, str] | None = None) -> Re
         log_line_prefix_template=options.log_prefix,
     )
     args = ["-m", WORKER_MAIN] + (["-m"] if options.module else []) + [options.script, *options.script_args]
-    from shardwise.launch.forkserver import FORKSERVER_VAR, client_command  # run with -m: imported when used
+    from shardwise.launch.forkserver import worker_command  # run with -m: imported when used
 
-    if environ.get(FORKSERVER_VAR):  # the workers fork from a server that imported torch once
-        args = client_command(environ[FORKSERVER_VAR], args)
+    args = worker_command(args, environ)  # forked from a fork server that imported torch once, if one is named
     worker_env = _worker_env(topo, backend=backend, nproc=nproc, environ=environ)
     return ResolvedLaunch(
         config=config, entrypoint=sys.executable, args=tuple(args), worker_env=worker_env, temp_log_dir=temp_log_dir

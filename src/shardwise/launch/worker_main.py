@@ -55,6 +55,20 @@ def line_buffered_output() -> None:
     sys.stderr = line_buffered(sys.stderr)
 
 
+def run_as_main(target: str, *, module: bool) -> None:
+    """Run ``target`` as ``python -m target`` (``module``) or ``python target`` would, with
+    ``sys.argv`` already set. A module: the current directory stays first on ``sys.path`` (it is
+    already), and it runs as ``__main__`` only, even where a fork server imported it already
+    (:mod:`shardwise.launch.forkserver`; runpy would warn of that copy on stderr). A file: its
+    directory first on ``sys.path``, not the current directory."""
+    if module:
+        sys.modules.pop(target, None)
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        runpy.run_path(target, run_name="__main__")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     module = bool(argv) and argv[0] == "-m"
@@ -67,14 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     target = argv[0]
     sys.argv = [target, *argv[1:]]
     try:
-        if module:  # like python -m: the current directory stays first on sys.path (it is already)
-            # and the target runs as __main__ only, even where a fork server imported it already
-            # (shardwise.launch.forkserver): runpy would warn of that copy on stderr
-            sys.modules.pop(target, None)
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:  # like python FILE: the file's directory first on sys.path, not the current directory
-            sys.path[0] = os.path.dirname(os.path.abspath(target))
-            runpy.run_path(target, run_name="__main__")
+        run_as_main(target, module=module)
     except Exception as exc:  # noqa: BLE001 - reported once by the launcher (shardwise.launch.worker_errors)
         from shardwise.launch.worker_errors import exit_for_launcher
 
