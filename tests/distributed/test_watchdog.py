@@ -15,7 +15,15 @@ import torch.distributed as dist
 from shardwise.runtime.watchdog import HANG_EXIT_CODE, Watchdog, in_flight_collectives, side_store
 
 
-def _late_rank(namespace: str, late: int, sleep_s: float):
+def _busy_until_reported(codes: list[int], limit_s: float) -> None:
+    """Compute (sleep, outside any collective) until this rank's watchdog has reached its verdict and
+    called its exit function, at most ``limit_s``: as long as the stall lasts, and no longer."""
+    deadline = time.monotonic() + limit_s
+    while not codes and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _late_rank(namespace: str, late: int, limit_s: float):
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "500")  # the recorder reads it lazily
     rank = dist.get_rank()
     codes: list[int] = []
@@ -25,7 +33,7 @@ def _late_rank(namespace: str, late: int, sleep_s: float):
         dog = Watchdog(store, rank=rank, world_size=dist.get_world_size(), timeout_s=4.0, interval_s=0.3, grace_s=3.0,
                        exit_fn=codes.append, stream=out).start()
         if rank == late:
-            time.sleep(sleep_s)  # computing, not in any collective
+            _busy_until_reported(codes, limit_s)  # computing, not in any collective, until the verdict is out
         t = torch.ones(4)
         dist.all_reduce(t)
         dog.close(wait_for_peers=False)
@@ -35,7 +43,7 @@ def _late_rank(namespace: str, late: int, sleep_s: float):
 
 
 def test_late_rank_is_named_and_every_rank_reports(dist4) -> None:
-    results = dist4.run(_late_rank, uuid.uuid4().hex, 2, 10.0)
+    results = dist4.run(_late_rank, uuid.uuid4().hex, 2, 60.0)
     reports = {r[1] for r in results}
     assert len(reports) == 1  # every rank prints the same verdict
     report = reports.pop()
@@ -76,7 +84,7 @@ def _stuck_outside_collectives(namespace: str):
         dog = Watchdog(store, rank=rank, world_size=dist.get_world_size(), timeout_s=30.0, step_timeout_s=1.0,
                        interval_s=0.2, grace_s=2.0, exit_fn=codes.append, stream=out).start()
         dog.step(7)
-        time.sleep(3.5)  # every rank is stuck in its step, none in a collective
+        _busy_until_reported(codes, 60.0)  # every rank is stuck in its step, none in a collective
         dog.close(wait_for_peers=False)
     return codes, dog.report
 

@@ -49,9 +49,11 @@ SCRIPT_SET = {"examples/hf_finetune_llama.py": {"--steps": "2", "--nproc": "1"},
               "examples/finetune_chat.py": {"--steps": "2"}}
 CLUSTER_HOSTS = ("node0", "node1", "node2")
 # commands that serve until they are stopped: they pass when they are still serving after
-# SERVE_S seconds and printed their line (the port: a free one, so runs beside them do not collide)
+# SERVE_S seconds and printed their line (the port: a free one, so runs beside them do not collide).
+# Forked from the zygote, each prints its line within about 0.4 s on a loaded machine (2.5 s as a
+# fresh interpreter), and after it only waits in its serve loop (a wake-up every 0.2 s or 1 s).
 SERVERS = {"rendezvous": "serving the c10d rendezvous store on port", "lighthouse": "serving torchft's quorum on port"}
-SERVE_S = 8
+SERVE_S = 3
 
 
 def skip_reason(cmd: Command) -> str | None:

@@ -81,8 +81,11 @@ def test_group_killed_mid_step_restarts_and_heals(tmp_path: Path) -> None:
     both groups are in: the first to start trains alone until the other joins), while group 0 waits in the
     gradient all-reduce: group 0 discards that step and trains on alone, in the same process, its
     committed steps only growing; group 1 restarts (--max-restarts 1), heals from group 0 and
-    both end with bitwise equal weights, step, data position and learning rate."""
-    job = h.start(tmp_path, replicas=2, nproc=1, plan="dp", steps=60, sleep_s=0.3, max_restarts=1, kill="1:6")
+    both end with bitwise equal weights, step, data position and learning rate. The steps wait 0.3 s
+    each (the survivor's 54 steps alone outlast group 1's restart) until both groups are together
+    again; the steps after that run at full speed."""
+    job = h.start(tmp_path, replicas=2, nproc=1, plan="dp", steps=60, sleep_s=0.3, max_restarts=1, kill="1:6",
+                  env={"FT_FAST_WHEN_WHOLE": "1"})
     assert job.finish(200) == 0, "".join(job.lines[-60:])
     survivor = [s for s in job.steps if s.replica == 0]
     assert len({s.pid for s in survivor}) == 1, "the survivor restarted"

@@ -5,9 +5,12 @@ OUT/replica<r>.pt, and every committed step's line "STEP <replica> <step> <pid>"
 Each rank waits SLEEP_S seconds after its backward, before the step's gradient reduction, so that a
 kill at a random moment most often finds the other groups waiting in their all-reduce. With
 KILL=r:s, the first launch attempt of group r SIGKILLs its rank 0 mid-step, in the first step from
-step s on whose quorum holds every group.
+step s on whose quorum holds every group. With FT_FAST_WHEN_WHOLE=1 the steps stop waiting once
+the groups are whole again after a loss (the kill is behind them; the rest of the run only has to
+finish).
 
-argv: OUT PLAN STEPS [SLEEP_S [KILL]]; FT_GLOBAL_BATCH (default 8), FT_CHECKPOINT (a checkpoint directory).
+argv: OUT PLAN STEPS [SLEEP_S [KILL]]; FT_GLOBAL_BATCH (default 8), FT_CHECKPOINT (a checkpoint directory),
+FT_FAST_WHEN_WHOLE.
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Report(Callback):
     def __init__(self, sleep_s: float, kill: str) -> None:
         self.sleep_s, self.kill = sleep_s, kill
+        self.fast_when_whole = os.environ.get("FT_FAST_WHEN_WHOLE") == "1"
 
     def on_after_backward(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        time.sleep(self.sleep_s)
         env = trainer.env
+        if not (self.fast_when_whole and whole_again(env)):
+            time.sleep(self.sleep_s)
         replica, _, step = self.kill.partition(":")
         if (
             replica == str(env.replica)
@@ -66,12 +71,28 @@ class Report(Callback):
             print(f"STEP {trainer.env.replica} {trainer.state.step} {os.getpid()}", flush=True)
 
 
-def every_group_live(env) -> bool:  # type: ignore[no-untyped-def]
-    """Whether this group's last quorum (its events file) held every group: then the others are in
-    this step too, waiting in its gradient all-reduce."""
+def quorums(env) -> list[dict]:  # type: ignore[no-untyped-def]
+    """This group's quorums so far (its events file)."""
     path = os.path.join(env.settings.ft.events_dir, f"replica{env.replica}.jsonl")
-    quorums = [json.loads(line) for line in open(path) if '"quorum"' in line] if os.path.exists(path) else []
-    return bool(quorums) and len(quorums[-1]["members"]) == env.replicas
+    return [json.loads(line) for line in open(path) if '"quorum"' in line] if os.path.exists(path) else []
+
+
+def every_group_live(env) -> bool:  # type: ignore[no-untyped-def]
+    """Whether this group's last quorum held every group: then the others are in this step too,
+    waiting in its gradient all-reduce."""
+    seen = quorums(env)
+    return bool(seen) and len(seen[-1]["members"]) == env.replicas
+
+
+def whole_again(env) -> bool:  # type: ignore[no-untyped-def]
+    """Whether every group is back after a loss: this group's last quorum holds every group, and
+    this group was restarted or one of its quorums lost a group."""
+    seen = quorums(env)
+    return (
+        bool(seen)
+        and len(seen[-1]["members"]) == env.replicas
+        and (env.settings.restart_count > 0 or any(q.get("left") for q in seen))
+    )
 
 
 def data() -> TensorDataset:
