@@ -38,6 +38,8 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping
 
+from shardwise.runtime.quiet import quiet_dependencies
+
 FORKSERVER_VAR = "SHARDWISE_FORKSERVER"
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fork_client.py")
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
@@ -127,6 +129,7 @@ def _reap(_signum: int, _frame: object) -> None:
 
 def serve(path: str, preload: tuple[str, ...]) -> WorkerRequest:
     """Import ``preload``, listen at ``path`` and fork per request. Returns only in a worker."""
+    quiet_dependencies(os.environ)  # as a worker's entry point does before its imports (shardwise.runtime.quiet)
     for name in preload:
         try:
             importlib.import_module(name)
