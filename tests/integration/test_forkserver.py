@@ -8,6 +8,7 @@ a forked worker from a fresh one."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -128,3 +129,18 @@ def test_a_preloaded_module_runs_as_main_without_a_warning(server: str, tmp_path
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.count("marker ran") == 1, (done.stdout, done.stderr)
     assert "Warning" not in done.stderr, done.stderr
+
+
+def test_a_server_that_preloads_transformers_peft_and_torchao_prints_nothing(worker_server: str | None) -> None:
+    """The suite's own server (tests/worker_forkserver.py) preloads what the HF, LoRA and QLoRA workers
+    import; torchao's optional kernels that do not load here and torch's pytree notices are the
+    dependencies' noise, which the server silences before its imports as a worker would."""
+    if worker_server is None:
+        pytest.skip("this session starts its workers fresh (SHARDWISE_TEST_WORKER_START=spawn)")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(worker_server) and time.monotonic() < deadline:  # its imports are done
+        time.sleep(0.2)
+    assert os.path.exists(worker_server), "the suite's fork server did not finish its imports in 120 s"
+    log = (Path(worker_server).parent / "server.log").read_text(errors="replace")
+    noise = [line for line in log.splitlines() if re.search(r"Failed to load|Warning|deprecated", line)]
+    assert not noise, "\n".join(noise)
