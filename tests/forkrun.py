@@ -24,6 +24,7 @@ a line on stdout), so a test session pays the imports once however many commands
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import importlib
 import json
@@ -299,15 +300,16 @@ def shardwise_command(zygote: Zygote, args: list[str], *, env: dict[str, str] | 
 def _prepare(request: dict[str, Any]) -> str | None:
     """Import what the request names; an error line when the process is not safe to fork."""
     sys.path.insert(0, request.get("root", os.getcwd()))
-    if request.get("quiet_dependencies"):  # what shardwise's entry points do before they import anything heavy
-        from shardwise.runtime.quiet import quiet_dependencies
+    with contextlib.ExitStack() as scope:
+        if request.get("quiet_dependencies"):  # the import noise, as shardwise's entry points silence it
+            from shardwise.runtime.quiet import quiet_while
 
-        quiet_dependencies(os.environ)
-    for name in request.get("preload", PRELOAD):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+            scope.enter_context(quiet_while(os.environ))
+        for name in request.get("preload", PRELOAD):
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
     if threading.active_count() != 1:  # a forked child would miss the other threads' locks
         return f"{threading.active_count()} threads after the imports: {threading.enumerate()}"
     return None

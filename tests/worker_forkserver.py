@@ -7,6 +7,11 @@ job a test starts inherits (``tests/checkout.py``). Until its imports are done, 
 exist and workers start the usual way. A test about start-up itself (signals, process identity,
 what a worker imports) carries ``@pytest.mark.fresh_workers`` and gets new interpreters;
 ``SHARDWISE_TEST_WORKER_START=spawn`` gives every test new interpreters.
+
+A test's own ``python -m shardwise ...`` (or any ``python`` command) forks from the same server
+through :func:`python` when its environment names the server, as the launcher's workers do, and is
+then a real process of its own (its pipes, its exit code, the signals it is sent passed on, killed
+with its client); where the environment does not (``fresh_workers``), it is a new interpreter.
 """
 
 from __future__ import annotations
@@ -16,9 +21,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import Iterator
+from typing import Iterator, Mapping
 
-from shardwise.launch.forkserver import FORKSERVER_VAR, PRELOAD
+from shardwise.launch.forkserver import FORKSERVER_VAR, PRELOAD, worker_command
 from tests.checkout import checkout_env, stop
 
 # what the suite's workers import beyond a `shardwise train` worker's (the HF, LoRA and QLoRA jobs)
@@ -26,9 +31,15 @@ SUITE_PRELOAD = (
     *PRELOAD, "shardwise.jobs.hf_train", "shardwise.launch.call_worker", "shardwise.commands.verify",
     "shardwise.commands.doctor", "shardwise.commands.generate", "shardwise.calibrate.calibration",
     "transformers", "transformers.models.llama.modeling_llama", "peft", "torchao", "matplotlib.pyplot",
-    "torch.utils.tensorboard",
+    "torch.utils.tensorboard", "shardwise.cli", "shardwise.launch.run", "shardwise.commands.train",
 )
 MARKER = "fresh_workers"
+
+
+def python(*args: str, env: Mapping[str, str] | None = None) -> list[str]:
+    """The command line of ``python ARGS`` for a subprocess that runs with ``env`` (default
+    ``os.environ``): through the fork client when it names the session's server (module doc)."""
+    return [sys.executable, *worker_command(list(args), os.environ if env is None else env)]
 
 
 def start() -> Iterator[str | None]:

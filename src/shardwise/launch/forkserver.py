@@ -38,7 +38,7 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping
 
-from shardwise.runtime.quiet import quiet_dependencies
+from shardwise.runtime.quiet import quiet_while
 
 FORKSERVER_VAR = "SHARDWISE_FORKSERVER"
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fork_client.py")
@@ -129,12 +129,12 @@ def _reap(_signum: int, _frame: object) -> None:
 
 def serve(path: str, preload: tuple[str, ...]) -> WorkerRequest:
     """Import ``preload``, listen at ``path`` and fork per request. Returns only in a worker."""
-    quiet_dependencies(os.environ)  # as a worker's entry point does before its imports (shardwise.runtime.quiet)
-    for name in preload:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # an optional dependency that is not installed: its workers import nothing more
-            pass
+    with quiet_while(os.environ):  # the dependencies' import noise; each worker quiets (or not) for itself
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an optional dependency that is not installed: its workers import nothing more
+                pass
     parent, server = os.getppid(), os.getpid()
     signal.signal(signal.SIGCHLD, _reap)  # waited for, so their CPU time adds to this process's (children)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
