@@ -25,12 +25,14 @@ from tests.checkout import checkout_env
 pytestmark = pytest.mark.fresh_workers  # this file starts its own server (or none)
 
 SCRIPT = '''
-import json, os, signal, sys, time
+import json, os, signal, sys, time, warnings
 rank = int(os.environ["RANK"])
 mode = sys.argv[1]
+filters = [(f[0], f[2].__name__, getattr(f[3], "pattern", f[3])) for f in warnings.filters]
 print(json.dumps({"rank": rank, "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:], "cwd": os.getcwd(),
                   "path0": sys.path[0], "name": __name__, "forked": "preloaded_marker" in sys.modules,
-                  "threads": os.environ.get("OMP_NUM_THREADS")}), flush=True)
+                  "threads": os.environ.get("OMP_NUM_THREADS"), "warnoptions": sys.warnoptions,
+                  "filters": filters}), flush=True)
 if mode == "fail" and rank == 1:
     sys.exit(3)
 if mode == "wait":
@@ -71,7 +73,9 @@ def _run(cwd: Path, mode: str, server: str | None, **popen: object) -> subproces
     (cwd / "job.py").write_text(SCRIPT)
     env = checkout_env()
     env.pop(FORKSERVER_VAR, None)
-    env.pop("PYTHONWARNINGS", None)  # a warning a forked worker prints (runpy's about a preloaded module) shows
+    # not the server's (it has none): a forked worker takes its filters from its own; and a warning
+    # a forked worker prints (runpy's about a preloaded module) shows
+    env["PYTHONWARNINGS"] = "ignore::BytesWarning"
     if server:
         env[FORKSERVER_VAR] = server
     return subprocess.Popen([sys.executable, "-m", "shardwise", "run", "--nproc-per-node", "2", "job.py", mode, "x y"],
@@ -96,6 +100,8 @@ def test_a_forked_worker_is_the_worker_python_starts(server: str, tmp_path: Path
         outs[name] = [{k: v for k, v in r.items() if k not in ("forked", "cwd", "path0")} for r in rows]
     assert outs["forked"] == outs["fresh"] == outs["no server"]
     assert outs["fresh"][0]["argv"] == ["ok", "x y"] and outs["fresh"][0]["name"] == "__main__"
+    assert outs["fresh"][0]["warnoptions"] == ["ignore::BytesWarning"]
+    assert ["ignore", "BytesWarning", None] in outs["fresh"][0]["filters"]
 
 
 def test_a_forked_worker_fails_and_stops_as_a_fresh_one(server: str, tmp_path: Path) -> None:
