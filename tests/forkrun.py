@@ -210,7 +210,8 @@ class Zygote:
     job id, the imports paid once when it starts. One request at a time (not thread-safe).
     ``quiet_dependencies``: silence the dependencies' import noise first, as shardwise's entry
     points do (shardwise.runtime.quiet), so that the server's stderr (``log``) holds only what a
-    command would print."""
+    command would print. The server itself forks from the session's fork server when its
+    environment names one (tests/worker_forkserver.py), so most of its imports are done already."""
 
     def __init__(
         self, *, env: dict[str, str | None] | None = None, preload: tuple[str, ...] = (), log: str | None = None,
@@ -219,12 +220,15 @@ class Zygote:
         import subprocess
         import tempfile
 
+        from tests.worker_forkserver import python
+
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         server_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
         self.log = log or tempfile.mkstemp(prefix="forkrun-", suffix=".log")[1]
         with open(self.log, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkrun", "--serve"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, text=True, cwd=root, env=server_env)
+            self.proc = subprocess.Popen(python("-m", "tests.forkrun", "--serve", env=server_env),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=root,
+                                         env=server_env)
         self._ask({"root": root, "preload": [*PRELOAD, *preload], "quiet_dependencies": quiet_dependencies})
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
