@@ -7,18 +7,22 @@ job a test starts inherits (``tests/checkout.py``). Until its imports are done, 
 exist and workers start the usual way. A test about start-up itself (signals, process identity,
 what a worker imports) carries ``@pytest.mark.fresh_workers`` and gets new interpreters;
 ``SHARDWISE_TEST_WORKER_START=spawn`` gives every test new interpreters.
+
+A test's own ``python -m shardwise run ...`` (the launcher) or ``python SCRIPT`` can fork from the
+same server (:func:`python_command`) where the check is not about start-up itself.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
 from typing import Iterator
 
-from shardwise.launch.forkserver import FORKSERVER_VAR, PRELOAD
+from shardwise.launch.forkserver import CLIENT, FORKSERVER_VAR, PRELOAD, worker_command
 from tests.checkout import checkout_env, stop
 
 # what the suite's workers import beyond a `shardwise train` worker's (the HF, LoRA and QLoRA jobs)
@@ -29,6 +33,30 @@ SUITE_PRELOAD = (
     "torch.utils.tensorboard",
 )
 MARKER = "fresh_workers"
+
+
+def python_command(*args: str) -> list[str]:
+    """The command line of ``python ARGS`` (``-m MODULE ...`` or ``SCRIPT.py ...``) for a test to start:
+    forked from the session's server when one runs (src/shardwise/launch/fork_client.py, a few
+    milliseconds instead of the imports), else a new interpreter. The process gets the caller's
+    stdin/stdout/stderr (the pipes themselves), environment, working directory, exit status and the
+    signals sent to the client; its pid is not the client's, a SIGKILLed client takes it along, and
+    what the server imported prints nothing: a check of start-up itself, a kill or a pid keeps
+    ``[sys.executable, *ARGS]``. Read when called (the server is named once the session starts)."""
+    return [sys.executable, *worker_command(list(args), os.environ)]
+
+
+def python_wrapper(folder: str) -> str:
+    """An executable file in ``folder`` that runs as ``python`` does, forked from the server named in
+    its own environment's ``SHARDWISE_FORKSERVER`` when set (:func:`python_command`), for a command
+    that starts ``python`` itself: the hosts of ``shardwise run --hostfile --python FILE``."""
+    path = os.path.join(folder, "python-forked")
+    python, client = shlex.quote(sys.executable), shlex.quote(CLIENT)
+    with open(path, "w") as fh:
+        fh.write(f'#!/bin/sh\nif [ -n "${FORKSERVER_VAR}" ]; then\n'
+                 f'    exec {python} -I -S {client} "${FORKSERVER_VAR}" "$@"\nfi\nexec {python} "$@"\n')
+    os.chmod(path, 0o755)
+    return path
 
 
 def start() -> Iterator[str | None]:
