@@ -5,7 +5,7 @@ and ``localhost`` are the same machine reached over two ssh names.
 Where the check is not about stopping a launcher, the ``shardwise run`` of each host forks from the
 session's fork server (``--python`` :func:`tests.worker_forkserver.python_wrapper`: it gets its ssh
 session's stdin, stdout and stderr themselves), and so does this machine's launcher where it imports
-torch (the rendezvous store, the lighthouse: :func:`tests.worker_forkserver.python_command`); the
+torch (the rendezvous store, the lighthouse: :func:`tests.worker_forkserver.python`); the
 tests of Ctrl-C and SIGKILL keep new interpreters everywhere, the default ``--python`` with them."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import LoopbackSshd, free_port
-from tests.worker_forkserver import python_command, python_wrapper
+from tests.worker_forkserver import python, python_wrapper
 
 # The first test of a fresh machine also installs openssh-server (apt-get, up to ~12 min worst case);
 # every command below has its own hard timeout.
@@ -261,7 +261,7 @@ def test_doctor_checks_collectives_across_hosts(sshd: LoopbackSshd, forked_pytho
 def test_elastic_job_keeps_its_rendezvous_store_on_the_launcher(sshd: LoopbackSshd, forked_python: list[str]) -> None:
     """``--nnodes 1:2``: the store lives in this launcher (no node is special), every host reaches it."""
     proc = subprocess.run(
-        python_command("-m", "shardwise")
+        python("-m", "shardwise")
         + [
             "run",
             "--hosts",
@@ -338,7 +338,7 @@ def test_fault_tolerant_groups_over_hosts(sshd: LoopbackSshd, tmp_path: Path, fo
 
     out = tmp_path / "out"
     proc = subprocess.run(
-        python_command("-m", "shardwise")
+        python("-m", "shardwise")
         + [
             "run",
             "--hosts",

@@ -1,7 +1,7 @@
 """``shardwise run`` / ``launch`` / ``doctor`` / ``slurm`` end to end, with real processes.
 
 The launchers (``python -m shardwise ...``) and the scripts run as ``python SCRIPT`` fork from the
-session's fork server (:func:`tests.worker_forkserver.python_command`: the same pipes, environment,
+session's fork server (:func:`tests.worker_forkserver.python`: the same pipes, environment,
 signals and exit status, without 1.5-2 CPU-seconds of imports each), except where the check is
 about the entry point itself: the whole stderr of a launch that fails in its workers (nothing else
 printed at start-up, ``run`` and ``verify``), ``--help``; and where a new interpreter costs less
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import shardwise
-from tests.worker_forkserver import python_command
+from tests.worker_forkserver import python
 
 SCRIPTS = Path(__file__).parent / "scripts"
 SHARDWISE = [sys.executable, "-m", "shardwise"]  # a new interpreter
@@ -28,7 +28,7 @@ SHARDWISE = [sys.executable, "-m", "shardwise"]  # a new interpreter
 
 def _shardwise() -> list[str]:
     """``python -m shardwise``, forked from the session's fork server when it runs."""
-    return python_command("-m", "shardwise")
+    return python("-m", "shardwise")
 
 
 def _free_port() -> int:
@@ -199,7 +199,7 @@ def test_init_under_mpi_and_slurm_variables(launcher: str) -> None:
                 SLURM_JOB_ID="5",
                 SLURM_STEP_NODELIST="localhost",
             )
-        procs.append(subprocess.Popen(python_command(str(SCRIPTS / "report_world.py")), env=env,
+        procs.append(subprocess.Popen(python(str(SCRIPTS / "report_world.py"), env=env), env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
@@ -209,7 +209,8 @@ def test_init_under_mpi_and_slurm_variables(launcher: str) -> None:
 
 
 def test_plain_python_is_a_world_of_one() -> None:
-    proc = _run(python_command(str(SCRIPTS / "report_world.py")), env=_env_without_launchers())
+    env = _env_without_launchers()
+    proc = _run(python(str(SCRIPTS / "report_world.py"), env=env), env=env)
     assert proc.returncode == 0, proc.stderr
     assert _worlds(proc.stdout) == [
         {"rank": "0", "world": "1", "local": "0", "node": "0", "launcher": "none", "sum": "1"}
