@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -316,6 +317,7 @@ def _prepare(request: dict[str, Any]) -> str | None:
                 pass
     if threading.active_count() != 1:  # a forked child would miss the other threads' locks
         return f"{threading.active_count()} threads after the imports: {threading.enumerate()}"
+    gc.freeze()  # as the fork server does: a child's collections skip the imported heap
     return None
 
 
