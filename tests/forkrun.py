@@ -10,7 +10,8 @@ working directory, environment, and stdout/stderr files, then runs ``shardwise.c
 command starts (the workers of ``shardwise run``) are ordinary new interpreters.
 
 A job: ``{"id", "kind": "shardwise"|"python"|"call", "argv", "cwd", "env", "stdout", "stderr",
-"timeout_s"}`` (``call``: ``argv = [module, function, *args]``). Jobs run ``parallel`` at a time,
+"timeout_s"}`` (``call``: ``argv = [module, function, *args]``); ``"unprivileged": true`` runs it, as
+root, subject to file permissions (:func:`drop_permission_override`). Jobs run ``parallel`` at a time,
 longest expected first (``"cost"``); the answer maps each id to ``{"rc", "seconds", "cpu_s"}``
 (``rc`` is ``"timeout"`` when it was killed; ``cpu_s``: the CPU time of the command and of the
 processes it waited for).
@@ -23,6 +24,9 @@ a line on stdout), so a test session pays the imports once however many commands
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ctypes
+import gc
 import importlib
 import json
 import os
@@ -39,8 +43,41 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.elastic.multiprocess
            "shardwise.checkpoint.manager", "matplotlib.pyplot")
 
 
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2  # <linux/prctl.h>, <linux/capability.h>
+CAPABILITY_VERSION_3 = 0x20080522  # <linux/capability.h>: two 32-bit words per set
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def drop_permission_override() -> None:
+    """Make this process (root) subject to file permissions, and whatever it executes: drop
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set (root's capabilities after an
+    exec come from it) and from this process's effective, permitted and inheritable sets (capset)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
+        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed: cannot test permissions as root here")
+    header, data = _CapHeader(CAPABILITY_VERSION_3, 0), (_CapData * 2)()
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget failed: cannot test permissions as root here")
+    keep = ~((1 << CAP_DAC_OVERRIDE) | (1 << CAP_DAC_READ_SEARCH)) & 0xFFFFFFFF
+    data[0].effective &= keep
+    data[0].permitted &= keep
+    data[0].inheritable &= keep
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed: cannot test permissions as root here")
+
+
 def _child(job: dict[str, Any]) -> int:
     os.setsid()
+    if job.get("unprivileged") and os.geteuid() == 0:
+        drop_permission_override()
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # the server's own disposition (serve) is not the command's
     os.chdir(job["cwd"])
     os.environ.update(job.get("env", {}))
@@ -171,21 +208,29 @@ def run_phases(
 
 class Zygote:
     """A server (module doc) that stays up: :meth:`run` sends it phases and returns the results by
-    job id, the imports paid once when it starts. One request at a time (not thread-safe)."""
+    job id, the imports paid once when it starts. One request at a time (not thread-safe).
+    ``quiet_dependencies``: silence the dependencies' import noise first, as shardwise's entry
+    points do (shardwise.runtime.quiet), so that the server's stderr (``log``) holds only what a
+    command would print. The server itself forks from the session's fork server when its
+    environment names one (tests/worker_forkserver.py), so most of its imports are done already."""
 
     def __init__(
-        self, *, env: dict[str, str | None] | None = None, preload: tuple[str, ...] = (), log: str | None = None
+        self, *, env: dict[str, str | None] | None = None, preload: tuple[str, ...] = (), log: str | None = None,
+        quiet_dependencies: bool = False,
     ) -> None:
         import subprocess
         import tempfile
+
+        from tests.worker_forkserver import python
 
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         server_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
         self.log = log or tempfile.mkstemp(prefix="forkrun-", suffix=".log")[1]
         with open(self.log, "w") as err:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkrun", "--serve"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=err, text=True, cwd=root, env=server_env)
-        self._ask({"root": root, "preload": [*PRELOAD, *preload]})
+            self.proc = subprocess.Popen(python("-m", "tests.forkrun", "--serve", env=server_env),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True, cwd=root,
+                                         env=server_env)
+        self._ask({"root": root, "preload": [*PRELOAD, *preload], "quiet_dependencies": quiet_dependencies})
 
     def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -260,13 +305,19 @@ def shardwise_command(zygote: Zygote, args: list[str], *, env: dict[str, str] | 
 def _prepare(request: dict[str, Any]) -> str | None:
     """Import what the request names; an error line when the process is not safe to fork."""
     sys.path.insert(0, request.get("root", os.getcwd()))
-    for name in request.get("preload", PRELOAD):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    with contextlib.ExitStack() as scope:
+        if request.get("quiet_dependencies"):  # the import noise, as shardwise's entry points silence it
+            from shardwise.runtime.quiet import quiet_while
+
+            scope.enter_context(quiet_while(os.environ))
+        for name in request.get("preload", PRELOAD):
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
     if threading.active_count() != 1:  # a forked child would miss the other threads' locks
         return f"{threading.active_count()} threads after the imports: {threading.enumerate()}"
+    gc.freeze()  # as the fork server does: a child's collections skip the imported heap
     return None
 
 

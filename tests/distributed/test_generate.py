@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from torch.utils.data import TensorDataset
 from shardwise.commands.generate import generate_worker
 from shardwise.errors import ConfigError
 from shardwise.generate.decode import Sampling
+from tests.worker_forkserver import python
 
 PROMPT = "def main():"
 GREEDY = Sampling(max_new_tokens=10)
@@ -76,8 +76,7 @@ def test_tp2_generates_the_tokens_of_one_process(pools, hf_dir, tmp_path) -> Non
     assert pools(1).run(_gen, str(tmp_path / "exported"), "tp=1", GREEDY)[0] == one
 
     cli = subprocess.run(
-        [
-            sys.executable,
+        python(
             "-m",
             "shardwise",
             "generate",
@@ -90,7 +89,7 @@ def test_tp2_generates_the_tokens_of_one_process(pools, hf_dir, tmp_path) -> Non
             "--max-new-tokens",
             "10",
             "--ids",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=300,
@@ -100,7 +99,7 @@ def test_tp2_generates_the_tokens_of_one_process(pools, hf_dir, tmp_path) -> Non
 
 
 def test_generate_refuses_a_pipeline_and_a_checkpoint_without_config(tmp_path) -> None:
-    run = [sys.executable, "-m", "shardwise", "generate", "--checkpoint", str(tmp_path), "--prompt", "x"]
+    run = python("-m", "shardwise", "generate", "--checkpoint", str(tmp_path), "--prompt", "x")
     out = subprocess.run(run + ["--plan", "pp=2"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "does not run under pipeline parallelism" in out.stderr, out.stderr
     (tmp_path / "step_00000001").mkdir()

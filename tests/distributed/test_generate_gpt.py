@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import replace
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 from shardwise.commands.generate import generate_worker
 from shardwise.generate.decode import Sampling
+from tests.worker_forkserver import python
 
 PROMPT = "def "
 GREEDY = Sampling(max_new_tokens=12)
@@ -31,7 +31,7 @@ TRAIN = ["--nproc", "1", "--run.name=g", "--max-steps", "2", "--model.layers=2",
 def _shardwise(args: list[str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MPLCONFIGDIR": os.path.join(cwd, ".mpl")}
     return subprocess.run(
-        [sys.executable, "-m", "shardwise", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        python("-m", "shardwise", *args, env=env), cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("transformers")
 
 from shardwise.verify.parity import Run, ScriptWorkload, Training, parity_worker  # noqa: E402
+from tests.worker_forkserver import python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "hf_verify_script.py")
@@ -110,7 +110,7 @@ def test_wrapped_parity_four_processes(dist4, tmp_path, family) -> None:
 def test_verify_command_line_with_an_hf_script() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDWISE_HF_FAMILY": "gpt2"}
     done = subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", "verify", "--script", SCRIPT, "--plan", GPIPE, "--steps", "3"],
+        python("-m", "shardwise.cli", "verify", "--script", SCRIPT, "--plan", GPIPE, "--steps", "3", env=env),
         env=env,
         capture_output=True,
         text=True,

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ import torch
 pytest.importorskip("transformers")
 
 from shardwise.models import hf  # noqa: E402
+from tests.worker_forkserver import python
 
 SEQ = 16
 
@@ -117,8 +117,7 @@ def test_roundtrip_tp2_pp2_export_loads_in_transformers(dist4, saved: dict[str, 
     logits = [r[0] for r in results if r[0] is not None]
     assert len(logits) == 2  # the two TP ranks of the last stage
     done = subprocess.run(
-        [
-            sys.executable,
+        python(
             "-m",
             "shardwise",
             "checkpoint",
@@ -129,7 +128,7 @@ def test_roundtrip_tp2_pp2_export_loads_in_transformers(dist4, saved: dict[str, 
             out,
             "--model",
             saved[family],
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=120,

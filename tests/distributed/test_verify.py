@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -12,6 +11,7 @@ from shardwise.cli import main
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.verify.parity import GPTWorkload, ParityReport, Run, Training, parity_worker
 from shardwise.layout import Plan
+from tests.worker_forkserver import python
 
 
 @pytest.mark.parametrize(
@@ -66,7 +66,7 @@ def test_verify_user_script_under_tp(tmp_path):
     script = tmp_path / "model.py"
     script.write_text(textwrap.dedent(SCRIPT))
     proc = subprocess.run(
-        [sys.executable, "-m", "shardwise", "verify", "--plan", "tp=2", "--steps", "5", "--script", str(script)],
+        python("-m", "shardwise", "verify", "--plan", "tp=2", "--steps", "5", "--script", str(script)),
         capture_output=True,
         text=True,
         timeout=300,

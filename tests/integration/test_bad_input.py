@@ -10,21 +10,22 @@ traceback does.
 
 A fresh interpreter spends seconds of CPU importing torch before it reads its arguments, so most
 cases run the way the documented commands do (tests/forkrun.py): one process imports torch and
-shardwise once and forks a child per case that runs ``shardwise.cli.main(argv)`` (what ``python
--m shardwise`` runs), in the case's directory, with its own stdout/stderr files and timeout. The
-first case of every table, and every case that needs a fresh interpreter, still runs ``python -m
-shardwise`` as a subprocess: those marked ``unprivileged`` (they need a file the command cannot
-read or a directory it cannot write: as root they run without the capabilities that bypass
-permissions, dropped before exec) and those with their own value of a variable that an
-interpreter reads at start-up (``PYTHONPATH``, ``HOME``; a case's other variables are set in its
-forked child). The first cases show that a fresh interpreter's start-up prints nothing on stderr
-(no import-time warning), which the forked children, started after the imports, cannot. All
-selected cases run concurrently, one per core.
+shardwise (and transformers and peft) once and forks a child per case that runs
+``shardwise.cli.main(argv)`` (what ``python -m shardwise`` runs), in the case's directory, with its
+own stdout/stderr files, environment and timeout. That process's own stderr from its imports is
+put in front of every forked case's stderr, so an import-time warning fails the cases as it would
+in a fresh interpreter. Cases marked ``unprivileged`` need a file the command cannot read or a
+directory it cannot write: as root, their child drops the capabilities that bypass file
+permissions before it runs. A few cases still run ``python -m shardwise`` as a subprocess: those
+with their own value of a variable an interpreter reads at start-up (``PYTHONPATH``, ``HOME``) and
+one case each of ``train``, ``run`` and ``export`` (FRESH_START), which show that the interpreter's
+start-up itself (``python -m``, the lazy imports in their real order) prints nothing on stderr.
+The two runs every case starts from are made by the same process. All selected cases run
+concurrently, one per core.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -43,10 +44,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tests.forkrun import run_phases
+from tests.forkrun import Zygote, drop_permission_override
 
 TIMEOUT_S = 60
-PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH = 24, 1, 2  # <linux/prctl.h>, <linux/capability.h>
 RUN = "runs/base"
 CKPT = f"{RUN}/checkpoints"
 STEP = f"{CKPT}/step_00000002"
@@ -863,18 +863,9 @@ TABLES = {
     **({"export": EXPORT_CASES} if HF else {}),
 }
 ALL = [(command, c) for command, cases in TABLES.items() for c in cases]
-# the first case of each table runs in a fresh interpreter (the module doc)
-FIRST_OF_TABLE = {
-    cases[0]
-    for cases in (
-        TRAIN_CASES,
-        TRAIN_CASES_INSTRUCT,
-        TRAIN_CASES_RUN_DIR,
-        TRAIN_CASES_HANG_TIMEOUT,
-        TRAIN_CASES_TRACKER,
-        *list(TABLES.values())[1:],
-    )
-}
+# a fresh interpreter's start-up prints nothing (the module doc): one case each of a training
+# command, the launcher and a Hugging Face command
+FRESH_START = {TRAIN_CASES[0], RUN_CASES[0], *(EXPORT_CASES[:1] if HF else [])}
 
 
 # -- the harness -------------------------------------------------------------------------------------
@@ -928,15 +919,6 @@ def _environment(root: Path) -> dict[str, str]:
     }
 
 
-def _without_permission_override() -> None:
-    """Run as root, but subject to file permissions: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH
-    from the bounding set before exec (root's capabilities after exec come from it)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    for capability in (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH):
-        if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed: cannot test permissions as root here")
-
-
 def shardwise(args: tuple[str, ...], cwd: Path, *, env: dict[str, str], unprivileged: bool = False,
               timeout_s: float = TIMEOUT_S) -> tuple[int | None, str, str]:
     """``python -m shardwise ARGS`` in ``cwd``; the whole process group is killed at the timeout."""
@@ -949,7 +931,7 @@ def shardwise(args: tuple[str, ...], cwd: Path, *, env: dict[str, str], unprivil
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
-        preexec_fn=_without_permission_override if as_root else None,
+        preexec_fn=drop_permission_override if as_root else None,
     )
     try:
         out, err = proc.communicate(timeout=timeout_s)
@@ -993,12 +975,13 @@ def run_case(p: Prepared) -> Outcome:
 STARTUP_ENV = frozenset({"PYTHONPATH", "HOME"})
 
 
-def needs_fresh_interpreter(c: Case, first_of_table: bool) -> bool:
-    return first_of_table or c.unprivileged or any(key in STARTUP_ENV for key, _ in c.env)
+def needs_fresh_interpreter(c: Case) -> bool:
+    return c in FRESH_START or any(key in STARTUP_ENV for key, _ in c.env)
 
 
-def run_forked(prepared: list[Prepared], scratch: Path) -> dict[Case, Outcome]:
-    """The cases forked from one process that imported torch and shardwise (tests/forkrun.py)."""
+def run_forked(zygote: Zygote, prepared: list[Prepared]) -> dict[Case, Outcome]:
+    """The cases forked from one process that imported torch and shardwise (tests/forkrun.py); what
+    that process printed while importing comes first in each case's stderr."""
     if not prepared:
         return {}
     jobs = [
@@ -1011,23 +994,27 @@ def run_forked(prepared: list[Prepared], scratch: Path) -> dict[Case, Outcome]:
             "env": {"MPLCONFIGDIR": str(p.home / ".mpl"), **{k: v.format(home=p.home) for k, v in p.case.env}},
             "stdout": str(p.home / "stdout"),
             "stderr": str(p.home / "stderr"),
+            "unprivileged": p.case.unprivileged,
         }
         for i, p in enumerate(prepared)
     ]
-    server_env: dict[str, str | None] = {k: None for k in os.environ}
-    server_env.update(_environment(scratch))
-    results = run_phases(
-        [jobs],
-        env=server_env,
-        preload=("shardwise.checkpoint", "shardwise.generate.decode", *(HF_PRELOAD if HF else ())),
-        timeout_s=sum(p.case.timeout_s for p in prepared) + 4 * TIMEOUT_S,
-    )
+    results = zygote.run([jobs], parallel=2)
+    imports = Path(zygote.log).read_text(errors="replace")
     outcomes = {}
     for i, p in enumerate(prepared):
         rc = results[str(i)]["rc"]
         outcomes[p.case] = Outcome(None if rc == "timeout" else rc, (p.home / "stdout").read_text(errors="replace"),
-                                   (p.home / "stderr").read_text(errors="replace"), _diff(p.before, snapshot(p.root)))
+                                   imports + (p.home / "stderr").read_text(errors="replace"),
+                                   _diff(p.before, snapshot(p.root)))
     return outcomes
+
+
+def start_zygote(scratch: Path) -> Zygote:
+    """The process the cases and the template's runs fork from, in the cases' environment."""
+    server_env: dict[str, str | None] = {k: None for k in os.environ}
+    server_env.update(_environment(scratch))
+    preload = ("shardwise.checkpoint", "shardwise.generate.decode", *(HF_PRELOAD if HF else ()))
+    return Zygote(env=server_env, preload=preload, log=str(scratch / "zygote.log"), quiet_dependencies=True)
 
 
 class _Counter:
@@ -1040,53 +1027,35 @@ class _Counter:
         pass
 
 
-def _make_template(root: Path) -> None:
-    """The files every case starts from: a real one-process run with two checkpoints, a checkpoint
-    without a model, and a trivial script."""
-    code, out, err = shardwise(
-        ("train", "--nproc", "1", "--run.name=base", "--max-steps", "2", *TINY, "--checkpoint.every_n_steps=1"),
-        root,
-        env=_environment(root),
-    )
-    assert code == 0, out + err
-    assert sorted(p.name for p in (root / CKPT).glob("step_*")) == ["step_00000001", "step_00000002"]
+def _make_template(root: Path, zygote: Zygote) -> None:
+    """The files every case starts from: a real one-process run with two checkpoints (and, with
+    transformers and peft, a LoRA run on a small chat model), a checkpoint without a model, and a
+    trivial script."""
     from shardwise.checkpoint import CheckpointManager
 
     assert CheckpointManager(str(root / "counters")).save({"counter": _Counter()}, step=1)
     (root / "ok.py").write_text("pass\n")
-    if importlib.util.find_spec(
-        "transformers"
-    ):  # a model with a chat template and one without (the instruction-data cases)
+    runs = {"base": ("train", "--nproc", "1", "--run.name=base", "--max-steps", "2", *TINY,
+                     "--checkpoint.every_n_steps=1")}
+    if importlib.util.find_spec("transformers"):  # a model with a chat template and one without (instruction data)
         from shardwise.models import hf
 
         for name, chat in (("chatmodel", True), ("plainmodel", False)):
             hf.save_tiny(str(root / name), texts=["hello there, " * 20], vocab=140, seq=32, chat=chat)
     if HF:  # a LoRA run on the chat model (the generate and export cases)
         (root / "lora.jsonl").write_text("".join(GOOD_CHAT + "\n" for _ in range(8)))
-        code, out, err = shardwise(
-            (
-                "train",
-                "--nproc",
-                "1",
-                "--run.name=lora",
-                "--max-steps",
-                "1",
-                "--model.hf",
-                "chatmodel",
-                "--model.seq_len=32",
-                "--data.format",
-                "chat",
-                "--data.files",
-                "lora.jsonl",
-                "--lora.r",
-                "4",
-                "--train.global_batch_size=4",
-                "--checkpoint.every_n_steps=1",
-            ),
-            root,
-            env=_environment(root),
-        )
-        assert code == 0, out + err
+        runs["lora"] = ("train", "--nproc", "1", "--run.name=lora", "--max-steps", "1", "--model.hf", "chatmodel",
+                        "--model.seq_len=32", "--data.format", "chat", "--data.files", "lora.jsonl", "--lora.r", "4",
+                        "--train.global_batch_size=4", "--checkpoint.every_n_steps=1")
+    logs = root.parent / "template-logs"
+    logs.mkdir(exist_ok=True)
+    jobs = [{"id": name, "kind": "shardwise", "argv": list(argv), "cwd": str(root), "env": _environment(root),
+             "stdout": str(logs / f"{name}.out"), "stderr": str(logs / f"{name}.err"), "timeout_s": 180}
+            for name, argv in runs.items()]
+    results = zygote.run([jobs], parallel=2)
+    for name in runs:
+        assert results[name]["rc"] == 0, (logs / f"{name}.out").read_text() + (logs / f"{name}.err").read_text()
+    assert sorted(p.name for p in (root / CKPT).glob("step_*")) == ["step_00000001", "step_00000002"]
     shutil.rmtree(root / ".mpl", ignore_errors=True)
 
 
@@ -1106,21 +1075,25 @@ def outcomes(request: pytest.FixtureRequest, scratch: Path) -> Iterator[Callable
     """Run the cases selected in this session concurrently; each test waits for its own."""
     template = scratch / "template"
     template.mkdir(mode=0o755)
-    _make_template(template)
-    selected = [item.callspec.params["case"] for item in request.session.items
-                if item.module is request.module and "case" in getattr(getattr(item, "callspec", None), "params", {})]
-    prepared = [prepare_case(c, template, scratch) for c in selected]
-    fresh = [p for p in prepared if needs_fresh_interpreter(p.case, p.case in FIRST_OF_TABLE)]
-    forked = [p for p in prepared if p not in fresh]
-    # one worker forks the cases from one pre-imported process (two at a time, one per core);
-    # the other runs the fresh interpreters one after the other
-    pool = ThreadPoolExecutor(max_workers=2)
-    batch = pool.submit(run_forked, forked, scratch)
-    futures: dict[Case, Future[Outcome]] = {p.case: pool.submit(run_case, p) for p in fresh}
+    zygote = start_zygote(scratch)
     try:
-        yield lambda c: futures[c].result() if c in futures else batch.result()[c]
+        _make_template(template, zygote)
+        selected = [item.callspec.params["case"] for item in request.session.items if item.module is request.module
+                    and "case" in getattr(getattr(item, "callspec", None), "params", {})]
+        prepared = [prepare_case(c, template, scratch) for c in selected]
+        fresh = [p for p in prepared if needs_fresh_interpreter(p.case)]
+        forked = [p for p in prepared if p not in fresh]
+        # one thread forks the cases from the zygote (two at a time, one per core); the other runs
+        # the fresh interpreters one after the other
+        pool = ThreadPoolExecutor(max_workers=2)
+        batch = pool.submit(run_forked, zygote, forked)
+        futures: dict[Case, Future[Outcome]] = {p.case: pool.submit(run_case, p) for p in fresh}
+        try:
+            yield lambda c: futures[c].result() if c in futures else batch.result()[c]
+        finally:
+            pool.shutdown(cancel_futures=True)  # after -x or ^C, the cases not started yet are dropped
     finally:
-        pool.shutdown(cancel_futures=True)  # after -x or ^C, the cases not started yet are dropped
+        zygote.close()
 
 
 @pytest.mark.parametrize("case", [c for _, c in ALL], ids=[f"{command}-{c.name}" for command, c in ALL])

@@ -8,6 +8,7 @@ a forked worker from a fresh one."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -24,12 +25,14 @@ from tests.checkout import checkout_env
 pytestmark = pytest.mark.fresh_workers  # this file starts its own server (or none)
 
 SCRIPT = '''
-import json, os, signal, sys, time
+import json, os, signal, sys, time, warnings
 rank = int(os.environ["RANK"])
 mode = sys.argv[1]
+filters = [(f[0], f[2].__name__, getattr(f[3], "pattern", f[3])) for f in warnings.filters]
 print(json.dumps({"rank": rank, "world": os.environ["WORLD_SIZE"], "argv": sys.argv[1:], "cwd": os.getcwd(),
                   "path0": sys.path[0], "name": __name__, "forked": "preloaded_marker" in sys.modules,
-                  "threads": os.environ.get("OMP_NUM_THREADS")}), flush=True)
+                  "threads": os.environ.get("OMP_NUM_THREADS"), "warnoptions": sys.warnoptions,
+                  "filters": filters}), flush=True)
 if mode == "fail" and rank == 1:
     sys.exit(3)
 if mode == "wait":
@@ -70,7 +73,9 @@ def _run(cwd: Path, mode: str, server: str | None, **popen: object) -> subproces
     (cwd / "job.py").write_text(SCRIPT)
     env = checkout_env()
     env.pop(FORKSERVER_VAR, None)
-    env.pop("PYTHONWARNINGS", None)  # a warning a forked worker prints (runpy's about a preloaded module) shows
+    # not the server's (it has none): a forked worker takes its filters from its own; and a warning
+    # a forked worker prints (runpy's about a preloaded module) shows
+    env["PYTHONWARNINGS"] = "ignore::BytesWarning"
     if server:
         env[FORKSERVER_VAR] = server
     return subprocess.Popen([sys.executable, "-m", "shardwise", "run", "--nproc-per-node", "2", "job.py", mode, "x y"],
@@ -95,6 +100,8 @@ def test_a_forked_worker_is_the_worker_python_starts(server: str, tmp_path: Path
         outs[name] = [{k: v for k, v in r.items() if k not in ("forked", "cwd", "path0")} for r in rows]
     assert outs["forked"] == outs["fresh"] == outs["no server"]
     assert outs["fresh"][0]["argv"] == ["ok", "x y"] and outs["fresh"][0]["name"] == "__main__"
+    assert outs["fresh"][0]["warnoptions"] == ["ignore::BytesWarning"]
+    assert ["ignore", "BytesWarning", None] in outs["fresh"][0]["filters"]
 
 
 def test_a_forked_worker_fails_and_stops_as_a_fresh_one(server: str, tmp_path: Path) -> None:
@@ -128,3 +135,18 @@ def test_a_preloaded_module_runs_as_main_without_a_warning(server: str, tmp_path
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.count("marker ran") == 1, (done.stdout, done.stderr)
     assert "Warning" not in done.stderr, done.stderr
+
+
+def test_a_server_that_preloads_transformers_peft_and_torchao_prints_nothing(worker_server: str | None) -> None:
+    """The suite's own server (tests/worker_forkserver.py) preloads what the HF, LoRA and QLoRA workers
+    import; torchao's optional kernels that do not load here and torch's pytree notices are the
+    dependencies' noise, which the server silences before its imports as a worker would."""
+    if worker_server is None:
+        pytest.skip("this session starts its workers fresh (SHARDWISE_TEST_WORKER_START=spawn)")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(worker_server) and time.monotonic() < deadline:  # its imports are done
+        time.sleep(0.2)
+    assert os.path.exists(worker_server), "the suite's fork server did not finish its imports in 120 s"
+    log = (Path(worker_server).parent / "server.log").read_text(errors="replace")
+    noise = [line for line in log.splitlines() if re.search(r"Failed to load|Warning|deprecated", line)]
+    assert not noise, "\n".join(noise)

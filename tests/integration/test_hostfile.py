@@ -1,6 +1,12 @@
 """``shardwise run --hostfile`` and ``shardwise doctor --hosts`` end to end, through a real sshd on
 loopback (the ``sshd`` fixture of tests/integration/conftest.py): the two "hosts" ``127.0.0.1``
-and ``localhost`` are the same machine reached over two ssh names."""
+and ``localhost`` are the same machine reached over two ssh names.
+
+Where the check is not about stopping a launcher, the ``shardwise run`` of each host forks from the
+session's fork server (``--python`` :func:`tests.worker_forkserver.python_wrapper`: it gets its ssh
+session's stdin, stdout and stderr themselves), and so does this machine's launcher where it imports
+torch (the rendezvous store, the lighthouse: :func:`tests.worker_forkserver.python`); the
+tests of Ctrl-C and SIGKILL keep new interpreters everywhere, the default ``--python`` with them."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import LoopbackSshd, free_port
+from tests.worker_forkserver import python, python_wrapper
 
 # The first test of a fresh machine also installs openssh-server (apt-get, up to ~12 min worst case);
 # every command below has its own hard timeout.
@@ -25,6 +32,12 @@ pytestmark = pytest.mark.timeout(900)
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).resolve().parents[2]
 SHARDWISE = [sys.executable, "-m", "shardwise"]
+
+
+@pytest.fixture(scope="module")
+def forked_python(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """``--python FILE``: each host's ``shardwise run`` forked from the session's fork server."""
+    return ["--python", python_wrapper(str(tmp_path_factory.mktemp("python")))]
 
 
 def _hostfile(tmp_path: Path, text: str) -> str:
@@ -53,7 +66,7 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-def test_hostfile_world_of_four_over_ssh(sshd: LoopbackSshd, tmp_path: Path) -> None:
+def test_hostfile_world_of_four_over_ssh(sshd: LoopbackSshd, tmp_path: Path, forked_python: list[str]) -> None:
     hostfile = _hostfile(
         tmp_path, "# two loopback 'hosts', two processes each\n127.0.0.1 slots=2\n\nlocalhost slots=2  # node 1\n"
     )
@@ -65,6 +78,7 @@ def test_hostfile_world_of_four_over_ssh(sshd: LoopbackSshd, tmp_path: Path) -> 
             hostfile,
             "--ssh-config",
             str(sshd.config),
+            *forked_python,
             "--rdzv-timeout",
             "60",
             str(SCRIPTS / "report_world.py"),
@@ -88,7 +102,7 @@ def test_hostfile_world_of_four_over_ssh(sshd: LoopbackSshd, tmp_path: Path) -> 
     assert "pre-flight ok on 2 host(s)" in proc.stderr
 
 
-def test_failing_host_stops_every_host(sshd: LoopbackSshd, tmp_path: Path) -> None:
+def test_failing_host_stops_every_host(sshd: LoopbackSshd, tmp_path: Path, forked_python: list[str]) -> None:
     """Node 1's script exits 3 once node 0's workers run; node 0's workers and agent must go too."""
     env = dict(os.environ, SW_TEST_DIR=str(tmp_path), SW_TEST_FAIL_NODE="1")
     start = time.monotonic()
@@ -104,6 +118,7 @@ def test_failing_host_stops_every_host(sshd: LoopbackSshd, tmp_path: Path) -> No
             "SW_TEST_DIR",
             "--env",
             "SW_TEST_FAIL_NODE",
+            *forked_python,
             "--rdzv-timeout",
             "60",
             str(SCRIPTS / "hold_or_fail.py"),
@@ -213,7 +228,7 @@ def test_unreachable_host_is_one_line_within_the_timeout(sshd: LoopbackSshd, tmp
     assert elapsed < 30, elapsed
 
 
-def test_doctor_checks_collectives_across_hosts(sshd: LoopbackSshd) -> None:
+def test_doctor_checks_collectives_across_hosts(sshd: LoopbackSshd, forked_python: list[str]) -> None:
     proc = subprocess.run(
         SHARDWISE
         + [
@@ -222,6 +237,7 @@ def test_doctor_checks_collectives_across_hosts(sshd: LoopbackSshd) -> None:
             "127.0.0.1:1,localhost:1",
             "--ssh-config",
             str(sshd.config),
+            *forked_python,
             "--max-size-mb",
             "0.1",
             "--iters",
@@ -242,16 +258,17 @@ def test_doctor_checks_collectives_across_hosts(sshd: LoopbackSshd) -> None:
     assert "all checks passed" in proc.stdout
 
 
-def test_elastic_job_keeps_its_rendezvous_store_on_the_launcher(sshd: LoopbackSshd) -> None:
+def test_elastic_job_keeps_its_rendezvous_store_on_the_launcher(sshd: LoopbackSshd, forked_python: list[str]) -> None:
     """``--nnodes 1:2``: the store lives in this launcher (no node is special), every host reaches it."""
     proc = subprocess.run(
-        SHARDWISE
+        python("-m", "shardwise")
         + [
             "run",
             "--hosts",
             "127.0.0.1:1,localhost:1",
             "--ssh-config",
             str(sshd.config),
+            *forked_python,
             "--nnodes",
             "1:2",
             "--max-restarts",
@@ -311,7 +328,7 @@ def test_unreachable_rendezvous_store_is_one_line_per_host_before_anything_start
 @pytest.mark.slow_allowed(
     seconds=120, why="two fault-tolerant replica groups started over ssh, each a torchft manager and a short run"
 )
-def test_fault_tolerant_groups_over_hosts(sshd: LoopbackSshd, tmp_path: Path) -> None:
+def test_fault_tolerant_groups_over_hosts(sshd: LoopbackSshd, tmp_path: Path, forked_python: list[str]) -> None:
     """``--ft-replicas 2`` over two hosts: one group per host, each with its own rendezvous, both
     meeting at the lighthouse this launcher hosts; no failure, so both commit every step and end
     with bitwise equal weights."""
@@ -321,13 +338,14 @@ def test_fault_tolerant_groups_over_hosts(sshd: LoopbackSshd, tmp_path: Path) ->
 
     out = tmp_path / "out"
     proc = subprocess.run(
-        SHARDWISE
+        python("-m", "shardwise")
         + [
             "run",
             "--hosts",
             "127.0.0.1:1,localhost:1",
             "--ssh-config",
             str(sshd.config),
+            *forked_python,
             "--ft-replicas",
             "2",
             "--ft-min-replicas",

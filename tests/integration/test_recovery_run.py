@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from tests.checkout import checkout_env
+from tests.worker_forkserver import python
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,9 +24,9 @@ def _shardwise_run(tmp: str, name: str, *, fault: str | None, max_restarts: int)
     env.pop("SHARDWISE_FAULT", None)
     if fault:
         env["SHARDWISE_FAULT"] = fault
-    cmd = [sys.executable, "-m", "shardwise", "run", "--nproc-per-node", "2", "--max-restarts", str(max_restarts), "-m",
-           "tests.distributed.test_checkpoint_workload", "--layout", "dp2", "--steps", "40", "--save-every", "10",
-           "--async-save", "--dir", os.path.join(tmp, name), "--out", os.path.join(tmp, f"{name}.pt")]
+    cmd = python("-m", "shardwise", "run", "--nproc-per-node", "2", "--max-restarts", str(max_restarts), "-m",
+                 "tests.distributed.test_checkpoint_workload", "--layout", "dp2", "--steps", "40", "--save-every", "10",
+                 "--async-save", "--dir", os.path.join(tmp, name), "--out", os.path.join(tmp, f"{name}.pt"), env=env)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
 

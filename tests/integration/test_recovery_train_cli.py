@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 from shardwise.checkpoint import commit as cm
 from tests.checkout import checkout_env
+from tests.worker_forkserver import python
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--nproc", "1", "--run.name=resumable", "--model.layers=1", "--model.hidden=32", "--model.heads=2",
@@ -19,7 +19,7 @@ SMALL = ["--nproc", "1", "--run.name=resumable", "--model.layers=1", "--model.hi
 
 def _train(runs: str, *extra: str) -> subprocess.CompletedProcess:
     env = checkout_env()
-    return subprocess.run([sys.executable, "-m", "shardwise", "train", f"--run.runs_dir={runs}", *SMALL, *extra],
+    return subprocess.run(python("-m", "shardwise", "train", f"--run.runs_dir={runs}", *SMALL, *extra, env=env),
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
 
 

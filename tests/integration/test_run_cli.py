@@ -1,4 +1,11 @@
-"""``shardwise run`` / ``launch`` / ``doctor`` / ``slurm`` end to end, with real processes."""
+"""``shardwise run`` / ``launch`` / ``doctor`` / ``slurm`` end to end, with real processes.
+
+The launchers (``python -m shardwise ...``) and the scripts run as ``python SCRIPT`` fork from the
+session's fork server (:func:`tests.worker_forkserver.python`: the same pipes, environment,
+signals and exit status, without 1.5-2 CPU-seconds of imports each), except where the check is
+about the entry point itself: the whole stderr of a launch that fails in its workers (nothing else
+printed at start-up, ``run`` and ``verify``), ``--help``; and where a new interpreter costs less
+(``slurm`` and what the argument parser refuses import no torch) through ``SHARDWISE``."""
 
 from __future__ import annotations
 
@@ -13,9 +20,15 @@ from pathlib import Path
 import pytest
 
 import shardwise
+from tests.worker_forkserver import python
 
 SCRIPTS = Path(__file__).parent / "scripts"
-SHARDWISE = [sys.executable, "-m", "shardwise"]
+SHARDWISE = [sys.executable, "-m", "shardwise"]  # a new interpreter
+
+
+def _shardwise() -> list[str]:
+    """``python -m shardwise``, forked from the session's fork server when it runs."""
+    return python("-m", "shardwise")
 
 
 def _free_port() -> int:
@@ -33,7 +46,7 @@ def _worlds(output: str) -> list[dict[str, str]]:
 
 
 def test_run_forms_world_of_four() -> None:
-    proc = _run(SHARDWISE + ["run", "--nproc-per-node", "4", str(SCRIPTS / "report_world.py")])
+    proc = _run(_shardwise() + ["run", "--nproc-per-node", "4", str(SCRIPTS / "report_world.py")])
     assert proc.returncode == 0, proc.stderr
     worlds = _worlds(proc.stdout)
     assert sorted(int(w["rank"]) for w in worlds) == [0, 1, 2, 3]
@@ -44,7 +57,7 @@ def test_two_nodes_on_loopback_form_one_world() -> None:
     port = _free_port()
     common = ["run", "--nnodes", "2", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
               "--rdzv-timeout", "60"]
-    nodes = [subprocess.Popen(SHARDWISE + common + ["--node-rank", str(r), str(SCRIPTS / "report_world.py")],
+    nodes = [subprocess.Popen(_shardwise() + common + ["--node-rank", str(r), str(SCRIPTS / "report_world.py")],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
     outs = [n.communicate(timeout=120) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
@@ -56,10 +69,10 @@ def test_two_nodes_on_loopback_form_one_world() -> None:
 
 def test_restart_recovers_and_no_restart_fails_visibly() -> None:
     script = str(SCRIPTS / "fail_first_attempt.py")
-    ok = _run(SHARDWISE + ["run", "--nproc-per-node", "2", "--max-restarts", "1", script])
+    ok = _run(_shardwise() + ["run", "--nproc-per-node", "2", "--max-restarts", "1", script])
     assert ok.returncode == 0, ok.stderr
     assert sorted(re.findall(r"OK rank=(\d) attempt=1", ok.stdout)) == ["0", "1"]
-    bad = _run(SHARDWISE + ["run", "--nproc-per-node", "2", "--max-restarts", "0", script])
+    bad = _run(_shardwise() + ["run", "--nproc-per-node", "2", "--max-restarts", "0", script])
     assert bad.returncode != 0
     assert "RuntimeError: injected failure on rank 1, attempt 0" in bad.stderr  # the failing rank's own error
     assert bad.stderr.count("Traceback") == 1, bad.stderr  # shown once
@@ -69,7 +82,8 @@ def test_restart_recovers_and_no_restart_fails_visibly() -> None:
 
 def test_an_error_raised_by_shardwise_in_every_worker_is_one_line_and_exit_2() -> None:
     """Bad input refused inside the workers reads as a check made before launch: its one line,
-    once, with the ranks that raised it (shardwise.launch.worker_errors)."""
+    once, with the ranks that raised it (shardwise.launch.worker_errors). New interpreters: their
+    whole stderr is that line, nothing printed at start-up either."""
     proc = _run(SHARDWISE + ["run", "--nproc-per-node", "2", str(SCRIPTS / "refuse_on_every_rank.py")])
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
@@ -143,7 +157,8 @@ def test_bad_input_is_one_line(args: list[str], pattern: str, code: int) -> None
         args = [a.replace("SCRIPT", str(SCRIPTS / "report_world.py")).replace("PORT", str(_free_port()))
                 .replace("BUSY", str(busy.getsockname()[1])) for a in args]
         start = time.monotonic()
-        proc = _run(SHARDWISE + args, timeout=60)
+        command = SHARDWISE if code == 2 else _shardwise()  # 2: the argument parser's, before torch is imported
+        proc = _run(command + args, timeout=60)
     assert proc.returncode == code, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1, proc.stderr
@@ -184,7 +199,7 @@ def test_init_under_mpi_and_slurm_variables(launcher: str) -> None:
                 SLURM_JOB_ID="5",
                 SLURM_STEP_NODELIST="localhost",
             )
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPTS / "report_world.py")], env=env,
+        procs.append(subprocess.Popen(python(str(SCRIPTS / "report_world.py"), env=env), env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
@@ -194,7 +209,8 @@ def test_init_under_mpi_and_slurm_variables(launcher: str) -> None:
 
 
 def test_plain_python_is_a_world_of_one() -> None:
-    proc = _run([sys.executable, str(SCRIPTS / "report_world.py")], env=_env_without_launchers())
+    env = _env_without_launchers()
+    proc = _run(python(str(SCRIPTS / "report_world.py"), env=env), env=env)
     assert proc.returncode == 0, proc.stderr
     assert _worlds(proc.stdout) == [
         {"rank": "0", "world": "1", "local": "0", "node": "0", "launcher": "none", "sum": "1"}
@@ -215,7 +231,7 @@ def test_launch_runs_function_on_n_processes() -> None:
 
 
 def test_doctor_passes_and_prints_table() -> None:
-    proc = _run(SHARDWISE + ["doctor", "--nproc", "2", "--max-size-mb", "1", "--iters", "3"])
+    proc = _run(_shardwise() + ["doctor", "--nproc", "2", "--max-size-mb", "1", "--iters", "3"])
     assert proc.returncode == 0, proc.stderr
     for op in ("all_reduce", "broadcast", "all_gather", "reduce_scatter", "barrier"):
         assert re.search(rf"{op}\s+ok", proc.stdout)
@@ -269,7 +285,7 @@ def test_every_line_of_every_rank_arrives_whole_with_and_without_a_prefix(tmp_pa
     copied behind the prefix), each of the 1,200 lines arrives whole, once."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     script, n = str(SCRIPTS / "print_lines.py"), 150
-    plain = _run(SHARDWISE + ["run", "--nproc-per-node", "4", script, str(n)], env=env)
+    plain = _run(_shardwise() + ["run", "--nproc-per-node", "4", script, str(n)], env=env)
     assert plain.returncode == 0, plain.stderr[-2000:]
     for stream, kind in ((plain.stdout, "LINE"), (plain.stderr, "ERR")):
         lines = [line for line in stream.splitlines() if line.startswith(("LINE", "ERR")) or "rank=" in line]
@@ -281,7 +297,7 @@ def test_every_line_of_every_rank_arrives_whole_with_and_without_a_prefix(tmp_pa
 
     logs = tmp_path / "logs"
     kept = _run(
-        SHARDWISE
+        _shardwise()
         + ["run", "--nproc-per-node", "4", "--log-prefix", "[${rank}]: ", "--log-dir", str(logs), script, str(n)],
         env=env,
     )

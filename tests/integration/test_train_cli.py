@@ -11,13 +11,13 @@ import csv
 import json
 import os
 import subprocess
-import sys
 from typing import Iterator
 
 import pytest
 
 from shardwise.plan import Plan
 from tests.forkrun import Zygote, shardwise_command
+from tests.worker_forkserver import python
 
 TINY = [
     "--max-steps", "6",
@@ -30,7 +30,7 @@ TINY = [
 def _shardwise(args: list[str], cwd: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", *args],
+        python("-m", "shardwise.cli", *args, env=env),
         cwd=cwd,
         env=env,
         capture_output=True,

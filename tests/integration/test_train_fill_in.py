@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+from tests.worker_forkserver import python
 
 TINY = [
     "--max-steps", "4",
@@ -23,7 +23,7 @@ TINY = [
 def _shardwise(args: list[str], cwd: str, timeout: float = 400) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", *args],
+        python("-m", "shardwise.cli", *args, env=env),
         cwd=cwd,
         env=env,
         capture_output=True,

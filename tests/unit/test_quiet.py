@@ -8,7 +8,7 @@ import logging
 import warnings
 
 from shardwise.cli import build_parser
-from shardwise.runtime.quiet import LOG_LEVEL_VAR, QUIET_LOGGERS, quiet_dependencies
+from shardwise.runtime.quiet import LOG_LEVEL_VAR, QUIET_LOGGERS, quiet_dependencies, quiet_while
 
 
 def _shown(environ: dict[str, str]) -> tuple[list[str], list[int]]:
@@ -52,6 +52,20 @@ def test_debug_keeps_everything() -> None:
     shown, levels = _shown({LOG_LEVEL_VAR: "DEBUG"})
     assert len(shown) == 7
     assert levels == [logging.getLogger(name).level for name in QUIET_LOGGERS]  # untouched
+
+
+def test_quiet_while_quiets_the_block_and_leaves_the_process_as_it_was() -> None:
+    """What a fork server does around its preload: its workers inherit neither the filters nor the levels."""
+    filters, levels = list(warnings.filters), [logging.getLogger(name).level for name in QUIET_LOGGERS]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with quiet_while({}):
+            warnings.warn_explicit("old peft api", DeprecationWarning, "x.py", 1, module="peft.tuners.lora")
+            assert [logging.getLogger(name).level for name in QUIET_LOGGERS] == [logging.ERROR] * len(QUIET_LOGGERS)
+        warnings.warn_explicit("old peft api, after", DeprecationWarning, "x.py", 1, module="peft.tuners.lora")
+    assert [str(w.message) for w in caught] == ["old peft api, after"]
+    assert warnings.filters == filters
+    assert [logging.getLogger(name).level for name in QUIET_LOGGERS] == levels
 
 
 def test_verbose_is_a_flag_of_every_command_and_of_the_top_level() -> None:

@@ -114,3 +114,20 @@ def test_worker_errors_bad_input_is_one_line_with_its_ranks_a_crash_keeps_the_fi
     error, trace = worker_failure(read_records(str(crashes)))
     assert error is None and trace.startswith("Traceback") and "ValueError: invalid literal" in trace
     assert not record_failure(own, directory=str(tmp_path / "missing"))  # no launcher asked: the caller re-raises
+
+
+def test_the_launchers_line_names_the_rank_whose_traceback_it_showed() -> None:
+    """torch orders failures by whole seconds: rank 0, stopped in a collective by rank 1's crash in
+    the same second, comes first there; the records' order (the traceback shown) decides the line."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from shardwise.launch.run import describe_failures
+
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=1, error_file="") for r in (0, 1)}
+    for failure in failures.values():
+        failure.timestamp = 1_700_000_000
+    err = ChildFailedError("worker", failures)
+    assert describe_failures(err, 0).startswith("rank 0 (local rank 0, pid 100) failed: exit code 1")  # torch's pick
+    line = describe_failures(err, 0, first_recorded=1)
+    assert line.startswith("rank 1 (local rank 1, pid 101) failed: exit code 1") and "1 other worker(s)" in line
+    assert describe_failures(err, 0, first_recorded=5).startswith("rank 0 ")  # a record of no failed rank: torch's

@@ -13,7 +13,9 @@ Per request (one connection), the server forks a *keeper*, which forks the *work
 - the worker takes the client's stdin/stdout/stderr, working directory, environment and argv
   (``-m MODULE ARGS`` or ``SCRIPT ARGS``), starts a session of its own (as the agent's workers
   do), sets torch's thread count from ``OMP_NUM_THREADS`` (read by OpenMP at start-up, which was
-  the server's) and runs the target as ``python`` would, up to the interpreter's normal exit;
+  the server's), takes the warning filters its own ``PYTHONWARNINGS`` gives (with those the
+  server's imports added: :mod:`shardwise.launch.fork_warnings`) and runs the target as
+  ``python`` would, up to the interpreter's normal exit;
 - the keeper passes on the signals the client receives and answers the worker's exit status; when
   the client is gone (SIGKILLed with the rest of its job), it SIGKILLs the worker.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -37,6 +40,9 @@ import sys
 import threading
 from dataclasses import dataclass
 from typing import Mapping
+
+from shardwise.launch.fork_warnings import StartupFilters
+from shardwise.runtime.quiet import quiet_while
 
 FORKSERVER_VAR = "SHARDWISE_FORKSERVER"
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fork_client.py")
@@ -127,11 +133,17 @@ def _reap(_signum: int, _frame: object) -> None:
 
 def serve(path: str, preload: tuple[str, ...]) -> WorkerRequest:
     """Import ``preload``, listen at ``path`` and fork per request. Returns only in a worker."""
-    for name in preload:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # an optional dependency that is not installed: its workers import nothing more
-            pass
+    with quiet_while(os.environ):  # the dependencies' import noise; each worker quiets (or not) for itself
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except ImportError:  # an optional dependency that is not installed: its workers import nothing more
+                pass
+    # What was imported lives as long as every worker: out of the collector's sight (gc.freeze), a
+    # worker's collections, up to the last one at its exit, no longer walk (and so copy, page by page)
+    # the whole inherited heap: with torch and transformers loaded, a worker that does nothing ends
+    # in 0.4 CPU-seconds and 0.6 s instead of 2 CPU-seconds and 3.7 s.
+    gc.freeze()
     parent, server = os.getppid(), os.getpid()
     signal.signal(signal.SIGCHLD, _reap)  # waited for, so their CPU time adds to this process's (children)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -175,12 +187,13 @@ def _stdio() -> None:
         sys.stdout.reconfigure(write_through=True)
 
 
-def run_worker(request: WorkerRequest) -> None:
+def run_worker(request: WorkerRequest, startup: StartupFilters) -> None:
     """Become ``python *request.argv`` (``-m MODULE ...`` or ``SCRIPT ...``) in this forked process."""
     os.setsid()
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.env)
+    startup.apply(request.env)  # the warning filters of its own PYTHONWARNINGS
     _stdio()
     for entry in reversed(request.env.get("PYTHONPATH", "").split(os.pathsep)):
         if entry and entry not in sys.path:
@@ -202,8 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--socket", required=True, help="the Unix socket to listen at (SHARDWISE_FORKSERVER)")
     parser.add_argument("--preload", default=",".join(PRELOAD), help="comma-separated modules to import once")
     args = parser.parse_args(argv)
+    startup = StartupFilters.now()  # before the imports (shardwise.launch.fork_warnings)
     request = serve(args.socket, tuple(name for name in args.preload.split(",") if name))
-    run_worker(request)
+    run_worker(request, startup)
 
 
 if __name__ == "__main__":

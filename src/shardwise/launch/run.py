@@ -39,9 +39,14 @@ from shardwise.launch.worker_errors import ERROR_DIR_VAR, read_records, worker_f
 LAUNCHER_PID_VAR = "SHARDWISE_LAUNCHER_PID"  # read by shardwise.runtime.settings in the workers
 
 
-def describe_failures(err: ChildFailedError, max_restarts: int) -> str:
-    """One line: the first rank that failed, how, its last error line, and how many others stopped."""
+def describe_failures(err: ChildFailedError, max_restarts: int, first_recorded: int | None = None) -> str:
+    """One line: the first rank that failed, how, its last error line, and how many others stopped.
+    ``first_recorded``: the rank whose record came first (:mod:`shardwise.launch.worker_errors`,
+    timed to the microsecond), whose traceback was shown; torch's own order has whole seconds, in
+    which a rank stopped by the first one's failure may come first."""
     rank, failure = err.get_first_failure()
+    if first_recorded in err.failures:
+        rank, failure = first_recorded, err.failures[first_recorded]
     how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
     message = failure.message if isinstance(failure.message, str) else ""
     detail = message.strip().splitlines()[-1] if message and "To enable traceback" not in message else ""
@@ -83,13 +88,14 @@ def run_elastic(config: LaunchConfig, entrypoint: str | Callable[..., Any], args
     except LaunchError:  # this node was dropped from the job (shardwise.launch.agent): its own line
         raise
     except ChildFailedError as err:
-        bad_input, first_traceback = worker_failure(read_records(errors))
+        records = read_records(errors)
+        bad_input, first_traceback = worker_failure(records)
         if bad_input is not None:
             raise bad_input from None
         if first_traceback:
             sys.stderr.write(first_traceback)
             sys.stderr.flush()
-        raise LaunchError(describe_failures(err, config.max_restarts)) from None
+        raise LaunchError(describe_failures(err, config.max_restarts, records[0].rank if records else None)) from None
     except SignalException as err:  # the agent has already passed the signal on and stopped the workers
         name = signal.Signals(err.sigval).name
         saves = (

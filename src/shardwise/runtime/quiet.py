@@ -23,10 +23,11 @@ starts) leaves all of them shown. Standard library only: the workers' entry poin
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 LOG_LEVEL_VAR = "SHARDWISE_LOG_LEVEL"
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
@@ -71,3 +72,18 @@ def quiet_dependencies(environ: Mapping[str, str]) -> bool:
     for rule in RULES:
         warnings.filterwarnings("ignore", message=rule.message, category=rule.category, module=rule.module)
     return True
+
+
+@contextlib.contextmanager
+def quiet_while(environ: Mapping[str, str]) -> Iterator[None]:
+    """:func:`quiet_dependencies` for the block only: the warning filters and the loggers' levels
+    are as before after it. A fork server preloads the dependencies inside it, so its own stderr
+    stays clean while each worker it forks still decides for itself (``--verbose`` shows all)."""
+    levels = {name: logging.getLogger(name).level for name in QUIET_LOGGERS}
+    with warnings.catch_warnings():
+        quiet_dependencies(environ)
+        try:
+            yield
+        finally:
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
