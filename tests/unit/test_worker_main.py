@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,21 @@ def test_the_launchers_line_names_the_rank_whose_traceback_it_showed() -> None:
     line = describe_failures(err, 0, first_recorded=1)
     assert line.startswith("rank 1 (local rank 1, pid 101) failed: exit code 1") and "1 other worker(s)" in line
     assert describe_failures(err, 0, first_recorded=5).startswith("rank 0 ")  # a record of no failed rank: torch's
+
+
+def test_a_rank_killed_without_a_record_comes_before_the_rank_the_agent_stopped() -> None:
+    """SHARDWISE_FAULT SIGKILLs rank 1 (no record); rank 0 records gloo's read error and is then
+    stopped by the agent (SIGTERM), in the same second: rank 1 failed first."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from shardwise.launch.run import describe_failures
+
+    failures = {0: ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM, error_file=""),
+                1: ProcessFailure(local_rank=1, pid=101, exitcode=-signal.SIGKILL, error_file="")}
+    for failure in failures.values():
+        failure.timestamp = 1_700_000_000
+    line = describe_failures(ChildFailedError("worker", failures), 0, first_recorded=0)
+    assert line.startswith("rank 1 (local rank 1, pid 101) failed: killed by SIGKILL"), line
+    failures[1].timestamp += 1  # a second later: torch's order holds
+    line = describe_failures(ChildFailedError("worker", failures), 0, first_recorded=0)
+    assert line.startswith("rank 0 (local rank 0, pid 100) failed: killed by SIGTERM"), line

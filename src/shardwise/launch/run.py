@@ -27,7 +27,7 @@ import time
 from typing import Any, Callable
 
 from torch.distributed.elastic.multiprocessing import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.launcher.api import LaunchConfig
 
 from shardwise.errors import LaunchError, StoppedBySignal
@@ -39,14 +39,26 @@ from shardwise.launch.worker_errors import ERROR_DIR_VAR, read_records, worker_f
 LAUNCHER_PID_VAR = "SHARDWISE_LAUNCHER_PID"  # read by shardwise.runtime.settings in the workers
 
 
-def describe_failures(err: ChildFailedError, max_restarts: int, first_recorded: int | None = None) -> str:
-    """One line: the first rank that failed, how, its last error line, and how many others stopped.
-    ``first_recorded``: the rank whose record came first (:mod:`shardwise.launch.worker_errors`,
-    timed to the microsecond), whose traceback was shown; torch's own order has whole seconds, in
-    which a rank stopped by the first one's failure may come first."""
+def first_failure(err: ChildFailedError, first_recorded: int | None = None) -> tuple[int, ProcessFailure]:
+    """The rank that failed first. torch orders failures by whole seconds; within torch's first
+    second, a rank the agent stopped (SIGTERM) came after the one whose failure made it stop, and of
+    the others the rank whose record came first (``first_recorded``: :mod:`shardwise.launch.worker_errors`,
+    timed to the microsecond, whose traceback was shown) came first. A rank killed without a record
+    (SIGKILL, a crash in native code) stays a candidate: it had no chance to write one."""
     rank, failure = err.get_first_failure()
-    if first_recorded in err.failures:
-        rank, failure = first_recorded, err.failures[first_recorded]
+    same_second = {r: f for r, f in err.failures.items() if f.timestamp == failure.timestamp}
+    candidates = {r: f for r, f in same_second.items() if f.exitcode != -signal.SIGTERM} or same_second
+    if first_recorded in candidates:
+        return first_recorded, candidates[first_recorded]
+    if rank in candidates:
+        return rank, failure
+    return min(candidates), candidates[min(candidates)]
+
+
+def describe_failures(err: ChildFailedError, max_restarts: int, first_recorded: int | None = None) -> str:
+    """One line: the first rank that failed (:func:`first_failure`), how, its last error line, and
+    how many others stopped."""
+    rank, failure = first_failure(err, first_recorded)
     how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
     message = failure.message if isinstance(failure.message, str) else ""
     detail = message.strip().splitlines()[-1] if message and "To enable traceback" not in message else ""
