@@ -305,11 +305,10 @@ def shardwise_command(zygote: Zygote, args: list[str], *, env: dict[str, str] | 
 def _prepare(request: dict[str, Any]) -> str | None:
     """Import what the request names; an error line when the process is not safe to fork."""
     sys.path.insert(0, request.get("root", os.getcwd()))
-    with contextlib.ExitStack() as scope:
-        if request.get("quiet_dependencies"):  # the import noise, as shardwise's entry points silence it
-            from shardwise.runtime.quiet import quiet_while
+    from shardwise.runtime.quiet import quiet_while
 
-            scope.enter_context(quiet_while(os.environ))
+    # the import noise, silenced as shardwise's entry points do, where the request asks for it
+    with quiet_while(os.environ) if request.get("quiet_dependencies") else contextlib.nullcontext():
         for name in request.get("preload", PRELOAD):
             try:
                 importlib.import_module(name)
