@@ -134,9 +134,9 @@ def test_the_launchers_line_names_the_rank_whose_traceback_it_showed() -> None:
     assert describe_failures(err, 0, first_recorded=5).startswith("rank 0 ")  # a record of no failed rank: torch's
 
 
-def test_a_rank_killed_without_a_record_comes_before_the_rank_the_agent_stopped() -> None:
+def test_a_rank_killed_without_a_record_comes_before_its_peers_in_the_same_second() -> None:
     """SHARDWISE_FAULT SIGKILLs rank 1 (no record); rank 0 records gloo's read error and is then
-    stopped by the agent (SIGTERM), in the same second: rank 1 failed first."""
+    stopped by the agent (SIGTERM) or exits by itself, in the same second: rank 1 failed first."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from shardwise.launch.run import describe_failures
@@ -147,6 +147,12 @@ def test_a_rank_killed_without_a_record_comes_before_the_rank_the_agent_stopped(
         failure.timestamp = 1_700_000_000
     line = describe_failures(ChildFailedError("worker", failures), 0, first_recorded=0)
     assert line.startswith("rank 1 (local rank 1, pid 101) failed: killed by SIGKILL"), line
+    failures[0] = ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file="")  # rank 0 exited by itself
+    failures[0].timestamp = failures[1].timestamp
+    line = describe_failures(ChildFailedError("worker", failures), 0, first_recorded=0)
+    assert line.startswith("rank 1 (local rank 1, pid 101) failed: killed by SIGKILL"), line
+    failures[0] = ProcessFailure(local_rank=0, pid=100, exitcode=-signal.SIGTERM, error_file="")
+    failures[0].timestamp = failures[1].timestamp
     failures[1].timestamp += 1  # a second later: torch's order holds
     line = describe_failures(ChildFailedError("worker", failures), 0, first_recorded=0)
     assert line.startswith("rank 0 (local rank 0, pid 100) failed: killed by SIGTERM"), line

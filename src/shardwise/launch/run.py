@@ -41,14 +41,19 @@ LAUNCHER_PID_VAR = "SHARDWISE_LAUNCHER_PID"  # read by shardwise.runtime.setting
 
 def first_failure(err: ChildFailedError, first_recorded: int | None = None) -> tuple[int, ProcessFailure]:
     """The rank that failed first. torch orders failures by whole seconds; within torch's first
-    second, a rank the agent stopped (SIGTERM) came after the one whose failure made it stop, and of
-    the others the rank whose record came first (``first_recorded``: :mod:`shardwise.launch.worker_errors`,
-    timed to the microsecond, whose traceback was shown) came first. A rank killed without a record
-    (SIGKILL, a crash in native code) stays a candidate: it had no chance to write one."""
+    second, a rank the agent stopped (SIGTERM) came after the one whose failure made it stop. Of the
+    others, a rank killed by another signal (SIGKILL, a crash in native code) came first: it had no
+    chance to write a record, and what its peers recorded then (a read error, a closed connection)
+    followed from its death; the agent's own SIGKILL comes only after its shutdown timeout, seconds
+    later. Then the rank whose record came first (``first_recorded``:
+    :mod:`shardwise.launch.worker_errors`, timed to the microsecond, whose traceback was shown)."""
     rank, failure = err.get_first_failure()
     same_second = {r: f for r, f in err.failures.items() if f.timestamp == failure.timestamp}
     candidates = {r: f for r, f in same_second.items() if f.exitcode != -signal.SIGTERM} or same_second
-    if first_recorded in candidates:
+    killed = {r: f for r, f in candidates.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    if killed:
+        candidates = killed
+    elif first_recorded in candidates:
         return first_recorded, candidates[first_recorded]
     if rank in candidates:
         return rank, failure
