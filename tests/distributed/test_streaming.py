@@ -18,6 +18,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -279,3 +280,39 @@ def test_plan_auto_sizes_and_certifies_on_a_stream(pools, tmp_path) -> None:
         certificate
     )  # certified on the stream's first batches
     assert (tmp_path / "run" / "auto_plan.json").is_file()
+
+
+@pytest.mark.parametrize("kind", ["stream", "persistent-map"])
+def test_fit_stops_its_loader_workers_before_it_returns(tmp_path, kind) -> None:
+    """The loader's worker processes end with ``fit``; torch would stop them only when the trainer
+    is garbage-collected, and in the cyclic collector that waits 5 s per worker. A stream's position
+    is kept for a save after ``fit``."""
+    import gc
+    import multiprocessing
+    import time
+
+    from torch.utils.data import TensorDataset
+
+    from shardwise.train import DataOptions, LoggingOptions, TrainOptions, Trainer
+
+    before = set(multiprocessing.active_children())
+    if kind == "stream":
+        data = PackedStream(_token_files(str(tmp_path)), seq_len=SEQ, eos_id=0)
+    else:
+        ids = torch.arange(64 * (SEQ + 1)).reshape(64, SEQ + 1) % VOCAB
+        data = TensorDataset(ids[:, :-1], ids[:, 1:])
+    trainer = Trainer(nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, VOCAB)),
+                      loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+                      optimizer=lambda p: torch.optim.SGD(p, lr=0.5), global_batch_size=GBS,
+                      train=TrainOptions(max_steps=2, seed=3),
+                      data=DataOptions(num_workers=2, worker_start_method="fork", persistent_workers=True),
+                      logging=LoggingOptions(log_every=1, progress_bar=False))
+    assert trainer.fit(data).step == 2
+    assert set(multiprocessing.active_children()) == before  # the two workers have ended
+    if kind == "stream":
+        state = trainer.state.sampler.state_dict()
+        assert state["consumed"] == 2 * GBS and len(state["loader"]["_snapshot"]["_worker_snapshots"]) == 2, state
+    start = time.perf_counter()
+    del trainer
+    gc.collect()
+    assert time.perf_counter() - start < 2.0

@@ -114,3 +114,18 @@ class DistributedLoader:
     @property
     def batch_size(self) -> int | None:
         return self.loader.batch_size
+
+
+def stop_workers(loader: Any) -> None:
+    """Stops the worker processes of ``loader``'s live iterator now (a ``DataLoader`` with
+    ``persistent_workers``, or torchdata's ``StatefulDataLoader``, which keeps its iterator).
+
+    torch stops them when the iterator is garbage-collected. When the loader sits in a reference
+    cycle (a trainer, its callbacks), that happens in the cyclic collector, which closes the
+    iterator's queues before the iterator's own ``__del__`` runs: the stop signal never reaches the
+    workers, and each one is waited for 5 s (``MP_STATUS_CHECK_INTERVAL``) and then killed. A
+    ``DataLoader`` without persistent workers keeps no iterator: nothing to do."""
+    iterator = getattr(loader, "_iterator", None)
+    shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's and torchdata's multi-process iterator
+    if shutdown is not None:
+        shutdown()

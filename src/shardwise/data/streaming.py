@@ -49,6 +49,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shardwise.data.documents import DocumentSource, document_source
+from shardwise.data.loader import stop_workers
 from shardwise.data.packing import TokenPosition, TokenStream
 from shardwise.errors import ConfigError
 
@@ -200,44 +201,47 @@ class PackedStream(IterableDataset):
 
 
 class StreamPosition:
-    """The Trainer's data position for a :class:`PackedStream` (what ``ShardedSampler`` is for
-    map-style data): ``set_epoch``, ``advance``, ``epoch_finished``, ``state_dict``."""
+    """The Trainer's data position for a :class:`StreamLoader` (what ``ShardedSampler`` is for
+    map-style data): ``set_epoch``, ``advance``, ``epoch_finished``, ``state_dict``. A view: the
+    position lives on the loader (``StreamLoader.position`` makes one), so the two hold no reference
+    cycle and a loader let go of is freed, its workers stopped, at once."""
 
-    def __init__(self, dataset: PackedStream, loader: Any) -> None:
-        self.dataset, self.loader = dataset, loader
-        self.epoch, self.consumed, self.exhausted = 0, 0, False
+    def __init__(self, loader: StreamLoader) -> None:
+        self.loader = loader
 
     def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.epoch, self.consumed = epoch, 0
-        self.exhausted = False
-        self.dataset.epoch, self.dataset.start = self.epoch, self.consumed
+        loader = self.loader
+        if epoch != loader.epoch:
+            loader.epoch, loader.consumed = epoch, 0
+        loader.exhausted = False
+        loader.dataset.epoch, loader.dataset.start = loader.epoch, loader.consumed
 
     def advance(self, samples: int) -> None:
-        self.consumed += samples
+        self.loader.consumed += samples
 
     @property
     def epoch_finished(self) -> bool:
-        return self.exhausted
+        return self.loader.exhausted
 
     def _layout(self) -> dict[str, int]:
-        d = self.dataset
+        d = self.loader.dataset
         return {"dp_size": d.dp_size, "micro_batch": d.micro_batch, "global_batch": d.global_batch,
                 "num_workers": int(getattr(self.loader.loader, "num_workers", 0))}
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "epoch": self.epoch,
-            "consumed": self.consumed,
+            "epoch": self.loader.epoch,
+            "consumed": self.loader.consumed,
             "layout": self._layout(),
-            "loader": self.loader.loader.state_dict(),
+            "loader": self.loader.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
-        self.dataset.epoch, self.dataset.start = self.epoch, self.consumed
+        loader = self.loader
+        loader.epoch, loader.consumed = int(state["epoch"]), int(state["consumed"])
+        loader.dataset.epoch, loader.dataset.start = loader.epoch, loader.consumed
         if state.get("layout") == self._layout():
-            self.loader.loader.load_state_dict(state["loader"])  # every worker exactly where it was
+            loader.loader.load_state_dict(state["loader"])  # every worker exactly where it was
         # else: each worker re-reads the epoch and skips the windows before `consumed` (module doc)
 
 
@@ -262,9 +266,27 @@ class StreamLoader:
         extra: dict[str, Any] = {"collate_fn": collate_fn} if collate_fn is not None else {}
         if num_workers and multiprocessing_context:
             extra["multiprocessing_context"] = multiprocessing_context
+        self.dataset = dataset
         self.loader = StatefulDataLoader(dataset, batch_size=micro_batch_size, num_workers=num_workers, **extra)
-        self.position = StreamPosition(dataset, self)
+        self.epoch, self.consumed, self.exhausted = 0, 0, False  # the position (:class:`StreamPosition`)
+        self._closed_state: dict[str, Any] | None = None
+
+    @property
+    def position(self) -> StreamPosition:
+        return StreamPosition(self)
 
     def __iter__(self) -> Iterator[Any]:
+        if self._closed_state is not None:
+            raise RuntimeError("this StreamLoader was closed")
         yield from self.loader
-        self.position.exhausted = True
+        self.exhausted = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's (every worker's) position; after :meth:`close`, the one it had then."""
+        return self._closed_state if self._closed_state is not None else self.loader.state_dict()
+
+    def close(self) -> None:
+        """Keeps the position, then stops the worker processes now (:func:`~shardwise.data.loader.stop_workers`)."""
+        if self._closed_state is None:
+            self._closed_state = self.loader.state_dict()
+            stop_workers(self.loader)

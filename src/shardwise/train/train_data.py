@@ -8,6 +8,8 @@ loader that gives this data-parallel rank its micro-batches with a resumable pos
   ``max_steps``; it is read through torchdata's ``StatefulDataLoader``
   (:class:`~shardwise.data.streaming.StreamLoader`), whose ``StreamPosition`` is the position.
 
+`fit` stops the loader's worker processes before it returns (:func:`close_train_data`).
+
 Both positions have ``set_epoch``, ``advance``, ``epoch_finished`` and ``state_dict``: the
 checkpoint saves them with the train state.
 """
@@ -18,7 +20,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from shardwise.data.loader import LoaderOptions, train_loader
+from shardwise.data.loader import LoaderOptions, stop_workers, train_loader
 from shardwise.data.streaming import PackedStream, StreamLoader
 from shardwise.errors import ConfigError
 
@@ -56,3 +58,13 @@ def open_train_data(data: Dataset, *, options: LoaderOptions, dp_rank: int, dp_s
     loader = train_loader(data, micro_batch_size=micro_batch_size, global_batch_size=global_batch_size, dp_rank=dp_rank,
                           dp_size=dp_size, seed=seed, shuffle=shuffle, options=options)
     return loader, loader.sampler
+
+
+def close_train_data(loader: Any) -> None:
+    """Stops the loader's worker processes at the end of ``fit`` (a stream's loader keeps its
+    position for a later save); otherwise they would live as long as the trainer, and torch would
+    stop them in the cyclic garbage collector, 5 s per worker (:func:`~shardwise.data.loader.stop_workers`)."""
+    if isinstance(loader, StreamLoader):
+        loader.close()
+    else:
+        stop_workers(loader)

@@ -63,7 +63,7 @@ from shardwise.train.precision import LossScaler, autocast_precision
 from shardwise.train.result import FitResult
 from shardwise.train.ft import fault_tolerant
 from shardwise.train.state import TrainState, checkpointed_parts
-from shardwise.train.train_data import batches_per_epoch
+from shardwise.train.train_data import batches_per_epoch, close_train_data
 from shardwise.auto.certify import CertifyOptions
 
 log = get_logger("train")
@@ -314,8 +314,11 @@ class Trainer:
             log.info(reduction.describe())
         # --ft-replicas groups (train/ft.py)
         train_step = fault_tolerant(fit_loop.optimizer_step(self, reduction), self, loader)
-        fit_loop.run_epochs(self, train_step, loader, sampler, val_data, progress)
-        return fit_loop.close_fit(self, val_data, progress)
+        try:
+            fit_loop.run_epochs(self, train_step, loader, sampler, val_data, progress)
+            return fit_loop.close_fit(self, val_data, progress)
+        finally:
+            close_train_data(loader)
 
     # -- evaluation -----------------------------------------------------------------------
     def evaluate(self, data: Dataset) -> dict[str, float]:
