@@ -113,3 +113,25 @@ def test_a_documented_command_is_resolved_only_on_the_path_of_one_that_runs() ->
         assert p.cmd.error is None or p.cmd.error == first.cmd.error, f"`{p.cmd.text}` shows a refusal: it runs"
         assert p.why_same
     assert all(why for options in VALUE_ONLY.values() for why in options.values())
+
+
+def test_under_xdist_each_file_runs_on_one_worker(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--dist loadgroup with the groups suite_order gives: a file's tests share a worker, so its
+    module fixtures are built once (this failed with pytest 9.2 and pytest-xdist 3.8)."""
+    pytester.makeconftest(CONFTEST)
+    body = ("import os, pytest\n@pytest.fixture(scope='module')\ndef built():\n"
+            "    with open('built.txt', 'a') as f: f.write(__name__ + '\\n')\n"
+            + "".join(f"def test_{i}(built):\n    with open('ran.txt', 'a') as f:"
+                      f" f.write(__name__ + ' ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n" for i in range(4)))
+    pytester.makepyfile(test_a=body, test_b=body, test_c=body)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[2]))  # this checkout's tests.suite_order
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder",
+                                           "-p", "no:cacheprovider", "-q")
+    assert result.ret == 0, result.outlines
+    built = (pytester.path / "built.txt").read_text().split()
+    assert sorted(built) == ["test_a", "test_b", "test_c"], built  # one module fixture per file
+    workers = {}
+    for line in (pytester.path / "ran.txt").read_text().splitlines():
+        name, worker = line.split()
+        workers.setdefault(name, set()).add(worker)
+    assert all(len(w) == 1 for w in workers.values()), workers
