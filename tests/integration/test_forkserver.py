@@ -8,8 +8,8 @@ a forked worker from a fresh one."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +35,8 @@ print(json.dumps({"rank": rank, "world": os.environ["WORLD_SIZE"], "argv": sys.a
                   "filters": filters}), flush=True)
 if mode == "fail" and rank == 1:
     sys.exit(3)
+if mode == "fail":  # stopped by the agent (else whether it ended first, exit 0, would be a race)
+    time.sleep(60)
 if mode == "wait":
     def stop(signum, frame):
         print(f"rank {rank} got {signal.Signals(signum).name}", flush=True)
@@ -112,7 +114,7 @@ def test_a_forked_worker_fails_and_stops_as_a_fresh_one(server: str, tmp_path: P
         proc = _run(cwd, "fail", path)
         out, err = proc.communicate(timeout=120)
         failed = [line for line in err.splitlines() if "failed" in line]
-        ends[name] = (proc.returncode, [line.split("(local rank")[0] + line.split(")")[-1] for line in failed])
+        ends[name] = (proc.returncode, [re.sub(r" \(local rank \d+, pid \d+\)", "", line) for line in failed])
         proc = _run(cwd, "wait", path, start_new_session=True)
         deadline = time.monotonic() + 60
         while not all((cwd / f"ready-{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
