@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -21,6 +20,7 @@ import pytest
 from shardwise.checkpoint import commit as cm
 from tests.distributed.test_checkpoint_workload import Job
 from tests.checkout import checkout_env
+from tests.worker_forkserver import python
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WIDTH = 40_000
@@ -29,8 +29,11 @@ WAVE = 5  # processes alive at once (the machine is shared; start-up dominates)
 
 
 def _start(directory: str, async_save: bool, steps: int = 10_000) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
+    # Forked from the session's fork server (tests.worker_forkserver.python): the SIGKILL goes to the
+    # client, whose closed connection makes the server SIGKILL the training process at once; what is
+    # checked is what that process left on disk, and the lines it printed until then.
+    env = checkout_env()
+    cmd = python(
         "-m",
         "tests.distributed.test_checkpoint_workload",
         "--dir",
@@ -43,8 +46,9 @@ def _start(directory: str, async_save: bool, steps: int = 10_000) -> subprocess.
         str(WIDTH),
         "--keep",
         "2",
-    ] + (["--async-save"] if async_save else [])
-    env = checkout_env()
+        *(["--async-save"] if async_save else []),
+        env=env,
+    )
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
 
