@@ -19,11 +19,12 @@ are checked for their flags only.
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -126,17 +127,24 @@ def leading_globals(args: list[str]) -> tuple[list[str], list[str]]:
     return args[:n], args[n:]
 
 
+@functools.cache
+def parser() -> Any:
+    """``shardwise``'s argument parser, built once per process: only parsed with (argparse keeps no
+    state between parses), at collection time for every documented command."""
+    from shardwise.cli import build_parser
+
+    return build_parser()
+
+
 def parse_error(argv: list[str]) -> str | None:
     """What ``shardwise``'s own parser says about ``argv`` (None: it parses)."""
     import contextlib
     import io
 
-    from shardwise.cli import build_parser
-
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:
-            build_parser().parse_args(argv)
+            parser().parse_args(argv)
         except SystemExit as exc:
             return (err.getvalue().strip() or "exit") if exc.code else None
     return None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.doc_commands import Command, all_commands, leading_globals
+from tests.doc_commands import Command, all_commands, leading_globals, parser
 from tests.integration.docs_shrink import SERVE_S, SERVERS, _value, shrunk, skip_reason
 
 # Options (argparse destinations, per subcommand) that change no code path: a command that differs
@@ -69,11 +69,9 @@ def _cost(argv: list[str]) -> float:
 
 def namespace(argv: list[str]) -> dict[str, Any] | None:
     """``shardwise``'s parsed options for ``argv`` (None: the parser refuses them)."""
-    from shardwise.cli import build_parser
-
     with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
         try:
-            ns = vars(build_parser().parse_args(argv))
+            ns = vars(parser().parse_args(argv))
         except SystemExit:
             return None
     ns.pop("func", None)
