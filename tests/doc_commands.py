@@ -314,10 +314,8 @@ def pages() -> list[Path]:
 
 def all_commands() -> list[Command]:
     """Every documented command, each once (the places it is shown merged), in the order found."""
-    from shardwise.cli import build_parser
-
     found: dict[str, Command] = {}
-    for cmd in [c for path in pages() for c in page_commands(path)] + help_examples(build_parser()):
+    for cmd in [c for path in pages() for c in page_commands(path)] + help_examples(parser()):
         key = (
             " ".join(cmd.argv)
             + (f" > {cmd.stdout_file}" if cmd.stdout_file else "")

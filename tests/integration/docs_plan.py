@@ -183,7 +183,7 @@ def resolution(argv: list[str]) -> dict[str, Any]:
     current directory; raises what the command would refuse with): the value-only options left out."""
     from shardwise.cli import build_parser
 
-    with contextlib.redirect_stderr(io.StringIO()):
+    with contextlib.redirect_stderr(io.StringIO()):  # a parser of its own: the resolution may change what it parsed
         args = build_parser().parse_args(argv)
     sub = argv[0]
     if sub == "train":

@@ -51,13 +51,11 @@ def first_failure(err: ChildFailedError, first_recorded: int | None = None) -> t
     same_second = {r: f for r, f in err.failures.items() if f.timestamp == failure.timestamp}
     candidates = {r: f for r, f in same_second.items() if f.exitcode != -signal.SIGTERM} or same_second
     killed = {r: f for r, f in candidates.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
-    if killed:
-        candidates = killed
-    elif first_recorded in candidates:
+    if not killed and first_recorded in candidates:
         return first_recorded, candidates[first_recorded]
-    if rank in candidates:
-        return rank, failure
-    return min(candidates), candidates[min(candidates)]
+    pick = killed or candidates
+    first = rank if rank in pick else min(pick)
+    return first, pick[first]
 
 
 def describe_failures(err: ChildFailedError, max_restarts: int, first_recorded: int | None = None) -> str:
