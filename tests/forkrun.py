@@ -7,10 +7,12 @@ milliseconds. Nothing has run in the parent (no thread, no OpenMP pool, no proce
 fork is safe; each child gets its own session (so a timeout kills it with everything it started),
 working directory, environment, and stdout/stderr files, then runs ``shardwise.cli.main(argv)``
 (or a Python file, or a function), exactly what the command's entry point does. Processes a
-command starts (the workers of ``shardwise run``) are ordinary new interpreters.
+command starts (the workers of ``shardwise run``) are new interpreters, or fork from the session's
+server where the environment names one (tests/worker_forkserver.py).
 
 A job: ``{"id", "kind": "shardwise"|"python"|"call", "argv", "cwd", "env", "stdout", "stderr",
-"timeout_s"}`` (``call``: ``argv = [module, function, *args]``); ``"unprivileged": true`` runs it, as
+"timeout_s"}`` (``call``: ``argv = [module, function, *args]``; a ``python`` job's ``"executable"``
+is its script's ``sys.executable``, the ``python`` it starts); ``"unprivileged": true`` runs it, as
 root, subject to file permissions (:func:`drop_permission_override`). Jobs run ``parallel`` at a time,
 longest expected first (``"cost"``); the answer maps each id to ``{"rc", "seconds", "cpu_s"}``
 (``rc`` is ``"timeout"`` when it was killed; ``cpu_s``: the CPU time of the command and of the
@@ -102,6 +104,8 @@ def _child(job: dict[str, Any]) -> int:
             import runpy
 
             sys.argv = argv
+            if job.get("executable"):  # what the script starts as `sys.executable` (a forking `python`)
+                sys.executable = job["executable"]
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
             runpy.run_path(argv[0], run_name="__main__")
             return 0

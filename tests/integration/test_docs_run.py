@@ -31,8 +31,10 @@ its resolution must equal the run's.
 
 Spread: each command is its own test item in its own pytest-xdist group (``--dist loadgroup``), so
 the two workers share them; in each worker one process imports torch, shardwise and transformers
-once and forks a child per command (:class:`tests.forkrun.Zygote`). The files, the Hugging Face
-model and the three fixture runs are made once per session (the first worker to need them, under a
+once and forks a child per command (:class:`tests.forkrun.Zygote`); a documented Python script
+that starts ``shardwise`` as ``sys.executable -m shardwise.cli`` (the examples) finds there a
+``python`` that forks from the session's server (:func:`tests.worker_forkserver.python_wrapper`). The files, the
+Hugging Face model and the three fixture runs are made once per session (the first worker to need them, under a
 file lock; the others wait for them). Each command's figures (wall and CPU seconds, or how it was
 checked) are printed at the end of the run (``docs commands`` in the summary).
 """
@@ -49,12 +51,14 @@ from typing import Any, Iterator
 
 import pytest
 
+from shardwise.launch.forkserver import FORKSERVER_VAR
 from tests.doc_commands import Command, all_commands
 from tests.forkrun import Zygote
 from tests.integration.docs_fixtures import HF_NAMES, PRELOAD, fixtures, workdir
 from tests.integration.docs_plan import Planned, jobs_of, plan_commands, resolution
 from tests.integration.docs_shrink import (  # noqa: F401 - the names this module has always offered
     INSTRUCT_SEQ, NPROC_CAP, SERVE_S, SERVERS, TINY_GPT, TINY_HF, shrunk, skip_reason)
+from tests.worker_forkserver import python_wrapper
 
 GPT_RUN = [
     "train",
@@ -103,12 +107,16 @@ class DocsRun:
     root: Path
     planned: list[Planned]
     zygote: Zygote
+    python: str | None  # the `python` a documented script starts (sys.executable): forked from the server
 
     def run(self, p: Planned) -> dict[str, Any]:
         assert p.cwd is not None
         if not p.cwd.exists():
             workdir(self.root / "fixtures", p.cwd)
-        return self.zygote.run(jobs_of(p, ENV))
+        phases = jobs_of(p, ENV)
+        for job in (job for phase in phases for job in phase if job["kind"] == "python" and self.python):
+            job["executable"] = self.python
+        return self.zygote.run(phases)
 
 
 def _shared_root(factory: pytest.TempPathFactory) -> Path:
@@ -172,11 +180,12 @@ def _make_fixtures(root: Path, zygote: Zygote) -> None:
 def docs_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocsRun]:
     """This worker's zygote (torch, shardwise, transformers imported once), the fixtures (made once
     per session) and the plan of every command; each test runs its own command."""
-    root = _shared_root(tmp_path_factory)
-    zygote = Zygote(env=ENV, preload=PRELOAD, log=str(tmp_path_factory.getbasetemp() / "docs-zygote.log"))
+    root, mine = _shared_root(tmp_path_factory), tmp_path_factory.getbasetemp()
+    zygote = Zygote(env=ENV, preload=PRELOAD, log=str(mine / "docs-zygote.log"))
+    python = python_wrapper(str(mine)) if os.environ.get(FORKSERVER_VAR) else None
     try:
         _make_fixtures(root, zygote)
-        yield DocsRun(root, plan_commands(root), zygote)
+        yield DocsRun(root, plan_commands(root), zygote, python)
     finally:
         zygote.close()
 
