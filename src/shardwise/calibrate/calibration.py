@@ -4,7 +4,8 @@ All N local processes measure *at the same time*, so the figures include what th
 other: on a CPU box with fewer cores than processes each gets its share. Each figure is a
 *concurrent window*: the ranks agree on a call count long enough to span many scheduler time
 slices (0.15 s at the fastest rank's pace), start together after a barrier, and the slowest rank's
-elapsed time over that count is the answer (median of three windows). Short per-rank timings
+elapsed time over that count is the answer (median of three windows; ``--quick``: one window a
+third as long, :data:`~shardwise.calibrate.timing.QUICK`). Short per-rank timings
 would let a rank that happens to run while the others are descheduled report a speed no step
 ever sees.
 
@@ -55,7 +56,7 @@ from shardwise.calibrate.layer_costs import (
     measure_parallel_layer_overheads,
     measure_pipeline_overlap,
 )
-from shardwise.calibrate.timing import concurrent_seconds, solo_seconds
+from shardwise.calibrate.timing import FULL, QUICK, Windows, concurrent_seconds, solo_seconds
 
 DEFAULT_SIZES = (4 * 2**10, 64 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
 
@@ -77,24 +78,24 @@ class Calibration:
     threads: int = 1  # intra-op threads per process while measuring
 
 
-def measure_matmul(device: Any, dtype: Any, n: int) -> float:
+def measure_matmul(device: Any, dtype: Any, n: int, timing: Windows = FULL) -> float:
     """FLOP/s of one process for ``n x n`` matmuls while every rank runs the same (concurrent window)."""
     import torch
 
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n**3 / concurrent_seconds(lambda: a @ b, device)
+    return 2 * n**3 / concurrent_seconds(lambda: a @ b, device, timing=timing)
 
 
-def measure_overhead(device: Any) -> float:
+def measure_overhead(device: Any, timing: Windows = FULL) -> float:
     """Seconds per tiny operator (dispatch + launch), the fixed cost eager execution pays per op."""
     import torch
 
     x = torch.ones(8, device=device)
-    return concurrent_seconds(lambda: x + 1, device, window_s=0.05)
+    return concurrent_seconds(lambda: x + 1, device, window_s=0.05, timing=timing)
 
 
-def measure_dtensor_overhead(device: Any) -> float:
+def measure_dtensor_overhead(device: Any, timing: Windows = FULL) -> float:
     """Extra seconds of one DTensor operator over a plain one (sharding propagation and dispatch)."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
@@ -105,29 +106,29 @@ def measure_dtensor_overhead(device: Any) -> float:
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     d = distribute_tensor(torch.ones(8 * dist.get_world_size(), device=device), mesh, [Shard(0)])
     plain = torch.ones(8, device=device)
-    dt = concurrent_seconds(lambda: d + 1, device, window_s=0.05)
-    pt = concurrent_seconds(lambda: plain + 1, device, window_s=0.05)
+    dt = concurrent_seconds(lambda: d + 1, device, window_s=0.05, timing=timing)
+    pt = concurrent_seconds(lambda: plain + 1, device, window_s=0.05, timing=timing)
     return max(dt - pt, 0.0)
 
 
-def measure_solo_matmul(device: Any, n: int) -> float:
+def measure_solo_matmul(device: Any, n: int, timing: Windows = FULL) -> float:
     """fp32 FLOP/s of rank 0 alone (the others wait at a barrier): a process's speed when it has
     the machine to itself, as a pipeline stage has during the fill and drain."""
     import torch
 
     a = torch.randn(n, n, device=device)
-    return 2 * n**3 / solo_seconds(lambda: a @ a, device)
+    return 2 * n**3 / solo_seconds(lambda: a @ a, device, timing=timing)
 
 
 # (hidden, tokens per microbatch, sequence length) of the reference transformer layers: small on a
 # CPU, GPT-2 to GPT-3-13B widths on a GPU.
-def measure_memory_bw(device: Any, *, nbytes: int = 64 * 2**20) -> float:
+def measure_memory_bw(device: Any, *, nbytes: int = 64 * 2**20, timing: Windows = FULL) -> float:
     """Bytes per second of a large copy (read + write) while every rank copies."""
     import torch
 
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    return 2 * nbytes / concurrent_seconds(lambda: dst.copy_(src), device, window_s=0.1)
+    return 2 * nbytes / concurrent_seconds(lambda: dst.copy_(src), device, window_s=0.1, timing=timing)
 
 
 CPU_MATMUL_SIZES = (64, 128, 256, 512, 1024)
@@ -144,8 +145,9 @@ def calibrate_worker(
     process already has (``shardwise run`` gives each local process the cores divided among them),
     because that is what training will get; ``matmul_sizes`` None: the device's default sizes.
     ``quick``: the same measurements at fewer sizes (the smaller default matmuls, the narrower
-    transformer layers): a first look in a fraction of the time, with lower peaks and a shorter
-    table of layer throughputs for the planner to interpolate."""
+    transformer layers), each timed in one shorter window (:data:`~shardwise.calibrate.timing.QUICK`):
+    a first look in a fraction of the time, with lower peaks, noisier figures and a shorter table of
+    layer throughputs for the planner to interpolate."""
     import torch
     import torch.distributed as dist
 
@@ -159,15 +161,18 @@ def calibrate_worker(
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if device.type == "cuda":
         dtypes["fp16"] = torch.float16
-    matmul = {name: {n: measure_matmul(device, dt, n) for n in matmul_sizes} for name, dt in dtypes.items()}
-    memory_bw = measure_memory_bw(device)
-    overhead = measure_overhead(device)
-    dtensor = measure_dtensor_overhead(device)
-    layer_overheads = measure_parallel_layer_overheads(device)
-    block = measure_block_throughput(device, ("fp32", "bf16"), widths=QUICK_BLOCK_WIDTHS if quick else None)
-    optimizer = measure_optimizer(device)
-    solo = measure_solo_matmul(device, max(matmul_sizes))
-    layer_overheads["pipeline_overlap"] = measure_pipeline_overlap(device, layer_overheads.get("pp_microbatch_s", 0.0))
+    timing = QUICK if quick else FULL
+    matmul = {name: {n: measure_matmul(device, dt, n, timing) for n in matmul_sizes} for name, dt in dtypes.items()}
+    memory_bw = measure_memory_bw(device, timing=timing)
+    overhead = measure_overhead(device, timing)
+    dtensor = measure_dtensor_overhead(device, timing)
+    layer_overheads = measure_parallel_layer_overheads(device, timing=timing)
+    widths = QUICK_BLOCK_WIDTHS if quick else None
+    block = measure_block_throughput(device, ("fp32", "bf16"), widths=widths, timing=timing)
+    optimizer = measure_optimizer(device, timing)
+    solo = measure_solo_matmul(device, max(matmul_sizes), timing)
+    slot_s = layer_overheads.get("pp_microbatch_s", 0.0)
+    layer_overheads["pipeline_overlap"] = measure_pipeline_overlap(device, slot_s, timing)
     rows = measure_bandwidth(device, list(sizes), iters=iters)
     n = dist.get_world_size()
     if device.type == "cuda":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from shardwise.calibrate.timing import concurrent_seconds
+from shardwise.calibrate.timing import FULL, Windows, concurrent_seconds
 
 
 def _tiny_gpt(layers: int) -> Any:
@@ -25,7 +25,7 @@ def _tiny_gpt(layers: int) -> Any:
     return GPTConfig(vocab_size=8 * n, seq_len=8, layers=layers, hidden=8 * n, heads=n)
 
 
-def _layer_step_seconds(plan_text: str, device: Any, *, cfg: Any, batch: int = 2) -> float:
+def _layer_step_seconds(plan_text: str, device: Any, *, cfg: Any, batch: int = 2, timing: Windows = FULL) -> float:
     """Seconds of one forward + backward of the built-in GPT ``cfg`` on ``batch`` samples under
     ``plan_text`` ("" for the plain model; with pipeline stages, the whole schedule over the plan's
     microbatches), in concurrent windows (every rank makes the same calls: the sharded model
@@ -53,17 +53,17 @@ def _layer_step_seconds(plan_text: str, device: Any, *, cfg: Any, batch: int = 2
         extra = {"loss_fn": loss_fn} if plan.pp > 1 else {}
         pm = parallelize(GPT(cfg, seed=0).to(device), plan, build_mesh(plan, device.type), **extra)
         if pm.pipeline is not None:
-            return concurrent_seconds(lambda: pm.pipeline.step(ids, ids), device, window_s=0.2)
+            return concurrent_seconds(lambda: pm.pipeline.step(ids, ids), device, window_s=0.2, timing=timing)
         module, context = pm.module, pm.step_context
 
     def step() -> None:
         with context():
             loss_fn(module(ids), ids).backward()
 
-    return concurrent_seconds(step, device, window_s=0.2)
+    return concurrent_seconds(step, device, window_s=0.2, timing=timing)
 
 
-def measure_pipeline_overlap(device: Any, slot_s: float) -> float:
+def measure_pipeline_overlap(device: Any, slot_s: float, timing: Windows = FULL) -> float:
     """How much faster a pipeline stage runs while others idle, as the pipelining runtime really
     gets it (0 when not measured: GPUs, one process, an odd world).
 
@@ -91,8 +91,9 @@ def measure_pipeline_overlap(device: Any, slot_s: float) -> float:
         y = block(x)
         y.backward(torch.ones_like(y))
 
-    t = concurrent_seconds(stage, device, window_s=0.2)
-    piped = _layer_step_seconds(f"pp={n},schedule=1f1b,microbatches={n}", device, cfg=cfg, batch=batch * n)
+    t = concurrent_seconds(stage, device, window_s=0.2, timing=timing)
+    pipe = f"pp={n},schedule=1f1b,microbatches={n}"
+    piped = _layer_step_seconds(pipe, device, cfg=cfg, batch=batch * n, timing=timing)
     p = n
     busy = piped - (2 * p - 1) * slot_s  # the compute part of the pipelined step
     if busy <= p * t:
@@ -100,7 +101,7 @@ def measure_pipeline_overlap(device: Any, slot_s: float) -> float:
     return max(1.0, (2 * p - 1) * t / busy)
 
 
-def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[str, float]:
+def measure_parallel_layer_overheads(device: Any, *, layers: int = 4, timing: Windows = FULL) -> dict[str, float]:
     """Fixed seconds that tensor parallelism, FSDP and pipelining add, measured on a GPT too small
     for bandwidth to matter (hidden 8 per rank): per layer forward + backward under TP over all
     ranks, per FSDP unit (the blocks and the root) under ZeRO-3 / ZeRO-2, and per pipeline
@@ -113,10 +114,10 @@ def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[st
     if n < 2:
         return {"tp_layer_s": 0.0, "zero3_unit_s": 0.0, "zero2_unit_s": 0.0, "pp_microbatch_s": 0.0}
     tiny = _tiny_gpt(layers)
-    plain = _layer_step_seconds("", device, cfg=tiny)
-    tp = _layer_step_seconds(f"tp={n}", device, cfg=tiny)
-    zero3 = _layer_step_seconds(f"zero=3,dp=1,shard={n}", device, cfg=tiny)
-    zero2 = _layer_step_seconds(f"zero=2,dp=1,shard={n}", device, cfg=tiny)
+    plain, tp, zero3, zero2 = (
+        _layer_step_seconds(plan, device, cfg=tiny, timing=timing)
+        for plan in ("", f"tp={n}", f"zero=3,dp=1,shard={n}", f"zero=2,dp=1,shard={n}")
+    )
     # Pipeline: all ranks as stages (at most 8; the tiny GPT gets a block per stage), p and 2p
     # microbatches; each extra microbatch adds one slot to the critical path.
     stages = n if n <= 8 else next(p for p in (8, 4, 2) if n % p == 0) if n % 2 == 0 else 0
@@ -124,9 +125,12 @@ def measure_parallel_layer_overheads(device: Any, *, layers: int = 4) -> dict[st
     if stages > 1:
         piped = _tiny_gpt(max(layers, stages))
         pipe = f"pp={stages},dp={n // stages},schedule=1f1b"
-        one = _layer_step_seconds(pipe + f",microbatches={stages}", device, cfg=piped, batch=2 * stages)
-        two = _layer_step_seconds(pipe + f",microbatches={2 * stages}", device, cfg=piped, batch=4 * stages)
-        plain_stack = plain if piped.layers == layers else _layer_step_seconds("", device, cfg=piped)
+        one, two = (
+            _layer_step_seconds(pipe + f",microbatches={m * stages}", device, cfg=piped, batch=2 * m * stages,
+                                timing=timing)
+            for m in (1, 2)
+        )
+        plain_stack = plain if piped.layers == layers else _layer_step_seconds("", device, cfg=piped, timing=timing)
         pp_microbatch = max((two - one) / stages - plain_stack / stages, 0.0)
     units = layers + 1
     return {"tp_layer_s": max(tp - plain, 0.0) / layers, "zero3_unit_s": max(zero3 - plain, 0.0) / units,
@@ -140,7 +144,7 @@ GPU_BLOCK_SHAPES = ((512, 8192, 1024), (1024, 8192, 1024), (2048, 8192, 1024), (
 
 
 def measure_block_throughput(
-    device: Any, precisions: tuple[str, ...], *, widths: int | None = None
+    device: Any, precisions: tuple[str, ...], *, widths: int | None = None, timing: Windows = FULL
 ) -> dict[str, dict[str, float]]:
     """Achieved FLOP/s of transformer layers (a stack of the built-in GPT's ``Block``: LayerNorms,
     q/k/v/o projections, ``scaled_dot_product_attention``, GELU MLP), forward + backward including
@@ -198,14 +202,14 @@ def measure_block_throughput(
                     y = block(x)
                 y.backward(torch.ones_like(y))
 
-            last_call_s, last_flops = concurrent_seconds(step, device, window_s=0.2, windows=2), flops
+            last_call_s, last_flops = concurrent_seconds(step, device, window_s=0.2, windows=2, timing=timing), flops
             table[dim] = flops / last_call_s
             block = x = None  # freed before the next size is built
         out[precision if recompute == "none" else f"{precision}+recompute"] = table
     return out
 
 
-def measure_optimizer(device: Any) -> dict[str, float]:
+def measure_optimizer(device: Any, timing: Windows = FULL) -> dict[str, float]:
     """Seconds of ``torch.optim.Adam.step`` (the device's default implementation) per parameter
     tensor, per tensor when the parameters are DTensors sharded over the world (what FSDP2 and TP
     hand the optimizer), and per element: from 64 small tensors and one large one
@@ -217,7 +221,7 @@ def measure_optimizer(device: Any) -> dict[str, float]:
         for p in params:
             p.grad = torch.zeros_like(p)
         opt = torch.optim.Adam(params, lr=1e-3)
-        return concurrent_seconds(opt.step, device, window_s=0.1)
+        return concurrent_seconds(opt.step, device, window_s=0.1, timing=timing)
 
     small_n, small_size = 64, 256
     big_size = 2**22 if device.type == "cuda" else 2**20

@@ -12,7 +12,21 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Windows:
+    """How long each figure is timed: every call site's window times ``scale``, and the median of
+    at most ``count`` windows. ``QUICK`` (``shardwise calibrate --quick``) takes one window a third
+    as long: a first look in a few seconds, noisier by the scheduler's slices it no longer spans."""
+
+    scale: float = 1.0
+    count: int = 3
+
+
+FULL, QUICK = Windows(), Windows(scale=1 / 3, count=1)
 
 
 def slowest(value: float, device: Any) -> float:
@@ -31,11 +45,16 @@ def sync(device: Any) -> None:
         torch.cuda.synchronize()
 
 
-def concurrent_seconds(fn: Any, device: Any, *, window_s: float = 0.15, windows: int = 3) -> float:
+def concurrent_seconds(
+    fn: Any, device: Any, *, window_s: float = 0.15, windows: int = 3, timing: Windows = FULL
+) -> float:
     """Seconds per call of ``fn`` while every rank runs it (see the module doc): per window, the
     ranks agree on a call count ``k`` (``window_s`` at the fastest rank's probed pace), start after
-    a barrier and report the slowest rank's elapsed / ``k``; the median over ``windows``."""
+    a barrier and report the slowest rank's elapsed / ``k``; the median over ``windows``
+    (both as ``timing`` scales them)."""
     import torch.distributed as dist
+
+    window_s, windows = window_s * timing.scale, min(windows, timing.count)
 
     fn()
     sync(device)
@@ -57,10 +76,12 @@ def concurrent_seconds(fn: Any, device: Any, *, window_s: float = 0.15, windows:
     return statistics.median(out)
 
 
-def solo_seconds(fn: Any, device: Any, *, window_s: float = 0.15, windows: int = 3) -> float:
+def solo_seconds(fn: Any, device: Any, *, window_s: float = 0.15, windows: int = 3, timing: Windows = FULL) -> float:
     """Seconds per call of ``fn`` on rank 0 while the other ranks wait in a barrier (broadcast)."""
     import torch
     import torch.distributed as dist
+
+    window_s, windows = window_s * timing.scale, min(windows, timing.count)
 
     value = 0.0
     if dist.get_rank() == 0:
