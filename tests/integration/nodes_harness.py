@@ -28,6 +28,7 @@ STEPS, SAVE_EVERY = 14, 4  # the job of every node-loss test (one reference run 
 # declaring a live node dead (a split world); keep torch's defaults (5 s x 3, 30 s) in production.
 RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5"
 LOSS = re.compile(r"LOSS step=(\d+) world=(\d+) plan=(\S+) loss=(\S+)")
+WORKER = re.compile(r"^WORKER pid=(\d+)$")
 
 
 def env(**extra: str) -> dict[str, str]:
@@ -107,6 +108,9 @@ class Proc:
         for line in self.proc.stdout:  # type: ignore[union-attr]
             self.lines.append(line.rstrip("\n"))
             self.times.append(time.monotonic())
+            worker = WORKER.match(line)
+            if worker:  # a worker forked from the fork server is the server's child, not in the agent's tree
+                self.seen.add(int(worker.group(1)))
 
     def pids(self) -> list[int]:
         found = tree(self.proc.pid) if self.proc.poll() is None else []

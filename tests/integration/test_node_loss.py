@@ -18,6 +18,10 @@ acts at a known step instead of racing a running job.
 The per-step losses (the last value of each step) match one uninterrupted process of the same
 job within rtol 1e-5: every world sees the same global batches, only float32 rounding differs.
 About 25-30 s on an idle 2-core machine (three worlds start; the reference run is shared).
+
+The agents are new interpreters; their workers fork from the session's fork server (a killed node's
+workers die with their stand-ins, which are in the agent's tree, and the test checks that every
+worker it saw is gone at the end).
 """
 
 from __future__ import annotations
@@ -29,8 +33,6 @@ from pathlib import Path
 import pytest
 
 from tests.integration.nodes_harness import SAVE_EVERY, STEPS, agent, free_port, job_args, losses, wait_for
-
-pytestmark = pytest.mark.fresh_workers  # nodes are killed as process trees: their workers must be their own
 
 KILL_AT, HOLD_AT = 6, 10
 

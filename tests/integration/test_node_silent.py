@@ -10,7 +10,10 @@ step. In both tests the per-step losses match one uninterrupted process within r
 
 Each test takes about 25-30 s on an idle 2-core machine, more than the suite's usual 30 s: the
 workers start twice (before and after the loss) and the frozen node is noticed only after the
-heartbeat expiry (5 s here); the reference run is shared (the ``elastic_reference`` fixture).
+heartbeat expiry (5 s here); the reference run is shared (the ``elastic_reference`` fixture). The
+agents are new interpreters; the workers of a node that is lost (SIGKILL) fork from the session's
+fork server (they die with their stand-ins in the agent's tree; each worker seen must be gone at
+the end), those of the frozen node are new interpreters in its tree (``fresh_workers``).
 """
 
 from __future__ import annotations
@@ -35,8 +38,6 @@ from tests.integration.nodes_harness import (
     rendezvous_server,
     wait_for,
 )
-
-pytestmark = pytest.mark.fresh_workers  # nodes are frozen (SIGSTOP) as process trees
 
 EVENT_AT = 6
 EXPIRY_S = 5  # RDZV_CONF: keep_alive_interval=1 x keep_alive_max_attempt=5
@@ -110,6 +111,7 @@ def test_losing_the_node_that_started_first_keeps_the_job(tmp_path: Path, expect
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)  # about 30 s idle; a loaded machine (40 runnable processes) took 111 s
+@pytest.mark.fresh_workers  # the node is frozen (SIGSTOP) as a process tree: its workers must be in it
 def test_frozen_node_is_dropped_within_seconds_and_exits_when_thawed(
     tmp_path: Path, expected: dict[int, float]
 ) -> None:

@@ -194,7 +194,10 @@ class ElasticReport(Callback):
 
     def on_fit_start(self, trainer: Any) -> None:
         env = trainer.env
-        me = (socket.gethostname(), os.getppid())  # a worker's parent is its node's elastic agent
+        # this node's elastic agent: the `shardwise run` launcher that runs it (its workers may be
+        # children of a fork server, SHARDWISE_FORKSERVER), else, under torchrun, the worker's parent
+        agent = env.settings.launcher_pid if env.settings.launcher_pid is not None else os.getppid()
+        me = (socket.gethostname(), agent)
         members: list[Any] = [me]
         if dist.is_initialized() and env.world_size > 1:
             members = [None] * env.world_size

@@ -1,10 +1,12 @@
 """The Trainer job of the node-loss test: a small MLP, a fixed global batch, checkpoints every few
-steps, one ``LOSS`` line per step from rank 0, and optional holds where a test can kill or add a
-node mid-step. Run under ``shardwise run --nnodes 1:2 ...`` or as one plain process."""
+steps, one ``LOSS`` line per step from rank 0 (and a ``WORKER pid=N`` line from every rank), and
+optional holds where a test can kill or add a node mid-step. Run under ``shardwise run --nnodes 1:2
+...`` or as one plain process."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -57,6 +59,7 @@ def main() -> None:
     p.add_argument("--dir", required=True)
     args = p.parse_args()
     shardwise.init()  # before the CheckpointManager, which takes its rank from the process group
+    print(f"WORKER pid={os.getpid()}", flush=True)  # a forked worker is not below its agent: the test tracks it
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 16, generator=g)
     y = (x @ torch.randn(16, 4, generator=g)).argmax(1)
