@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--quick",
         action="store_true",
         help="a first look in a fraction of the time: the same measurements at fewer sizes (the smaller matmuls, "
-        "the two narrowest transformer layers), so lower peaks and a shorter table for the planner",
+        "the two narrowest transformer layers), each in one short window, so lower peaks, noisier figures and a "
+        "shorter table for the planner",
     )
     p.add_argument("--name", default=None, help="name stored in the spec")
     p.set_defaults(func=_main)
