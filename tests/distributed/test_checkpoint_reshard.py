@@ -51,7 +51,10 @@ def _check(saved: dict, loads: list[dict], more_steps: int) -> None:
     assert sorted(seen_after) == sorted(expected_next * replicas)
 
 
-@pytest.mark.parametrize("saved_layout,loaded_layout", [("zero3", "tp2"), ("zero3", "dp2"), ("dp4", "zero3")])
+@pytest.mark.parametrize(
+    "saved_layout,loaded_layout",
+    [("zero3", "tp2"), ("zero3", "dp2"), ("dp4", "zero3"), ("zero1", "dp2"), ("dp4", "zero1")],
+)
 def test_save_on_4_load_on_2(dist4, dist2, tmp_path, saved_layout, loaded_layout):
     saved = dist4.run(save_job, saved_layout, str(tmp_path))[0]
     _check(saved, dist2.run(load_job, loaded_layout, str(tmp_path), 3), 3)

@@ -42,7 +42,7 @@ def _assert_bitwise(results: list) -> None:
         assert seen_straight[-len(seen_resumed):] == seen_resumed
 
 
-@pytest.mark.parametrize("layout,async_save", [("dp2", True), ("zero3", False), ("tp2", True)])
+@pytest.mark.parametrize("layout,async_save", [("dp2", True), ("zero1", False), ("zero3", False), ("tp2", True)])
 def test_resume_bitwise(dist2, tmp_path_factory, layout, async_save):
     directory = str(tmp_path_factory.mktemp(f"resume-{layout}"))
     _assert_bitwise(dist2.run(straight_vs_resumed, layout, directory, async_save))

@@ -5,6 +5,7 @@ shardwise.parallelize, ZeRO-3 via ``fully_shard``, TP via ``parallelize_module``
 from __future__ import annotations
 
 import random
+from functools import partial
 from typing import Any
 
 import torch
@@ -13,12 +14,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from shardwise.checkpoint import CheckpointManager
+from shardwise.checkpoint.components import local_optimizer
 from shardwise.data.sampler import ShardedSampler
 from shardwise.train.state import capture_rng, restore_rng
 
 N_SAMPLES = 96
 GLOBAL_BATCH = 8
-PLANS = {"single": None, "dp2": "dp=2", "dp4": "dp=4", "zero3": "zero=3,shard={world}", "tp2": "tp=2"}
+PLANS = {"single": None, "dp2": "dp=2", "dp4": "dp=4", "zero1": "zero=1,shard={world}", "zero3": "zero=3,shard={world}",
+         "tp2": "tp=2"}
 
 
 def dataset() -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +61,8 @@ class Job:
         world = dist.get_world_size() if dist.is_initialized() and layout != "single" else 1
         model = make_model(seed, width)
         self.dp_rank, self.dp_size, self.plan = 0, 1, None
+        adamw = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.01)
+        optimizer = None
         if layout != "single":
             self.plan = Plan.parse(PLANS[layout].format(world=world))
             meshes = build_mesh(self.plan, "cpu")
@@ -66,6 +71,11 @@ class Job:
                 from shardwise.parallel.parallelize import parallelize
 
                 model = parallelize(model, Plan.parse(f"dp={world}"), meshes).module
+            elif layout == "zero1":  # DDP, each rank's Adam over its partition (ZeroRedundancyOptimizer)
+                from shardwise.parallel.parallelize import parallelize
+
+                pm = parallelize(model, self.plan, meshes)
+                model, optimizer = pm.module, pm.build_optimizer(adamw)
             elif layout == "zero3":
                 from torch.distributed.fsdp import fully_shard
 
@@ -77,7 +87,7 @@ class Job:
 
                 parallelize_module(model, meshes.tp, {"0": ColwiseParallel(), "3": RowwiseParallel()})
         self.model = model
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        self.optimizer = optimizer if optimizer is not None else adamw(model.parameters())
         self.scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=7, gamma=0.7)
         self.sampler = ShardedSampler(
             N_SAMPLES, num_replicas=self.dp_size, rank=self.dp_rank, seed=5, drop_unit=GLOBAL_BATCH
@@ -123,9 +133,15 @@ class Job:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Full (gathered) model and optimizer tensors, flat, on every rank."""
-        msd, osd = get_state_dict(self.model, [self.optimizer], options=StateDictOptions(full_state_dict=True))
+        local = local_optimizer(self.optimizer)  # ZeRO-1: this rank's partition, gathered below
+        msd, osd = get_state_dict(self.model, [local], options=StateDictOptions(full_state_dict=True))
+        state = osd["state"]
+        if local is not self.optimizer:
+            parts: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, state)
+            state = {fqn: st for part in parts for fqn, st in part.items()}
         out = {f"model.{k}": v.detach().clone() for k, v in msd.items()}
-        for fqn, st in osd["state"].items():
+        for fqn, st in sorted(state.items()):
             for key, value in st.items():
                 out[f"optim.{fqn}.{key}"] = (
                     value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)

@@ -29,6 +29,18 @@ def test_zero_stages_on_2(dist2):
         _check(rank_reports)
 
 
+def test_zero1_with_an_optimizer_that_makes_its_own_param_groups_on_2(dist2):
+    """`shardwise train`'s AdamW (decay on matrices only: two param groups of its own) under ZeRO-1,
+    whose ZeroRedundancyOptimizer hands each rank's share to the optimizer as param groups."""
+    from functools import partial
+
+    from shardwise.jobs.common import adamw
+
+    training = Training(steps=4, global_batch=8, optimizer=partial(adamw, lr=1e-2, weight_decay=0.1))
+    for rank_reports in dist2.run(parity_worker, GPTWorkload(), [Run("zero=1,shard=2")], training):
+        _check(rank_reports)
+
+
 def test_zero3_accumulation_offload_and_bf16_on_2(dist2):
     """10 steps (not 20) to stay inside the suite's time budget; these are options on top of the
     ZeRO-3 layout that test_zero_stages_on_2 checks for 20."""

@@ -1,6 +1,6 @@
 """Which of a checkpoint's components goes where (:class:`~shardwise.checkpoint.manager.CheckpointManager`):
-the model and optimizers through DCP, every other Stateful to the per-rank file; and the saved optimizer
-hyper-parameters merged with this rank's current parameter groups on load."""
+the model and optimizers through DCP (ZeRO-1's by its rank-local optimizer), every other Stateful to the
+per-rank file; and the saved optimizer hyper-parameters merged with this rank's current parameter groups on load."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from shardwise.errors import ConfigError
 
@@ -31,7 +32,7 @@ def split_components(
             else (getattr(obj, "optimizer", None) if module is not None else None)
         )
         if isinstance(optim, torch.optim.Optimizer):
-            optims.append(optim)
+            optims.append(local_optimizer(optim))
         elif isinstance(module, nn.Module):
             if model is not None and module is not model:
                 raise ConfigError(
@@ -42,6 +43,24 @@ def split_components(
         else:
             others[name] = obj
     return model, optims, others
+
+
+def local_optimizer(optim: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """What DCP saves and loads of ``optim``: under ZeRO-1 (``ZeroRedundancyOptimizer``) this rank's
+    own optimizer over its partition of the parameters, by name, as a pipeline stage's optimizer is
+    (each rank writes the state of its own parameters; a load reads those of the parameters it now
+    holds, under any plan); any other optimizer itself."""
+    return optim.optim if isinstance(optim, ZeroRedundancyOptimizer) else optim
+
+
+def sync_loaded(components: Mapping[str, Any]) -> None:
+    """After a load: a ZeRO-1 optimizer's own param groups take the hyper-parameters (a scheduled lr)
+    that its rank-local optimizer loaded; it hands its own to the local one at every step."""
+    for obj in components.values():
+        optim = obj if isinstance(obj, torch.optim.Optimizer) else getattr(obj, "optimizer", None)
+        if isinstance(optim, ZeroRedundancyOptimizer):
+            for outer, local in zip(optim.param_groups, optim.optim.param_groups):
+                outer.update({k: v for k, v in local.items() if k != "params"})
 
 
 def merge_param_groups(

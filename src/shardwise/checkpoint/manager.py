@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 
 from shardwise.checkpoint import commit as cm
 from shardwise.checkpoint.adapters import state_options
-from shardwise.checkpoint.components import merge_param_groups, split_components
+from shardwise.checkpoint.components import merge_param_groups, split_components, sync_loaded
 from shardwise.checkpoint.faults import Fault
 from shardwise.checkpoint.options import CheckpointOptions, Loaded
 from shardwise.checkpoint.stage_names import StageNames
@@ -360,6 +360,7 @@ class CheckpointManager:
                 optim_state_dict=names.optim_in(osd) if osd else osd,
                 options=state_options(model, loading=True),
             )
+            sync_loaded(components)
         resharded = marker.world_size != self.world_size or marker.dp_size != self.dp_size
         # The data position is a count of global samples (ShardedSampler), the same under any
         # data-parallel size: it loads unchanged (see shardwise.checkpoint.reshard).

@@ -152,8 +152,16 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """``factory(params, **defaults)`` (an optimizer class or any callable taking the parameters),
     or for ZeRO-1 (``zero_group`` given) the same optimizer inside ``ZeroRedundancyOptimizer``:
-    each rank of ``zero_group`` builds ``factory`` over its ~1/N partition of the parameters
-    (greedy by size), steps only those, and broadcasts the updated parameters to the group."""
+    each rank of ``zero_group`` builds the optimizer over its ~1/N partition of the parameters
+    (greedy by size), steps only those, and broadcasts the updated parameters to the group.
+
+    ``ZeroRedundancyOptimizer`` builds each rank's optimizer from *parameter groups* (dicts), and
+    keeps their hyperparameters (a scheduled learning rate) in step with its own groups, one to one.
+    A factory may take parameters only and make groups of its own (AdamW without decay on biases and
+    norms), so it is called once over all the parameters (an optimizer allocates its state at the
+    first step: nothing is spent), and its groups, each with its own hyperparameters, are what is
+    partitioned, for its class to build on each rank."""
     if zero_group is None:
         return factory(params, **defaults)
-    return ZeroRedundancyOptimizer(list(params), optimizer_class=factory, process_group=zero_group, **defaults)
+    whole = factory(list(params), **defaults)
+    return ZeroRedundancyOptimizer(whole.param_groups, optimizer_class=type(whole), process_group=zero_group)
