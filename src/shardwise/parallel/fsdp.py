@@ -46,7 +46,9 @@ forward and backward, fp32 masters and gradients, no communication. ZeRO-1 canno
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterable
 
 import torch
@@ -160,8 +162,10 @@ def build_optimizer(
     A factory may take parameters only and make groups of its own (AdamW without decay on biases and
     norms), so it is called once over all the parameters (an optimizer allocates its state at the
     first step: nothing is spent), and its groups, each with its own hyperparameters, are what is
-    partitioned, for its class to build on each rank."""
+    partitioned, for its class to build on each rank (with the defaults its constructor takes)."""
     if zero_group is None:
         return factory(params, **defaults)
     whole = factory(list(params), **defaults)
-    return ZeroRedundancyOptimizer(whole.param_groups, optimizer_class=type(whole), process_group=zero_group)
+    accepted = inspect.signature(type(whole)).parameters  # the defaults its constructor takes (AdamW's lack one)
+    build = partial(type(whole), **{k: v for k, v in whole.defaults.items() if k in accepted})
+    return ZeroRedundancyOptimizer(whole.param_groups, optimizer_class=build, process_group=zero_group)
