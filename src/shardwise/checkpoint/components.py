@@ -25,13 +25,8 @@ def split_components(
     model, optims, others = None, [], {}
     for name, obj in components.items():
         module = obj if isinstance(obj, nn.Module) else getattr(obj, "module", None)
-        # an LR scheduler also has an .optimizer; only a wrapper that also holds the module counts
-        optim = (
-            obj
-            if isinstance(obj, torch.optim.Optimizer)
-            else (getattr(obj, "optimizer", None) if module is not None else None)
-        )
-        if isinstance(optim, torch.optim.Optimizer):
+        optim = optimizer_of(obj)
+        if optim is not None:
             optims.append(local_optimizer(optim))
         elif isinstance(module, nn.Module):
             if model is not None and module is not model:
@@ -43,6 +38,15 @@ def split_components(
         else:
             others[name] = obj
     return model, optims, others
+
+
+def optimizer_of(obj: Any) -> torch.optim.Optimizer | None:
+    """``obj`` as an optimizer: itself, or the ``.optimizer`` of a wrapper that also holds the module
+    (the Trainer's ``OptimizerState``; an LR scheduler also has an ``.optimizer``, and is not one)."""
+    if isinstance(obj, torch.optim.Optimizer):
+        return obj
+    optim = getattr(obj, "optimizer", None) if getattr(obj, "module", None) is not None else None
+    return optim if isinstance(optim, torch.optim.Optimizer) else None
 
 
 def local_optimizer(optim: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -57,7 +61,7 @@ def sync_loaded(components: Mapping[str, Any]) -> None:
     """After a load: a ZeRO-1 optimizer's own param groups take the hyper-parameters (a scheduled lr)
     that its rank-local optimizer loaded; it hands its own to the local one at every step."""
     for obj in components.values():
-        optim = obj if isinstance(obj, torch.optim.Optimizer) else getattr(obj, "optimizer", None)
+        optim = optimizer_of(obj)
         if isinstance(optim, ZeroRedundancyOptimizer):
             for outer, local in zip(optim.param_groups, optim.optim.param_groups):
                 outer.update({k: v for k, v in local.items() if k != "params"})
