@@ -33,10 +33,11 @@ Spread: each command is its own test item in its own pytest-xdist group (``--dis
 the two workers share them; in each worker one process imports torch, shardwise and transformers
 once and forks a child per command (:class:`tests.forkrun.Zygote`); a documented Python script
 that starts ``shardwise`` as ``sys.executable -m shardwise.cli`` (the examples) finds there a
-``python`` that forks from the session's server (:func:`tests.worker_forkserver.python_wrapper`). The files, the
-Hugging Face model and the three fixture runs are made once per session (the first worker to need them, under a
-file lock; the others wait for them). Each command's figures (wall and CPU seconds, or how it was
-checked) are printed at the end of the run (``docs commands`` in the summary).
+``python`` that forks from the session's server (:func:`tests.worker_forkserver.python_wrapper`).
+The files, the Hugging Face model and the three fixture runs are made once per session (the first
+worker to need them, under a file lock; the others wait for them). Each command's figures (wall
+and CPU seconds, or how it was checked) are printed at the end of the run (``docs commands`` in the
+summary).
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ from typing import Any, Iterator
 
 import pytest
 
-from shardwise.launch.forkserver import FORKSERVER_VAR
 from tests.doc_commands import Command, all_commands
 from tests.forkrun import Zygote
 from tests.integration.docs_fixtures import HF_NAMES, PRELOAD, fixtures, workdir
@@ -107,14 +107,14 @@ class DocsRun:
     root: Path
     planned: list[Planned]
     zygote: Zygote
-    python: str | None  # the `python` a documented script starts (sys.executable): forked from the server
+    python: str  # the `python` a documented script starts (sys.executable): it forks from the server if there is one
 
     def run(self, p: Planned) -> dict[str, Any]:
         assert p.cwd is not None
         if not p.cwd.exists():
             workdir(self.root / "fixtures", p.cwd)
         phases = jobs_of(p, ENV)
-        for job in (job for phase in phases for job in phase if job["kind"] == "python" and self.python):
+        for job in (job for phase in phases for job in phase if job["kind"] == "python"):
             job["executable"] = self.python
         return self.zygote.run(phases)
 
@@ -182,10 +182,9 @@ def docs_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DocsRun]:
     per session) and the plan of every command; each test runs its own command."""
     root, mine = _shared_root(tmp_path_factory), tmp_path_factory.getbasetemp()
     zygote = Zygote(env=ENV, preload=PRELOAD, log=str(mine / "docs-zygote.log"))
-    python = python_wrapper(str(mine)) if os.environ.get(FORKSERVER_VAR) else None
     try:
         _make_fixtures(root, zygote)
-        yield DocsRun(root, plan_commands(root), zygote, python)
+        yield DocsRun(root, plan_commands(root), zygote, python_wrapper(str(mine)))
     finally:
         zygote.close()
 
